@@ -1,0 +1,99 @@
+//! Virtual machine monitors: the driver trait and its implementations.
+//!
+//! Owns: launching, stopping and killing VMs, finding them again after a daemon restart,
+//! and probing which acceleration (KVM or TCG) really works on this host.
+//! Never: talks to the guest agent (that is `rpc`), deletes anything outside a VM's own
+//! directory (deletes go through `safefs`), or knows about sandboxes, workspaces or the store.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Resolved acceleration for one VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl std::fmt::Display for Accel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        })
+    }
+}
+
+/// What to boot. `dir` is the VM's private directory (created by the caller, inside the
+/// data root); everything the driver creates for the VM lives in it.
+#[derive(Debug, Clone)]
+pub struct VmSpec {
+    pub id: String,
+    pub dir: PathBuf,
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+    /// Base root filesystem (ext4, read-only to the VM: it gets a qcow2 overlay in `dir`).
+    pub rootfs: PathBuf,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    pub accel: Accel,
+}
+
+/// A running VM as the driver knows it; persisted as `vm.json` in the VM's directory.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmInfo {
+    pub id: String,
+    pub dir: PathBuf,
+    pub pid: u32,
+    pub accel: Accel,
+    /// Host end of the guest agent channel (a unix socket; the daemon connects to it).
+    pub agent_socket: PathBuf,
+    pub qmp_socket: PathBuf,
+    pub console_log: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    #[error("cannot start the VMM `{binary}`: {source}")]
+    Spawn {
+        binary: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the VM exited during boot: {0}")]
+    BootFailed(String),
+    #[error("QMP: {0}")]
+    Qmp(String),
+    #[error("timed out after {0:?} waiting for {1}")]
+    Timeout(Duration, &'static str),
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A VMM backend. The first implementation is QEMU `microvm` (`qemu.rs`); a Firecracker
+/// driver can be added behind the same trait.
+#[async_trait::async_trait]
+pub trait VmmDriver: Send + Sync {
+    /// Short name for logs and `doctor` (`qemu-microvm`).
+    fn name(&self) -> &'static str;
+    /// Launch the VM. Returns once the VMM runs and its sockets exist (not when the guest
+    /// agent answers: the caller waits for that over the agent channel).
+    async fn boot(&self, spec: &VmSpec) -> Result<VmInfo, VmmError>;
+    /// Ask the VM to stop, then kill it after `grace`. Idempotent.
+    async fn stop(&self, vm: &VmInfo, grace: Duration) -> Result<(), VmmError>;
+    /// Kill the VM at once. Idempotent.
+    async fn kill(&self, vm: &VmInfo) -> Result<(), VmmError>;
+    /// Whether the VMM process of `vm` still runs (and is really ours: no pid reuse).
+    fn is_alive(&self, vm: &VmInfo) -> bool;
+    /// After a daemon restart: the VM recorded in `dir`, if its VMM still runs.
+    async fn reattach(&self, dir: &Path) -> Result<Option<VmInfo>, VmmError>;
+}
