@@ -1,1 +1,221 @@
-//! (being written)
+//! The HTTP API's request and response types, shared by the daemon, the CLI client and the
+//! MCP server. JSON via serde. Nothing here does I/O.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Every error response: `{"error":{"code":"not_found","message":"..."}}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    pub code: String,
+    pub message: String,
+}
+
+/// `GET /v1/health`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Health {
+    pub status: String,
+    pub version: String,
+    pub pid: u32,
+    pub data_root: String,
+    /// `kvm` or `tcg` once known (resolved at the first boot), else `null`.
+    pub accel: Option<String>,
+    pub sandboxes: usize,
+}
+
+/// The workspace of a sandbox: a directory on the host.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WorkspaceSpec {
+    pub host_path: String,
+}
+
+/// `POST /v1/sandboxes`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxRequest {
+    pub workspace: WorkspaceSpec,
+    #[serde(default)]
+    pub template: Option<String>,
+    #[serde(default)]
+    pub vcpus: Option<u32>,
+    #[serde(default)]
+    pub memory_mib: Option<u32>,
+}
+
+/// Lifecycle of a sandbox. `creating -> ready -> (removing) -> removed`; any state may go to
+/// `failed` (VM died, boot failed); `failed` sandboxes can only be removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    Creating,
+    Ready,
+    Failed,
+    Removing,
+}
+
+impl std::fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SandboxState::Creating => "creating",
+            SandboxState::Ready => "ready",
+            SandboxState::Failed => "failed",
+            SandboxState::Removing => "removing",
+        })
+    }
+}
+
+/// A sandbox as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Sandbox {
+    pub id: String,
+    pub state: SandboxState,
+    pub workspace: WorkspaceSpec,
+    pub template: String,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    /// `kvm` or `tcg`.
+    pub accel: Option<String>,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    /// Why the sandbox failed, when `state` is `failed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+}
+
+/// `POST /v1/sandboxes/{id}/exec`. Exactly one of `cmd` (run by `/bin/sh -c`) or `argv`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub argv: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<f64>,
+    /// Standard input, UTF-8 text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin: Option<String>,
+    /// Standard input, base64 (for binary input); wins over `stdin`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin_b64: Option<String>,
+}
+
+/// One line of the NDJSON exec stream (`application/x-ndjson`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum ExecEvent {
+    /// First line: the exec's id.
+    Started { exec_id: String, sandbox_id: String },
+    /// A chunk of standard output: `data` when the chunk is valid UTF-8, else `data_b64`.
+    Stdout {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data_b64: Option<String>,
+    },
+    /// Same as `stdout`, for standard error.
+    Stderr {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data_b64: Option<String>,
+    },
+    /// Last line when the command ran to the end (or was killed).
+    Exit {
+        exit_code: Option<i32>,
+        signal: Option<i32>,
+        timed_out: bool,
+        duration_ms: u64,
+    },
+    /// Last line when the exec could not finish (VM died, agent lost...).
+    Error { code: String, message: String },
+}
+
+impl ExecEvent {
+    /// Build a `stdout`/`stderr` event from raw bytes.
+    pub fn output(stderr: bool, bytes: &[u8]) -> ExecEvent {
+        let (data, data_b64) = match std::str::from_utf8(bytes) {
+            Ok(s) => (Some(s.to_owned()), None),
+            Err(_) => (None, Some(b64::encode(bytes))),
+        };
+        if stderr {
+            ExecEvent::Stderr { data, data_b64 }
+        } else {
+            ExecEvent::Stdout { data, data_b64 }
+        }
+    }
+
+    /// The raw bytes of an output event.
+    pub fn output_bytes(
+        data: &Option<String>,
+        data_b64: &Option<String>,
+    ) -> Result<Vec<u8>, String> {
+        match (data, data_b64) {
+            (Some(s), _) => Ok(s.as_bytes().to_vec()),
+            (None, Some(b)) => b64::decode(b),
+            (None, None) => Ok(Vec::new()),
+        }
+    }
+}
+
+/// Standard base64 (RFC 4648, padded), used for binary payloads in JSON.
+pub mod b64 {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::STANDARD;
+
+    pub fn encode(bytes: &[u8]) -> String {
+        STANDARD.encode(bytes)
+    }
+
+    pub fn decode(s: &str) -> Result<Vec<u8>, String> {
+        STANDARD
+            .decode(s)
+            .map_err(|e| format!("invalid base64: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn binary_output_round_trips_through_base64() {
+        let bytes = [0u8, 159, 146, 150, 255];
+        let ev = ExecEvent::output(false, &bytes);
+        let line = serde_json::to_string(&ev).unwrap();
+        assert!(line.contains("data_b64"), "{line}");
+        let back: ExecEvent = serde_json::from_str(&line).unwrap();
+        let ExecEvent::Stdout { data, data_b64 } = back else {
+            panic!("{line}")
+        };
+        assert_eq!(ExecEvent::output_bytes(&data, &data_b64).unwrap(), bytes);
+    }
+
+    #[test]
+    fn text_output_is_plain_json_string() {
+        let line = serde_json::to_string(&ExecEvent::output(true, b"hi\n")).unwrap();
+        assert_eq!(line, r#"{"type":"stderr","data":"hi\n"}"#);
+    }
+
+    #[test]
+    fn create_request_rejects_unknown_fields() {
+        let r: Result<CreateSandboxRequest, _> =
+            serde_json::from_str(r#"{"workspace":{"host_path":"/x"},"bogus":1}"#);
+        assert!(r.is_err());
+    }
+}

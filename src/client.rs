@@ -1,1 +1,182 @@
-//! (being written)
+//! Typed HTTP client for the daemon's unix socket, used by the CLI and the MCP server.
+
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::net::UnixStream;
+
+use crate::api;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot reach the tryboxi daemon at {socket}: {source}. Start it with `tryboxi serve`")]
+    Unreachable {
+        socket: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{code}: {message}")]
+    Api {
+        status: StatusCode,
+        code: String,
+        message: String,
+    },
+    #[error("talking to the daemon: {0}")]
+    Protocol(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct Client {
+    socket: PathBuf,
+}
+
+impl Client {
+    pub fn new(socket: &Path) -> Client {
+        Client {
+            socket: socket.to_path_buf(),
+        }
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<Response<Incoming>, ClientError> {
+        let stream =
+            UnixStream::connect(&self.socket)
+                .await
+                .map_err(|source| ClientError::Unreachable {
+                    socket: self.socket.clone(),
+                    source,
+                })?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "localhost");
+        if body.is_some() {
+            req = req.header("content-type", "application/json");
+        }
+        let req = req
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status();
+        let bytes = collect(resp).await?;
+        Err(match serde_json::from_slice::<api::ErrorBody>(&bytes) {
+            Ok(e) => ClientError::Api {
+                status,
+                code: e.error.code,
+                message: e.error.message,
+            },
+            Err(_) => ClientError::Api {
+                status,
+                code: status.as_str().into(),
+                message: String::from_utf8_lossy(&bytes).into_owned(),
+            },
+        })
+    }
+
+    pub async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
+        let resp = self.request(Method::GET, path, None).await?;
+        decode(&collect(resp).await?)
+    }
+
+    pub async fn send<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> Result<T, ClientError> {
+        let body = body.map(|b| serde_json::to_vec(b).expect("API types serialize"));
+        let resp = self.request(method, path, body).await?;
+        decode(&collect(resp).await?)
+    }
+
+    pub async fn get_text(&self, path: &str) -> Result<String, ClientError> {
+        let resp = self.request(Method::GET, path, None).await?;
+        String::from_utf8(collect(resp).await?.to_vec())
+            .map_err(|e| ClientError::Protocol(e.to_string()))
+    }
+
+    /// Start an exec; read its events with [`ExecEvents::next`].
+    pub async fn exec(&self, id: &str, req: &api::ExecRequest) -> Result<ExecEvents, ClientError> {
+        let body = serde_json::to_vec(req).expect("API types serialize");
+        let resp = self
+            .request(
+                Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(body),
+            )
+            .await?;
+        Ok(ExecEvents {
+            body: resp.into_body(),
+            buf: Vec::new(),
+        })
+    }
+}
+
+/// NDJSON exec events as they arrive.
+pub struct ExecEvents {
+    body: Incoming,
+    buf: Vec<u8>,
+}
+
+impl ExecEvents {
+    pub async fn next(&mut self) -> Result<Option<api::ExecEvent>, ClientError> {
+        loop {
+            if let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=nl).collect();
+                return decode(&line).map(Some);
+            }
+            match self.body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.buf.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(e)) => {
+                    return Err(ClientError::Protocol(format!("exec stream broke: {e}")));
+                }
+                None if self.buf.is_empty() => return Ok(None),
+                None => return Err(ClientError::Protocol("exec stream ended mid-line".into())),
+            }
+        }
+    }
+}
+
+async fn collect(resp: Response<Incoming>) -> Result<Bytes, ClientError> {
+    Ok(resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| ClientError::Protocol(e.to_string()))?
+        .to_bytes())
+}
+
+fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ClientError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| ClientError::Protocol(format!("unexpected reply: {e}")))
+}

@@ -1,1 +1,200 @@
-//! (being written)
+//! The data root and `config.toml`.
+//!
+//! Owns: where tryboxi keeps its state (`TRYBOXI_HOME`, else `/var/lib/tryboxi` for root, else
+//! `$XDG_DATA_HOME/tryboxi`), the layout of files inside it, and the daemon's configuration.
+//! Every key of `config.toml` is documented on [`Config`] with its default; an unknown key is an
+//! error (a typo must not be silently ignored).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("cannot find a data root: set TRYBOXI_HOME, or HOME/XDG_DATA_HOME")]
+    NoHome,
+}
+
+/// Acceleration setting: `auto` probes whether KVM really boots our kernel, else uses TCG.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum AccelSetting {
+    #[default]
+    Auto,
+    Kvm,
+    Tcg,
+}
+
+/// `config.toml` in the data root. All keys are optional.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Also listen on TCP (e.g. `"127.0.0.1:7070"`). Requests over TCP need
+    /// `Authorization: Bearer <token>` (`tryboxi token`) and a loopback Host/Origin.
+    /// Default: unset (unix socket only).
+    pub tcp_listen: Option<SocketAddr>,
+    /// `auto` (default), `kvm` or `tcg`.
+    pub accel: AccelSetting,
+    /// The QEMU system emulator. Default: `qemu-system-x86_64` (looked up on PATH).
+    pub qemu_binary: String,
+    /// vCPUs per sandbox when the request does not say. Default: 2.
+    pub default_vcpus: u32,
+    /// Memory per sandbox in MiB when the request does not say. Default: 1024.
+    pub default_memory_mib: u32,
+    /// Largest vCPU count a request may ask for. Default: the host's CPU count.
+    pub max_vcpus: u32,
+    /// Largest memory a request may ask for, in MiB. Default: 16384.
+    pub max_memory_mib: u32,
+    /// Seconds to wait for a new VM's agent to answer. Default: 120 (TCG boots are slow).
+    pub boot_timeout_s: u64,
+    /// Default exec timeout in seconds when the request has none; 0 = no limit. Default: 0.
+    pub exec_timeout_s: u64,
+    /// Where guest images live when `serve --artifacts` is not given. Default: `<data root>/artifacts`.
+    pub artifacts: Option<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            tcp_listen: None,
+            accel: AccelSetting::Auto,
+            qemu_binary: "qemu-system-x86_64".into(),
+            default_vcpus: 2,
+            default_memory_mib: 1024,
+            max_vcpus: std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(2),
+            max_memory_mib: 16384,
+            boot_timeout_s: 120,
+            exec_timeout_s: 0,
+            artifacts: None,
+        }
+    }
+}
+
+impl Config {
+    /// Load `config.toml` from the data root; a missing file means all defaults.
+    pub fn load(paths: &Paths) -> Result<Config, ConfigError> {
+        let path = paths.config_file();
+        match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                Config::parse(&text).map_err(|message| ConfigError::Parse { path, message })
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
+            Err(source) => Err(ConfigError::Read { path, source }),
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Config, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+}
+
+/// Files and directories inside the data root.
+#[derive(Debug, Clone)]
+pub struct Paths {
+    pub root: PathBuf,
+}
+
+impl Paths {
+    /// The data root: `TRYBOXI_HOME`, else `/var/lib/tryboxi` as root, else
+    /// `$XDG_DATA_HOME/tryboxi` (default `~/.local/share/tryboxi`).
+    pub fn discover() -> Result<Paths, ConfigError> {
+        if let Some(h) = std::env::var_os("TRYBOXI_HOME").filter(|h| !h.is_empty()) {
+            return Ok(Paths {
+                root: absolute(Path::new(&h)),
+            });
+        }
+        if nix::unistd::geteuid().is_root() {
+            return Ok(Paths {
+                root: PathBuf::from("/var/lib/tryboxi"),
+            });
+        }
+        if let Some(x) = std::env::var_os("XDG_DATA_HOME").filter(|h| !h.is_empty()) {
+            return Ok(Paths {
+                root: Path::new(&x).join("tryboxi"),
+            });
+        }
+        let home = std::env::var_os("HOME")
+            .filter(|h| !h.is_empty())
+            .ok_or(ConfigError::NoHome)?;
+        Ok(Paths {
+            root: Path::new(&home).join(".local/share/tryboxi"),
+        })
+    }
+
+    pub fn config_file(&self) -> PathBuf {
+        self.root.join("config.toml")
+    }
+    pub fn socket(&self) -> PathBuf {
+        self.root.join("tryboxi.sock")
+    }
+    pub fn lock_file(&self) -> PathBuf {
+        self.root.join("tryboxi.lock")
+    }
+    pub fn token_file(&self) -> PathBuf {
+        self.root.join("token")
+    }
+    pub fn store_file(&self) -> PathBuf {
+        self.root.join("tryboxi.redb")
+    }
+    /// One directory per sandbox: `sandboxes/<sbx_id>/`.
+    pub fn sandboxes_dir(&self) -> PathBuf {
+        self.root.join("sandboxes")
+    }
+    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.sandboxes_dir().join(id)
+    }
+    /// Installed guest images (`tryboxi install`): `artifacts/images/...`.
+    pub fn artifacts_dir(&self) -> PathBuf {
+        self.root.join("artifacts")
+    }
+    /// Cached host facts (the KVM probe).
+    pub fn cache_dir(&self) -> PathBuf {
+        self.root.join("cache")
+    }
+}
+
+fn absolute(p: &Path) -> PathBuf {
+    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_config_gives_documented_defaults() {
+        let c = Config::parse("").unwrap();
+        assert_eq!(c.accel, AccelSetting::Auto);
+        assert_eq!(c.default_vcpus, 2);
+        assert_eq!(c.default_memory_mib, 1024);
+        assert!(c.tcp_listen.is_none());
+    }
+
+    #[test]
+    fn unknown_key_is_an_error() {
+        let e = Config::parse("tcp_lisen = \"127.0.0.1:1\"").unwrap_err();
+        assert!(e.contains("tcp_lisen"), "{e}");
+    }
+
+    #[test]
+    fn keys_parse() {
+        let c = Config::parse(
+            "tcp_listen = \"127.0.0.1:7070\"\naccel = \"tcg\"\ndefault_memory_mib = 512",
+        )
+        .unwrap();
+        assert_eq!(c.tcp_listen.unwrap().port(), 7070);
+        assert_eq!(c.accel, AccelSetting::Tcg);
+        assert_eq!(c.default_memory_mib, 512);
+    }
+}

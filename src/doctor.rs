@@ -1,1 +1,175 @@
-//! (being written)
+//! `tryboxi doctor`: host checks, one pass/fail line each; exits non-zero when a required
+//! check fails.
+
+use std::path::Path;
+
+use crate::client::Client;
+use crate::config::{Config, Paths};
+use crate::error::TopError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Ok,
+    Warn,
+    Fail,
+}
+
+#[derive(Debug)]
+pub struct Check {
+    pub name: &'static str,
+    pub status: Status,
+    pub detail: String,
+}
+
+impl Check {
+    fn new(name: &'static str, status: Status, detail: impl Into<String>) -> Check {
+        Check {
+            name,
+            status,
+            detail: detail.into(),
+        }
+    }
+}
+
+pub async fn run() -> Result<(), TopError> {
+    let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
+    let config = Config::load(&paths).map_err(|e| TopError::Usage(e.to_string()))?;
+    let mut checks = vec![
+        qemu(&config),
+        data_root(&paths),
+        daemon(&paths).await,
+        memory(),
+        disk(&paths.root),
+    ];
+    checks.sort_by_key(|c| c.status == Status::Ok);
+    let failed = checks.iter().filter(|c| c.status == Status::Fail).count();
+    for c in &checks {
+        let tag = match c.status {
+            Status::Ok => "[ ok ]",
+            Status::Warn => "[warn]",
+            Status::Fail => "[FAIL]",
+        };
+        println!("{tag} {:<10} {}", c.name, c.detail);
+    }
+    if failed > 0 {
+        return Err(TopError::Other(anyhow::anyhow!(
+            "{failed} required check(s) failed"
+        )));
+    }
+    Ok(())
+}
+
+fn qemu(config: &Config) -> Check {
+    match std::process::Command::new(&config.qemu_binary)
+        .arg("--version")
+        .output()
+    {
+        Ok(o) if o.status.success() => {
+            let first = String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_owned();
+            Check::new(
+                "qemu",
+                Status::Ok,
+                format!("{}: {first}", config.qemu_binary),
+            )
+        }
+        Ok(o) => Check::new(
+            "qemu",
+            Status::Fail,
+            format!("`{} --version` failed: {}", config.qemu_binary, o.status),
+        ),
+        Err(e) => Check::new(
+            "qemu",
+            Status::Fail,
+            format!(
+                "`{}` not usable ({e}); install it with `cargo xtask deps` (Debian: qemu-system-x86)",
+                config.qemu_binary
+            ),
+        ),
+    }
+}
+
+fn data_root(paths: &Paths) -> Check {
+    let probe = paths.root.join(".doctor-write-test");
+    let res = std::fs::create_dir_all(&paths.root).and_then(|_| std::fs::write(&probe, b"ok"));
+    let _ = std::fs::remove_file(&probe);
+    match res {
+        Ok(()) => Check::new(
+            "data-root",
+            Status::Ok,
+            format!("{} is writable", paths.root.display()),
+        ),
+        Err(e) => Check::new(
+            "data-root",
+            Status::Fail,
+            format!("{} is not writable: {e}", paths.root.display()),
+        ),
+    }
+}
+
+async fn daemon(paths: &Paths) -> Check {
+    let client = Client::new(&paths.socket());
+    match client.get::<crate::api::Health>("/v1/health").await {
+        Ok(h) => Check::new(
+            "daemon",
+            Status::Ok,
+            format!(
+                "reachable at {} (pid {}, version {})",
+                paths.socket().display(),
+                h.pid,
+                h.version
+            ),
+        ),
+        Err(e) => Check::new("daemon", Status::Warn, e.to_string()),
+    }
+}
+
+/// MemAvailable from /proc/meminfo, in MiB.
+pub fn mem_available_mib() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
+}
+
+fn memory() -> Check {
+    match mem_available_mib() {
+        Some(m) if m >= 1024 => Check::new("memory", Status::Ok, format!("{m} MiB available")),
+        Some(m) => Check::new(
+            "memory",
+            Status::Warn,
+            format!("only {m} MiB available; a sandbox needs 1024 MiB by default"),
+        ),
+        None => Check::new("memory", Status::Warn, "cannot read /proc/meminfo"),
+    }
+}
+
+fn disk(root: &Path) -> Check {
+    let at = if root.exists() { root } else { Path::new("/") };
+    match nix::sys::statvfs::statvfs(at) {
+        Ok(s) => {
+            let free_mib = s.blocks_available() * s.fragment_size() / (1024 * 1024);
+            if free_mib >= 4096 {
+                Check::new(
+                    "disk",
+                    Status::Ok,
+                    format!("{free_mib} MiB free at {}", at.display()),
+                )
+            } else {
+                Check::new(
+                    "disk",
+                    Status::Fail,
+                    format!("only {free_mib} MiB free at {}; need 4096", at.display()),
+                )
+            }
+        }
+        Err(e) => Check::new(
+            "disk",
+            Status::Warn,
+            format!("statvfs {}: {e}", at.display()),
+        ),
+    }
+}

@@ -1,1 +1,347 @@
-//! (being written)
+//! The store: one redb file in the data root (`tryboxi.redb`).
+//!
+//! Owns: the tables, their value encoding (JSON, so records stay readable and can gain fields
+//! with `#[serde(default)]`), the schema version and migrations. Opening a file that is not a
+//! redb database, is corrupt, or carries a newer schema is a clear error and never overwrites it.
+//!
+//! Tables (key -> value):
+//! - `meta`: `&str -> u64` (`schema_version`)
+//! - `sandboxes`: sandbox id -> sandbox record
+//! - `execs`: exec id -> exec record
+//! - `artifacts`: artifact id -> backup record (apply/pull)
+//! - `events`: sequence number -> event
+//! - `snapshots`: snapshot id -> snapshot record
+
+use std::path::{Path, PathBuf};
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition, TableHandle};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// The schema this build writes. Bump it and add a step to [`MIGRATIONS`] when a table changes.
+pub const SCHEMA_VERSION: u64 = 1;
+
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+pub const SANDBOXES: TableDefinition<&str, &[u8]> = TableDefinition::new("sandboxes");
+pub const EXECS: TableDefinition<&str, &[u8]> = TableDefinition::new("execs");
+pub const ARTIFACTS: TableDefinition<&str, &[u8]> = TableDefinition::new("artifacts");
+pub const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
+pub const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
+
+/// Migration from version `n` to `n + 1` is `MIGRATIONS[n - 1]`.
+type Migration = fn(&redb::WriteTransaction) -> Result<(), redb::Error>;
+const MIGRATIONS: &[Migration] = &[];
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(
+        "cannot open the store {path}: {source}. The file was left untouched; if it is corrupt, \
+         stop the daemon and move it aside"
+    )]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: redb::DatabaseError,
+    },
+    #[error(
+        "the store {path} has schema version {found}, newer than this build's {supported}: \
+         upgrade tryboxi (the file was left untouched)"
+    )]
+    NewerSchema {
+        path: PathBuf,
+        found: u64,
+        supported: u64,
+    },
+    #[error("store: {0}")]
+    Db(#[from] redb::Error),
+    #[error("store: a record in `{table}` under `{key}` cannot be decoded: {message}")]
+    Decode {
+        table: String,
+        key: String,
+        message: String,
+    },
+}
+
+macro_rules! from_redb {
+    ($($t:ty),*) => {$(
+        impl From<$t> for StoreError {
+            fn from(e: $t) -> Self { StoreError::Db(e.into()) }
+        }
+    )*};
+}
+from_redb!(
+    redb::TransactionError,
+    redb::TableError,
+    redb::StorageError,
+    redb::CommitError
+);
+
+pub struct Store {
+    db: Database,
+}
+
+impl Store {
+    /// Open (or create) the store file, then check and migrate its schema.
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        // Look before writing: a newer schema must be refused without redb touching the file.
+        if std::fs::metadata(path).is_ok_and(|m| m.len() > 0) {
+            let ro =
+                Database::builder()
+                    .open_read_only(path)
+                    .map_err(|source| StoreError::Open {
+                        path: path.to_path_buf(),
+                        source,
+                    })?;
+            let found = ro
+                .begin_read()
+                .map_err(redb::Error::from)?
+                .open_table(META)
+                .ok()
+                .and_then(|t| t.get("schema_version").ok().flatten().map(|v| v.value()));
+            if let Some(found) = found.filter(|v| *v > SCHEMA_VERSION) {
+                return Err(StoreError::NewerSchema {
+                    path: path.to_path_buf(),
+                    found,
+                    supported: SCHEMA_VERSION,
+                });
+            }
+        }
+        let db = Database::create(path).map_err(|source| StoreError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Store::init(db, path)
+    }
+
+    /// A store in memory, for tests.
+    #[cfg(test)]
+    pub fn in_memory() -> Store {
+        let db = Database::builder()
+            .create_with_backend(redb::backends::InMemoryBackend::new())
+            .expect("in-memory redb");
+        Store::init(db, Path::new(":memory:")).expect("fresh in-memory store")
+    }
+
+    fn init(db: Database, path: &Path) -> Result<Store, StoreError> {
+        let txn = db.begin_write()?;
+        {
+            let mut meta = txn.open_table(META)?;
+            let found = meta.get("schema_version")?.map(|v| v.value());
+            match found {
+                None => {
+                    meta.insert("schema_version", SCHEMA_VERSION)?;
+                }
+                Some(v) if v > SCHEMA_VERSION => {
+                    return Err(StoreError::NewerSchema {
+                        path: path.to_path_buf(),
+                        found: v,
+                        supported: SCHEMA_VERSION,
+                    });
+                }
+                Some(v) => {
+                    for (step, migrate) in MIGRATIONS.iter().enumerate().skip((v - 1) as usize) {
+                        tracing::info!(from = step + 1, to = step + 2, "migrating the store");
+                        migrate(&txn)?;
+                    }
+                    meta.insert("schema_version", SCHEMA_VERSION)?;
+                }
+            }
+            // Create every table so readers never see "table does not exist".
+            txn.open_table(SANDBOXES)?;
+            txn.open_table(EXECS)?;
+            txn.open_table(ARTIFACTS)?;
+            txn.open_table(EVENTS)?;
+            txn.open_table(SNAPSHOTS)?;
+        }
+        txn.commit()?;
+        Ok(Store { db })
+    }
+
+    pub fn schema_version(&self) -> Result<u64, StoreError> {
+        let txn = self.db.begin_read()?;
+        let meta = txn.open_table(META)?;
+        Ok(meta.get("schema_version")?.map(|v| v.value()).unwrap_or(0))
+    }
+
+    /// Insert or replace a record.
+    pub fn put<T: Serialize>(
+        &self,
+        table: TableDefinition<&str, &[u8]>,
+        key: &str,
+        value: &T,
+    ) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(value).expect("store records serialize to JSON");
+        let txn = self.db.begin_write()?;
+        txn.open_table(table)?.insert(key, bytes.as_slice())?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn get<T: DeserializeOwned>(
+        &self,
+        table: TableDefinition<&str, &[u8]>,
+        key: &str,
+    ) -> Result<Option<T>, StoreError> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(table)?;
+        let Some(v) = t.get(key)? else {
+            return Ok(None);
+        };
+        decode(table.name(), key, v.value()).map(Some)
+    }
+
+    /// Every record of a table, in key order.
+    pub fn list<T: DeserializeOwned>(
+        &self,
+        table: TableDefinition<&str, &[u8]>,
+    ) -> Result<Vec<T>, StoreError> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(table)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            let (k, v) = row?;
+            out.push(decode(table.name(), k.value(), v.value())?);
+        }
+        Ok(out)
+    }
+
+    /// Remove a record; true if it existed.
+    pub fn delete(
+        &self,
+        table: TableDefinition<&str, &[u8]>,
+        key: &str,
+    ) -> Result<bool, StoreError> {
+        let txn = self.db.begin_write()?;
+        let existed = txn.open_table(table)?.remove(key)?.is_some();
+        txn.commit()?;
+        Ok(existed)
+    }
+
+    /// Append an event; returns its sequence number (1, 2, ...).
+    pub fn append_event<T: Serialize>(&self, event: &T) -> Result<u64, StoreError> {
+        let bytes = serde_json::to_vec(event).expect("events serialize to JSON");
+        let txn = self.db.begin_write()?;
+        let seq = {
+            let mut t = txn.open_table(EVENTS)?;
+            let next = t.last()?.map(|(k, _)| k.value() + 1).unwrap_or(1);
+            t.insert(next, bytes.as_slice())?;
+            next
+        };
+        txn.commit()?;
+        Ok(seq)
+    }
+
+    /// Events with a sequence number greater than `after`, oldest first, at most `limit`.
+    pub fn events_after<T: DeserializeOwned>(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, T)>, StoreError> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(EVENTS)?;
+        let mut out = Vec::new();
+        for row in t.range(after.saturating_add(1)..)?.take(limit) {
+            let (k, v) = row?;
+            out.push((
+                k.value(),
+                decode("events", &k.value().to_string(), v.value())?,
+            ));
+        }
+        Ok(out)
+    }
+}
+
+fn decode<T: DeserializeOwned>(table: &str, key: &str, bytes: &[u8]) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Decode {
+        table: table.to_owned(),
+        key: key.to_owned(),
+        message: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, Serialize, Deserialize, PartialEq)]
+    struct Rec {
+        id: String,
+        n: u32,
+    }
+
+    #[test]
+    fn records_round_trip_and_delete() {
+        let s = Store::in_memory();
+        let r = Rec {
+            id: "sbx_1".into(),
+            n: 7,
+        };
+        s.put(SANDBOXES, &r.id, &r).unwrap();
+        assert_eq!(s.get::<Rec>(SANDBOXES, "sbx_1").unwrap(), Some(r));
+        assert_eq!(s.list::<Rec>(SANDBOXES).unwrap().len(), 1);
+        assert!(s.delete(SANDBOXES, "sbx_1").unwrap());
+        assert!(!s.delete(SANDBOXES, "sbx_1").unwrap());
+        assert_eq!(s.get::<Rec>(SANDBOXES, "sbx_1").unwrap(), None);
+    }
+
+    #[test]
+    fn events_are_sequenced_and_resumable() {
+        let s = Store::in_memory();
+        for i in 0..5u32 {
+            assert_eq!(s.append_event(&i).unwrap(), u64::from(i) + 1);
+        }
+        let after: Vec<(u64, u32)> = s.events_after(3, 10).unwrap();
+        assert_eq!(after, vec![(4, 3), (5, 4)]);
+    }
+
+    #[test]
+    fn fresh_file_gets_current_schema_and_reopens() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.redb");
+        assert_eq!(
+            Store::open(&p).unwrap().schema_version().unwrap(),
+            SCHEMA_VERSION
+        );
+        assert_eq!(
+            Store::open(&p).unwrap().schema_version().unwrap(),
+            SCHEMA_VERSION
+        );
+    }
+
+    #[test]
+    fn corrupt_file_is_an_error_and_left_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.redb");
+        let garbage = b"this is not a redb database, it is a user's precious file".repeat(100);
+        std::fs::write(&p, &garbage).unwrap();
+        let e = Store::open(&p).err().expect("must refuse");
+        assert!(matches!(e, StoreError::Open { .. }), "{e}");
+        assert!(
+            std::fs::read(&p).unwrap() == garbage,
+            "the file was modified"
+        );
+    }
+
+    #[test]
+    fn newer_schema_is_refused_and_left_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.redb");
+        {
+            let db = Database::create(&p).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(META)
+                .unwrap()
+                .insert("schema_version", SCHEMA_VERSION + 1)
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let before = std::fs::read(&p).unwrap();
+        let e = Store::open(&p).err().expect("must refuse");
+        assert!(matches!(e, StoreError::NewerSchema { .. }), "{e}");
+        assert!(
+            std::fs::read(&p).unwrap() == before,
+            "the file was modified"
+        );
+    }
+}

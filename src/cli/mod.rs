@@ -1,14 +1,30 @@
 //! The command line: argument parsing and one file per command. Talks to the daemon only
 //! through `client`.
 
+mod create;
+mod exec;
+mod install;
+mod ls;
+mod rm;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use crate::client::{Client, ClientError};
+use crate::config::Paths;
 use crate::error::TopError;
 
 #[derive(Debug, Parser)]
-#[command(name = "tryboxi", version, about = "Disposable Linux microVMs on your own machine, for AI agents")]
+#[command(
+    name = "tryboxi",
+    version,
+    about = "Disposable Linux microVMs on your own machine, for AI agents",
+    after_help = "Also answers to the names sandboxd (= serve), sandboxctl and sandbox-mcp (= mcp).\n\
+                  The data root is $TRYBOXI_HOME (default /var/lib/tryboxi as root, else ~/.local/share/tryboxi)."
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -16,18 +32,26 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the daemon (also: argv[0] `sandboxd`).
-    Serve,
-    /// Install guest images into the data root.
-    Install,
+    /// Run the daemon in the foreground (also: argv[0] `sandboxd`).
+    Serve {
+        /// Use guest images from this directory (holding `images/manifest.json`) in place.
+        #[arg(long, value_name = "DIR")]
+        artifacts: Option<PathBuf>,
+    },
+    /// Copy guest images (from `cargo xtask images`) into the data root.
+    Install {
+        /// Directory holding `images/manifest.json` (e.g. `_out`).
+        #[arg(long, value_name = "DIR", default_value = "_out")]
+        artifacts: PathBuf,
+    },
     /// Create a sandbox for a workspace; prints its id first on the line.
-    Create,
-    /// Run a command in a sandbox.
-    Exec,
+    Create(create::Args),
+    /// Run a command in a sandbox; exits with the command's exit code.
+    Exec(exec::Args),
     /// List sandboxes.
-    Ls,
-    /// Remove a sandbox.
-    Rm,
+    Ls(ls::Args),
+    /// Remove a sandbox (its VM and every file of it).
+    Rm(rm::Args),
     /// Show what changed inside a sandbox.
     Diff,
     /// Bring a sandbox's changes into the host repo (with a backup).
@@ -40,7 +64,7 @@ pub enum Command {
     Events,
     /// Per-phase waterfall of a sandbox or exec.
     Trace,
-    /// Check the host.
+    /// Check the host: QEMU, KVM or TCG, guest images, data root, daemon, memory, disk.
     Doctor,
     /// MCP stdio server (also: argv[0] `sandbox-mcp`).
     Mcp,
@@ -50,21 +74,91 @@ pub enum Command {
     Version,
 }
 
+/// Entry for every face but the guest agent. `argv0` picks the face for alias names.
 pub fn run(argv0: &str) -> ExitCode {
-    let _ = argv0;
-    let cli = Cli::parse();
-    let res: Result<(), TopError> = match cli.command {
+    let mut args: Vec<OsString> = std::env::args_os().collect();
+    match argv0 {
+        "sandboxd" => args.insert(1, "serve".into()),
+        "sandbox-mcp" => args.insert(1, "mcp".into()),
+        _ => {}
+    }
+    let cli = Cli::parse_from(args);
+    match dispatch(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(TopError::ExitStatus(c)) => ExitCode::from(c),
+        Err(e) => {
+            eprintln!("tryboxi: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+fn dispatch(cmd: Command) -> Result<(), TopError> {
+    match cmd {
+        Command::Serve { artifacts } => {
+            init_logging();
+            runtime()?
+                .block_on(crate::daemon::serve(crate::daemon::ServeOptions {
+                    artifacts,
+                }))
+                .map_err(|e| TopError::Other(e.into()))
+        }
+        Command::Install { artifacts } => install::run(&artifacts),
+        Command::Create(a) => runtime()?.block_on(create::run(a)),
+        Command::Exec(a) => runtime()?.block_on(exec::run(a)),
+        Command::Ls(a) => runtime()?.block_on(ls::run(a)),
+        Command::Rm(a) => runtime()?.block_on(rm::run(a)),
+        Command::Doctor => runtime()?.block_on(crate::doctor::run()),
+        Command::Token => {
+            let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
+            std::fs::create_dir_all(&paths.root).map_err(|e| TopError::Other(e.into()))?;
+            let token =
+                crate::daemon::ensure_token(&paths).map_err(|e| TopError::Other(e.into()))?;
+            println!("{token}");
+            Ok(())
+        }
         Command::Version => {
             println!("tryboxi {}", env!("CARGO_PKG_VERSION"));
             Ok(())
         }
-        _ => Err(TopError::NotImplemented("this command")),
-    };
-    match res {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("tryboxi: {e}");
-            e.exit_code()
+        Command::Diff => Err(TopError::NotImplemented("diff")),
+        Command::Apply => Err(TopError::NotImplemented("apply")),
+        Command::Pull => Err(TopError::NotImplemented("pull")),
+        Command::Undo => Err(TopError::NotImplemented("undo")),
+        Command::Events => Err(TopError::NotImplemented("events")),
+        Command::Trace => Err(TopError::NotImplemented("trace")),
+        Command::Mcp => Err(TopError::NotImplemented("mcp")),
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, TopError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| TopError::Other(e.into()))
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TRYBOXI_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// The client for this data root's daemon.
+pub(crate) fn client() -> Result<Client, TopError> {
+    let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
+    Ok(Client::new(&paths.socket()))
+}
+
+impl From<ClientError> for TopError {
+    fn from(e: ClientError) -> Self {
+        match e {
+            ClientError::Unreachable { .. } => TopError::Unreachable(e.to_string()),
+            ClientError::Api { code, message, .. } => TopError::Api { code, message },
+            ClientError::Protocol(m) => TopError::Other(anyhow::anyhow!(m)),
         }
     }
 }

@@ -1,0 +1,100 @@
+//! `tryboxi exec [OPTIONS] ID -- CMD...`: stdout to stdout, stderr to stderr, as they come;
+//! exits with the command's exit code (128+N for signal N, 124 on timeout).
+
+use std::io::{Read as _, Write as _};
+
+use crate::api;
+use crate::error::TopError;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Kill the command (its whole process group) after this many seconds.
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<f64>,
+    /// Working directory inside the VM (default /workspace).
+    #[arg(long)]
+    cwd: Option<String>,
+    /// Extra environment variables.
+    #[arg(short = 'e', long = "env", value_name = "KEY=VALUE")]
+    env: Vec<String>,
+    /// Send this process's standard input to the command.
+    #[arg(long)]
+    stdin: bool,
+    /// Run CMD as one shell string (`/bin/sh -c`) instead of an argv.
+    #[arg(short = 'c', long = "shell")]
+    shell: bool,
+    /// Sandbox id.
+    id: String,
+    /// The command and its arguments (after `--`).
+    #[arg(last = true, required = true)]
+    cmd: Vec<String>,
+}
+
+pub async fn run(a: Args) -> Result<(), TopError> {
+    let mut req = api::ExecRequest {
+        timeout_s: a.timeout,
+        cwd: a.cwd,
+        ..Default::default()
+    };
+    if a.shell {
+        req.cmd = Some(a.cmd.join(" "));
+    } else {
+        req.argv = Some(a.cmd);
+    }
+    for kv in a.env {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| TopError::Usage(format!("--env wants KEY=VALUE, got `{kv}`")))?;
+        req.env.insert(k.to_owned(), v.to_owned());
+    }
+    if a.stdin {
+        let mut buf = Vec::new();
+        std::io::stdin()
+            .read_to_end(&mut buf)
+            .map_err(|e| TopError::Other(e.into()))?;
+        req.stdin_b64 = Some(api::b64::encode(&buf));
+    }
+    let mut events = super::client()?.exec(&a.id, &req).await?;
+    let mut out = std::io::stdout().lock();
+    let mut err = std::io::stderr().lock();
+    while let Some(ev) = events.next().await? {
+        match ev {
+            api::ExecEvent::Started { .. } => {}
+            api::ExecEvent::Stdout { data, data_b64 } => {
+                let b = api::ExecEvent::output_bytes(&data, &data_b64)
+                    .map_err(|m| TopError::Other(anyhow::anyhow!(m)))?;
+                out.write_all(&b)
+                    .and_then(|_| out.flush())
+                    .map_err(|e| TopError::Other(e.into()))?;
+            }
+            api::ExecEvent::Stderr { data, data_b64 } => {
+                let b = api::ExecEvent::output_bytes(&data, &data_b64)
+                    .map_err(|m| TopError::Other(anyhow::anyhow!(m)))?;
+                err.write_all(&b)
+                    .and_then(|_| err.flush())
+                    .map_err(|e| TopError::Other(e.into()))?;
+            }
+            api::ExecEvent::Exit {
+                exit_code,
+                signal,
+                timed_out,
+                ..
+            } => {
+                if timed_out {
+                    eprintln!("tryboxi: command timed out and was killed");
+                    return Err(TopError::ExitStatus(124));
+                }
+                return match (exit_code, signal) {
+                    (Some(0), _) => Ok(()),
+                    (Some(c), _) => Err(TopError::ExitStatus(c.clamp(1, 255) as u8)),
+                    (None, Some(s)) => Err(TopError::ExitStatus((128 + s).clamp(1, 255) as u8)),
+                    (None, None) => Err(TopError::ExitStatus(1)),
+                };
+            }
+            api::ExecEvent::Error { code, message } => return Err(TopError::Api { code, message }),
+        }
+    }
+    Err(TopError::Other(anyhow::anyhow!(
+        "the exec stream ended without an exit status"
+    )))
+}

@@ -1,0 +1,39 @@
+//! `tryboxi ls`: one line per sandbox.
+
+use crate::api;
+use crate::error::TopError;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(a: Args) -> Result<(), TopError> {
+    let list: api::SandboxList = super::client()?.get("/v1/sandboxes").await?;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&list).expect("serializable")
+        );
+        return Ok(());
+    }
+    println!(
+        "{:<22} {:<9} {:<5} {:>5} {:>7}  {:<20} WORKSPACE",
+        "ID", "STATE", "ACCEL", "VCPUS", "MEM_MIB", "CREATED"
+    );
+    for s in list.sandboxes {
+        println!(
+            "{:<22} {:<9} {:<5} {:>5} {:>7}  {:<20} {}",
+            s.id,
+            s.state,
+            s.accel.as_deref().unwrap_or("-"),
+            s.vcpus,
+            s.memory_mib,
+            s.created_at,
+            s.workspace.host_path
+        );
+    }
+    Ok(())
+}

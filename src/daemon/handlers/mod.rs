@@ -1,0 +1,28 @@
+//! One handler file per resource. Each turns an [`Action`] into a response by calling the
+//! service; none holds business logic.
+
+mod exec;
+mod health;
+mod sandboxes;
+
+use std::sync::Arc;
+
+use hyper::Response;
+
+use super::response::{ApiError, Body};
+use super::router::Action;
+use crate::service::Service;
+
+pub use health::OPENAPI_YAML;
+
+pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>, ApiError> {
+    match action {
+        Action::Health => health::health(svc),
+        Action::OpenApi => Ok(health::openapi()),
+        Action::CreateSandbox(req) => sandboxes::create(svc, req).await,
+        Action::ListSandboxes => sandboxes::list(svc),
+        Action::GetSandbox(id) => sandboxes::get(svc, &id),
+        Action::DeleteSandbox(id) => sandboxes::delete(svc, &id).await,
+        Action::Exec(id, req) => exec::exec(svc, &id, req).await,
+    }
+}

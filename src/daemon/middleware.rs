@@ -1,0 +1,113 @@
+//! Who may talk to the daemon.
+//!
+//! Unix socket: the peer's uid (SO_PEERCRED) must be the daemon's own uid or root.
+//! TCP: `Authorization: Bearer <token>` must match the token file, and the `Host` (and `Origin`,
+//! when present) must name a loopback address, which stops DNS-rebinding attacks from browsers.
+
+use hyper::HeaderMap;
+use hyper::header::{AUTHORIZATION, HOST, ORIGIN};
+
+use super::response::ApiError;
+
+/// SO_PEERCRED check for unix-socket peers.
+pub fn peer_allowed(peer_uid: u32, own_uid: u32) -> bool {
+    peer_uid == own_uid || peer_uid == 0
+}
+
+/// Checks for requests that arrived over TCP.
+pub fn check_tcp(headers: &HeaderMap, token: &str, port: u16) -> Result<(), ApiError> {
+    let host = headers
+        .get(HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    if !loopback_authority(host, port) {
+        return Err(ApiError::forbidden(format!(
+            "Host header `{host}` is not a loopback address of this daemon"
+        )));
+    }
+    if let Some(origin) = headers.get(ORIGIN) {
+        let origin = origin.to_str().unwrap_or("");
+        let authority = origin.strip_prefix("http://").unwrap_or("\u{0}");
+        if !loopback_authority(authority, port) {
+            return Err(ApiError::forbidden(format!(
+                "Origin `{origin}` is not allowed"
+            )));
+        }
+    }
+    let given = headers
+        .get(AUTHORIZATION)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.strip_prefix("Bearer "))
+        .ok_or_else(|| {
+            ApiError::unauthorized("missing `Authorization: Bearer <token>` (see `tryboxi token`)")
+        })?;
+    if !constant_time_eq(given.trim().as_bytes(), token.as_bytes()) {
+        return Err(ApiError::unauthorized("invalid token"));
+    }
+    Ok(())
+}
+
+fn loopback_authority(authority: &str, port: u16) -> bool {
+    let allowed = [
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        format!("[::1]:{port}"),
+    ];
+    allowed.iter().any(|a| a.eq_ignore_ascii_case(authority))
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyper::header::HeaderValue;
+
+    fn headers(pairs: &[(hyper::header::HeaderName, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(k.clone(), HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn tcp_needs_the_right_token() {
+        let ok = headers(&[(HOST, "127.0.0.1:7070"), (AUTHORIZATION, "Bearer s3cret")]);
+        assert!(check_tcp(&ok, "s3cret", 7070).is_ok());
+        let wrong = headers(&[(HOST, "127.0.0.1:7070"), (AUTHORIZATION, "Bearer nope")]);
+        assert_eq!(check_tcp(&wrong, "s3cret", 7070).unwrap_err().status, 401);
+        let none = headers(&[(HOST, "127.0.0.1:7070")]);
+        assert_eq!(check_tcp(&none, "s3cret", 7070).unwrap_err().status, 401);
+    }
+
+    #[test]
+    fn rebinding_hosts_and_foreign_origins_are_refused() {
+        let evil = headers(&[(HOST, "evil.example:7070"), (AUTHORIZATION, "Bearer t")]);
+        assert_eq!(check_tcp(&evil, "t", 7070).unwrap_err().status, 403);
+        let origin = headers(&[
+            (HOST, "localhost:7070"),
+            (ORIGIN, "http://evil.example"),
+            (AUTHORIZATION, "Bearer t"),
+        ]);
+        assert_eq!(check_tcp(&origin, "t", 7070).unwrap_err().status, 403);
+        let good_origin = headers(&[
+            (HOST, "localhost:7070"),
+            (ORIGIN, "http://localhost:7070"),
+            (AUTHORIZATION, "Bearer t"),
+        ]);
+        assert!(check_tcp(&good_origin, "t", 7070).is_ok());
+    }
+
+    #[test]
+    fn peer_uid_rule() {
+        assert!(peer_allowed(1000, 1000));
+        assert!(peer_allowed(0, 1000));
+        assert!(!peer_allowed(1001, 1000));
+    }
+}

@@ -1,0 +1,242 @@
+//! Test harness: a real `tryboxi serve` on a temporary data root, driven by the real CLI binary
+//! and by raw HTTP over its unix socket.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_tryboxi");
+
+pub struct Daemon {
+    pub home: tempfile::TempDir,
+    pub child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    /// Start a daemon with an optional `config.toml` and extra `serve` arguments; waits until
+    /// `/v1/health` answers (bounded).
+    pub fn start(config: Option<&str>, extra: &[&str]) -> Daemon {
+        let home = tempfile::Builder::new()
+            .prefix("tbx-test-")
+            .tempdir()
+            .expect("tempdir");
+        if let Some(c) = config {
+            std::fs::write(home.path().join("config.toml"), c).unwrap();
+        }
+        let mut d = Daemon {
+            log: home.path().join("daemon.log"),
+            home,
+            child: None,
+        };
+        d.spawn(extra);
+        d
+    }
+
+    pub fn spawn(&mut self, extra: &[&str]) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(BIN)
+            .arg("serve")
+            .args(extra)
+            .env("TRYBOXI_HOME", self.home.path())
+            .env("TRYBOXI_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn daemon");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = self.try_request("GET", "/v1/health", None) {
+                if r.status == 200 {
+                    return;
+                }
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("daemon exited early ({status}): {}", self.log_text());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not answer in 30 s: {}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        self.home.path()
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.home.path().join("tryboxi.sock")
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Run the CLI against this daemon.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .args(args)
+            .env("TRYBOXI_HOME", self.home.path())
+            .stdin(Stdio::null())
+            .output()
+            .expect("run cli")
+    }
+
+    pub fn request(&self, method: &str, path: &str, body: Option<&str>) -> Resp {
+        self.try_request(method, path, body).expect("request")
+    }
+
+    pub fn try_request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> std::io::Result<Resp> {
+        let mut s = UnixStream::connect(self.socket())?;
+        s.set_read_timeout(Some(Duration::from_secs(600)))?;
+        raw_http(&mut s, method, path, body, &[("Host", "localhost")])
+    }
+
+    /// SIGTERM, then wait (bounded) for a clean exit; returns the exit status.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        wait_bounded(&mut child, Duration::from_secs(60))
+    }
+
+    /// SIGKILL (no cleanup).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let _ = self.stop();
+        }
+    }
+}
+
+pub fn wait_bounded(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("process did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: String,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    /// The `error.code` of an error body (asserting the envelope's shape).
+    pub fn error_code(&self) -> String {
+        let j = self.json();
+        assert!(j["error"]["message"].is_string(), "no error.message: {j}");
+        j["error"]["code"].as_str().expect("error.code").to_owned()
+    }
+}
+
+/// A minimal HTTP/1.1 client (Connection: close; chunked bodies decoded).
+pub fn raw_http<S: Read + Write>(
+    s: &mut S,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> std::io::Result<Resp> {
+    let body = body.unwrap_or("");
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes())?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other("no header end"))?;
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other("bad status line"))?;
+    let mut body = raw[split + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = dechunk(&body);
+    }
+    Ok(Resp {
+        status,
+        headers: head,
+        body,
+    })
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(nl) = b.windows(2).position(|w| w == b"\r\n") else {
+            break;
+        };
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&b[..nl]).unwrap().trim(), 16).unwrap();
+        if size == 0 {
+            break;
+        }
+        out.extend_from_slice(&b[nl + 2..nl + 2 + size]);
+        b = &b[nl + 2 + size + 2..];
+    }
+    out
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
