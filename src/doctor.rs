@@ -4,6 +4,8 @@
 use std::path::Path;
 
 use crate::client::Client;
+use crate::config::AccelSetting;
+use crate::vmm::{Images, QemuDriver, probe_accel};
 use crate::config::{Config, Paths};
 use crate::error::TopError;
 
@@ -31,11 +33,17 @@ impl Check {
     }
 }
 
-pub async fn run() -> Result<(), TopError> {
+pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> {
     let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
     let config = Config::load(&paths).map_err(|e| TopError::Usage(e.to_string()))?;
+    let artifacts = artifacts
+        .or_else(|| config.artifacts.clone())
+        .unwrap_or_else(|| paths.artifacts_dir());
+    let (images_check, images) = images(&artifacts);
     let mut checks = vec![
         qemu(&config),
+        accel(&config, &paths, images.as_ref()).await,
+        images_check,
         data_root(&paths),
         daemon(&paths).await,
         memory(),
@@ -89,6 +97,54 @@ fn qemu(config: &Config) -> Check {
                 config.qemu_binary
             ),
         ),
+    }
+}
+
+fn images(artifacts: &Path) -> (Check, Option<Images>) {
+    let imgs = match Images::load(artifacts) {
+        Ok(i) => i,
+        Err(e) => {
+            return (
+                Check::new("images", Status::Fail, format!("{e}; build with `cargo xtask images`, then `tryboxi install`")),
+                None,
+            );
+        }
+    };
+    match imgs.verify(true) {
+        Ok(()) => {
+            let list: Vec<String> = imgs
+                .manifest
+                .artifacts
+                .iter()
+                .map(|a| format!("{} {} sha256:{}", a.name, a.file, &a.sha256[..a.sha256.len().min(12)]))
+                .collect();
+            (Check::new("images", Status::Ok, format!("{}: {}", imgs.dir.display(), list.join(", "))), Some(imgs))
+        }
+        Err(e) => (Check::new("images", Status::Fail, e.to_string()), None),
+    }
+}
+
+async fn accel(config: &Config, paths: &Paths, images: Option<&Images>) -> Check {
+    let driver = match QemuDriver::new(&config.qemu_binary) {
+        Ok(d) => d,
+        Err(e) => return Check::new("accel", Status::Fail, format!("cannot probe: {e}")),
+    };
+    match config.accel {
+        AccelSetting::Kvm => return Check::new("accel", Status::Ok, "kvm (forced by accel = kvm in config.toml)"),
+        AccelSetting::Tcg => return Check::new("accel", Status::Ok, "tcg (forced by accel = tcg in config.toml)"),
+        AccelSetting::Auto => {}
+    }
+    let Some(images) = images else {
+        return Check::new("accel", Status::Warn, "not probed: the guest images are missing");
+    };
+    match probe_accel(&driver, &images.kernel, &images.initramfs, &paths.cache_dir()).await {
+        Ok(r) if r.kvm_ok => Check::new("accel", Status::Ok, format!("kvm: a probe guest booted ({})", r.detail)),
+        Ok(r) => Check::new(
+            "accel",
+            Status::Warn,
+            format!("tcg will be used (slower): KVM cannot run the guest here: {}", r.detail),
+        ),
+        Err(e) => Check::new("accel", Status::Warn, format!("tcg will be used: the probe failed: {e}")),
     }
 }
 

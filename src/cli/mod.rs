@@ -65,7 +65,11 @@ pub enum Command {
     /// Per-phase waterfall of a sandbox or exec.
     Trace,
     /// Check the host: QEMU, KVM or TCG, guest images, data root, daemon, memory, disk.
-    Doctor,
+    Doctor {
+        /// Check the guest images in this directory instead of the installed ones.
+        #[arg(long, value_name = "DIR")]
+        artifacts: Option<PathBuf>,
+    },
     /// MCP stdio server (also: argv[0] `sandbox-mcp`).
     Mcp,
     /// Print the API token for TCP clients.
@@ -108,7 +112,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Exec(a) => runtime()?.block_on(exec::run(a)),
         Command::Ls(a) => runtime()?.block_on(ls::run(a)),
         Command::Rm(a) => runtime()?.block_on(rm::run(a)),
-        Command::Doctor => runtime()?.block_on(crate::doctor::run()),
+        Command::Doctor { artifacts } => runtime()?.block_on(crate::doctor::run(artifacts)),
         Command::Token => {
             let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
             std::fs::create_dir_all(&paths.root).map_err(|e| TopError::Other(e.into()))?;

@@ -1,43 +1,204 @@
 //! Exec use case: run a command in a sandbox's VM and stream its events.
+//!
+//! The command runs in its own process group in the guest. When the caller goes away (the
+//! HTTP client disconnects) the whole group is killed: no command outlives its caller unseen.
 
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use super::{Service, ServiceError};
-use crate::api;
+use crate::api::{self, SandboxState};
+use crate::ids;
+use crate::rpc::{self, RpcError};
+use crate::store::EXECS;
+
+/// What the store keeps per exec.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExecRecord {
+    pub id: String,
+    pub sandbox_id: String,
+    pub command: Vec<String>,
+    pub started_at: String,
+    #[serde(default)]
+    pub exit_code: Option<i32>,
+    #[serde(default)]
+    pub signal: Option<i32>,
+    #[serde(default)]
+    pub timed_out: bool,
+    #[serde(default)]
+    pub duration_ms: Option<u64>,
+    #[serde(default)]
+    pub error: Option<String>,
+}
 
 impl Service {
-    /// Start a command; events (output, then the exit status or an error) arrive on the receiver.
+    /// Start a command; events (`started`, output, then `exit` or `error`) arrive on the receiver.
     pub async fn start_exec(
         &self,
         id: &str,
         req: api::ExecRequest,
     ) -> Result<mpsc::Receiver<api::ExecEvent>, ServiceError> {
         let rec = self.record(id)?;
-        validate_exec(&req)?;
-        Err(ServiceError::Conflict(format!(
-            "sandbox `{}` is {}, not ready",
-            id, rec.api.state
-        )))
+        let wire = to_wire(&req, self.config.exec_timeout_s)?;
+        if rec.api.state != SandboxState::Ready {
+            let why = rec.api.error.map(|e| format!(": {e}")).unwrap_or_default();
+            return Err(ServiceError::Conflict(format!("sandbox `{id}` is {}{why}", rec.api.state)));
+        }
+        let vm = self
+            .vms
+            .get(id)
+            .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
+        let exec_id = ids::new_id(ids::EXEC);
+        let started = Instant::now();
+        let mut stream = match vm.agent.exec(wire).await {
+            Ok(s) => s,
+            Err(RpcError::Remote(e)) => return Err(ServiceError::BadRequest(format!("cannot start the command: {e}"))),
+            Err(e) => return Err(ServiceError::Unavailable(format!("cannot reach the sandbox's agent: {e}"))),
+        };
+        let mut exec_rec = ExecRecord {
+            id: exec_id.clone(),
+            sandbox_id: id.to_owned(),
+            command: req.argv.clone().unwrap_or_else(|| vec!["/bin/sh".into(), "-c".into(), req.cmd.clone().unwrap_or_default()]),
+            started_at: super::now_rfc3339(),
+            exit_code: None,
+            signal: None,
+            timed_out: false,
+            duration_ms: None,
+            error: None,
+        };
+        self.store.put(EXECS, &exec_id, &exec_rec)?;
+        tracing::info!(sandbox = %id, exec = %exec_id, "exec started");
+        let (tx, rx) = mpsc::channel(64);
+        let _ = tx.try_send(api::ExecEvent::Started { exec_id: exec_id.clone(), sandbox_id: id.to_owned() });
+        let store = self.store.clone();
+        tokio::spawn(async move {
+            let last = loop {
+                let ev = tokio::select! {
+                    ev = stream.next() => ev,
+                    _ = tx.closed() => {
+                        tracing::info!(exec = %exec_rec.id, "caller went away; killing the command");
+                        let _ = stream.kill(libc::SIGKILL).await;
+                        exec_rec.error = Some("the caller disconnected; the command was killed".into());
+                        break None;
+                    }
+                };
+                let out = match ev {
+                    Some(Ok(rpc::ExecEvent::Started { .. })) => continue,
+                    Some(Ok(rpc::ExecEvent::Stdout(b))) => api::ExecEvent::output(false, &b),
+                    Some(Ok(rpc::ExecEvent::Stderr(b))) => api::ExecEvent::output(true, &b),
+                    Some(Ok(rpc::ExecEvent::Exit { code, signal, timed_out })) => {
+                        let duration_ms = started.elapsed().as_millis() as u64;
+                        exec_rec.exit_code = code;
+                        exec_rec.signal = signal;
+                        exec_rec.timed_out = timed_out;
+                        exec_rec.duration_ms = Some(duration_ms);
+                        break Some(api::ExecEvent::Exit { exit_code: code, signal, timed_out, duration_ms });
+                    }
+                    Some(Err(e)) => {
+                        exec_rec.error = Some(e.to_string());
+                        break Some(lost(&e));
+                    }
+                    None => {
+                        let e = RpcError::Disconnected;
+                        exec_rec.error = Some(e.to_string());
+                        break Some(lost(&e));
+                    }
+                };
+                if tx.send(out).await.is_err() {
+                    let _ = stream.kill(libc::SIGKILL).await;
+                    exec_rec.error = Some("the caller disconnected; the command was killed".into());
+                    break None;
+                }
+            };
+            tracing::info!(exec = %exec_rec.id, exit_code = ?exec_rec.exit_code, signal = ?exec_rec.signal,
+                timed_out = exec_rec.timed_out, error = ?exec_rec.error, "exec finished");
+            if let Err(e) = store.put(EXECS, &exec_rec.id, &exec_rec) {
+                tracing::warn!(error = %e, "cannot record the exec's end");
+            }
+            if let Some(ev) = last {
+                let _ = tx.send(ev).await;
+            }
+        });
+        Ok(rx)
     }
 }
 
-pub(super) fn validate_exec(req: &api::ExecRequest) -> Result<(), ServiceError> {
+fn lost(e: &RpcError) -> api::ExecEvent {
+    api::ExecEvent::Error {
+        code: "vm_lost".into(),
+        message: format!("the command's VM or agent was lost before it finished: {e}"),
+    }
+}
+
+/// Validate an API exec request and turn it into the agent's request.
+pub(super) fn to_wire(req: &api::ExecRequest, default_timeout_s: u64) -> Result<rpc::ExecRequest, ServiceError> {
+    let bad = |m: String| Err(ServiceError::BadRequest(m));
+    let mut w = rpc::ExecRequest::default();
     match (&req.cmd, &req.argv) {
-        (Some(_), Some(_)) => Err(ServiceError::BadRequest(
-            "give either `cmd` or `argv`, not both".into(),
-        )),
-        (None, None) => Err(ServiceError::BadRequest(
-            "give `cmd` (a shell string) or `argv`".into(),
-        )),
-        (None, Some(a)) if a.is_empty() => Err(ServiceError::BadRequest("`argv` is empty".into())),
-        (Some(c), None) if c.trim().is_empty() => {
-            Err(ServiceError::BadRequest("`cmd` is empty".into()))
+        (Some(_), Some(_)) => return bad("give either `cmd` or `argv`, not both".into()),
+        (None, None) => return bad("give `cmd` (a shell string) or `argv`".into()),
+        (None, Some(a)) if a.is_empty() => return bad("`argv` is empty".into()),
+        (Some(c), None) if c.trim().is_empty() => return bad("`cmd` is empty".into()),
+        (Some(c), None) => w.shell = Some(c.clone()),
+        (None, Some(a)) => w.argv = a.clone(),
+    }
+    let timeout = match req.timeout_s {
+        Some(t) if !(t > 0.0 && t.is_finite() && t < 1e9) => {
+            return bad(format!("timeout_s must be a positive number of seconds, got {t}"));
         }
-        _ => match req.timeout_s {
-            Some(t) if !(t > 0.0 && t.is_finite()) => Err(ServiceError::BadRequest(format!(
-                "timeout_s must be a positive number, got {t}"
-            ))),
-            _ => Ok(()),
-        },
+        Some(t) => Some(Duration::from_secs_f64(t)),
+        None if default_timeout_s > 0 => Some(Duration::from_secs(default_timeout_s)),
+        None => None,
+    };
+    w.timeout = timeout;
+    if let Some(cwd) = &req.cwd {
+        if !cwd.starts_with('/') {
+            return bad(format!("cwd must be an absolute path inside the VM, got `{cwd}`"));
+        }
+        w.cwd = Some(cwd.clone());
+    }
+    for (k, v) in &req.env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return bad(format!("invalid environment variable name or value: `{k}`"));
+        }
+        w.env.push((k.clone(), v.clone()));
+    }
+    w.stdin = match (&req.stdin_b64, &req.stdin) {
+        (Some(b), _) => Some(api::b64::decode(b).map_err(|e| ServiceError::BadRequest(format!("stdin_b64: {e}")))?),
+        (None, Some(s)) => Some(s.as_bytes().to_vec()),
+        (None, None) => None,
+    };
+    Ok(w)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_request_needs_exactly_one_command_form() {
+        let both = api::ExecRequest { cmd: Some("x".into()), argv: Some(vec!["x".into()]), ..Default::default() };
+        assert!(to_wire(&both, 0).is_err());
+        assert!(to_wire(&api::ExecRequest::default(), 0).is_err());
+        let empty = api::ExecRequest { argv: Some(vec![]), ..Default::default() };
+        assert!(to_wire(&empty, 0).is_err());
+        let shell = to_wire(&api::ExecRequest { cmd: Some("echo hi".into()), ..Default::default() }, 0).unwrap();
+        assert_eq!(shell.shell.as_deref(), Some("echo hi"));
+    }
+
+    #[test]
+    fn bad_timeouts_cwd_and_env_are_refused() {
+        let base = api::ExecRequest { argv: Some(vec!["true".into()]), ..Default::default() };
+        for t in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(to_wire(&api::ExecRequest { timeout_s: Some(t), ..base.clone() }, 0).is_err(), "{t}");
+        }
+        assert!(to_wire(&api::ExecRequest { cwd: Some("rel".into()), ..base.clone() }, 0).is_err());
+        let mut env = base.clone();
+        env.env.insert("A=B".into(), "x".into());
+        assert!(to_wire(&env, 0).is_err());
+        assert_eq!(to_wire(&base, 30).unwrap().timeout, Some(Duration::from_secs(30)));
+        assert_eq!(to_wire(&base, 0).unwrap().timeout, None);
     }
 }

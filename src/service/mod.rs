@@ -5,15 +5,21 @@
 //! Never: parses HTTP (that is `daemon`), builds QEMU command lines (that is `vmm`), or deletes
 //! anything except through `safefs`.
 
+mod exec;
 mod sandboxes;
+mod vms;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use crate::api;
 use crate::config::{Config, Paths};
 use crate::store::{Store, StoreError};
+
+pub use sandboxes::now_rfc3339;
+pub use vms::Vms;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
@@ -49,19 +55,16 @@ pub struct SandboxRecord {
 pub struct Service {
     pub paths: Paths,
     pub config: Config,
-    pub store: Store,
+    pub store: Arc<Store>,
     /// Guest images directory (`serve --artifacts DIR` or `<data root>/artifacts`).
     pub artifacts: PathBuf,
+    pub vms: Vms,
 }
 
 impl Service {
     pub fn new(paths: Paths, config: Config, store: Store, artifacts: PathBuf) -> Service {
-        Service {
-            paths,
-            config,
-            store,
-            artifacts,
-        }
+        let vms = Vms::new(&config.qemu_binary);
+        Service { paths, config, store: Arc::new(store), artifacts, vms }
     }
 
     pub fn health(&self) -> Result<api::Health, ServiceError> {
@@ -70,45 +73,16 @@ impl Service {
             version: env!("CARGO_PKG_VERSION").into(),
             pid: std::process::id(),
             data_root: self.paths.root.display().to_string(),
-            accel: None,
-            sandboxes: self
-                .store
-                .list::<SandboxRecord>(crate::store::SANDBOXES)?
-                .len(),
+            accel: self.accel_if_known().map(|a| a.to_string()),
+            sandboxes: self.store.list::<SandboxRecord>(crate::store::SANDBOXES)?.len(),
         })
     }
-}
 
-mod exec;
-
-impl Service {
-    /// At start-up: find VMs that survived a daemon restart, clean up after the dead ones.
-    pub async fn recover(&self) {}
-
-    /// Graceful shutdown hook.
-    pub async fn shutdown(&self) {}
-
-    pub async fn create_sandbox(
-        &self,
-        req: api::CreateSandboxRequest,
-    ) -> Result<api::Sandbox, ServiceError> {
-        self.validate_create(&req)?;
-        let manifest = self.artifacts.join("images/manifest.json");
-        if !manifest.exists() {
-            return Err(ServiceError::Unavailable(format!(
-                "no guest images at {}: run `cargo xtask images`, then `tryboxi install --artifacts _out` \
-                 (or start the daemon with `tryboxi serve --artifacts _out`)",
-                manifest.display()
-            )));
+    /// Graceful shutdown: VMs keep running and are found again by the next daemon's `recover`.
+    pub async fn shutdown(&self) {
+        let n = self.vms.live.lock().map(|m| m.len()).unwrap_or(0);
+        if n > 0 {
+            tracing::info!(running = n, "leaving running sandboxes up; the next daemon reattaches to them");
         }
-        Err(ServiceError::Unavailable(
-            "booting VMs is not wired into this build yet".into(),
-        ))
-    }
-
-    pub async fn remove_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
-        let rec = self.record(id)?;
-        self.store.delete(crate::store::SANDBOXES, id)?;
-        Ok(rec.api)
     }
 }

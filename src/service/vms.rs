@@ -1,0 +1,327 @@
+//! Live VMs: booting a sandbox's VM, connecting its agent, watching it die, removing it, and
+//! finding VMs again after a daemon restart.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::{SandboxRecord, Service, ServiceError};
+use crate::api::{self, SandboxState};
+use crate::ids;
+use crate::rpc::AgentClient;
+use crate::store::SANDBOXES;
+use crate::vmm::{Accel, Images, QemuDriver, VmInfo, VmSpec, VmmDriver};
+
+/// A sandbox whose VM runs and whose agent answers.
+pub struct LiveVm {
+    pub info: VmInfo,
+    pub agent: AgentClient,
+}
+
+/// The VM side of the service: the driver, the resolved acceleration and the live VMs.
+pub struct Vms {
+    /// `Err` holds why no VMM is usable (e.g. QEMU missing); creating then answers 503.
+    pub driver: Result<Arc<QemuDriver>, String>,
+    pub accel: tokio::sync::OnceCell<Accel>,
+    pub live: Mutex<HashMap<String, Arc<LiveVm>>>,
+}
+
+impl Vms {
+    pub fn new(qemu_binary: &str) -> Vms {
+        let driver = QemuDriver::new(qemu_binary).map(Arc::new).map_err(|e| e.to_string());
+        if let Err(e) = &driver {
+            tracing::warn!(error = %e, "no usable VMM; sandboxes cannot be created until it is installed");
+        }
+        Vms { driver, accel: tokio::sync::OnceCell::new(), live: Mutex::new(HashMap::new()) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<LiveVm>>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<LiveVm>> {
+        self.lock().get(id).cloned()
+    }
+
+    fn insert(&self, id: &str, vm: Arc<LiveVm>) {
+        self.lock().insert(id.to_owned(), vm);
+    }
+
+    fn take(&self, id: &str) -> Option<Arc<LiveVm>> {
+        self.lock().remove(id)
+    }
+}
+
+impl Service {
+    fn driver(&self) -> Result<Arc<QemuDriver>, ServiceError> {
+        self.vms.driver.clone().map_err(|e| {
+            ServiceError::Unavailable(format!("cannot run VMs: {e}. Install QEMU with `cargo xtask deps`"))
+        })
+    }
+
+    fn images(&self) -> Result<Images, ServiceError> {
+        Images::load(&self.artifacts).map_err(|e| {
+            ServiceError::Unavailable(format!(
+                "{e}. Build the guest images with `cargo xtask images`, then `tryboxi install --artifacts _out` \
+                 (or start the daemon with `tryboxi serve --artifacts _out`)"
+            ))
+        })
+    }
+
+    async fn accel(&self, driver: &QemuDriver, images: &Images) -> Accel {
+        *self
+            .vms
+            .accel
+            .get_or_init(|| {
+                crate::vmm::resolve_accel(
+                    self.config.accel,
+                    driver,
+                    &images.kernel,
+                    &images.initramfs,
+                    &self.paths.cache_dir(),
+                )
+            })
+            .await
+    }
+
+    pub fn accel_if_known(&self) -> Option<Accel> {
+        self.vms.accel.get().copied()
+    }
+
+    /// `POST /v1/sandboxes`: boot a VM and return once its agent answers.
+    pub async fn create_sandbox(self: &Arc<Self>, req: api::CreateSandboxRequest) -> Result<api::Sandbox, ServiceError> {
+        let (vcpus, memory_mib, workspace) = self.validate_create(&req)?;
+        let images = self.images()?;
+        let driver = self.driver()?;
+        let accel = self.accel(&driver, &images).await;
+        let id = ids::new_id(ids::SANDBOX);
+        let dir = self.paths.sandbox_dir(&id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ServiceError::Internal(format!("cannot create {}: {e}", dir.display())))?;
+        let mut rec = SandboxRecord {
+            api: api::Sandbox {
+                id: id.clone(),
+                state: SandboxState::Creating,
+                workspace: api::WorkspaceSpec { host_path: workspace.display().to_string() },
+                template: req.template.clone().unwrap_or_else(|| "auto".into()),
+                vcpus,
+                memory_mib,
+                accel: Some(accel.to_string()),
+                created_at: super::now_rfc3339(),
+                error: None,
+            },
+            dir: dir.clone(),
+        };
+        self.store.put(SANDBOXES, &id, &rec)?;
+        let spec = VmSpec {
+            id: id.clone(),
+            dir: dir.clone(),
+            kernel: images.kernel.clone(),
+            initramfs: images.initramfs.clone(),
+            rootfs: images.rootfs.clone(),
+            vcpus,
+            memory_mib,
+            accel,
+        };
+        let started = std::time::Instant::now();
+        match self.boot(&driver, &spec).await {
+            Ok(vm) => {
+                tracing::info!(sandbox = %id, %accel, boot_ms = started.elapsed().as_millis() as u64, "sandbox ready");
+                rec.api.state = SandboxState::Ready;
+                self.store.put(SANDBOXES, &id, &rec)?;
+                let vm = Arc::new(vm);
+                self.vms.insert(&id, vm.clone());
+                self.watch(id, vm);
+                Ok(rec.api)
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %id, error = %e, "create failed; cleaning up");
+                self.discard(&id, &dir).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn boot(&self, driver: &QemuDriver, spec: &VmSpec) -> Result<LiveVm, ServiceError> {
+        let info = driver
+            .boot(spec)
+            .await
+            .map_err(|e| ServiceError::Internal(format!("the VM did not boot: {e}")))?;
+        let timeout = Duration::from_secs(self.config.boot_timeout_s);
+        let agent = tokio::select! {
+            r = AgentClient::connect_unix(&info.agent_socket, timeout) => r,
+            _ = wait_dead(driver, &info) => {
+                return Err(ServiceError::Internal(format!(
+                    "the VM stopped before its agent answered; console: {}",
+                    tail(&info.console_log)
+                )));
+            }
+        };
+        match agent {
+            Ok(agent) => Ok(LiveVm { info, agent }),
+            Err(e) => {
+                let _ = driver.kill(&info).await;
+                Err(ServiceError::Internal(format!(
+                    "the guest agent did not answer: {e}; console: {}",
+                    tail(&info.console_log)
+                )))
+            }
+        }
+    }
+
+    /// Mark the sandbox failed when its VM dies or its agent link breaks without a remove.
+    fn watch(self: &Arc<Self>, id: String, vm: Arc<LiveVm>) {
+        let svc = Arc::downgrade(self);
+        tokio::spawn(async move {
+            vm.agent.closed().await;
+            let Some(svc) = svc.upgrade() else { return };
+            // A remove takes the VM out of the map first; then this is expected.
+            let Some(current) = svc.vms.get(&id) else { return };
+            if !Arc::ptr_eq(&current, &vm) {
+                return;
+            }
+            svc.vms.take(&id);
+            let alive = svc.vms.driver.as_ref().is_ok_and(|d| d.is_alive(&vm.info));
+            let why = if alive {
+                "the guest agent connection broke".to_owned()
+            } else {
+                format!("the VM stopped unexpectedly; console: {}", tail(&vm.info.console_log))
+            };
+            tracing::warn!(sandbox = %id, reason = %why, "sandbox failed");
+            if let Ok(d) = &svc.vms.driver {
+                let _ = d.kill(&vm.info).await;
+            }
+            svc.mark_failed(&id, why);
+        });
+    }
+
+    pub(super) fn mark_failed(&self, id: &str, why: String) {
+        if let Ok(Some(mut rec)) = self.store.get::<SandboxRecord>(SANDBOXES, id) {
+            if rec.api.state != SandboxState::Removing {
+                rec.api.state = SandboxState::Failed;
+                rec.api.error = Some(why);
+                let _ = self.store.put(SANDBOXES, id, &rec);
+            }
+        }
+    }
+
+    /// Kill whatever runs in `dir`, delete it (fenced) and forget the record.
+    async fn discard(&self, id: &str, dir: &Path) {
+        if let Ok(d) = &self.vms.driver {
+            if let Ok(Some(info)) = d.reattach(dir).await {
+                let _ = d.kill(&info).await;
+            }
+        }
+        if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {
+            tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
+        }
+        let _ = self.store.delete(SANDBOXES, id);
+    }
+
+    /// `DELETE /v1/sandboxes/{id}`: kill the VM, delete its directory and its record.
+    pub async fn remove_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
+        let mut rec = self.record(id)?;
+        rec.api.state = SandboxState::Removing;
+        self.store.put(SANDBOXES, id, &rec)?;
+        if let Some(vm) = self.vms.take(id) {
+            if let Ok(d) = &self.vms.driver {
+                d.kill(&vm.info)
+                    .await
+                    .map_err(|e| ServiceError::Internal(format!("cannot stop the VM: {e}")))?;
+            }
+        }
+        self.discard(id, &rec.dir).await;
+        tracing::info!(sandbox = %id, "sandbox removed");
+        Ok(rec.api)
+    }
+
+    /// Daemon start: reattach to VMs that outlived the previous daemon, fail the ones that did
+    /// not, finish interrupted removes, and delete VM directories that have no record.
+    pub async fn recover(self: &Arc<Self>) {
+        let recs: Vec<SandboxRecord> = match self.store.list(SANDBOXES) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read sandboxes from the store");
+                return;
+            }
+        };
+        let known: Vec<PathBuf> = recs.iter().map(|r| r.dir.clone()).collect();
+        for rec in recs {
+            let id = rec.api.id.clone();
+            match rec.api.state {
+                SandboxState::Removing => self.discard(&id, &rec.dir).await,
+                SandboxState::Creating => {
+                    tracing::warn!(sandbox = %id, "daemon restarted during create; discarding");
+                    self.discard(&id, &rec.dir).await;
+                }
+                SandboxState::Failed => {
+                    // Make sure nothing of it still runs.
+                    if let Ok(d) = &self.vms.driver {
+                        if let Ok(Some(info)) = d.reattach(&rec.dir).await {
+                            let _ = d.kill(&info).await;
+                        }
+                    }
+                }
+                SandboxState::Ready => self.reattach(&id, &rec.dir).await,
+            }
+        }
+        // Directories nobody owns (e.g. a crash between mkdir and the first store write).
+        if let Ok(entries) = std::fs::read_dir(self.paths.sandboxes_dir()) {
+            for e in entries.flatten() {
+                let p = e.path();
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !known.contains(&p) {
+                    tracing::warn!(dir = %p.display(), "removing an orphaned sandbox directory");
+                    self.discard(&name, &p).await;
+                }
+            }
+        }
+    }
+
+    async fn reattach(self: &Arc<Self>, id: &str, dir: &Path) {
+        let Ok(d) = self.vms.driver.clone() else {
+            self.mark_failed(id, "no VMM is usable after the daemon restart".into());
+            return;
+        };
+        let info = match d.reattach(dir).await {
+            Ok(Some(info)) => info,
+            Ok(None) => {
+                tracing::warn!(sandbox = %id, "its VM is gone after a daemon restart");
+                self.mark_failed(id, "the VM stopped while the daemon was not running".into());
+                return;
+            }
+            Err(e) => {
+                self.mark_failed(id, format!("cannot reattach to the VM: {e}"));
+                return;
+            }
+        };
+        match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(20)).await {
+            Ok(agent) => {
+                tracing::info!(sandbox = %id, pid = info.pid, "reattached to a running VM");
+                let vm = Arc::new(LiveVm { info, agent });
+                self.vms.insert(id, vm.clone());
+                self.watch(id.to_owned(), vm);
+            }
+            Err(e) => {
+                let _ = d.kill(&info).await;
+                self.mark_failed(id, format!("the guest agent did not answer after the daemon restart: {e}"));
+            }
+        }
+    }
+}
+
+/// Resolves when the VMM process of `info` is gone (checked every 100 ms).
+async fn wait_dead(driver: &QemuDriver, info: &VmInfo) {
+    while driver.is_alive(info) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The last lines of a log file, for error messages.
+pub fn tail(path: &Path) -> String {
+    let text = std::fs::read(path).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let start = lines.len().saturating_sub(8);
+    if lines.is_empty() { "(empty)".into() } else { lines[start..].join(" | ") }
+}

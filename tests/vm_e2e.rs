@@ -1,0 +1,258 @@
+//! End to end with real VMs: the real daemon on a temporary data root, driven by the real CLI,
+//! booting real QEMU microVMs with the guest images from `cargo xtask images`.
+//!
+//! The images are found through `TRYBOXI_ARTIFACTS` (set by `cargo xtask ci`) or `_out/`.
+//! Without images the tests skip with a message, except under CI, where that is a failure.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{BIN, Daemon};
+use sha2::{Digest, Sha256};
+
+fn artifacts() -> Option<PathBuf> {
+    let dir = std::env::var_os("TRYBOXI_ARTIFACTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/_out")));
+    if dir.join("images/manifest.json").exists() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "no guest images at {} under CI: `cargo xtask ci` builds them",
+        dir.display()
+    );
+    eprintln!("skipped: no guest images at {} (run `cargo xtask images`)", dir.display());
+    None
+}
+
+/// A daemon using the built images, with small VMs.
+fn daemon() -> Option<Daemon> {
+    let art = artifacts()?;
+    let cfg = "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n";
+    Some(Daemon::start(Some(cfg), &["--artifacts", art.to_str().unwrap()]))
+}
+
+fn create(d: &Daemon, ws: &std::path::Path) -> String {
+    let out = d.cli(&["create", "-w", ws.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "create failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        d.log_text()
+    );
+    let line = String::from_utf8(out.stdout).unwrap();
+    let id = line.split_whitespace().next().unwrap().to_owned();
+    assert!(id.starts_with("sbx_"), "{line}");
+    id
+}
+
+fn exec(d: &Daemon, id: &str, args: &[&str]) -> std::process::Output {
+    let mut a = vec!["exec"];
+    a.extend_from_slice(args);
+    let (flags, cmd): (Vec<&str>, Vec<&str>) = {
+        let pos = a.iter().position(|x| *x == "--").unwrap_or(a.len());
+        (a[..pos].to_vec(), a[pos..].to_vec())
+    };
+    let mut full = flags;
+    full.push(id);
+    full.extend(cmd);
+    d.cli(&full)
+}
+
+fn sh(d: &Daemon, id: &str, script: &str) -> std::process::Output {
+    exec(d, id, &["--", "sh", "-c", script])
+}
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn sandbox_dir(d: &Daemon, id: &str) -> PathBuf {
+    d.root().join("sandboxes").join(id)
+}
+
+fn qemu_pid(d: &Daemon, id: &str) -> i32 {
+    let vm: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(sandbox_dir(d, id).join("vm.json")).unwrap()).unwrap();
+    vm["pid"].as_i64().unwrap() as i32
+}
+
+/// True if any process's command line mentions `needle` (e.g. a sandbox directory).
+fn process_mentions(needle: &str) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+        std::fs::read(e.path().join("cmdline"))
+            .map(|c| String::from_utf8_lossy(&c).contains(needle))
+            .unwrap_or(false)
+    })
+}
+
+#[test]
+fn exec_semantics_in_a_real_vm() {
+    let Some(d) = daemon() else { return };
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+
+    // stdout, stderr, exit code, separately.
+    let o = sh(&d, &id, "echo out; echo err >&2; exit 7");
+    assert_eq!(o.status.code(), Some(7));
+    assert_eq!(stdout(&o), "out\n");
+    assert_eq!(String::from_utf8_lossy(&o.stderr), "err\n");
+    let o = exec(&d, &id, &["--", "uname", "-s"]);
+    assert!(o.status.success());
+    assert_eq!(stdout(&o), "Linux\n");
+
+    // env, cwd, stdin.
+    let o = exec(&d, &id, &["-e", "GREETING=hi there", "--cwd", "/tmp", "--", "sh", "-c", "echo \"$GREETING\"; pwd"]);
+    assert_eq!(stdout(&o), "hi there\n/tmp\n", "{}", String::from_utf8_lossy(&o.stderr));
+    let mut child = Command::new(BIN)
+        .args(["exec", "--stdin", &id, "--", "tr", "a-z", "A-Z"])
+        .env("TRYBOXI_HOME", d.root())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"from stdin").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(stdout(&o), "FROM STDIN");
+
+    // A signal death is 128 + N.
+    let o = sh(&d, &id, "kill -TERM $$");
+    assert_eq!(o.status.code(), Some(128 + 15));
+
+    // Timeout kills the whole process group, background children included.
+    let o = exec(&d, &id, &["--timeout", "1", "--", "sh", "-c", "sleep 300 & sleep 301; echo never"]);
+    assert_eq!(o.status.code(), Some(124), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(stdout(&o), "");
+    let o = sh(&d, &id, "ps -eo args | grep -c '^sleep 30[01]' || true");
+    assert_eq!(stdout(&o).trim(), "0", "sleeps survived the timeout");
+
+    // 10 MB of output, intact; binary output intact.
+    let o = sh(&d, &id, "yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c 10485760");
+    assert!(o.status.success());
+    assert_eq!(o.stdout.len(), 10 * 1024 * 1024);
+    let expected: Vec<u8> = b"0123456789abcdefghijklmnopqrstuvwxyz\n".iter().copied().cycle().take(10 * 1024 * 1024).collect();
+    assert!(o.stdout == expected, "10 MB output corrupted");
+    let o = sh(&d, &id, "head -c 300000 /dev/urandom > /tmp/bin; sha256sum /tmp/bin | cut -d' ' -f1 >&2; cat /tmp/bin");
+    assert!(o.status.success());
+    let got = hex::encode(Sha256::digest(&o.stdout));
+    assert_eq!(got, String::from_utf8_lossy(&o.stderr).trim(), "binary output corrupted");
+
+    // 20 concurrent execs.
+    let handles: Vec<_> = (0..20)
+        .map(|i| {
+            let root = d.root().to_path_buf();
+            let id = id.clone();
+            std::thread::spawn(move || {
+                let o = Command::new(BIN)
+                    .args(["exec", &id, "--", "sh", "-c", &format!("echo n{i}")])
+                    .env("TRYBOXI_HOME", root)
+                    .output()
+                    .unwrap();
+                (i, o)
+            })
+        })
+        .collect();
+    for h in handles {
+        let (i, o) = h.join().unwrap();
+        assert!(o.status.success(), "exec {i}: {}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(stdout(&o), format!("n{i}\n"));
+    }
+
+    // ls shows it; rm leaves no process, socket or file behind.
+    let o = d.cli(&["ls"]);
+    assert!(stdout(&o).contains(&id));
+    let dir = sandbox_dir(&d, &id);
+    assert!(dir.join("disk.qcow2").exists());
+    let o = d.cli(&["rm", &id]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!dir.exists(), "sandbox directory left behind");
+    assert!(!process_mentions(dir.to_str().unwrap()), "a process of the removed sandbox still runs");
+    let o = d.cli(&["exec", &id, "--", "true"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no sandbox"), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn vm_killed_mid_exec_is_an_error_and_the_sandbox_fails() {
+    let Some(d) = daemon() else { return };
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+    // Start a long exec over raw HTTP and read until the command is running.
+    let mut s = UnixStream::connect(d.socket()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let body = r#"{"cmd":"echo running; sleep 600"}"#;
+    write!(
+        s,
+        "POST /v1/sandboxes/{id}/exec HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut r = BufReader::new(s);
+    let mut seen = String::new();
+    while !seen.contains("running") {
+        let mut line = String::new();
+        assert!(r.read_line(&mut line).unwrap() > 0, "stream ended early: {seen}");
+        seen.push_str(&line);
+    }
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(qemu_pid(&d, &id)), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut r, &mut rest);
+    assert!(rest.contains("\"type\":\"error\""), "no error event after the VM died: {rest}");
+    assert!(rest.contains("vm_lost"), "{rest}");
+    // The sandbox is marked failed (bounded wait on the watcher), and says why.
+    let mut state = String::new();
+    for _ in 0..100 {
+        let j = d.request("GET", &format!("/v1/sandboxes/{id}"), None).json();
+        state = j["state"].as_str().unwrap().to_owned();
+        if state == "failed" {
+            assert!(j["error"].as_str().unwrap().contains("stopped"), "{j}");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(state, "failed");
+    let o = d.cli(&["exec", &id, "--", "true"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("failed"));
+    assert!(d.cli(&["rm", &id]).status.success());
+    assert!(!sandbox_dir(&d, &id).exists());
+}
+
+#[test]
+fn daemon_restart_finds_running_vms_again() {
+    let Some(mut d) = daemon() else { return };
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+    let o = sh(&d, &id, "echo kept > /root/state");
+    assert!(o.status.success());
+    let pid = qemu_pid(&d, &id);
+    assert!(d.stop().success());
+    // The VM outlives the daemon...
+    assert!(alive(pid), "VM died with the daemon");
+    let args: Vec<String> = vec!["--artifacts".into(), artifacts().unwrap().display().to_string()];
+    d.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    // ...and the next daemon reattaches to it.
+    let o = sh(&d, &id, "cat /root/state");
+    assert_eq!(stdout(&o), "kept\n", "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(qemu_pid(&d, &id), pid);
+    // A daemon killed outright (no cleanup) is recovered from too.
+    d.kill();
+    d.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(stdout(&sh(&d, &id, "cat /root/state")), "kept\n");
+    assert!(d.cli(&["rm", &id]).status.success());
+    assert!(!alive(pid), "the VM still runs after rm");
+}
+
+/// Whether `pid` runs (a zombie or a missing process does not).
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) != Some("Z"),
+        Err(_) => false,
+    }
+}

@@ -1,0 +1,193 @@
+//! `cargo xtask bench`: boot and exec benchmarks against a baseline measured in the same run;
+//! writes `BENCHMARKS.md`. Timings are medians over `--reps` repetitions. Never run as tests.
+//!
+//! (a) baseline: bare QEMU with the same kernel and initramfs, whose init powers off at once
+//!     (`tryboxi.probe=1`), launch to exit;
+//! (b) `POST /v1/sandboxes` to agent-ready (the call returns when the agent answers);
+//! (c) exec round trip of `true` on a ready sandbox, via the API and via the CLI;
+//! (d) QEMU RSS of an idle sandbox and the daemon's RSS.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::daemon::{Daemon, rss_kib};
+use crate::http;
+use crate::util;
+
+const MEM_MIB: u32 = 512;
+const VCPUS: u32 = 1;
+
+pub fn run(reps: usize) -> Result<()> {
+    let reps = reps.max(5);
+    let bin = crate::dist::run()?;
+    crate::images::run(&bin, crate::images::Rebuild::default())?;
+    let out = util::out_dir();
+    let images = out.join("images");
+    let home = out.join("bench-home");
+    if home.exists() {
+        std::fs::remove_dir_all(&home)?;
+    }
+    let qemu = "qemu-system-x86_64";
+    let qemu_version = util::output(Command::new(qemu).arg("--version"), "qemu --version")?
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_owned();
+
+    println!("==> (a) baseline: bare QEMU, same kernel + initramfs, init powers off at once ({reps}x)");
+    let mut base = Vec::new();
+    for _ in 0..reps {
+        base.push(bare_boot(qemu, &images, &home)?);
+    }
+
+    println!("==> starting the daemon");
+    let config = format!("default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n");
+    let d = Daemon::start(&bin, &home, &out, &config)?;
+    let sock = d.socket();
+    let ws = home.join("ws");
+    std::fs::create_dir_all(&ws)?;
+    let create_body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
+
+    // The first create resolves the acceleration (probe, cached) — not timed.
+    let (st, first) = http::request(&sock, "POST", "/v1/sandboxes", Some(&create_body))?;
+    if st != 201 {
+        bail!("create failed: HTTP {st}: {first}");
+    }
+    let keep = http::json_str(&first, "id").context("no id")?;
+    let accel = http::json_str(&first, "accel").unwrap_or_else(|| "?".into());
+
+    println!("==> (b) create to agent-ready ({reps}x, accel {accel})");
+    let mut create = Vec::new();
+    for _ in 0..reps {
+        let t = Instant::now();
+        let (st, body) = http::request(&sock, "POST", "/v1/sandboxes", Some(&create_body))?;
+        create.push(t.elapsed());
+        if st != 201 {
+            bail!("create failed: HTTP {st}: {body}");
+        }
+        let id = http::json_str(&body, "id").context("no id")?;
+        http::request(&sock, "DELETE", &format!("/v1/sandboxes/{id}"), None)?;
+    }
+
+    let exec_reps = reps * 4;
+    println!("==> (c) exec `true` round trip ({exec_reps}x API, {reps}x CLI)");
+    http::exec(&sock, &keep, r#"{"argv":["true"]}"#)?; // warm the page cache
+    let mut api = Vec::new();
+    for _ in 0..exec_reps {
+        let t = Instant::now();
+        let line = http::exec(&sock, &keep, r#"{"argv":["true"]}"#)?;
+        api.push(t.elapsed());
+        if !line.contains("\"exit_code\":0") {
+            bail!("`true` failed: {line}");
+        }
+    }
+    let mut cli = Vec::new();
+    for _ in 0..reps {
+        let t = Instant::now();
+        let st = Command::new(&bin)
+            .args(["exec", &keep, "--", "true"])
+            .env("TRYBOXI_HOME", &home)
+            .status()?;
+        cli.push(t.elapsed());
+        if !st.success() {
+            bail!("CLI exec of `true` failed");
+        }
+    }
+
+    println!("==> (d) memory of an idle sandbox and of the daemon");
+    std::thread::sleep(Duration::from_secs(2));
+    let vm: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(home.join("sandboxes").join(&keep).join("vm.json"))?)?;
+    let qemu_pid = vm["pid"].as_u64().context("vm.json pid")? as u32;
+    let qemu_rss = rss_kib(qemu_pid).context("QEMU RSS")?;
+    http::request(&sock, "DELETE", &format!("/v1/sandboxes/{keep}"), None)?;
+    std::thread::sleep(Duration::from_secs(1));
+    let daemon_rss = rss_kib(d.pid()).context("daemon RSS")?;
+    d.stop()?;
+
+    let (a, b, c_api, c_cli) = (median(&base), median(&create), median(&api), median(&cli));
+    let ratio = b.as_secs_f64() / a.as_secs_f64();
+    let mut md = String::new();
+    writeln!(md, "# Benchmarks\n")?;
+    writeln!(md, "Measured by `cargo xtask bench` on {} ({} cores, {}), {}; medians over the stated repetitions.",
+        util::output(Command::new("date").arg("-u").arg("+%Y-%m-%d %H:%M UTC"), "date")?.trim(),
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), cpu_model(), qemu_version)?;
+    writeln!(md, "Guests: {VCPUS} vCPU, {MEM_MIB} MiB. Accel mode for every row: **{accel}**.\n")?;
+    writeln!(md, "## Boot and exec\n")?;
+    writeln!(md, "| what | reps | median | min | max | target |")?;
+    writeln!(md, "|---|---|---|---|---|---|")?;
+    row(&mut md, "(a) baseline: bare QEMU launch -> init -> poweroff -> exit", &base, "")?;
+    row(&mut md, "(b) create -> agent ready (API)", &create, "(b)/(a) <= 1.3")?;
+    row(&mut md, "(c) exec `true` round trip, API", &api, "<= 25 ms")?;
+    row(&mut md, "(c) exec `true` round trip, CLI process", &cli, "")?;
+    writeln!(md, "\nRatio (b)/(a) = **{ratio:.2}** (target <= 1.3).\n")?;
+    writeln!(md, "## Memory\n")?;
+    writeln!(md, "| what | RSS | target |\n|---|---|---|")?;
+    writeln!(md, "| (d) QEMU of an idle sandbox ({MEM_MIB} MiB guest) | {:.1} MiB | |", qemu_rss as f64 / 1024.0)?;
+    writeln!(md, "| (d) daemon, idle after the run | {:.1} MiB | <= 30 MiB |", daemon_rss as f64 / 1024.0)?;
+    println!("\n{md}");
+    let path = util::repo_root().join("BENCHMARKS.md");
+    std::fs::write(&path, md)?;
+    println!("wrote {}", path.display());
+    println!("(a) {}  (b) {}  ratio {ratio:.2}  (c) api {} cli {}", fmt(a), fmt(b), fmt(c_api), fmt(c_cli));
+    Ok(())
+}
+
+/// One bare boot: launch to QEMU exit, checking the guest really ran our init.
+fn bare_boot(qemu: &str, images: &Path, scratch: &Path) -> Result<Duration> {
+    std::fs::create_dir_all(scratch)?;
+    let console: PathBuf = scratch.join("baseline-console.log");
+    let t = Instant::now();
+    let st = Command::new(qemu)
+        .args(["-M", "microvm,acpi=off", "-accel", "tcg", "-cpu", "max"])
+        .args(["-m", &MEM_MIB.to_string(), "-smp", &VCPUS.to_string()])
+        .args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"])
+        .arg("-kernel")
+        .arg(images.join("vmlinuz"))
+        .arg("-initrd")
+        .arg(images.join("initramfs.cpio.gz"))
+        .args(["-append", "console=ttyS0 reboot=t panic=-1 quiet tryboxi.probe=1"])
+        .arg("-serial")
+        .arg(format!("file:{}", console.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .status()?;
+    let el = t.elapsed();
+    let log = std::fs::read_to_string(&console).unwrap_or_default();
+    if !log.contains("TRYBOXI_PROBE_OK") {
+        bail!("the baseline guest did not reach init (QEMU {st}): {log}");
+    }
+    Ok(el)
+}
+
+fn median(v: &[Duration]) -> Duration {
+    let mut s = v.to_vec();
+    s.sort();
+    s[s.len() / 2]
+}
+
+fn fmt(d: Duration) -> String {
+    if d < Duration::from_secs(1) {
+        format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+    } else {
+        format!("{:.3} s", d.as_secs_f64())
+    }
+}
+
+fn row(md: &mut String, what: &str, v: &[Duration], target: &str) -> Result<()> {
+    let min = v.iter().min().copied().unwrap_or_default();
+    let max = v.iter().max().copied().unwrap_or_default();
+    writeln!(md, "| {what} | {} | {} | {} | {} | {target} |", v.len(), fmt(median(v)), fmt(min), fmt(max))?;
+    Ok(())
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned()))
+        .unwrap_or_else(|| "unknown CPU".into())
+}

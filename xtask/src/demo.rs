@@ -1,0 +1,54 @@
+//! `cargo xtask demo`: the main job on a fresh machine. Installs what is needed, builds the
+//! binary and images (cached), starts the daemon on a scratch data root, creates a sandbox for a
+//! repo, runs commands in it, removes it and stops the daemon.
+
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::daemon::Daemon;
+use crate::util;
+
+pub fn run(repo: Option<std::path::PathBuf>) -> Result<()> {
+    crate::deps::run()?;
+    let bin = crate::dist::run()?;
+    crate::images::run(&bin, crate::images::Rebuild::default())?;
+    let out = util::out_dir();
+    let repo = repo.unwrap_or_else(util::repo_root);
+    let home = out.join("demo-home");
+    println!("\n==> starting the daemon (data root {})", home.display());
+    let d = Daemon::start(&bin, &home, &out, "")?;
+    let res = session(&bin, &d, &repo);
+    println!("\n==> stopping the daemon");
+    d.stop()?;
+    res
+}
+
+fn session(bin: &std::path::Path, d: &Daemon, repo: &std::path::Path) -> Result<()> {
+    let cli = |args: &[&str]| -> Result<std::process::Output> {
+        println!("$ tryboxi {}", args.join(" "));
+        let o = Command::new(bin).args(args).env("TRYBOXI_HOME", &d.home).output()?;
+        print!("{}", String::from_utf8_lossy(&o.stdout));
+        eprint!("{}", String::from_utf8_lossy(&o.stderr));
+        Ok(o)
+    };
+    cli(&["doctor"])?;
+    println!("\n==> creating a sandbox for {} (boots a microVM)", repo.display());
+    let started = std::time::Instant::now();
+    let o = cli(&["create", "-w", &repo.display().to_string()])?;
+    if !o.status.success() {
+        bail!("create failed; daemon log: {}", d.log.display());
+    }
+    println!("   (ready in {})", util::fmt_dur(started.elapsed()));
+    let id = String::from_utf8(o.stdout)?.split_whitespace().next().context("no id")?.to_owned();
+    let o = cli(&["exec", &id, "--", "sh", "-c", "uname -a; cat /etc/os-release | head -2; nproc; free -m | head -2"])?;
+    let o2 = cli(&["exec", &id, "--", "sh", "-c", "echo to-stderr >&2; exit 3"])?;
+    println!("   (exit code {:?}, expected 3)", o2.status.code());
+    cli(&["ls"])?;
+    cli(&["rm", &id])?;
+    if !o.status.success() || o2.status.code() != Some(3) {
+        bail!("the demo's commands did not behave as expected; daemon log: {}", d.log.display());
+    }
+    println!("\n==> demo done");
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! A tiny HTTP/1.1 client over the daemon's unix socket, for `demo` and `bench` (the xtask
+//! crate does not link the tryboxi crate).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+
+/// Send one request (Connection: close); returns (status, body). Chunked bodies are decoded.
+pub fn request(sock: &Path, method: &str, path: &str, body: Option<&str>) -> Result<(u16, String)> {
+    let mut s = UnixStream::connect(sock).with_context(|| format!("connect {}", sock.display()))?;
+    send(&mut s, method, path, body)?;
+    let mut r = BufReader::new(s);
+    let (status, chunked) = read_head(&mut r)?;
+    let mut raw = Vec::new();
+    r.read_to_end(&mut raw)?;
+    let body = if chunked { dechunk(&raw) } else { raw };
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// POST an exec and read NDJSON lines until the `exit` line; returns that line.
+pub fn exec(sock: &Path, id: &str, body: &str) -> Result<String> {
+    let mut s = UnixStream::connect(sock)?;
+    send(&mut s, "POST", &format!("/v1/sandboxes/{id}/exec"), Some(body))?;
+    let mut r = BufReader::new(s);
+    let (status, _) = read_head(&mut r)?;
+    let mut all = Vec::new();
+    r.read_to_end(&mut all)?;
+    let text = String::from_utf8_lossy(&dechunk(&all)).into_owned();
+    if status != 200 {
+        bail!("exec: HTTP {status}: {text}");
+    }
+    text.lines()
+        .find(|l| l.contains("\"type\":\"exit\""))
+        .map(str::to_owned)
+        .with_context(|| format!("no exit line in: {text}"))
+}
+
+fn send(s: &mut UnixStream, method: &str, path: &str, body: Option<&str>) -> Result<()> {
+    let body = body.unwrap_or("");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    Ok(())
+}
+
+fn read_head<R: BufRead>(r: &mut R) -> Result<(u16, bool)> {
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let status: u16 = line.split_whitespace().nth(1).context("no status line")?.parse()?;
+    let mut chunked = false;
+    loop {
+        line.clear();
+        r.read_line(&mut line)?;
+        if line.trim().is_empty() {
+            break;
+        }
+        if line.to_ascii_lowercase().starts_with("transfer-encoding: chunked") {
+            chunked = true;
+        }
+    }
+    Ok((status, chunked))
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
+        let Ok(size) = usize::from_str_radix(String::from_utf8_lossy(&b[..nl]).trim(), 16) else { break };
+        if size == 0 || b.len() < nl + 2 + size {
+            break;
+        }
+        out.extend_from_slice(&b[nl + 2..nl + 2 + size]);
+        b = &b[(nl + 4 + size).min(b.len())..];
+    }
+    out
+}
+
+/// A JSON string field of a flat JSON text (enough for ids and states).
+pub fn json_str(text: &str, key: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    v.get(key)?.as_str().map(str::to_owned)
+}
