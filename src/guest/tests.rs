@@ -1,0 +1,1 @@
+//! Host-only tests of the real agent code against the real client.
