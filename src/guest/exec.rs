@@ -403,6 +403,11 @@ impl Exec {
         let _ = self.stdin.send(StdinMsg::End);
     }
 
+    /// Bytes of output (plus per-event overhead) held for the host right now.
+    pub fn spooled_bytes(&self) -> usize {
+        self.lock().spool_bytes
+    }
+
     /// True once the exit event has been acknowledged (the exec is gone from the table).
     pub fn finished(&self) -> bool {
         let st = self.lock();

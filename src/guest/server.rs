@@ -92,7 +92,7 @@ where
     let (mut rd, wr) = tokio::io::split(io);
     let outbox = Arc::new(Outbox::new());
     let w = outbox.clone();
-    let writer = tokio::spawn(async move { w.run_writer(wr).await });
+    let writer = AbortOnDrop(tokio::spawn(async move { w.run_writer(wr).await }));
     let routes: Routes = Arc::default();
     let res = serve_inner(&agent, &mut rd, &outbox, &routes).await;
     if !matches!(res, Ok(ServeEnd::Shutdown)) || agent.shutdown == ShutdownMode::Return {
@@ -104,8 +104,17 @@ where
             sem.close();
         }
     }
-    writer.abort();
+    drop(writer);
     res
+}
+
+/// Aborts the task when dropped, so a cancelled `serve` drops the transport too.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 async fn serve_inner<R: AsyncRead + Unpin>(
