@@ -527,10 +527,10 @@ async fn feed_stdin(
     while let Some(msg) = rx.recv().await {
         match msg {
             StdinMsg::Data(bytes, outbox, stream) => {
-                if let Some(p) = &mut w {
-                    if p.write_all(&bytes).await.is_err() {
-                        w = None; // the command closed its stdin; drop the rest
-                    }
+                if let Some(p) = &mut w
+                    && p.write_all(&bytes).await.is_err()
+                {
+                    w = None; // the command closed its stdin; drop the rest
                 }
                 let _ = outbox.send_control(Frame {
                     stream,

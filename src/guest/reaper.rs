@@ -80,25 +80,22 @@ impl Reaper {
     fn reap(&self) {
         let mut owners = self.lock();
         match self.mode {
-            ReapMode::All => loop {
-                match wait(-1) {
-                    Some((pid, st)) => {
-                        if let Some(tx) = owners.remove(&pid) {
-                            let _ = tx.send(st);
-                        } else {
-                            tracing::trace!(pid, "reaped orphan");
-                        }
+            ReapMode::All => {
+                while let Some((pid, st)) = wait(-1) {
+                    if let Some(tx) = owners.remove(&pid) {
+                        let _ = tx.send(st);
+                    } else {
+                        tracing::trace!(pid, "reaped orphan");
                     }
-                    None => break,
                 }
-            },
+            }
             ReapMode::OwnOnly => {
                 let pids: Vec<i32> = owners.keys().copied().collect();
                 for pid in pids {
-                    if let Some((pid, st)) = wait(pid) {
-                        if let Some(tx) = owners.remove(&pid) {
-                            let _ = tx.send(st);
-                        }
+                    if let Some((pid, st)) = wait(pid)
+                        && let Some(tx) = owners.remove(&pid)
+                    {
+                        let _ = tx.send(st);
                     }
                 }
             }

@@ -175,11 +175,10 @@ async fn serve_inner<R: AsyncRead + Unpin>(
                 let mut g = lock(routes);
                 match g.get(&stream) {
                     Some(Route::Exec(e)) => e.stdin_data(d, outbox.clone(), stream),
-                    Some(Route::Write(tx)) => {
-                        if tx.send(WriteMsg::Data(d)).is_err() {
-                            g.remove(&stream);
-                        }
+                    Some(Route::Write(tx)) if tx.send(WriteMsg::Data(d)).is_err() => {
+                        g.remove(&stream);
                     }
+                    Some(Route::Write(_)) => {}
                     Some(_) => {
                         return Err(ServeError::Protocol(format!("data on stream {stream}")));
                     }

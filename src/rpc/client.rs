@@ -119,11 +119,11 @@ impl Shared {
             }
             return Ok(());
         }
-        if let Some(map) = self.lock_streams().as_ref() {
-            if let Some(tx) = map.get(&frame.stream) {
-                // The receiver may be gone (caller dropped); late frames are discarded.
-                let _ = tx.send(frame.body);
-            }
+        if let Some(map) = self.lock_streams().as_ref()
+            && let Some(tx) = map.get(&frame.stream)
+        {
+            // The receiver may be gone (caller dropped); late frames are discarded.
+            let _ = tx.send(frame.body);
         }
         Ok(())
     }
