@@ -1,3 +1,62 @@
 //! Host <-> guest RPC: length-prefixed bincode frames, message types, stream multiplexing
 //! with per-stream flow control. Shared by the daemon and the guest agent; transport-agnostic
-//! (virtio-serial by default, vsock where the host offers it).
+//! (virtio-serial by default, vsock where the host offers it): everything runs over any tokio
+//! `AsyncRead + AsyncWrite`.
+//!
+//! Owns the wire contract (see `docs/RPC.md`) and the host-side [`AgentClient`]. It never
+//! touches VMs, disks or processes: the guest side of the work lives in `crate::guest`.
+//!
+//! Layout: [`msg`] (types), [`frame`] (codec), [`outbox`] (fair writer), [`client`] (host API).
+
+// The daemon adopts this API in its own branch; until then parts are only used by tests.
+#![allow(dead_code)]
+
+pub mod client;
+pub mod frame;
+pub mod msg;
+pub mod outbox;
+
+#[allow(unused_imports)]
+pub use client::{AgentClient, ExecEvent, ExecRequest, ExecStream};
+pub use frame::FrameError;
+#[allow(unused_imports)]
+pub use msg::{DirEntry, FileKind, FileStat, PtySize, RemoteError};
+
+/// Bytes of `Data` a sender may have in flight per stream before the receiver grants credit.
+/// Also the window of unacknowledged exec output the guest may have in flight per exec.
+pub const WINDOW: usize = 256 * 1024;
+
+/// Errors of the RPC layer, seen by the daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum RpcError {
+    #[error(
+        "the guest agent connection is gone (VM stopped, crashed or restarted); reconnect or recreate the sandbox"
+    )]
+    Disconnected,
+    #[error("the guest agent did not answer within {0:?}; the VM may still be booting or be hung")]
+    Timeout(std::time::Duration),
+    #[error(
+        "protocol version mismatch: host speaks {ours}, guest agent {agent_version} speaks {theirs}; rebuild the initramfs with this tryboxi binary"
+    )]
+    VersionMismatch {
+        ours: u32,
+        theirs: u32,
+        agent_version: String,
+    },
+    #[error("the guest agent refused the request: {0}")]
+    Remote(RemoteError),
+    #[error("the guest agent sent an unexpected frame ({0}); it is broken or from another version")]
+    Protocol(String),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error("cannot reach the agent channel: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl From<outbox::Closed> for RpcError {
+    fn from(_: outbox::Closed) -> Self {
+        RpcError::Disconnected
+    }
+}

@@ -1,0 +1,237 @@
+//! File requests: read, atomic write, stat, list, mkdir -p, remove.
+//!
+//! Owns guest-path file access for the host. Paths are guest paths and must be absolute
+//! (relative ones are refused: there is no meaningful cwd for the host). It never follows the
+//! host's idea of safety beyond that: inside the VM the host is root.
+
+use crate::rpc::frame::CHUNK;
+use crate::rpc::msg::{Body, DirEntry, ErrorKind, FileKind, FileStat, Frame, RemoteError, Reply};
+use crate::rpc::outbox::Outbox;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{Semaphore, mpsc};
+
+/// Content of a file being written, as it arrives.
+pub enum WriteMsg {
+    Data(Vec<u8>),
+    End,
+}
+
+pub fn check_path(path: &str) -> Result<PathBuf, RemoteError> {
+    if !path.starts_with('/') {
+        return Err(RemoteError::new(
+            ErrorKind::InvalidRequest,
+            format!("path {path:?} is not absolute; guest paths must start with /"),
+        ));
+    }
+    if path.contains('\0') {
+        return Err(RemoteError::new(
+            ErrorKind::InvalidRequest,
+            "path contains a NUL byte",
+        ));
+    }
+    Ok(PathBuf::from(path))
+}
+
+fn stat_of(md: &std::fs::Metadata) -> FileStat {
+    let ft = md.file_type();
+    let kind = if ft.is_symlink() {
+        FileKind::Symlink
+    } else if ft.is_dir() {
+        FileKind::Dir
+    } else if ft.is_file() {
+        FileKind::File
+    } else {
+        FileKind::Other
+    };
+    FileStat {
+        kind,
+        size: md.len(),
+        mode: md.mode() & 0o7777,
+        mtime: md.mtime(),
+    }
+}
+
+/// Answers stat/list/mkdir/remove (blocking file system calls; run on a blocking thread).
+pub fn simple(req: crate::rpc::msg::Request) -> Result<Reply, RemoteError> {
+    use crate::rpc::msg::Request as R;
+    let ctx = |what: &str, p: &Path| format!("{what} {}", p.display());
+    match req {
+        R::Stat { path } => {
+            let p = check_path(&path)?;
+            let md = std::fs::symlink_metadata(&p)
+                .map_err(|e| RemoteError::from_io(&ctx("stat", &p), &e))?;
+            Ok(Reply::Stat(stat_of(&md)))
+        }
+        R::List { path } => {
+            let p = check_path(&path)?;
+            let rd =
+                std::fs::read_dir(&p).map_err(|e| RemoteError::from_io(&ctx("list", &p), &e))?;
+            let mut out = Vec::new();
+            for ent in rd {
+                let ent = ent.map_err(|e| RemoteError::from_io(&ctx("list", &p), &e))?;
+                // An entry removed while listing is skipped, not an error.
+                let Ok(md) = std::fs::symlink_metadata(ent.path()) else {
+                    continue;
+                };
+                out.push(DirEntry {
+                    name: ent.file_name().to_string_lossy().into_owned(),
+                    stat: stat_of(&md),
+                });
+            }
+            out.sort_by(|a, b| a.name.cmp(&b.name));
+            Ok(Reply::List(out))
+        }
+        R::Mkdir { path, mode } => {
+            let p = check_path(&path)?;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(mode & 0o7777)
+                .create(&p)
+                .map_err(|e| RemoteError::from_io(&ctx("mkdir", &p), &e))?;
+            Ok(Reply::Done)
+        }
+        R::Remove { path, recursive } => {
+            let p = check_path(&path)?;
+            if p == Path::new("/") {
+                return Err(RemoteError::new(
+                    ErrorKind::InvalidRequest,
+                    "refusing to remove /",
+                ));
+            }
+            let md = std::fs::symlink_metadata(&p)
+                .map_err(|e| RemoteError::from_io(&ctx("remove", &p), &e))?;
+            let r = if md.is_dir() {
+                if recursive {
+                    std::fs::remove_dir_all(&p)
+                } else {
+                    std::fs::remove_dir(&p)
+                }
+            } else {
+                std::fs::remove_file(&p)
+            };
+            r.map_err(|e| RemoteError::from_io(&ctx("remove", &p), &e))?;
+            Ok(Reply::Done)
+        }
+        other => Err(RemoteError::new(
+            ErrorKind::Protocol,
+            format!("not a file request: {other:?}"),
+        )),
+    }
+}
+
+/// Streams a file to the host as `Data` chunks within the stream's credit, then `DataEnd`.
+pub async fn read(path: String, outbox: Arc<Outbox>, stream: u32, credit: Arc<Semaphore>) {
+    let res: Result<(), RemoteError> = async {
+        let p = check_path(&path)?;
+        let mut f = tokio::fs::File::open(&p)
+            .await
+            .map_err(|e| RemoteError::from_io(&format!("read {}", p.display()), &e))?;
+        let mut buf = vec![0u8; CHUNK];
+        loop {
+            let n = f
+                .read(&mut buf)
+                .await
+                .map_err(|e| RemoteError::from_io(&format!("read {}", p.display()), &e))?;
+            if n == 0 {
+                break;
+            }
+            match credit.acquire_many(n as u32).await {
+                Ok(permit) => permit.forget(),
+                Err(_) => return Ok(()), // the connection is gone
+            }
+            if outbox
+                .send(Frame {
+                    stream,
+                    body: Body::Data(buf[..n].to_vec()),
+                })
+                .is_err()
+            {
+                return Ok(());
+            }
+        }
+        let _ = outbox.send(Frame {
+            stream,
+            body: Body::DataEnd,
+        });
+        Ok(())
+    }
+    .await;
+    if let Err(e) = res {
+        let _ = outbox.send(Frame {
+            stream,
+            body: Body::Error(e),
+        });
+    }
+}
+
+/// Receives a file's content into a temporary file next to `path`, then renames it in place.
+pub async fn write(
+    path: String,
+    mode: u32,
+    mut rx: mpsc::UnboundedReceiver<WriteMsg>,
+    outbox: Arc<Outbox>,
+    stream: u32,
+) {
+    let mut tmp: Option<PathBuf> = None;
+    let res: Result<bool, RemoteError> = async {
+        let p = check_path(&path)?;
+        let (Some(dir), Some(name)) = (p.parent(), p.file_name()) else {
+            return Err(RemoteError::new(
+                ErrorKind::InvalidRequest,
+                format!("{path:?} names no file"),
+            ));
+        };
+        let mut rnd = [0u8; 8];
+        getrandom::fill(&mut rnd).map_err(|e| RemoteError::new(ErrorKind::Io, e.to_string()))?;
+        let t = dir.join(format!(
+            ".{}.tryboxi-{}",
+            name.to_string_lossy(),
+            hex::encode(rnd)
+        ));
+        let ctx = |e: std::io::Error| RemoteError::from_io(&format!("write {}", p.display()), &e);
+        let mut f = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode & 0o7777)
+            .open(&t)
+            .await
+            .map_err(ctx)?;
+        tmp = Some(t.clone());
+        loop {
+            match rx.recv().await {
+                Some(WriteMsg::Data(d)) => {
+                    f.write_all(&d).await.map_err(ctx)?;
+                    let _ = outbox.send_control(Frame {
+                        stream,
+                        body: Body::Credit(d.len() as u32),
+                    });
+                }
+                Some(WriteMsg::End) => break,
+                None => return Ok(false), // connection gone: abandon
+            }
+        }
+        f.flush().await.map_err(ctx)?;
+        // The umask may have narrowed the mode at create time; set it exactly.
+        f.set_permissions(std::fs::Permissions::from_mode(mode & 0o7777))
+            .await
+            .map_err(ctx)?;
+        f.sync_all().await.map_err(ctx)?;
+        drop(f);
+        tokio::fs::rename(&t, &p).await.map_err(ctx)?;
+        tmp = None;
+        Ok(true)
+    }
+    .await;
+    if let Some(t) = tmp {
+        let _ = tokio::fs::remove_file(t).await;
+    }
+    let body = match res {
+        Ok(true) => Body::Reply(Reply::Done),
+        Ok(false) => return,
+        Err(e) => Body::Error(e),
+    };
+    let _ = outbox.send(Frame { stream, body });
+}

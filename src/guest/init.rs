@@ -1,0 +1,239 @@
+//! PID 1 duties before the agent serves: mounts, switch_root, hostname, loopback, power off.
+//!
+//! Owns the guest's early boot. Runs only as PID 1 inside a VM (never in tests, never on the
+//! host) and touches no disk before the `tryboxi.probe` check. Loads nothing from the network.
+
+use nix::mount::{MsFlags, mount};
+use std::io::Write;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    #[error("mount {what} on {target}: {source}; check the guest kernel config")]
+    Mount {
+        what: String,
+        target: String,
+        source: nix::Error,
+    },
+    #[error("root disk {0} did not appear within 10 s; is the virtio-blk device attached?")]
+    NoRoot(String),
+    #[error("{0}: {1}")]
+    Sys(&'static str, std::io::Error),
+}
+
+/// Options from the kernel command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cmdline {
+    pub hostname: String,
+    pub port: String,
+    pub probe: bool,
+    pub root: String,
+}
+
+impl Cmdline {
+    pub fn parse(s: &str) -> Self {
+        let mut c = Cmdline {
+            hostname: "sandbox".into(),
+            port: "tryboxi.agent".into(),
+            probe: false,
+            root: "/dev/vda".into(),
+        };
+        for w in s.split_whitespace() {
+            if let Some(v) = w.strip_prefix("tryboxi.hostname=") {
+                c.hostname = v.into();
+            } else if let Some(v) = w.strip_prefix("tryboxi.port=") {
+                c.port = v.into();
+            } else if let Some(v) = w.strip_prefix("tryboxi.root=") {
+                c.root = v.into();
+            } else if w == "tryboxi.probe=1" {
+                c.probe = true;
+            }
+        }
+        c
+    }
+}
+
+/// Writes one line to the console (the VMM driver watches the serial log).
+pub fn console(line: &str) {
+    match std::fs::OpenOptions::new().write(true).open("/dev/console") {
+        Ok(mut f) => {
+            let _ = writeln!(f, "{line}");
+        }
+        Err(_) => eprintln!("{line}"),
+    }
+}
+
+/// Syncs disks and ends the VM (QEMU runs with `-no-reboot`, so a reboot ends it too).
+pub fn power_off() -> ! {
+    nix::unistd::sync();
+    let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
+    let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_AUTOBOOT);
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+fn mnt(
+    src: &str,
+    target: &str,
+    fstype: Option<&str>,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<(), InitError> {
+    let _ = std::fs::create_dir_all(target);
+    match mount(Some(src), target, fstype, flags, data) {
+        Ok(()) | Err(nix::Error::EBUSY) => Ok(()),
+        Err(e) => Err(InitError::Mount {
+            what: fstype.unwrap_or(src).to_string(),
+            target: target.into(),
+            source: e,
+        }),
+    }
+}
+
+/// Mounts /proc (needed to read the command line) and returns the parsed command line.
+pub fn proc_and_cmdline() -> Result<Cmdline, InitError> {
+    let nodev = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mnt("proc", "/proc", Some("proc"), nodev, None)?;
+    let s = std::fs::read_to_string("/proc/cmdline")
+        .map_err(|e| InitError::Sys("read /proc/cmdline", e))?;
+    Ok(Cmdline::parse(&s))
+}
+
+/// Mounts the root disk and switches into it, then sets up the rest of the system.
+pub fn boot(cmd: &Cmdline) -> Result<(), InitError> {
+    let nodev = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mnt("sysfs", "/sys", Some("sysfs"), nodev, None)?;
+    mnt(
+        "devtmpfs",
+        "/dev",
+        Some("devtmpfs"),
+        MsFlags::MS_NOSUID,
+        Some("mode=0755"),
+    )?;
+
+    let t0 = Instant::now();
+    while !Path::new(&cmd.root).exists() {
+        if t0.elapsed() > Duration::from_secs(10) {
+            return Err(InitError::NoRoot(cmd.root.clone()));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    mnt(&cmd.root, "/newroot", Some("ext4"), MsFlags::empty(), None)?;
+    for d in ["dev", "proc", "sys"] {
+        let target = format!("/newroot/{d}");
+        mnt(&format!("/{d}"), &target, None, MsFlags::MS_MOVE, None)?;
+    }
+    // The initramfs switch_root dance (the initramfs itself is not freed).
+    std::env::set_current_dir("/newroot").map_err(|e| InitError::Sys("chdir /newroot", e))?;
+    mnt(".", "/", None, MsFlags::MS_MOVE, None)?;
+    nix::unistd::chroot(".").map_err(|e| InitError::Sys("chroot", e.into()))?;
+    std::env::set_current_dir("/").map_err(|e| InitError::Sys("chdir /", e))?;
+
+    mnt(
+        "devpts",
+        "/dev/pts",
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("gid=5,mode=0620,ptmxmode=0666"),
+    )?;
+    if std::fs::symlink_metadata("/dev/ptmx").is_err() {
+        let _ = std::os::unix::fs::symlink("pts/ptmx", "/dev/ptmx");
+    }
+    mnt(
+        "tmpfs",
+        "/dev/shm",
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=1777"),
+    )?;
+    mnt(
+        "tmpfs",
+        "/tmp",
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=1777"),
+    )?;
+    mnt(
+        "tmpfs",
+        "/run",
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=0755"),
+    )?;
+    if let Err(e) = mnt("cgroup2", "/sys/fs/cgroup", Some("cgroup2"), nodev, None) {
+        tracing::warn!(error = %e, "no cgroup2");
+    }
+    if let Err(e) = nix::unistd::sethostname(&cmd.hostname) {
+        tracing::warn!(error = %e, "sethostname");
+    }
+    if let Err(e) = loopback_up() {
+        tracing::warn!(error = %e, "lo up");
+    }
+    std::fs::create_dir_all("/workspace").map_err(|e| InitError::Sys("mkdir /workspace", e))?;
+    Ok(())
+}
+
+/// The environment every exec starts from.
+pub fn default_env() -> Vec<(String, String)> {
+    [
+        (
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        ),
+        ("HOME", "/root"),
+        ("LANG", "C.UTF-8"),
+        ("USER", "root"),
+        ("SHELL", "/bin/bash"),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect()
+}
+
+fn loopback_up() -> std::io::Result<()> {
+    // SAFETY: a plain datagram socket used only for the two ioctls below, closed at the end.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: ifreq is plain data; zeroed is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (i, b) in b"lo".iter().enumerate() {
+        ifr.ifr_name[i] = *b as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS read and write the ifreq we own; fd is valid.
+    let r = unsafe {
+        if libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut ifr) < 0 {
+            -1
+        } else {
+            ifr.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+            libc::ioctl(fd, libc::SIOCSIFFLAGS, &ifr)
+        }
+    };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: fd is ours and closed once.
+    unsafe { libc::close(fd) };
+    if r < 0 { Err(err) } else { Ok(()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cmdline_options_are_parsed_with_defaults() {
+        let c = Cmdline::parse("console=ttyS0 tryboxi.hostname=box1 tryboxi.probe=1");
+        assert_eq!(c.hostname, "box1");
+        assert!(c.probe);
+        assert_eq!(c.port, "tryboxi.agent");
+        assert_eq!(c.root, "/dev/vda");
+        let d = Cmdline::parse("tryboxi.port=p2 tryboxi.root=/dev/vdb");
+        assert_eq!(
+            (d.port.as_str(), d.root.as_str(), d.probe),
+            ("p2", "/dev/vdb", false)
+        );
+        assert_eq!(d.hostname, "sandbox");
+    }
+}

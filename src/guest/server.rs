@@ -1,0 +1,321 @@
+//! The agent's RPC server: one [`Agent`] per guest, [`serve`] once per host connection.
+//!
+//! Owns the guest end of a connection: the handshake, routing of frames to execs and file
+//! transfers, credit for host->guest data. State that must survive a reconnect (the execs and
+//! their spools) lives in [`Agent`], not in the connection. It never powers off by itself unless
+//! built with [`ShutdownMode::PowerOff`] (PID 1 only).
+
+use super::exec::{Exec, ExecConfig, ExecTable};
+use super::files::{self, WriteMsg};
+use super::reaper::{ReapMode, Reaper};
+use crate::rpc::WINDOW;
+use crate::rpc::frame::{FrameError, read_frame};
+use crate::rpc::msg::{
+    Body, CONTROL_STREAM, ErrorKind, Frame, PROTOCOL_VERSION, RemoteError, Reply, Request,
+};
+use crate::rpc::outbox::Outbox;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{Semaphore, mpsc};
+
+pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownMode {
+    /// Sync and power the machine off (PID 1 in a VM).
+    PowerOff,
+    /// Reply, then make [`serve`] return [`ServeEnd::Shutdown`] (tests, non-PID-1 runs).
+    Return,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error("the host broke the protocol: {0}")]
+    Protocol(String),
+    #[error("the host speaks protocol {0}, this agent {PROTOCOL_VERSION}")]
+    Version(u32),
+}
+
+/// Why [`serve`] returned without error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServeEnd {
+    /// The host went away; reconnecting is up to the caller.
+    Eof,
+    /// The host asked for a shutdown (only with [`ShutdownMode::Return`]).
+    Shutdown,
+}
+
+/// Everything that outlives one connection.
+pub struct Agent {
+    pub execs: Arc<ExecTable>,
+    shutdown: ShutdownMode,
+}
+
+impl Agent {
+    /// Must be called inside a tokio runtime (it starts the reaper).
+    pub fn new(
+        cfg: ExecConfig,
+        reap: ReapMode,
+        shutdown: ShutdownMode,
+    ) -> std::io::Result<Arc<Self>> {
+        let reaper = Reaper::start(reap)?;
+        Ok(Arc::new(Self {
+            execs: ExecTable::new(cfg, reaper),
+            shutdown,
+        }))
+    }
+}
+
+enum Route {
+    Exec(Arc<Exec>),
+    Write(mpsc::UnboundedSender<WriteMsg>),
+    Read(Arc<Semaphore>),
+    /// A one-shot request in progress; data for it is a protocol error.
+    Busy,
+}
+
+type Routes = Arc<std::sync::Mutex<HashMap<u32, Route>>>;
+
+fn lock(r: &Routes) -> std::sync::MutexGuard<'_, HashMap<u32, Route>> {
+    r.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Serves one host connection until it ends.
+pub async fn serve<S>(agent: Arc<Agent>, io: S) -> Result<ServeEnd, ServeError>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (mut rd, wr) = tokio::io::split(io);
+    let outbox = Arc::new(Outbox::new());
+    let w = outbox.clone();
+    let writer = AbortOnDrop(tokio::spawn(async move { w.run_writer(wr).await }));
+    let routes: Routes = Arc::default();
+    let res = serve_inner(&agent, &mut rd, &outbox, &routes).await;
+    if !matches!(res, Ok(ServeEnd::Shutdown)) || agent.shutdown == ShutdownMode::Return {
+        let _ = tokio::time::timeout(Duration::from_secs(2), outbox.wait_idle()).await;
+    }
+    outbox.close();
+    for (_, r) in lock(&routes).drain() {
+        if let Route::Read(sem) = r {
+            sem.close();
+        }
+    }
+    drop(writer);
+    res
+}
+
+/// Aborts the task when dropped, so a cancelled `serve` drops the transport too.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn serve_inner<R: AsyncRead + Unpin>(
+    agent: &Arc<Agent>,
+    rd: &mut R,
+    outbox: &Arc<Outbox>,
+    routes: &Routes,
+) -> Result<ServeEnd, ServeError> {
+    match read_frame(rd).await? {
+        None => return Ok(ServeEnd::Eof),
+        Some(Frame {
+            body: Body::Hello { protocol, version },
+            ..
+        }) => {
+            tracing::info!(host_version = %version, protocol, "host connected");
+            let ack = Body::HelloAck {
+                protocol: PROTOCOL_VERSION,
+                version: AGENT_VERSION.into(),
+            };
+            let _ = outbox.send_control(Frame {
+                stream: CONTROL_STREAM,
+                body: ack,
+            });
+            if protocol != PROTOCOL_VERSION {
+                return Err(ServeError::Version(protocol));
+            }
+        }
+        Some(f) => {
+            return Err(ServeError::Protocol(format!(
+                "expected Hello, got {:?}",
+                f.body
+            )));
+        }
+    }
+    loop {
+        let frame = tokio::select! {
+            f = read_frame(rd) => f?,
+            _ = outbox.closed() => return Ok(ServeEnd::Eof),
+        };
+        let Some(Frame { stream, body }) = frame else {
+            return Ok(ServeEnd::Eof);
+        };
+        if stream == CONTROL_STREAM {
+            return Err(ServeError::Protocol(format!("frame on stream 0: {body:?}")));
+        }
+        match body {
+            Body::Request(req) => {
+                if lock(routes).contains_key(&stream) {
+                    return Err(ServeError::Protocol(format!(
+                        "stream {stream} opened twice"
+                    )));
+                }
+                if let Some(end) = request(agent, outbox, routes, stream, req).await {
+                    return Ok(end);
+                }
+            }
+            Body::Data(d) => {
+                let mut g = lock(routes);
+                match g.get(&stream) {
+                    Some(Route::Exec(e)) => e.stdin_data(d, outbox.clone(), stream),
+                    Some(Route::Write(tx)) if tx.send(WriteMsg::Data(d)).is_err() => {
+                        g.remove(&stream);
+                    }
+                    Some(Route::Write(_)) => {}
+                    Some(_) => {
+                        return Err(ServeError::Protocol(format!("data on stream {stream}")));
+                    }
+                    None => {} // the request already failed; its late data is dropped
+                }
+            }
+            Body::DataEnd => match lock(routes).get(&stream) {
+                Some(Route::Exec(e)) => e.stdin_end(),
+                Some(Route::Write(tx)) => {
+                    let _ = tx.send(WriteMsg::End);
+                }
+                _ => {}
+            },
+            Body::Credit(n) => {
+                if let Some(Route::Read(sem)) = lock(routes).get(&stream) {
+                    if sem.available_permits() + n as usize > WINDOW {
+                        return Err(ServeError::Protocol(format!("credit overflow on {stream}")));
+                    }
+                    sem.add_permits(n as usize);
+                }
+            }
+            Body::Kill(sig) => {
+                if let Some(Route::Exec(e)) = lock(routes).get(&stream) {
+                    e.kill(sig);
+                }
+            }
+            Body::Resize { rows, cols } => {
+                if let Some(Route::Exec(e)) = lock(routes).get(&stream) {
+                    e.resize(rows, cols);
+                }
+            }
+            Body::ExecAck { seq } => {
+                let mut g = lock(routes);
+                if let Some(Route::Exec(e)) = g.get(&stream) {
+                    e.ack(seq);
+                    if e.finished() {
+                        g.remove(&stream);
+                    }
+                }
+            }
+            other => return Err(ServeError::Protocol(format!("unexpected frame {other:?}"))),
+        }
+    }
+}
+
+fn reply(outbox: &Outbox, stream: u32, r: Result<Reply, RemoteError>) {
+    let body = match r {
+        Ok(r) => Body::Reply(r),
+        Err(e) => Body::Error(e),
+    };
+    let _ = outbox.send(Frame { stream, body });
+}
+
+/// Starts one request. Returns `Some` when the connection must end (shutdown).
+async fn request(
+    agent: &Arc<Agent>,
+    outbox: &Arc<Outbox>,
+    routes: &Routes,
+    stream: u32,
+    req: Request,
+) -> Option<ServeEnd> {
+    match req {
+        Request::Ping => reply(outbox, stream, Ok(Reply::Pong)),
+        Request::Shutdown => {
+            tracing::info!("shutdown requested");
+            reply(outbox, stream, Ok(Reply::Done));
+            if agent.shutdown == ShutdownMode::PowerOff {
+                let _ = tokio::time::timeout(Duration::from_secs(2), outbox.wait_idle()).await;
+                super::init::power_off();
+            }
+            return Some(ServeEnd::Shutdown);
+        }
+        Request::Exec(spec) => match agent.execs.start(spec) {
+            Ok(exec) => {
+                if let Err(e) = exec.attach(outbox.clone(), stream, 1) {
+                    reply(outbox, stream, Err(e));
+                } else {
+                    lock(routes).insert(stream, Route::Exec(exec));
+                }
+            }
+            Err(e) => reply(outbox, stream, Err(e)),
+        },
+        Request::Resume { exec_id, from_seq } => match agent.execs.get(exec_id) {
+            None => reply(
+                outbox,
+                stream,
+                Err(RemoteError::new(
+                    ErrorKind::NotFound,
+                    format!("no exec {exec_id} (finished and acknowledged, or never started)"),
+                )),
+            ),
+            Some(exec) => match exec.check_resume(from_seq) {
+                Err(e) => reply(outbox, stream, Err(e)),
+                Ok(()) => {
+                    // `Resumed` must precede the replayed events on this stream.
+                    reply(outbox, stream, Ok(Reply::Resumed));
+                    match exec.attach(outbox.clone(), stream, from_seq) {
+                        Ok(()) => {
+                            lock(routes).insert(stream, Route::Exec(exec));
+                        }
+                        Err(e) => reply(outbox, stream, Err(e)),
+                    }
+                }
+            },
+        },
+        Request::ReadFile { path } => {
+            let sem = Arc::new(Semaphore::new(WINDOW));
+            lock(routes).insert(stream, Route::Read(sem.clone()));
+            let (ob, rt) = (outbox.clone(), routes.clone());
+            tokio::spawn(async move {
+                files::read(path, ob, stream, sem).await;
+                lock(&rt).remove(&stream);
+            });
+        }
+        Request::WriteFile { path, mode } => {
+            let (tx, rx) = mpsc::unbounded_channel();
+            lock(routes).insert(stream, Route::Write(tx));
+            let (ob, rt) = (outbox.clone(), routes.clone());
+            tokio::spawn(async move {
+                files::write(path, mode, rx, ob, stream).await;
+                lock(&rt).remove(&stream);
+            });
+        }
+        req @ (Request::Stat { .. }
+        | Request::List { .. }
+        | Request::Mkdir { .. }
+        | Request::Remove { .. }) => {
+            lock(routes).insert(stream, Route::Busy);
+            let (ob, rt) = (outbox.clone(), routes.clone());
+            tokio::spawn(async move {
+                let r = tokio::task::spawn_blocking(move || files::simple(req))
+                    .await
+                    .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())));
+                lock(&rt).remove(&stream);
+                reply(&ob, stream, r);
+            });
+        }
+    }
+    None
+}

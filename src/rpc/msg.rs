@@ -1,0 +1,216 @@
+//! Wire message types of the host <-> guest protocol.
+//!
+//! Owns the shape of every frame. Never does I/O and never holds state: it is pure data,
+//! shared verbatim by the daemon, the guest agent and the fuzz target. Changing a type here is a
+//! protocol change: bump [`PROTOCOL_VERSION`].
+
+use serde::{Deserialize, Serialize};
+
+/// Bumped on every incompatible change of the types in this file.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
+pub const CONTROL_STREAM: u32 = 0;
+
+/// One frame on the wire: a stream id and a body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Frame {
+    pub stream: u32,
+    pub body: Body,
+}
+
+/// What a frame says. Direction is noted per variant (H = host, G = guest).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Body {
+    /// H->G, stream 0: first frame of every connection.
+    Hello { protocol: u32, version: String },
+    /// G->H, stream 0: the answer to `Hello`.
+    HelloAck { protocol: u32, version: String },
+    /// H->G: opens the stream with a request.
+    Request(Request),
+    /// Bulk bytes in the sender's direction: exec stdin and write_file content (H->G),
+    /// read_file content (G->H). Costs flow-control credit.
+    Data(Vec<u8>),
+    /// End of `Data` on this stream (stdin close, end of file content).
+    DataEnd,
+    /// The receiver of `Data` grants the sender this many more bytes.
+    Credit(u32),
+    /// H->G: send this signal to the exec's process group.
+    Kill(i32),
+    /// H->G: resize the exec's pty.
+    Resize { rows: u16, cols: u16 },
+    /// G->H: one sequenced exec event (replayable after a reconnect).
+    Exec { seq: u64, event: WireExecEvent },
+    /// H->G: every exec event with a sequence number <= `seq` has been consumed; the guest drops
+    /// it from its spool and may send that many more bytes.
+    ExecAck { seq: u64 },
+    /// G->H: the terminal successful answer of a non-exec request.
+    Reply(Reply),
+    /// Either way: the request on this stream failed; the stream is over.
+    Error(RemoteError),
+}
+
+/// Requests, each opening its own stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    Ping,
+    /// Sync disks and power the VM off.
+    Shutdown,
+    Exec(ExecSpec),
+    /// Re-attach to a running or finished exec and replay its events from `from_seq`.
+    Resume {
+        exec_id: u64,
+        from_seq: u64,
+    },
+    ReadFile {
+        path: String,
+    },
+    /// The content follows as `Data` frames and a `DataEnd`.
+    WriteFile {
+        path: String,
+        mode: u32,
+    },
+    Stat {
+        path: String,
+    },
+    List {
+        path: String,
+    },
+    Mkdir {
+        path: String,
+        mode: u32,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
+}
+
+/// A command to run in the guest. Stdin is a pipe fed by `Data` frames on the exec's stream
+/// and closed by `DataEnd` (in pty mode `Data` goes to the terminal and `DataEnd` is ignored).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ExecSpec {
+    /// argv[0] is looked up in PATH. Ignored when `shell` is set.
+    pub argv: Vec<String>,
+    /// A string run with `/bin/sh -c`.
+    pub shell: Option<String>,
+    pub env: Vec<(String, String)>,
+    /// Default: `/workspace`.
+    pub cwd: Option<String>,
+    /// Kill the whole process group after this long.
+    pub timeout_ms: Option<u64>,
+    pub pty: Option<PtySize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtySize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+/// Exec events as they travel; `Started` carries the exec id the host keeps for `Resume`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireExecEvent {
+    Started {
+        exec_id: u64,
+        pid: u32,
+    },
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    Exit {
+        code: Option<i32>,
+        signal: Option<i32>,
+        timed_out: bool,
+    },
+}
+
+impl WireExecEvent {
+    /// Bytes this event costs against the exec window and spool (payload plus a fixed
+    /// per-event overhead, so many tiny chunks are bounded too).
+    pub fn cost(&self) -> usize {
+        const OVERHEAD: usize = 64;
+        match self {
+            WireExecEvent::Stdout(b) | WireExecEvent::Stderr(b) => b.len() + OVERHEAD,
+            _ => OVERHEAD,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    Pong,
+    Done,
+    /// `Resume` accepted; events follow.
+    Resumed,
+    Stat(FileStat),
+    List(Vec<DirEntry>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    pub kind: FileKind,
+    pub size: u64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Seconds since the epoch.
+    pub mtime: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    pub name: String,
+    pub stat: FileStat,
+}
+
+/// Why a request failed, as the guest saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    NotFound,
+    AlreadyExists,
+    PermissionDenied,
+    InvalidRequest,
+    Busy,
+    Io,
+    Protocol,
+    Other,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl RemoteError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    pub fn from_io(context: &str, e: &std::io::Error) -> Self {
+        let kind = match e.kind() {
+            std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+            std::io::ErrorKind::AlreadyExists => ErrorKind::AlreadyExists,
+            std::io::ErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
+            std::io::ErrorKind::InvalidInput => ErrorKind::InvalidRequest,
+            _ => ErrorKind::Io,
+        };
+        Self::new(kind, format!("{context}: {e}"))
+    }
+}
+
+impl std::fmt::Display for RemoteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.kind, self.message)
+    }
+}

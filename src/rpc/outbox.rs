@@ -1,0 +1,263 @@
+//! The fair writer: per-stream frame queues drained round-robin onto one byte stream.
+//!
+//! Owns ordering on the wire: frames of one stream keep their order, streams take turns one
+//! frame (at most one [`CHUNK`](super::frame::CHUNK) of data) at a time, and control frames
+//! (credits, acks, handshake) jump the queue. It never bounds memory itself: producers of bulk
+//! data must hold flow-control credit before queueing, so each stream queues at most a window.
+
+use super::frame::{FrameError, encode};
+use super::msg::Frame;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Notify, watch};
+
+#[derive(Debug, thiserror::Error)]
+#[error("the agent connection is closed")]
+pub struct Closed;
+
+#[derive(Default)]
+struct Inner {
+    control: VecDeque<Frame>,
+    queues: HashMap<u32, VecDeque<Frame>>,
+    ring: VecDeque<u32>,
+    /// Frames queued or being written.
+    pending: usize,
+}
+
+pub struct Outbox {
+    inner: Mutex<Inner>,
+    wake: Notify,
+    idle: Notify,
+    closed_tx: watch::Sender<bool>,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Outbox {
+    pub fn new() -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            wake: Notify::new(),
+            idle: Notify::new(),
+            closed_tx: watch::channel(false).0,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding this lock leaves plain queues behind; keep going.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn is_closed(&self) -> bool {
+        *self.closed_tx.borrow()
+    }
+
+    /// Queues a frame behind the other frames of its stream.
+    pub fn send(&self, frame: Frame) -> Result<(), Closed> {
+        if self.is_closed() {
+            return Err(Closed);
+        }
+        let mut g = self.lock();
+        let stream = frame.stream;
+        let q = g.queues.entry(stream).or_default();
+        q.push_back(frame);
+        if q.len() == 1 {
+            g.ring.push_back(stream);
+        }
+        g.pending += 1;
+        drop(g);
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    /// Queues a frame ahead of all stream data (credits, acks, handshake, small replies whose
+    /// order relative to their stream's data does not matter).
+    pub fn send_control(&self, frame: Frame) -> Result<(), Closed> {
+        if self.is_closed() {
+            return Err(Closed);
+        }
+        let mut g = self.lock();
+        g.control.push_back(frame);
+        g.pending += 1;
+        drop(g);
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    /// Marks the connection dead: queued frames are dropped, every waiter wakes up.
+    pub fn close(&self) {
+        self.closed_tx.send_replace(true);
+        let mut g = self.lock();
+        *g = Inner::default();
+        drop(g);
+        self.wake.notify_one();
+        self.idle.notify_waiters();
+    }
+
+    /// Resolves once [`close`](Self::close) has been called.
+    pub async fn closed(&self) {
+        let mut rx = self.closed_tx.subscribe();
+        // An error means the sender is gone, which only happens when `self` is dropped.
+        let _ = rx.wait_for(|c| *c).await;
+    }
+
+    /// Waits until everything queued so far has been written and flushed (or the link died).
+    pub async fn wait_idle(&self) {
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.lock().pending == 0 || self.is_closed() {
+                return;
+            }
+            idle.await;
+        }
+    }
+
+    fn pop(&self) -> Option<Frame> {
+        let mut g = self.lock();
+        if let Some(f) = g.control.pop_front() {
+            return Some(f);
+        }
+        while let Some(stream) = g.ring.pop_front() {
+            let Some(q) = g.queues.get_mut(&stream) else {
+                continue;
+            };
+            let f = q.pop_front();
+            if q.is_empty() {
+                g.queues.remove(&stream);
+            } else {
+                g.ring.push_back(stream);
+            }
+            if f.is_some() {
+                return f;
+            }
+        }
+        None
+    }
+
+    fn done(&self, n: usize) {
+        let mut g = self.lock();
+        g.pending = g.pending.saturating_sub(n);
+        let idle = g.pending == 0;
+        drop(g);
+        if idle {
+            self.idle.notify_waiters();
+        }
+    }
+
+    /// Drains the outbox into `w` until the outbox is closed or a write fails (which closes it).
+    pub async fn run_writer<W: AsyncWrite + Unpin>(&self, mut w: W) -> Result<(), FrameError> {
+        let res = self.write_loop(&mut w).await;
+        self.close();
+        res
+    }
+
+    async fn write_loop<W: AsyncWrite + Unpin>(&self, w: &mut W) -> Result<(), FrameError> {
+        let mut unflushed = 0usize;
+        loop {
+            if self.is_closed() {
+                return Ok(());
+            }
+            match self.pop() {
+                Some(frame) => {
+                    let bytes = match encode(&frame) {
+                        Ok(b) => b,
+                        Err(e) => {
+                            tracing::error!(stream = frame.stream, error = %e, "dropping unencodable frame");
+                            self.done(1);
+                            continue;
+                        }
+                    };
+                    w.write_all(&bytes).await?;
+                    unflushed += 1;
+                }
+                None => {
+                    let wake = self.wake.notified();
+                    tokio::pin!(wake);
+                    wake.as_mut().enable();
+                    if unflushed > 0 {
+                        w.flush().await?;
+                        self.done(unflushed);
+                        unflushed = 0;
+                        continue;
+                    }
+                    if self.is_closed() {
+                        return Ok(());
+                    }
+                    // Re-check after registering so a send between pop() and here is not lost.
+                    let empty = {
+                        let g = self.lock();
+                        g.control.is_empty() && g.ring.is_empty()
+                    };
+                    if empty {
+                        wake.await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rpc::frame::read_frame;
+    use crate::rpc::msg::Body;
+
+    #[tokio::test]
+    async fn streams_take_turns_and_control_jumps_the_queue() {
+        let ob = Outbox::new();
+        for i in 0..3u8 {
+            ob.send(Frame {
+                stream: 1,
+                body: Body::Data(vec![i]),
+            })
+            .unwrap();
+        }
+        ob.send(Frame {
+            stream: 2,
+            body: Body::Data(vec![9]),
+        })
+        .unwrap();
+        ob.send_control(Frame {
+            stream: 3,
+            body: Body::Credit(5),
+        })
+        .unwrap();
+        let order: Vec<u32> = std::iter::from_fn(|| ob.pop()).map(|f| f.stream).collect();
+        assert_eq!(order, vec![3, 1, 2, 1, 1]);
+    }
+
+    #[tokio::test]
+    async fn writer_writes_frames_and_reports_idle() {
+        let ob = std::sync::Arc::new(Outbox::new());
+        let (a, mut b) = tokio::io::duplex(1 << 16);
+        let w = ob.clone();
+        let task = tokio::spawn(async move { w.run_writer(a).await });
+        ob.send(Frame {
+            stream: 1,
+            body: Body::DataEnd,
+        })
+        .unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(5), ob.wait_idle())
+            .await
+            .unwrap();
+        let f = read_frame(&mut b).await.unwrap().unwrap();
+        assert_eq!(f.body, Body::DataEnd);
+        ob.close();
+        task.await.unwrap().unwrap();
+        assert!(
+            ob.send(Frame {
+                stream: 1,
+                body: Body::DataEnd
+            })
+            .is_err()
+        );
+    }
+}
