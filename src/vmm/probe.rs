@@ -350,4 +350,53 @@ mod tests {
         assert_eq!(s, AccelSetting::Kvm);
         assert!(serde_json::from_str::<AccelSetting>("\"fast\"").is_err());
     }
+
+    use crate::vmm::testkit::{self, skip_unless};
+
+    #[tokio::test]
+    async fn probe_boot_sees_the_marker_under_tcg_and_not_from_a_broken_kernel() {
+        let _serial = testkit::SERIAL.lock().await;
+        let kernel = skip_unless!(testkit::kernel());
+        let initramfs = skip_unless!(testkit::test_initramfs());
+        let qemu = skip_unless!(testkit::driver());
+        let t = tempfile::tempdir().expect("tempdir");
+        let ok = probe_boot(&qemu, Accel::Tcg, &kernel, &initramfs, t.path(), PROBE_TIMEOUT)
+            .await
+            .expect("probe boot");
+        println!("TCG probe boot: {}", ok.detail);
+        assert!(ok.marker_seen, "{}", ok.detail);
+
+        let bad = t.path().join("garbage");
+        std::fs::write(&bad, vec![0u8; 4096]).expect("write");
+        let ko = probe_boot(&qemu, Accel::Tcg, &bad, &initramfs, t.path(), PROBE_TIMEOUT)
+            .await
+            .expect("probe boot");
+        assert!(!ko.marker_seen);
+        assert!(ko.detail.contains("QEMU exited"), "{}", ko.detail);
+        assert!(testkit::processes_mentioning(t.path()).is_empty());
+    }
+
+    #[tokio::test]
+    async fn probe_on_this_host_is_consistent_and_cached() {
+        let _serial = testkit::SERIAL.lock().await;
+        let kernel = skip_unless!(testkit::kernel());
+        let initramfs = skip_unless!(testkit::test_initramfs());
+        let qemu = skip_unless!(testkit::driver());
+        let t = tempfile::tempdir().expect("tempdir");
+        let first = probe_accel(&qemu, &kernel, &initramfs, t.path())
+            .await
+            .expect("probe");
+        println!("KVM probe on this host: {first:?}");
+        assert_eq!(first.kvm_ok, first.accel == Accel::Kvm);
+        assert!(!first.cached);
+        if Path::new("/dev/kvm").exists() {
+            let again = probe_accel(&qemu, &kernel, &initramfs, t.path())
+                .await
+                .expect("probe");
+            assert!(again.cached);
+            assert_eq!(again.accel, first.accel);
+            assert_eq!(again.detail, first.detail);
+        }
+        assert!(testkit::processes_mentioning(t.path()).is_empty());
+    }
 }

@@ -180,6 +180,8 @@ pub(crate) fn machine_args(accel: Accel, vcpus: u32, memory_mib: u32) -> Vec<OsS
         "-display",
         "none",
         "-no-reboot",
+        "-sandbox",
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
     ]
     .into_iter()
     .map(OsString::from)
