@@ -4,6 +4,20 @@
 //! and probing which acceleration (KVM or TCG) really works on this host.
 //! Never: talks to the guest agent (that is `rpc`), deletes anything outside a VM's own
 //! directory (deletes go through `safefs`), or knows about sandboxes, workspaces or the store.
+//!
+//! Files: `qemu.rs` (the QEMU `microvm` driver), `qmp.rs` (QMP client), `probe.rs` (KVM probe
+//! and the `accel` setting), `images.rs` (guest image manifest), `pidfd.rs` (pid-reuse-proof
+//! process handles). The design is written down in docs/VMM.md.
+
+// The service layer that calls this module is written in parallel; until it is wired in, most
+// of the API here has no caller in the binary.
+#![allow(dead_code)]
+
+pub mod images;
+mod pidfd;
+pub mod probe;
+pub mod qemu;
+pub mod qmp;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -97,3 +111,6 @@ pub trait VmmDriver: Send + Sync {
     /// After a daemon restart: the VM recorded in `dir`, if its VMM still runs.
     async fn reattach(&self, dir: &Path) -> Result<Option<VmInfo>, VmmError>;
 }
+
+#[cfg(test)]
+mod testkit;

@@ -1,0 +1,630 @@
+//! The QEMU `microvm` driver.
+//!
+//! Owns: the QEMU command line, the per-VM files it creates in the VM's directory (see
+//! [`VmPaths`] and docs/VMM.md), launching QEMU so that it outlives the daemon, stopping and
+//! killing it (only after checking the process is really ours), and finding it again.
+//! Never: deletes files (the caller removes the VM directory through `safefs`), writes the base
+//! rootfs (each VM gets a qcow2 overlay), or talks to the guest agent.
+
+use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::pidfd::Pidfd;
+use super::qmp::{QmpClient, QmpError};
+use super::{Accel, VmInfo, VmSpec, VmmDriver, VmmError};
+
+/// Oldest QEMU we accept: `-netdev stream`, `file:` migration and microvm fixes arrived by 7.2.
+pub const MIN_VERSION: QemuVersion = QemuVersion {
+    major: 7,
+    minor: 2,
+    micro: 0,
+};
+/// Name of the virtio-serial port the guest agent opens (`/sys/class/virtio-ports/*/name`).
+pub const AGENT_PORT_NAME: &str = "tryboxi.agent";
+/// `sun_path` holds 108 bytes including the terminating NUL.
+const SUN_PATH_MAX: usize = 107;
+const BOOT_TIMEOUT: Duration = Duration::from_secs(30);
+const QMP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `kill` waits for the process to disappear after SIGKILL.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+const LOG_TAIL: usize = 2048;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct QemuVersion {
+    pub major: u32,
+    pub minor: u32,
+    pub micro: u32,
+}
+
+impl std::fmt::Display for QemuVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.micro)
+    }
+}
+
+/// Parse the first line of `qemu-system-x86_64 --version`:
+/// `QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)`.
+pub fn parse_version(output: &str) -> Option<QemuVersion> {
+    let line = output.lines().next()?;
+    let rest = line.split("version ").nth(1)?;
+    let num = rest.split_whitespace().next()?;
+    let mut parts = num.split('.').map(|p| {
+        let digits: String = p.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse::<u32>().ok()
+    });
+    let major = parts.next()??;
+    let minor = parts.next()??;
+    let micro = parts.next().flatten().unwrap_or(0);
+    Some(QemuVersion {
+        major,
+        minor,
+        micro,
+    })
+}
+
+/// Every file the driver keeps in a VM's directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmPaths {
+    pub dir: PathBuf,
+    /// qcow2 overlay over the base rootfs: the VM's only writable disk.
+    pub disk: PathBuf,
+    pub qmp: PathBuf,
+    pub agent: PathBuf,
+    /// Guest serial console (kernel messages, agent's early log).
+    pub console: PathBuf,
+    /// QEMU's own stdout/stderr.
+    pub qemu_log: PathBuf,
+    pub pidfile: PathBuf,
+    /// The persisted [`VmInfo`].
+    pub vm_json: PathBuf,
+}
+
+impl VmPaths {
+    pub fn new(dir: &Path) -> VmPaths {
+        VmPaths {
+            dir: dir.to_owned(),
+            disk: dir.join("disk.qcow2"),
+            qmp: dir.join("qmp.sock"),
+            agent: dir.join("agent.sock"),
+            console: dir.join("console.log"),
+            qemu_log: dir.join("qemu.log"),
+            pidfile: dir.join("qemu.pid"),
+            vm_json: dir.join("vm.json"),
+        }
+    }
+
+    /// Unix socket paths must fit `sun_path`; we refuse long ones rather than play tricks with
+    /// symlinks or `/proc/self/fd` (both sides of each socket would need the trick).
+    fn check_socket_lengths(&self) -> Result<(), VmmError> {
+        for p in [&self.qmp, &self.agent] {
+            let n = p.as_os_str().len();
+            if n > SUN_PATH_MAX {
+                return Err(VmmError::Other(format!(
+                    "socket path {} is {n} bytes, more than the {SUN_PATH_MAX} a unix socket \
+                     allows: choose a shorter data directory",
+                    p.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// QEMU splits option values at commas; a literal comma is written twice.
+fn opt_escape(p: &Path) -> OsString {
+    let bytes = p.as_os_str().as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    for &b in bytes {
+        out.push(b);
+        if b == b',' {
+            out.push(b',');
+        }
+    }
+    OsStr::from_bytes(&out).to_owned()
+}
+
+fn opt(prefix: &str, p: &Path, suffix: &str) -> OsString {
+    let mut s = OsString::from(prefix);
+    s.push(opt_escape(p));
+    s.push(suffix);
+    s
+}
+
+/// VM ids go onto the kernel command line: keep them to a safe alphabet.
+fn check_id(id: &str) -> Result<(), VmmError> {
+    let ok = !id.is_empty()
+        && id.len() <= 63
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(VmmError::Other(format!(
+            "VM id {id:?} must be 1-63 characters of [A-Za-z0-9_-]"
+        )))
+    }
+}
+
+/// The kernel command line of a normal VM.
+pub fn kernel_cmdline(id: &str) -> String {
+    format!("console=ttyS0 reboot=t panic=-1 quiet tryboxi.root=/dev/vda tryboxi.hostname={id}")
+}
+
+/// Machine, accelerator and CPU arguments shared by VMs and the KVM probe.
+pub(crate) fn machine_args(accel: Accel, vcpus: u32, memory_mib: u32) -> Vec<OsString> {
+    let (accel, cpu) = match accel {
+        Accel::Kvm => ("kvm", "host"),
+        Accel::Tcg => ("tcg", "max"),
+    };
+    [
+        "-M",
+        "microvm,acpi=off,pit=off,pic=off",
+        "-accel",
+        accel,
+        "-cpu",
+        cpu,
+        "-smp",
+        &vcpus.to_string(),
+        "-m",
+        &format!("{memory_mib}M"),
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-sandbox",
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+    ]
+    .into_iter()
+    .map(OsString::from)
+    .collect()
+}
+
+/// The full QEMU argument list (without the binary) for `spec`; `paths` must be absolute.
+pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
+    let mut a = machine_args(spec.accel, spec.vcpus, spec.memory_mib);
+    let mut push = |items: &[&OsStr]| a.extend(items.iter().map(|s| s.to_os_string()));
+    push(&[
+        "-kernel".as_ref(),
+        spec.kernel.as_os_str(),
+        "-initrd".as_ref(),
+        spec.initramfs.as_os_str(),
+        "-append".as_ref(),
+        kernel_cmdline(&spec.id).as_ref(),
+    ]);
+    push(&[
+        "-chardev".as_ref(),
+        &opt("file,id=console,path=", &paths.console, ""),
+        "-serial".as_ref(),
+        "chardev:console".as_ref(),
+    ]);
+    push(&[
+        "-drive".as_ref(),
+        &opt(
+            "file=",
+            &paths.disk,
+            ",format=qcow2,if=none,id=root,cache=unsafe,discard=unmap",
+        ),
+        "-device".as_ref(),
+        "virtio-blk-device,drive=root".as_ref(),
+    ]);
+    push(&[
+        "-device".as_ref(),
+        "virtio-serial-device,max_ports=2".as_ref(),
+        "-chardev".as_ref(),
+        &opt("socket,id=agent,path=", &paths.agent, ",server=on,wait=off"),
+        "-device".as_ref(),
+        format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}").as_ref(),
+    ]);
+    push(&["-device".as_ref(), "virtio-rng-device".as_ref()]);
+    push(&[
+        "-chardev".as_ref(),
+        &opt("socket,id=qmp,path=", &paths.qmp, ",server=on,wait=off"),
+        "-mon".as_ref(),
+        "chardev=qmp,mode=control".as_ref(),
+    ]);
+    push(&[
+        "-pidfile".as_ref(),
+        paths.pidfile.as_os_str(),
+        "-msg".as_ref(),
+        "timestamp=on".as_ref(),
+    ]);
+    a
+}
+
+/// Whether a `/proc/<pid>/cmdline` is a QEMU started by this driver for `dir`: argv[0] is a
+/// `qemu-system-*` and the arguments hold `-pidfile <dir>/qemu.pid`. A zombie has an empty
+/// cmdline and so never matches.
+pub fn cmdline_matches(cmdline: &[u8], dir: &Path) -> bool {
+    let mut args = cmdline.split(|&b| b == 0);
+    let Some(argv0) = args.next() else {
+        return false;
+    };
+    let name = Path::new(OsStr::from_bytes(argv0)).file_name();
+    if !name.is_some_and(|n| n.as_bytes().starts_with(b"qemu-system")) {
+        return false;
+    }
+    let pidfile = VmPaths::new(dir).pidfile;
+    let want = pidfile.as_os_str().as_bytes();
+    let args: Vec<&[u8]> = args.collect();
+    args.windows(2).any(|w| w[0] == b"-pidfile" && w[1] == want)
+}
+
+fn proc_cmdline(pid: u32) -> Option<Vec<u8>> {
+    std::fs::read(format!("/proc/{pid}/cmdline")).ok()
+}
+
+/// A pidfd for `vm`'s QEMU if it runs and is ours; the pidfd is opened before the check so
+/// that whatever is signalled through it is the process that was checked.
+fn our_process(vm: &VmInfo) -> Option<Pidfd> {
+    let fd = Pidfd::open(vm.pid).ok()??;
+    let cmd = proc_cmdline(fd.pid())?;
+    cmdline_matches(&cmd, &vm.dir).then_some(fd)
+}
+
+/// The last `max` bytes of a file, for error messages.
+fn tail(path: &Path, max: usize) -> String {
+    match std::fs::read(path) {
+        Ok(b) => {
+            let start = b.len().saturating_sub(max);
+            String::from_utf8_lossy(&b[start..]).trim().to_owned()
+        }
+        Err(e) => format!("({}: {e})", path.display()),
+    }
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> VmmError + '_ {
+    move |source| VmmError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn abs(p: &Path) -> Result<PathBuf, VmmError> {
+    std::fs::canonicalize(p).map_err(io_err(p))
+}
+
+/// Write `vm.json` atomically (temp file + rename), so a crash never leaves half a file.
+fn write_vm_json(paths: &VmPaths, info: &VmInfo) -> Result<(), VmmError> {
+    let tmp = paths.dir.join("vm.json.tmp");
+    let data = serde_json::to_vec_pretty(info)
+        .map_err(|e| VmmError::Other(format!("cannot encode vm.json: {e}")))?;
+    std::fs::write(&tmp, data).map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, &paths.vm_json).map_err(io_err(&paths.vm_json))
+}
+
+impl From<QmpError> for VmmError {
+    fn from(e: QmpError) -> Self {
+        VmmError::Qmp(e.to_string())
+    }
+}
+
+/// QEMU `microvm` behind [`VmmDriver`].
+#[derive(Debug, Clone)]
+pub struct QemuDriver {
+    binary: PathBuf,
+    qemu_img: PathBuf,
+    version: QemuVersion,
+    boot_timeout: Duration,
+}
+
+impl QemuDriver {
+    /// Check that `binary` runs and is QEMU >= 7.2. `qemu-img` is looked for next to it, then
+    /// on `PATH`.
+    pub fn new(binary: impl Into<PathBuf>) -> Result<QemuDriver, VmmError> {
+        let binary = binary.into();
+        let out = std::process::Command::new(&binary)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|source| VmmError::Spawn {
+                binary: binary.display().to_string(),
+                source,
+            })?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let version = parse_version(&text).ok_or_else(|| {
+            VmmError::Other(format!(
+                "`{} --version` printed {:?}: not a QEMU version",
+                binary.display(),
+                text.trim()
+            ))
+        })?;
+        if version < MIN_VERSION {
+            return Err(VmmError::Other(format!(
+                "{} is QEMU {version}; tryboxi needs QEMU {MIN_VERSION} or newer (on Debian 12: \
+                 apt-get install -t bookworm-backports qemu-system-x86)",
+                binary.display()
+            )));
+        }
+        let sibling = binary.with_file_name("qemu-img");
+        let qemu_img = if binary.components().count() > 1 && sibling.exists() {
+            sibling
+        } else {
+            PathBuf::from("qemu-img")
+        };
+        Ok(QemuDriver {
+            binary,
+            qemu_img,
+            version,
+            boot_timeout: BOOT_TIMEOUT,
+        })
+    }
+
+    pub fn version(&self) -> QemuVersion {
+        self.version
+    }
+
+    pub fn binary(&self) -> &Path {
+        &self.binary
+    }
+
+    /// How long `boot` waits for QMP and the agent socket (default 30 s).
+    pub fn with_boot_timeout(mut self, t: Duration) -> Self {
+        self.boot_timeout = t;
+        self
+    }
+
+    /// Create the copy-on-write overlay over the base rootfs, unless the VM already has one
+    /// (booting a stopped VM again keeps its disk).
+    async fn create_overlay(&self, rootfs: &Path, disk: &Path) -> Result<(), VmmError> {
+        if disk.exists() {
+            return Ok(());
+        }
+        let out = tokio::process::Command::new(&self.qemu_img)
+            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+            .arg(rootfs)
+            .arg(disk)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .map_err(|source| VmmError::Spawn {
+                binary: self.qemu_img.display().to_string(),
+                source,
+            })?;
+        if !out.status.success() {
+            return Err(VmmError::Other(format!(
+                "qemu-img create {} failed ({}): {}",
+                disk.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Start QEMU in its own session (no controlling terminal, not in the daemon's process
+    /// group) so that it survives the daemon; a thread reaps it if it exits while we run.
+    pub(crate) fn spawn_detached(
+        &self,
+        args: &[OsString],
+        cwd: &Path,
+        log: &Path,
+    ) -> Result<(u32, watch::Receiver<Option<std::process::ExitStatus>>), VmmError> {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(io_err(log))?;
+        let err = out.try_clone().map_err(io_err(log))?;
+        let mut cmd = std::process::Command::new(&self.binary);
+        cmd.args(args)
+            .current_dir(cwd)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err);
+        // SAFETY: the closure runs in the forked child before exec and only calls setsid(2),
+        // which is async-signal-safe and touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|source| VmmError::Spawn {
+            binary: self.binary.display().to_string(),
+            source,
+        })?;
+        let pid = child.id();
+        let (tx, rx) = watch::channel(None);
+        std::thread::Builder::new()
+            .name(format!("qemu-reaper-{pid}"))
+            .stack_size(64 * 1024)
+            .spawn(move || {
+                let st = child.wait();
+                if let Ok(st) = st {
+                    tracing::debug!(pid, status = %st, "QEMU exited");
+                    let _ = tx.send(Some(st));
+                }
+            })
+            .map_err(|e| VmmError::Other(format!("cannot start the reaper thread: {e}")))?;
+        Ok((pid, rx))
+    }
+
+    /// Wait until QMP says `running` and the agent socket exists, or QEMU exits.
+    async fn wait_ready(
+        &self,
+        paths: &VmPaths,
+        exited: &mut watch::Receiver<Option<std::process::ExitStatus>>,
+    ) -> Result<(), VmmError> {
+        let deadline = tokio::time::Instant::now() + self.boot_timeout;
+        let mut qmp: Option<QmpClient> = None;
+        loop {
+            if let Some(st) = *exited.borrow() {
+                return Err(VmmError::BootFailed(format!(
+                    "QEMU exited with {st}.\n--- qemu.log ---\n{}\n--- console.log ---\n{}",
+                    tail(&paths.qemu_log, LOG_TAIL),
+                    tail(&paths.console, LOG_TAIL)
+                )));
+            }
+            if qmp.is_none() && paths.qmp.exists() {
+                match QmpClient::connect(&paths.qmp, QMP_TIMEOUT).await {
+                    Ok(c) => qmp = Some(c),
+                    Err(e) => tracing::trace!(error = %e, "QMP not ready yet"),
+                }
+            }
+            if let Some(c) = &qmp {
+                match c.query_status().await {
+                    Ok(s) if s.running && paths.agent.exists() => return Ok(()),
+                    Ok(_) => {}
+                    // QEMU died under us: the next turn reports it with the logs.
+                    Err(QmpError::Disconnected) => qmp = None,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            // Poll again shortly, but wake at once if QEMU exits.
+            let tick = tokio::time::sleep(Duration::from_millis(10));
+            tokio::select! {
+                _ = tick => {}
+                _ = exited.changed() => {}
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(VmmError::Timeout(
+                    self.boot_timeout,
+                    "QEMU's QMP to report running",
+                ));
+            }
+        }
+    }
+
+    /// SIGKILL our process (if it is ours) and wait for it to disappear.
+    async fn kill_and_wait(vm: &VmInfo) -> Result<(), VmmError> {
+        let Some(p) = our_process(vm) else {
+            return Ok(());
+        };
+        p.signal(libc::SIGKILL)
+            .map_err(|e| VmmError::Other(format!("cannot kill QEMU (pid {}): {e}", vm.pid)))?;
+        match p.wait_exit(KILL_WAIT).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(VmmError::Timeout(KILL_WAIT, "QEMU to exit after SIGKILL")),
+            Err(e) => Err(VmmError::Other(format!(
+                "cannot wait for QEMU pid {}: {e}",
+                vm.pid
+            ))),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl VmmDriver for QemuDriver {
+    fn name(&self) -> &'static str {
+        "qemu-microvm"
+    }
+
+    async fn boot(&self, spec: &VmSpec) -> Result<VmInfo, VmmError> {
+        check_id(&spec.id)?;
+        let dir = abs(&spec.dir)?;
+        let paths = VmPaths::new(&dir);
+        paths.check_socket_lengths()?;
+        let spec = VmSpec {
+            dir: dir.clone(),
+            kernel: abs(&spec.kernel)?,
+            initramfs: abs(&spec.initramfs)?,
+            rootfs: abs(&spec.rootfs)?,
+            ..spec.clone()
+        };
+        // Leftovers of an earlier run of this VM would fool the readiness checks below.
+        for stale in [&paths.qmp, &paths.agent, &paths.pidfile, &paths.vm_json] {
+            match std::fs::remove_file(stale) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(stale)(e)),
+            }
+        }
+        self.create_overlay(&spec.rootfs, &paths.disk).await?;
+
+        let args = qemu_args(&spec, &paths);
+        let t0 = Instant::now();
+        let (pid, mut exited) = self.spawn_detached(&args, &dir, &paths.qemu_log)?;
+        let info = VmInfo {
+            id: spec.id.clone(),
+            dir: dir.clone(),
+            pid,
+            accel: spec.accel,
+            agent_socket: paths.agent.clone(),
+            qmp_socket: paths.qmp.clone(),
+            console_log: paths.console.clone(),
+        };
+        let ready = match self.wait_ready(&paths, &mut exited).await {
+            Ok(()) => write_vm_json(&paths, &info),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = ready {
+            // Never leave a half-booted QEMU behind.
+            if let Err(k) = Self::kill_and_wait(&info).await {
+                tracing::error!(vm = %info.id, pid, error = %k, "cannot kill a failed QEMU");
+            }
+            return Err(e);
+        }
+        tracing::info!(
+            vm = %info.id, pid, accel = %info.accel,
+            qmp_ready_ms = t0.elapsed().as_millis() as u64,
+            "QEMU running"
+        );
+        Ok(info)
+    }
+
+    async fn stop(&self, vm: &VmInfo, grace: Duration) -> Result<(), VmmError> {
+        let Some(p) = our_process(vm) else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        match QmpClient::connect(&vm.qmp_socket, grace.min(QMP_TIMEOUT)).await {
+            Ok(c) => {
+                let left = grace.saturating_sub(started.elapsed());
+                match tokio::time::timeout(left, c.quit()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::warn!(vm = %vm.id, error = %e, "QMP quit failed"),
+                    Err(_) => tracing::warn!(vm = %vm.id, "QMP quit timed out"),
+                }
+            }
+            Err(e) => tracing::warn!(vm = %vm.id, error = %e, "no QMP to ask QEMU to quit"),
+        }
+        let left = grace.saturating_sub(started.elapsed());
+        if p.wait_exit(left).await.unwrap_or(false) {
+            tracing::info!(vm = %vm.id, pid = vm.pid, "QEMU stopped");
+            return Ok(());
+        }
+        tracing::warn!(vm = %vm.id, pid = vm.pid, ?grace, "QEMU did not quit in time; killing it");
+        Self::kill_and_wait(vm).await
+    }
+
+    async fn kill(&self, vm: &VmInfo) -> Result<(), VmmError> {
+        Self::kill_and_wait(vm).await
+    }
+
+    fn is_alive(&self, vm: &VmInfo) -> bool {
+        proc_cmdline(vm.pid).is_some_and(|c| cmdline_matches(&c, &vm.dir))
+    }
+
+    async fn reattach(&self, dir: &Path) -> Result<Option<VmInfo>, VmmError> {
+        let path = dir.join("vm.json");
+        let data = match std::fs::read(&path) {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err(&path)(e)),
+        };
+        let info: VmInfo = serde_json::from_slice(&data).map_err(|e| {
+            VmmError::Other(format!("{} is not a valid vm.json: {e}", path.display()))
+        })?;
+        if !self.is_alive(&info) {
+            return Ok(None);
+        }
+        let c = QmpClient::connect(&info.qmp_socket, QMP_TIMEOUT).await?;
+        let st = c.query_status().await?;
+        tracing::info!(vm = %info.id, pid = info.pid, status = %st.status, "reattached to QEMU");
+        Ok(Some(info))
+    }
+}
+
+#[cfg(test)]
+mod tests;
