@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::vmm::AccelSetting;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
@@ -22,16 +24,6 @@ pub enum ConfigError {
     Parse { path: PathBuf, message: String },
     #[error("cannot find a data root: set TRYBOXI_HOME, or HOME/XDG_DATA_HOME")]
     NoHome,
-}
-
-/// Acceleration setting: `auto` probes whether KVM really boots our kernel, else uses TCG.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum AccelSetting {
-    #[default]
-    Auto,
-    Kvm,
-    Tcg,
 }
 
 /// `config.toml` in the data root. All keys are optional.

@@ -11,6 +11,7 @@ mod middleware;
 pub mod response;
 pub mod router;
 
+#[cfg(test)]
 pub use handlers::OPENAPI_YAML;
 
 use std::fs::File;

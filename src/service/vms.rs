@@ -70,17 +70,12 @@ impl Service {
     }
 
     async fn accel(&self, driver: &QemuDriver, images: &Images) -> Accel {
+        let cache = self.paths.cache_dir();
         *self
             .vms
             .accel
             .get_or_init(|| {
-                crate::vmm::resolve_accel(
-                    self.config.accel,
-                    driver,
-                    &images.kernel,
-                    &images.initramfs,
-                    &self.paths.cache_dir(),
-                )
+                crate::vmm::resolve_accel(self.config.accel, driver, &images.kernel, &images.initramfs, &cache)
             })
             .await
     }

@@ -9,15 +9,15 @@
 //! and the `accel` setting), `images.rs` (guest image manifest), `pidfd.rs` (pid-reuse-proof
 //! process handles). The design is written down in docs/VMM.md.
 
-// The service layer that calls this module is written in parallel; until it is wired in, most
-// of the API here has no caller in the binary.
-#![allow(dead_code)]
-
 pub mod images;
 mod pidfd;
 pub mod probe;
 pub mod qemu;
 pub mod qmp;
+
+pub use images::Images;
+pub use probe::{AccelSetting, probe_accel, resolve_accel};
+pub use qemu::QemuDriver;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
