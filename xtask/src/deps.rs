@@ -7,7 +7,7 @@
 use crate::util::{Step, is_root, output, run_inherit};
 use anyhow::{Context, Result, bail};
 use std::collections::BTreeSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const BACKPORTS_SOURCES: &str = "/etc/apt/sources.list.d/tryboxi-backports.sources";
@@ -47,7 +47,7 @@ pub fn run() -> Result<()> {
         .copied()
         .filter(|p| !installed.contains(*p))
         .collect();
-    let need_sources = !Path::new(BACKPORTS_SOURCES).exists();
+    let need_sources = !backports_configured();
     if missing.is_empty() {
         if need_sources && is_root() {
             write_sources()?;
@@ -95,6 +95,27 @@ pub fn run() -> Result<()> {
     }
     step.done(&format!("installed {}", missing.join(" ")));
     Ok(())
+}
+
+/// Whether any apt source (ours or the admin's) already names bookworm-backports.
+fn backports_configured() -> bool {
+    if Path::new(BACKPORTS_SOURCES).exists() {
+        return true;
+    }
+    let mut files = vec![PathBuf::from("/etc/apt/sources.list")];
+    if let Ok(rd) = std::fs::read_dir("/etc/apt/sources.list.d") {
+        files.extend(
+            rd.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "list" || x == "sources")),
+        );
+    }
+    files.iter().any(|f| {
+        std::fs::read_to_string(f).is_ok_and(|t| {
+            t.lines()
+                .any(|l| !l.trim_start().starts_with('#') && l.contains("bookworm-backports"))
+        })
+    })
 }
 
 fn write_sources() -> Result<()> {
