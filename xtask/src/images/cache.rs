@@ -83,28 +83,69 @@ impl Cache {
         (meta.key == key && len == meta.size).then_some(Entry { dir, meta })
     }
 
-    pub fn begin(&self, kind: &str, key: &str) -> Result<Pending> {
+    /// Starts building `kind`/`key`: takes the kind's build lock (waiting while another process
+    /// builds that kind), then re-checks the cache, since the other build may have produced it.
+    pub fn begin(&self, kind: &str, key: &str) -> Result<Begin> {
         let kd = self.kind_dir(kind);
         std::fs::create_dir_all(&kd).with_context(|| {
-        format!(
-            "creating cache dir {} (run as root, or set TRYBOXI_IMAGE_CACHE to a writable path)",
-            kd.display()
-        )
-    })?;
+            format!(
+                "creating cache dir {} (run as root, or set TRYBOXI_IMAGE_CACHE to a writable \
+                 path)",
+                kd.display()
+            )
+        })?;
+        let lock = lock_exclusive(&kd.join(".lock"), kind)?;
+        if let Some(e) = self.lookup(kind, key) {
+            return Ok(Begin::Done(e));
+        }
         remove_stale_temps(&kd);
         let dir = kd.join(format!(".tmp-{key}-{}", std::process::id()));
         if dir.exists() {
             std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
         }
         std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        Ok(Pending {
+        Ok(Begin::Build(Pending {
             cache: self.clone(),
             kind: kind.into(),
             key: key.into(),
             dir,
             started: SystemTime::now(),
-        })
+            _lock: lock,
+        }))
     }
+}
+
+/// What [`Cache::begin`] found once it held the lock.
+pub enum Begin {
+    /// Build it: nobody else has.
+    Build(Pending),
+    /// Another process finished this entry while we waited.
+    Done(Entry),
+}
+
+/// An exclusive `flock` on `path`, held until the returned file is dropped.
+fn lock_exclusive(path: &Path, kind: &str) -> Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening lock {}", path.display()))?;
+    // SAFETY: flock on a file descriptor we own and keep open; no memory is involved.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(f);
+    }
+    println!(
+        "    waiting for another process building the {kind} ({})",
+        path.display()
+    );
+    // SAFETY: as above; this call blocks until the other holder releases the lock.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("locking {}", path.display()));
+    }
+    Ok(f)
 }
 
 /// A build in progress: a private temp dir that becomes the entry on [`Pending::commit`].
@@ -114,6 +155,8 @@ pub struct Pending {
     pub key: String,
     pub dir: PathBuf,
     started: SystemTime,
+    /// The kind's build lock; released when the entry is committed or the build fails.
+    _lock: std::fs::File,
 }
 
 impl Pending {
@@ -203,6 +246,33 @@ fn remove_stale_temps(kind_dir: &Path) {
 mod tests {
     use super::*;
 
+    impl Begin {
+        fn pending(self) -> Pending {
+            match self {
+                Begin::Build(p) => p,
+                Begin::Done(_) => panic!("expected a build, got a cache hit"),
+            }
+        }
+    }
+
+    #[test]
+    fn entry_finished_by_another_process_while_waiting_is_a_hit() {
+        let c = temp_cache("race");
+        let p = c.begin("k", "abc").unwrap().pending();
+        std::fs::write(p.dir.join("f"), b"data").unwrap();
+        let c2 = c.clone();
+        let waiter = std::thread::spawn(move || match c2.begin("k", "abc").unwrap() {
+            Begin::Done(e) => e.meta.size,
+            Begin::Build(_) => 0,
+        });
+        // Whether the waiter blocks on the lock or arrives after the commit, it must find the
+        // finished entry instead of building it again.
+        p.commit("f", "00".into(), Duration::from_secs(1), Default::default())
+            .unwrap();
+        assert_eq!(waiter.join().unwrap(), 4);
+        std::fs::remove_dir_all(&c.root).unwrap();
+    }
+
     fn temp_cache(name: &str) -> Cache {
         let root = std::env::temp_dir().join(format!("xtask-cache-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
@@ -212,7 +282,7 @@ mod tests {
     #[test]
     fn unfinished_build_is_not_a_cache_hit() {
         let c = temp_cache("unfinished");
-        let p = c.begin("k", "abc").unwrap();
+        let p = c.begin("k", "abc").unwrap().pending();
         std::fs::write(p.dir.join("f"), b"data").unwrap();
         assert!(c.lookup("k", "abc").is_none());
         let e = p
@@ -226,7 +296,7 @@ mod tests {
     #[test]
     fn entry_with_truncated_file_is_not_a_hit() {
         let c = temp_cache("truncated");
-        let p = c.begin("k", "abc").unwrap();
+        let p = c.begin("k", "abc").unwrap().pending();
         std::fs::write(p.dir.join("f"), b"data").unwrap();
         let e = p
             .commit("f", "00".into(), Duration::from_secs(1), Default::default())
@@ -244,7 +314,7 @@ mod tests {
         // PIDs are below 2^22 on Linux, so this one cannot be alive.
         let stale = kd.join(".tmp-abc-99999999");
         std::fs::create_dir_all(&stale).unwrap();
-        let p = c.begin("k", "def").unwrap();
+        let p = c.begin("k", "def").unwrap().pending();
         assert!(!stale.exists());
         assert!(p.dir.exists());
         std::fs::remove_dir_all(&c.root).unwrap();

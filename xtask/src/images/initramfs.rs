@@ -4,7 +4,7 @@
 //!
 //! Cache key = sha256(layout version, binary). Deterministic: fixed inode numbers, mtime 0.
 
-use super::cache::{Cache, Entry};
+use super::cache::{Begin, Cache, Entry};
 use crate::util::{Step, recipe_key, sha256_file};
 use anyhow::{Context, Result};
 use flate2::{Compression, GzBuilder};
@@ -74,7 +74,10 @@ pub fn build(cache: &Cache, binary: &Path) -> Result<Entry> {
         return Ok(e);
     }
     let step = Step::start("initramfs: newc cpio + gzip with /init = tryboxi");
-    let pending = cache.begin("initramfs", &key)?;
+    let pending = match cache.begin("initramfs", &key)? {
+        Begin::Build(p) => p,
+        Begin::Done(e) => return Ok(e),
+    };
     let path = pending.dir.join(FILE);
     let file = std::fs::File::create(&path)?;
     let file = write_archive(&init, std::io::BufWriter::new(file))?;

@@ -5,7 +5,7 @@
 //! if any option the fragment asks for did not survive `make olddefconfig`: a silently dropped
 //! option is a bug. Never touches the source tarball or anything outside its temp dir.
 
-use super::cache::{Cache, Entry};
+use super::cache::{Begin, Cache, Entry};
 use crate::deps::package_version;
 use crate::util::{Step, output, recipe_key, repo_root, run_logged, sha256_file};
 use anyhow::{Context, Result, bail};
@@ -48,7 +48,10 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
     let step = Step::start(format!(
         "kernel: building {SOURCE_PACKAGE} {src_version} (takes ~5 min on 2 cores)"
     ));
-    let pending = cache.begin("kernel", &key)?;
+    let pending = match cache.begin("kernel", &key)? {
+        Begin::Build(p) => p,
+        Begin::Done(e) => return Ok(e),
+    };
     let work = pending.dir.join("build");
     std::fs::create_dir(&work)?;
     let log = pending.dir.join("build.log");

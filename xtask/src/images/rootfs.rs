@@ -6,7 +6,7 @@
 //! Cache key = sha256(recipe version, suite, mirror, variant, headroom, package list,
 //! customize.sh). The Debian archive moves on: `--rebuild rootfs` refreshes the same key.
 
-use super::cache::{Cache, Entry};
+use super::cache::{Begin, Cache, Entry};
 use crate::util::{Step, fmt_dur, is_root, output, recipe_key, repo_root, run_logged, sha256_file};
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -63,7 +63,10 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
         "rootfs: mmdebstrap {SUITE} ({} packages, takes ~1-2 min)",
         packages.len()
     ));
-    let pending = cache.begin("rootfs", &key)?;
+    let pending = match cache.begin("rootfs", &key)? {
+        Begin::Build(p) => p,
+        Begin::Done(e) => return Ok(e),
+    };
     let tree = pending.dir.join("root");
     let log = pending.dir.join("build.log");
 
