@@ -1,1 +1,70 @@
-fn main() {}
+//! `cargo xtask`: the project's build automation (host side only).
+//!
+//! Owns: installing Debian build dependencies (`deps`), the static release binary (`dist`),
+//! the guest images (`images`) and the CI pipeline (`ci`). Never touches anything outside the
+//! checkout, the image cache (`/var/cache/tryboxi` or `$TRYBOXI_IMAGE_CACHE`) and, for `deps`,
+//! apt's sources and packages.
+
+mod ci;
+mod deps;
+mod dist;
+mod elf;
+mod images;
+mod util;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Rebuildable {
+    Kernel,
+    Rootfs,
+}
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "tryboxi build automation")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install the Debian packages the build needs (idempotent; needs root).
+    Deps,
+    /// Build the static release binary into _out/bin/ (plus its argv[0] symlinks).
+    Dist,
+    /// Build (or reuse from the cache) the guest kernel, rootfs and initramfs into _out/images/.
+    Images {
+        /// Do not run `dist` first; use the existing _out/bin/tryboxi for the initramfs.
+        #[arg(long)]
+        no_dist: bool,
+        /// Rebuild this artifact even if the cache has it (`kernel` or `rootfs`; repeatable).
+        /// Useful to pick up Debian updates, since the rootfs key does not change with them.
+        #[arg(long, value_enum)]
+        rebuild: Vec<Rebuildable>,
+    },
+    /// Everything CI runs: deps, fmt, clippy, dist, images, tests.
+    Ci,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Deps => deps::run(),
+        Cmd::Dist => dist::run().map(|_| ()),
+        Cmd::Images { no_dist, rebuild } => {
+            let binary = if no_dist {
+                util::out_dir().join("bin").join("tryboxi")
+            } else {
+                dist::run()?
+            };
+            let rebuild = images::Rebuild {
+                kernel: rebuild.contains(&Rebuildable::Kernel),
+                rootfs: rebuild.contains(&Rebuildable::Rootfs),
+            };
+            images::run(&binary, rebuild).map(|_| ())
+        }
+        Cmd::Ci => ci::run(),
+    }
+}

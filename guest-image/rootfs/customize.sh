@@ -1,0 +1,42 @@
+#!/bin/sh
+# Customizes the unpacked guest rootfs at $1 (run on the host, as root, after mmdebstrap).
+# Changing this file changes the rootfs cache key. The guest agent (our /init in the
+# initramfs) is PID 1, so no getty, systemd or other init is configured here.
+set -eu
+root=${1:?usage: customize.sh ROOTDIR}
+[ -d "$root/etc" ] || { echo "customize.sh: $root does not look like a rootfs" >&2; exit 1; }
+
+echo tryboxi > "$root/etc/hostname"
+cat > "$root/etc/hosts" <<'HOSTS'
+127.0.0.1	localhost
+127.0.1.1	tryboxi
+::1	localhost ip6-localhost ip6-loopback
+ff02::1	ip6-allnodes
+ff02::2	ip6-allrouters
+HOSTS
+
+# Placeholder: the guest agent writes the real resolver at boot.
+rm -f "$root/etc/resolv.conf"
+cat > "$root/etc/resolv.conf" <<'RESOLV'
+# Written by the tryboxi guest agent at boot.
+RESOLV
+
+# Where the host's project is synced to.
+mkdir -p "$root/workspace"
+chmod 0755 "$root/workspace"
+
+cat > "$root/etc/fstab" <<'FSTAB'
+# Mounts are done by the tryboxi guest agent (PID 1).
+FSTAB
+
+# Empty machine-id: each VM is a fresh machine.
+: > "$root/etc/machine-id"
+
+grep -q '^root:x:0:0:' "$root/etc/passwd" || { echo "customize.sh: no root in /etc/passwd" >&2; exit 1; }
+
+# Shrink: package lists and caches are re-fetched by `apt-get update` inside a sandbox.
+rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin \
+       "$root"/var/cache/apt/archives/*.deb "$root"/var/cache/debconf/*-old \
+       "$root"/var/log/*.log "$root"/var/log/apt/* \
+       "$root"/usr/share/man/* "$root"/usr/share/info/*
+mkdir -p "$root/var/lib/apt/lists/partial"

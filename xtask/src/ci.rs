@@ -1,0 +1,51 @@
+//! `cargo xtask ci`: the whole pipeline `.ci/run` calls, fail-fast, one header per step.
+//! Runs on a fresh machine as root with no stdin and `CI=true`. Never skips a failing step.
+
+use crate::util::{Step, fmt_dur, out_dir, repo_root, run_inherit};
+use crate::{deps, dist, images};
+use anyhow::{Context, Result, anyhow};
+use std::process::Command;
+use std::time::Instant;
+
+pub fn run() -> Result<()> {
+    let start = Instant::now();
+    let root = repo_root();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let cargo_cmd = |args: &[&str]| {
+        let mut c = Command::new(&cargo);
+        c.current_dir(&root).args(args);
+        c
+    };
+    let mut binary = out_dir().join("bin").join("tryboxi");
+    let steps: [&str; 6] = ["deps", "fmt", "clippy", "dist", "images", "test"];
+    for (i, name) in steps.iter().enumerate() {
+        println!();
+        let step = Step::start(format!("CI step {}/{}: {name}", i + 1, steps.len()));
+        let result = match *name {
+            "deps" => deps::run(),
+            "fmt" => run_inherit(&mut cargo_cmd(&["fmt", "--all", "--check"]), "cargo fmt"),
+            "clippy" => run_inherit(
+                &mut cargo_cmd(&[
+                    "clippy",
+                    "--workspace",
+                    "--all-targets",
+                    "--",
+                    "-D",
+                    "warnings",
+                ]),
+                "cargo clippy",
+            ),
+            "dist" => dist::run().map(|b| binary = b),
+            "images" => images::run(&binary, images::Rebuild::default()).map(|_| ()),
+            "test" => run_inherit(
+                cargo_cmd(&["test", "--workspace"]).env("TRYBOXI_ARTIFACTS", out_dir()),
+                "cargo test",
+            ),
+            other => Err(anyhow!("unknown CI step {other}")),
+        };
+        result.with_context(|| format!("CI step `{name}` failed"))?;
+        step.done("ok");
+    }
+    println!("\n==> CI passed in {}", fmt_dur(start.elapsed()));
+    Ok(())
+}

@@ -1,0 +1,183 @@
+//! `cargo xtask deps`: installs the Debian packages the build and the daemon need.
+//!
+//! Idempotent and quick: asks `dpkg-query` once and runs `apt-get` only when something is
+//! missing. Adds the `bookworm-backports` source (for QEMU 10) if absent. Never removes or
+//! upgrades packages that are already installed.
+
+use crate::util::{Step, is_root, output, run_inherit};
+use anyhow::{Context, Result, bail};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BACKPORTS_SOURCES: &str = "/etc/apt/sources.list.d/tryboxi-backports.sources";
+const BACKPORTS_CONTENT: &str = "\
+# Added by `cargo xtask deps` (tryboxi): QEMU 10 lives in bookworm-backports.
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+";
+
+/// Installed from backports when reachable, else from bookworm.
+const QEMU: &str = "qemu-system-x86";
+/// Installed from the default suite.
+const PACKAGES: &[&str] = &[
+    "linux-source-6.1",
+    "bc",
+    "flex",
+    "bison",
+    "libelf-dev",
+    "libssl-dev",
+    "mmdebstrap",
+    "e2fsprogs",
+    "cpio",
+    "xz-utils",
+    "python3",
+];
+
+pub fn run() -> Result<()> {
+    let step = Step::start("deps: Debian packages");
+    let mut wanted: Vec<&str> = vec![QEMU];
+    wanted.extend_from_slice(PACKAGES);
+    let installed = installed_packages(&wanted)?;
+    let missing: Vec<&str> = wanted
+        .iter()
+        .copied()
+        .filter(|p| !installed.contains(*p))
+        .collect();
+    let need_sources = !backports_configured();
+    if missing.is_empty() {
+        if need_sources && is_root() {
+            write_sources()?;
+        }
+        step.done("all installed");
+        return Ok(());
+    }
+    if !is_root() {
+        bail!(
+            "missing packages {}: run `sudo cargo xtask deps` (or apt-get install them as root)",
+            missing.join(" ")
+        );
+    }
+    if need_sources {
+        write_sources()?;
+    }
+    println!("    missing: {}", missing.join(" "));
+    let update_ok = apt(&["update"]).is_ok();
+    if !update_ok {
+        println!(
+            "    warning: apt-get update reported errors (backports unreachable?); continuing"
+        );
+    }
+    if missing.contains(&QEMU) {
+        let from_backports = apt(&["install", "-y", "-t", "bookworm-backports", QEMU]);
+        if let Err(e) = from_backports {
+            println!(
+                "    warning: {QEMU} from bookworm-backports failed ({e:#}); using bookworm's"
+            );
+            apt(&["install", "-y", QEMU])?;
+        }
+    }
+    let rest: Vec<&str> = missing.iter().copied().filter(|p| *p != QEMU).collect();
+    if !rest.is_empty() {
+        let mut args = vec!["install", "-y", "--no-install-recommends"];
+        args.extend(rest.iter());
+        apt(&args)?;
+    }
+    let still: Vec<&str> = {
+        let now = installed_packages(&wanted)?;
+        wanted.into_iter().filter(|p| !now.contains(*p)).collect()
+    };
+    if !still.is_empty() {
+        bail!("still missing after apt-get install: {}", still.join(" "));
+    }
+    step.done(&format!("installed {}", missing.join(" ")));
+    Ok(())
+}
+
+/// Whether any apt source (ours or the admin's) already names bookworm-backports.
+fn backports_configured() -> bool {
+    if Path::new(BACKPORTS_SOURCES).exists() {
+        return true;
+    }
+    let mut files = vec![PathBuf::from("/etc/apt/sources.list")];
+    if let Ok(rd) = std::fs::read_dir("/etc/apt/sources.list.d") {
+        files.extend(
+            rd.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "list" || x == "sources")),
+        );
+    }
+    files.iter().any(|f| {
+        std::fs::read_to_string(f).is_ok_and(|t| {
+            t.lines()
+                .any(|l| !l.trim_start().starts_with('#') && l.contains("bookworm-backports"))
+        })
+    })
+}
+
+fn write_sources() -> Result<()> {
+    std::fs::write(BACKPORTS_SOURCES, BACKPORTS_CONTENT)
+        .with_context(|| format!("writing {BACKPORTS_SOURCES}"))?;
+    println!("    added apt source {BACKPORTS_SOURCES}");
+    Ok(())
+}
+
+/// The subset of `pkgs` that dpkg reports as fully installed.
+fn installed_packages(pkgs: &[&str]) -> Result<BTreeSet<String>> {
+    // dpkg-query exits 1 when some package is unknown but still prints the known ones.
+    let out = Command::new("dpkg-query")
+        .args(["-W", "-f=${Package} ${db:Status-Status}\\n"])
+        .args(pkgs)
+        .output()
+        .context("running dpkg-query (is this a Debian system?)")?;
+    Ok(parse_installed(&String::from_utf8_lossy(&out.stdout)))
+}
+
+fn parse_installed(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter_map(|l| {
+            let (name, status) = l.split_once(' ')?;
+            // Multi-arch packages are reported as name:arch.
+            let name = name.split(':').next()?;
+            (status.trim() == "installed").then(|| name.to_string())
+        })
+        .collect()
+}
+
+fn apt(args: &[&str]) -> Result<()> {
+    println!("    apt-get {}", args.join(" "));
+    run_inherit(
+        Command::new("apt-get")
+            .args(["-q", "-o", "Dpkg::Options::=--force-confdef"])
+            .args(["-o", "Dpkg::Options::=--force-confold"])
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+        &format!("apt-get {}", args.first().copied().unwrap_or("")),
+    )
+}
+
+/// The installed version of a package (for recipe keys).
+pub fn package_version(pkg: &str) -> Result<String> {
+    output(
+        Command::new("dpkg-query").args(["-W", "-f=${Version}", pkg]),
+        &format!("dpkg-query for {pkg} (run `cargo xtask deps`)"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_fully_installed_packages_count() {
+        let s =
+            parse_installed("bc installed\nflex config-files\nlibelf-dev:amd64 installed\nx \n");
+        assert!(s.contains("bc"));
+        assert!(s.contains("libelf-dev"));
+        assert!(!s.contains("flex"));
+        assert!(!s.contains("x"));
+    }
+}

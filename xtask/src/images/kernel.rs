@@ -1,0 +1,233 @@
+//! The guest kernel: `tinyconfig` + our fragment (`guest-image/kernel/config-fragment`),
+//! built from Debian's `linux-source-6.1` tarball. Everything built in, no modules.
+//!
+//! Cache key = sha256(fragment, linux-source package version, recipe version). Fails the build
+//! if any option the fragment asks for did not survive `make olddefconfig`: a silently dropped
+//! option is a bug. Never touches the source tarball or anything outside its temp dir.
+
+use super::cache::{Begin, Cache, Entry};
+use crate::deps::package_version;
+use crate::util::{Step, output, recipe_key, repo_root, run_logged, sha256_file};
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Bump when the build procedure below changes in a way that changes the output.
+const RECIPE_VERSION: &str = "kernel-1";
+const SOURCE_PACKAGE: &str = "linux-source-6.1";
+const SOURCE_TARBALL: &str = "/usr/src/linux-source-6.1.tar.xz";
+pub const FILE: &str = "vmlinuz";
+
+pub fn fragment_path() -> PathBuf {
+    repo_root().join("guest-image/kernel/config-fragment")
+}
+
+pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
+    let fragment_file = fragment_path();
+    let fragment = std::fs::read(&fragment_file)
+        .with_context(|| format!("reading {}", fragment_file.display()))?;
+    let src_version = package_version(SOURCE_PACKAGE)?;
+    let key = recipe_key(&[
+        ("recipe", RECIPE_VERSION.as_bytes()),
+        ("fragment", &fragment),
+        ("linux-source", src_version.as_bytes()),
+    ]);
+    if !force && let Some(e) = cache.lookup("kernel", &key) {
+        println!(
+            "==> kernel: cached (Linux {}, built {})",
+            e.meta
+                .extra
+                .get("version")
+                .and_then(|v| v.as_str())
+                .unwrap_or("?"),
+            e.meta.built_at
+        );
+        return Ok(e);
+    }
+
+    let step = Step::start(format!(
+        "kernel: building {SOURCE_PACKAGE} {src_version} (takes ~5 min on 2 cores)"
+    ));
+    let pending = match cache.begin("kernel", &key)? {
+        Begin::Build(p) => p,
+        Begin::Done(e) => return Ok(e),
+    };
+    let work = pending.dir.join("build");
+    std::fs::create_dir(&work)?;
+    let log = pending.dir.join("build.log");
+
+    println!("    extracting {SOURCE_TARBALL}");
+    run_logged(
+        Command::new("tar")
+            .arg("-xJf")
+            .arg(SOURCE_TARBALL)
+            .arg("-C")
+            .arg(&work),
+        "tar",
+        &log,
+    )?;
+    let src = single_subdir(&work)?;
+    let make = |args: &[&str], what: &str| -> Result<()> {
+        run_logged(
+            Command::new("make")
+                .current_dir(&src)
+                .args(args)
+                .env("KBUILD_BUILD_USER", "tryboxi")
+                .env("KBUILD_BUILD_HOST", "tryboxi")
+                .env("KBUILD_BUILD_TIMESTAMP", "1970-01-01"),
+            what,
+            &log,
+        )
+    };
+    println!("    configuring: tinyconfig + fragment + olddefconfig");
+    make(&["tinyconfig"], "make tinyconfig")?;
+    run_logged(
+        Command::new("scripts/kconfig/merge_config.sh")
+            .current_dir(&src)
+            .args(["-m", ".config"])
+            .arg(&fragment_file),
+        "merge_config",
+        &log,
+    )?;
+    make(&["olddefconfig"], "make olddefconfig")?;
+    let config = std::fs::read_to_string(src.join(".config")).context("reading final .config")?;
+    let problems = check_config(&String::from_utf8_lossy(&fragment), &config);
+    if !problems.is_empty() {
+        bail!(
+            "the kernel config dropped or changed options the fragment asks for \
+             (fix {}: add their dependencies or remove them):\n  {}",
+            fragment_file.display(),
+            problems.join("\n  ")
+        );
+    }
+    println!("    config verified: every fragment option is in the final .config");
+
+    let jobs = format!(
+        "-j{}",
+        std::thread::available_parallelism().map_or(2, |n| n.get())
+    );
+    make(&[&jobs, "bzImage"], "make bzImage")?;
+    let version = output(
+        Command::new("make")
+            .current_dir(&src)
+            .args(["-s", "kernelrelease"]),
+        "make kernelrelease",
+    )?;
+    std::fs::copy(src.join("arch/x86/boot/bzImage"), pending.dir.join(FILE))
+        .context("copying bzImage")?;
+    std::fs::write(pending.dir.join("config"), &config)?;
+    std::fs::remove_dir_all(&work).context("removing kernel build tree")?;
+    let sha = sha256_file(&pending.dir.join(FILE))?;
+    let mut extra = serde_json::Map::new();
+    extra.insert("version".into(), version.clone().into());
+    extra.insert("source_package".into(), SOURCE_PACKAGE.into());
+    extra.insert("source_version".into(), src_version.into());
+    let elapsed = step.elapsed();
+    let entry = pending.commit(FILE, sha, elapsed, extra)?;
+    step.done(&format!("Linux {version}, {} bytes", entry.meta.size));
+    Ok(entry)
+}
+
+fn single_subdir(dir: &Path) -> Result<PathBuf> {
+    let mut dirs = std::fs::read_dir(dir)?
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.path());
+    match (dirs.next(), dirs.next()) {
+        (Some(d), None) => Ok(d),
+        _ => bail!("expected exactly one directory in {}", dir.display()),
+    }
+}
+
+/// What the fragment asks for that the final `.config` does not have: every `CONFIG_X=v` line
+/// must appear verbatim, and every `# CONFIG_X is not set` must not be enabled.
+pub fn check_config(fragment: &str, config: &str) -> Vec<String> {
+    let have: std::collections::HashMap<&str, &str> = config
+        .lines()
+        .filter_map(|l| l.strip_prefix("CONFIG_")?.split_once('='))
+        .collect();
+    let mut problems = Vec::new();
+    for line in fragment.lines().map(str::trim) {
+        if let Some((name, want)) = line.strip_prefix("CONFIG_").and_then(|l| l.split_once('=')) {
+            match have.get(name) {
+                Some(got) if *got == want => {}
+                Some(got) => problems.push(format!("CONFIG_{name}: wanted {want}, got {got}")),
+                None => problems.push(format!("CONFIG_{name}: wanted {want}, but it is not set")),
+            }
+        } else if let Some(name) = line
+            .strip_prefix("# CONFIG_")
+            .and_then(|l| l.strip_suffix(" is not set"))
+            && let Some(got) = have.get(name)
+        {
+            problems.push(format!("CONFIG_{name}: wanted off, got {got}"));
+        }
+    }
+    problems
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dropped_option_is_reported() {
+        let frag = "CONFIG_A=y\nCONFIG_B=y\n";
+        let cfg = "CONFIG_A=y\n# CONFIG_B is not set\n";
+        assert_eq!(
+            check_config(frag, cfg),
+            vec!["CONFIG_B: wanted y, but it is not set"]
+        );
+    }
+
+    #[test]
+    fn option_that_must_be_off_but_is_on_is_reported() {
+        let frag = "# CONFIG_PCI is not set\nCONFIG_N=64\n";
+        let cfg = "CONFIG_PCI=y\nCONFIG_N=8\n";
+        assert_eq!(
+            check_config(frag, cfg),
+            vec![
+                "CONFIG_PCI: wanted off, got y",
+                "CONFIG_N: wanted 64, got 8"
+            ]
+        );
+    }
+
+    #[test]
+    fn satisfied_fragment_has_no_problems() {
+        let frag = "# comment\nCONFIG_A=y\n# CONFIG_C is not set\n";
+        assert!(check_config(frag, "CONFIG_A=y\nCONFIG_D=m\n").is_empty());
+    }
+
+    #[test]
+    fn shipped_fragment_lists_the_options_that_matter() {
+        let frag = std::fs::read_to_string(fragment_path()).unwrap();
+        for opt in [
+            "VIRTIO_MMIO_CMDLINE_DEVICES",
+            "VIRTIO_BLK",
+            "VIRTIO_CONSOLE",
+            "VIRTIO_VSOCKETS",
+            "EXT4_FS",
+            "DEVTMPFS",
+            "SERIAL_8250_CONSOLE",
+            "BLK_DEV_INITRD",
+            "RD_GZIP",
+            "UNIX98_PTYS",
+        ] {
+            assert!(
+                frag.contains(&format!("\nCONFIG_{opt}=y\n")),
+                "missing {opt}"
+            );
+        }
+        for off in ["PCI", "ACPI", "CMDLINE_BOOL"] {
+            assert!(
+                frag.contains(&format!("# CONFIG_{off} is not set")),
+                "{off} must be off"
+            );
+        }
+        assert!(
+            !frag
+                .lines()
+                .any(|l| l.starts_with("CONFIG_") && l.ends_with("=m"))
+        );
+    }
+}

@@ -1,0 +1,130 @@
+//! `cargo xtask images`: the guest kernel, rootfs and initramfs.
+//!
+//! Each is built into the cache outside the checkout ([`cache`], keyed by a recipe hash) and
+//! then placed into `_out/images/` (hard link, or a sparse copy across filesystems) next to a
+//! `manifest.json` the daemon reads. A run with nothing changed only stats files. Never
+//! modifies a finished cache entry.
+
+pub mod cache;
+pub mod initramfs;
+pub mod kernel;
+pub mod rootfs;
+
+use crate::util::{Step, out_dir};
+use anyhow::{Context, Result};
+use cache::Entry;
+use serde::Serialize;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub const MANIFEST_VERSION: u32 = 1;
+
+#[derive(Debug, Serialize)]
+pub struct Manifest {
+    pub version: u32,
+    pub artifacts: Vec<ManifestArtifact>,
+    pub kernel_version: String,
+    /// Recipe hash (cache key) of each artifact, by name.
+    pub recipes: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ManifestArtifact {
+    /// `kernel`, `rootfs` or `initramfs`.
+    pub name: String,
+    /// File name inside `_out/images/`.
+    pub file: String,
+    pub size: u64,
+    pub sha256: String,
+    pub recipe: String,
+    pub built_at: String,
+    pub build_seconds: f64,
+}
+
+/// Which artifacts to rebuild even if the cache has them.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Rebuild {
+    pub kernel: bool,
+    pub rootfs: bool,
+}
+
+/// Builds or reuses all three artifacts; returns `_out/images/`.
+pub fn run(binary: &Path, rebuild: Rebuild) -> Result<PathBuf> {
+    let cache = cache::Cache::from_env();
+    println!("    image cache: {}", cache.root.display());
+    let initramfs = initramfs::build(&cache, binary)?;
+    let rootfs = rootfs::build(&cache, rebuild.rootfs)?;
+    let kernel = kernel::build(&cache, rebuild.kernel)?;
+
+    let step = Step::start("images: placing into _out/images");
+    let dir = out_dir().join("images");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let parts = [
+        ("kernel", &kernel),
+        ("rootfs", &rootfs),
+        ("initramfs", &initramfs),
+    ];
+    for (_, e) in &parts {
+        place(&e.file_path(), &dir.join(&e.meta.file))?;
+    }
+    let manifest = Manifest {
+        version: MANIFEST_VERSION,
+        kernel_version: kernel
+            .meta
+            .extra
+            .get("version")
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_string(),
+        recipes: parts
+            .iter()
+            .map(|(n, e)| (n.to_string(), e.meta.key.clone()))
+            .collect(),
+        artifacts: parts.iter().map(|(n, e)| artifact(n, e)).collect(),
+    };
+    let text = serde_json::to_string_pretty(&manifest)? + "\n";
+    let path = dir.join("manifest.json");
+    if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+        let tmp = dir.join(".manifest.json.tmp");
+        std::fs::write(&tmp, &text)?;
+        std::fs::rename(&tmp, &path)?;
+    }
+    step.done(&path.display().to_string());
+    Ok(dir)
+}
+
+fn artifact(name: &str, e: &Entry) -> ManifestArtifact {
+    ManifestArtifact {
+        name: name.into(),
+        file: e.meta.file.clone(),
+        size: e.meta.size,
+        sha256: e.meta.sha256.clone(),
+        recipe: e.meta.key.clone(),
+        built_at: e.meta.built_at.clone(),
+        build_seconds: e.meta.build_seconds,
+    }
+}
+
+/// Makes `dst` the same content as `src`: a hard link when possible (same inode = nothing to
+/// do), else a sparse copy. Atomic: `dst` is replaced by rename.
+fn place(src: &Path, dst: &Path) -> Result<()> {
+    let s = std::fs::metadata(src).with_context(|| format!("stat {}", src.display()))?;
+    if let Ok(d) = std::fs::metadata(dst)
+        && d.dev() == s.dev()
+        && d.ino() == s.ino()
+    {
+        return Ok(());
+    }
+    let name = dst.file_name().map(|n| n.to_string_lossy().into_owned());
+    let tmp = dst.with_file_name(format!(".{}.tmp", name.unwrap_or_default()));
+    let _ = std::fs::remove_file(&tmp);
+    if std::fs::hard_link(src, &tmp).is_err() {
+        crate::util::run_inherit(
+            Command::new("cp").arg("--sparse=always").arg(src).arg(&tmp),
+            "cp",
+        )?;
+    }
+    std::fs::rename(&tmp, dst).with_context(|| format!("installing {}", dst.display()))?;
+    Ok(())
+}
