@@ -5,10 +5,14 @@
 //! checkout, the image cache (`/var/cache/tryboxi` or `$TRYBOXI_IMAGE_CACHE`) and, for `deps`,
 //! apt's sources and packages.
 
+mod bench;
 mod ci;
+mod daemon;
+mod demo;
 mod deps;
 mod dist;
 mod elf;
+mod http;
 mod images;
 mod util;
 
@@ -46,6 +50,18 @@ enum Cmd {
     },
     /// Everything CI runs: deps, fmt, clippy, dist, images, tests.
     Ci,
+    /// The main job: set up, start the daemon, create a sandbox for a repo, run commands in it.
+    Demo {
+        /// The repo to use as the sandbox's workspace (default: this checkout).
+        #[arg(long)]
+        repo: Option<std::path::PathBuf>,
+    },
+    /// Boot and exec benchmarks against a bare-QEMU baseline; writes BENCHMARKS.md.
+    Bench {
+        /// Repetitions per measurement (at least 5).
+        #[arg(long, default_value_t = 7)]
+        reps: usize,
+    },
 }
 
 fn main() -> Result<()> {
@@ -66,5 +82,7 @@ fn main() -> Result<()> {
             images::run(&binary, rebuild).map(|_| ())
         }
         Cmd::Ci => ci::run(),
+        Cmd::Demo { repo } => demo::run(repo),
+        Cmd::Bench { reps } => bench::run(reps),
     }
 }
