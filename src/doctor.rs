@@ -5,9 +5,9 @@ use std::path::Path;
 
 use crate::client::Client;
 use crate::config::AccelSetting;
-use crate::vmm::{Images, QemuDriver, probe_accel};
 use crate::config::{Config, Paths};
 use crate::error::TopError;
+use crate::vmm::{Images, QemuDriver, probe_accel};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Status {
@@ -105,7 +105,11 @@ fn images(artifacts: &Path) -> (Check, Option<Images>) {
         Ok(i) => i,
         Err(e) => {
             return (
-                Check::new("images", Status::Fail, format!("{e}; build with `cargo xtask images`, then `tryboxi install`")),
+                Check::new(
+                    "images",
+                    Status::Fail,
+                    format!("{e}; build with `cargo xtask images`, then `tryboxi install`"),
+                ),
                 None,
             );
         }
@@ -116,9 +120,23 @@ fn images(artifacts: &Path) -> (Check, Option<Images>) {
                 .manifest
                 .artifacts
                 .iter()
-                .map(|a| format!("{} {} sha256:{}", a.name, a.file, &a.sha256[..a.sha256.len().min(12)]))
+                .map(|a| {
+                    format!(
+                        "{} {} sha256:{}",
+                        a.name,
+                        a.file,
+                        &a.sha256[..a.sha256.len().min(12)]
+                    )
+                })
                 .collect();
-            (Check::new("images", Status::Ok, format!("{}: {}", imgs.dir.display(), list.join(", "))), Some(imgs))
+            (
+                Check::new(
+                    "images",
+                    Status::Ok,
+                    format!("{}: {}", imgs.dir.display(), list.join(", ")),
+                ),
+                Some(imgs),
+            )
         }
         Err(e) => (Check::new("images", Status::Fail, e.to_string()), None),
     }
@@ -130,21 +148,55 @@ async fn accel(config: &Config, paths: &Paths, images: Option<&Images>) -> Check
         Err(e) => return Check::new("accel", Status::Fail, format!("cannot probe: {e}")),
     };
     match config.accel {
-        AccelSetting::Kvm => return Check::new("accel", Status::Ok, "kvm (forced by accel = kvm in config.toml)"),
-        AccelSetting::Tcg => return Check::new("accel", Status::Ok, "tcg (forced by accel = tcg in config.toml)"),
+        AccelSetting::Kvm => {
+            return Check::new(
+                "accel",
+                Status::Ok,
+                "kvm (forced by accel = kvm in config.toml)",
+            );
+        }
+        AccelSetting::Tcg => {
+            return Check::new(
+                "accel",
+                Status::Ok,
+                "tcg (forced by accel = tcg in config.toml)",
+            );
+        }
         AccelSetting::Auto => {}
     }
     let Some(images) = images else {
-        return Check::new("accel", Status::Warn, "not probed: the guest images are missing");
+        return Check::new(
+            "accel",
+            Status::Warn,
+            "not probed: the guest images are missing",
+        );
     };
-    match probe_accel(&driver, &images.kernel, &images.initramfs, &paths.cache_dir()).await {
-        Ok(r) if r.kvm_ok => Check::new("accel", Status::Ok, format!("kvm: a probe guest booted ({})", r.detail)),
+    match probe_accel(
+        &driver,
+        &images.kernel,
+        &images.initramfs,
+        &paths.cache_dir(),
+    )
+    .await
+    {
+        Ok(r) if r.kvm_ok => Check::new(
+            "accel",
+            Status::Ok,
+            format!("kvm: a probe guest booted ({})", r.detail),
+        ),
         Ok(r) => Check::new(
             "accel",
             Status::Warn,
-            format!("tcg will be used (slower): KVM cannot run the guest here: {}", r.detail),
+            format!(
+                "tcg will be used (slower): KVM cannot run the guest here: {}",
+                r.detail
+            ),
         ),
-        Err(e) => Check::new("accel", Status::Warn, format!("tcg will be used: the probe failed: {e}")),
+        Err(e) => Check::new(
+            "accel",
+            Status::Warn,
+            format!("tcg will be used: the probe failed: {e}"),
+        ),
     }
 }
 

@@ -85,19 +85,7 @@ impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
         // Look before writing: a newer schema must be refused without redb touching the file.
         if std::fs::metadata(path).is_ok_and(|m| m.len() > 0) {
-            let ro =
-                Database::builder()
-                    .open_read_only(path)
-                    .map_err(|source| StoreError::Open {
-                        path: path.to_path_buf(),
-                        source,
-                    })?;
-            let found = ro
-                .begin_read()
-                .map_err(redb::Error::from)?
-                .open_table(META)
-                .ok()
-                .and_then(|t| t.get("schema_version").ok().flatten().map(|v| v.value()));
+            let found = peek_schema_version(path)?;
             if let Some(found) = found.filter(|v| *v > SCHEMA_VERSION) {
                 return Err(StoreError::NewerSchema {
                     path: path.to_path_buf(),
@@ -249,6 +237,27 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+/// The schema version of an existing store file, read without writing to it. `None` when the
+/// file cannot be read that way because it was not closed cleanly (the daemon was killed): it
+/// then needs redb's repair, which only a writable open does, and `init` checks the version.
+fn peek_schema_version(path: &Path) -> Result<Option<u64>, StoreError> {
+    let ro = match Database::builder().open_read_only(path) {
+        Ok(db) => db,
+        Err(redb::DatabaseError::RepairAborted) => return Ok(None),
+        Err(source) => {
+            return Err(StoreError::Open {
+                path: path.to_path_buf(),
+                source,
+            });
+        }
+    };
+    let txn = ro.begin_read()?;
+    let Ok(meta) = txn.open_table(META) else {
+        return Ok(None);
+    };
+    Ok(meta.get("schema_version")?.map(|v| v.value()))
 }
 
 fn decode<T: DeserializeOwned>(table: &str, key: &str, bytes: &[u8]) -> Result<T, StoreError> {

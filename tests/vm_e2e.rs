@@ -27,7 +27,10 @@ fn artifacts() -> Option<PathBuf> {
         "no guest images at {} under CI: `cargo xtask ci` builds them",
         dir.display()
     );
-    eprintln!("skipped: no guest images at {} (run `cargo xtask images`)", dir.display());
+    eprintln!(
+        "skipped: no guest images at {} (run `cargo xtask images`)",
+        dir.display()
+    );
     None
 }
 
@@ -35,7 +38,10 @@ fn artifacts() -> Option<PathBuf> {
 fn daemon() -> Option<Daemon> {
     let art = artifacts()?;
     let cfg = "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n";
-    Some(Daemon::start(Some(cfg), &["--artifacts", art.to_str().unwrap()]))
+    Some(Daemon::start(
+        Some(cfg),
+        &["--artifacts", art.to_str().unwrap()],
+    ))
 }
 
 fn create(d: &Daemon, ws: &std::path::Path) -> String {
@@ -79,7 +85,8 @@ fn sandbox_dir(d: &Daemon, id: &str) -> PathBuf {
 
 fn qemu_pid(d: &Daemon, id: &str) -> i32 {
     let vm: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(sandbox_dir(d, id).join("vm.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(sandbox_dir(d, id).join("vm.json")).unwrap())
+            .unwrap();
     vm["pid"].as_i64().unwrap() as i32
 }
 
@@ -108,8 +115,26 @@ fn exec_semantics_in_a_real_vm() {
     assert_eq!(stdout(&o), "Linux\n");
 
     // env, cwd, stdin.
-    let o = exec(&d, &id, &["-e", "GREETING=hi there", "--cwd", "/tmp", "--", "sh", "-c", "echo \"$GREETING\"; pwd"]);
-    assert_eq!(stdout(&o), "hi there\n/tmp\n", "{}", String::from_utf8_lossy(&o.stderr));
+    let o = exec(
+        &d,
+        &id,
+        &[
+            "-e",
+            "GREETING=hi there",
+            "--cwd",
+            "/tmp",
+            "--",
+            "sh",
+            "-c",
+            "echo \"$GREETING\"; pwd",
+        ],
+    );
+    assert_eq!(
+        stdout(&o),
+        "hi there\n/tmp\n",
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let mut child = Command::new(BIN)
         .args(["exec", "--stdin", &id, "--", "tr", "a-z", "A-Z"])
         .env("TRYBOXI_HOME", d.root())
@@ -117,7 +142,12 @@ fn exec_semantics_in_a_real_vm() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(b"from stdin").unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"from stdin")
+        .unwrap();
     let o = child.wait_with_output().unwrap();
     assert_eq!(stdout(&o), "FROM STDIN");
 
@@ -126,22 +156,55 @@ fn exec_semantics_in_a_real_vm() {
     assert_eq!(o.status.code(), Some(128 + 15));
 
     // Timeout kills the whole process group, background children included.
-    let o = exec(&d, &id, &["--timeout", "1", "--", "sh", "-c", "sleep 300 & sleep 301; echo never"]);
-    assert_eq!(o.status.code(), Some(124), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = exec(
+        &d,
+        &id,
+        &[
+            "--timeout",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            "sleep 300 & sleep 301; echo never",
+        ],
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(124),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert_eq!(stdout(&o), "");
     let o = sh(&d, &id, "ps -eo args | grep -c '^sleep 30[01]' || true");
     assert_eq!(stdout(&o).trim(), "0", "sleeps survived the timeout");
 
     // 10 MB of output, intact; binary output intact.
-    let o = sh(&d, &id, "yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c 10485760");
+    let o = sh(
+        &d,
+        &id,
+        "yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c 10485760",
+    );
     assert!(o.status.success());
     assert_eq!(o.stdout.len(), 10 * 1024 * 1024);
-    let expected: Vec<u8> = b"0123456789abcdefghijklmnopqrstuvwxyz\n".iter().copied().cycle().take(10 * 1024 * 1024).collect();
+    let expected: Vec<u8> = b"0123456789abcdefghijklmnopqrstuvwxyz\n"
+        .iter()
+        .copied()
+        .cycle()
+        .take(10 * 1024 * 1024)
+        .collect();
     assert!(o.stdout == expected, "10 MB output corrupted");
-    let o = sh(&d, &id, "head -c 300000 /dev/urandom > /tmp/bin; sha256sum /tmp/bin | cut -d' ' -f1 >&2; cat /tmp/bin");
+    let o = sh(
+        &d,
+        &id,
+        "head -c 300000 /dev/urandom > /tmp/bin; sha256sum /tmp/bin | cut -d' ' -f1 >&2; cat /tmp/bin",
+    );
     assert!(o.status.success());
     let got = hex::encode(Sha256::digest(&o.stdout));
-    assert_eq!(got, String::from_utf8_lossy(&o.stderr).trim(), "binary output corrupted");
+    assert_eq!(
+        got,
+        String::from_utf8_lossy(&o.stderr).trim(),
+        "binary output corrupted"
+    );
 
     // 20 concurrent execs.
     let handles: Vec<_> = (0..20)
@@ -160,7 +223,11 @@ fn exec_semantics_in_a_real_vm() {
         .collect();
     for h in handles {
         let (i, o) = h.join().unwrap();
-        assert!(o.status.success(), "exec {i}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "exec {i}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         assert_eq!(stdout(&o), format!("n{i}\n"));
     }
 
@@ -172,10 +239,17 @@ fn exec_semantics_in_a_real_vm() {
     let o = d.cli(&["rm", &id]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(!dir.exists(), "sandbox directory left behind");
-    assert!(!process_mentions(dir.to_str().unwrap()), "a process of the removed sandbox still runs");
+    assert!(
+        !process_mentions(dir.to_str().unwrap()),
+        "a process of the removed sandbox still runs"
+    );
     let o = d.cli(&["exec", &id, "--", "true"]);
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("no sandbox"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("no sandbox"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 #[test]
@@ -197,18 +271,30 @@ fn vm_killed_mid_exec_is_an_error_and_the_sandbox_fails() {
     let mut seen = String::new();
     while !seen.contains("running") {
         let mut line = String::new();
-        assert!(r.read_line(&mut line).unwrap() > 0, "stream ended early: {seen}");
+        assert!(
+            r.read_line(&mut line).unwrap() > 0,
+            "stream ended early: {seen}"
+        );
         seen.push_str(&line);
     }
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(qemu_pid(&d, &id)), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(qemu_pid(&d, &id)),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
     let mut rest = String::new();
     let _ = std::io::Read::read_to_string(&mut r, &mut rest);
-    assert!(rest.contains("\"type\":\"error\""), "no error event after the VM died: {rest}");
+    assert!(
+        rest.contains("\"type\":\"error\""),
+        "no error event after the VM died: {rest}"
+    );
     assert!(rest.contains("vm_lost"), "{rest}");
     // The sandbox is marked failed (bounded wait on the watcher), and says why.
     let mut state = String::new();
     for _ in 0..100 {
-        let j = d.request("GET", &format!("/v1/sandboxes/{id}"), None).json();
+        let j = d
+            .request("GET", &format!("/v1/sandboxes/{id}"), None)
+            .json();
         state = j["state"].as_str().unwrap().to_owned();
         if state == "failed" {
             assert!(j["error"].as_str().unwrap().contains("stopped"), "{j}");
@@ -235,11 +321,19 @@ fn daemon_restart_finds_running_vms_again() {
     assert!(d.stop().success());
     // The VM outlives the daemon...
     assert!(alive(pid), "VM died with the daemon");
-    let args: Vec<String> = vec!["--artifacts".into(), artifacts().unwrap().display().to_string()];
+    let args: Vec<String> = vec![
+        "--artifacts".into(),
+        artifacts().unwrap().display().to_string(),
+    ];
     d.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
     // ...and the next daemon reattaches to it.
     let o = sh(&d, &id, "cat /root/state");
-    assert_eq!(stdout(&o), "kept\n", "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        stdout(&o),
+        "kept\n",
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert_eq!(qemu_pid(&d, &id), pid);
     // A daemon killed outright (no cleanup) is recovered from too.
     d.kill();
@@ -252,7 +346,12 @@ fn daemon_restart_finds_running_vms_again() {
 /// Whether `pid` runs (a zombie or a missing process does not).
 fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) != Some("Z"),
+        Ok(stat) => {
+            stat.rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().next())
+                != Some("Z")
+        }
         Err(_) => false,
     }
 }

@@ -9,7 +9,8 @@ use crate::vmm::Images;
 
 pub fn run(artifacts: &Path) -> Result<(), TopError> {
     let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
-    let src = Images::load(artifacts).map_err(|e| TopError::Usage(format!("{e} (build them with `cargo xtask images`)")))?;
+    let src = Images::load(artifacts)
+        .map_err(|e| TopError::Usage(format!("{e} (build them with `cargo xtask images`)")))?;
     println!("verifying {} ...", src.dir.display());
     src.verify(true).map_err(|e| TopError::Other(e.into()))?;
     let dest_root = paths.artifacts_dir();
@@ -17,13 +18,19 @@ pub fn run(artifacts: &Path) -> Result<(), TopError> {
     let staging = dest_root.join(format!(".images-{}", std::process::id()));
     let _ = crate::safefs::remove_under(&paths.root, &staging);
     std::fs::create_dir_all(&staging).map_err(|e| TopError::Other(e.into()))?;
-    let mut files: Vec<&str> = src.manifest.artifacts.iter().map(|a| a.file.as_str()).collect();
+    let mut files: Vec<&str> = src
+        .manifest
+        .artifacts
+        .iter()
+        .map(|a| a.file.as_str())
+        .collect();
     files.push("manifest.json");
     for f in files {
         let (from, to) = (src.dir.join(f), staging.join(f));
         // A hard link costs nothing (images are immutable once built); else copy.
         if std::fs::hard_link(&from, &to).is_err() {
-            std::fs::copy(&from, &to).map_err(|e| TopError::Other(anyhow::anyhow!("copy {}: {e}", from.display())))?;
+            std::fs::copy(&from, &to)
+                .map_err(|e| TopError::Other(anyhow::anyhow!("copy {}: {e}", from.display())))?;
         }
         println!("  {f}");
     }

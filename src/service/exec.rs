@@ -44,7 +44,10 @@ impl Service {
         let wire = to_wire(&req, self.config.exec_timeout_s)?;
         if rec.api.state != SandboxState::Ready {
             let why = rec.api.error.map(|e| format!(": {e}")).unwrap_or_default();
-            return Err(ServiceError::Conflict(format!("sandbox `{id}` is {}{why}", rec.api.state)));
+            return Err(ServiceError::Conflict(format!(
+                "sandbox `{id}` is {}{why}",
+                rec.api.state
+            )));
         }
         let vm = self
             .vms
@@ -54,13 +57,27 @@ impl Service {
         let started = Instant::now();
         let mut stream = match vm.agent.exec(wire).await {
             Ok(s) => s,
-            Err(RpcError::Remote(e)) => return Err(ServiceError::BadRequest(format!("cannot start the command: {e}"))),
-            Err(e) => return Err(ServiceError::Unavailable(format!("cannot reach the sandbox's agent: {e}"))),
+            Err(RpcError::Remote(e)) => {
+                return Err(ServiceError::BadRequest(format!(
+                    "cannot start the command: {e}"
+                )));
+            }
+            Err(e) => {
+                return Err(ServiceError::Unavailable(format!(
+                    "cannot reach the sandbox's agent: {e}"
+                )));
+            }
         };
         let mut exec_rec = ExecRecord {
             id: exec_id.clone(),
             sandbox_id: id.to_owned(),
-            command: req.argv.clone().unwrap_or_else(|| vec!["/bin/sh".into(), "-c".into(), req.cmd.clone().unwrap_or_default()]),
+            command: req.argv.clone().unwrap_or_else(|| {
+                vec![
+                    "/bin/sh".into(),
+                    "-c".into(),
+                    req.cmd.clone().unwrap_or_default(),
+                ]
+            }),
             started_at: super::now_rfc3339(),
             exit_code: None,
             signal: None,
@@ -71,7 +88,10 @@ impl Service {
         self.store.put(EXECS, &exec_id, &exec_rec)?;
         tracing::info!(sandbox = %id, exec = %exec_id, "exec started");
         let (tx, rx) = mpsc::channel(64);
-        let _ = tx.try_send(api::ExecEvent::Started { exec_id: exec_id.clone(), sandbox_id: id.to_owned() });
+        let _ = tx.try_send(api::ExecEvent::Started {
+            exec_id: exec_id.clone(),
+            sandbox_id: id.to_owned(),
+        });
         let store = self.store.clone();
         tokio::spawn(async move {
             let last = loop {
@@ -88,13 +108,22 @@ impl Service {
                     Some(Ok(rpc::ExecEvent::Started { .. })) => continue,
                     Some(Ok(rpc::ExecEvent::Stdout(b))) => api::ExecEvent::output(false, &b),
                     Some(Ok(rpc::ExecEvent::Stderr(b))) => api::ExecEvent::output(true, &b),
-                    Some(Ok(rpc::ExecEvent::Exit { code, signal, timed_out })) => {
+                    Some(Ok(rpc::ExecEvent::Exit {
+                        code,
+                        signal,
+                        timed_out,
+                    })) => {
                         let duration_ms = started.elapsed().as_millis() as u64;
                         exec_rec.exit_code = code;
                         exec_rec.signal = signal;
                         exec_rec.timed_out = timed_out;
                         exec_rec.duration_ms = Some(duration_ms);
-                        break Some(api::ExecEvent::Exit { exit_code: code, signal, timed_out, duration_ms });
+                        break Some(api::ExecEvent::Exit {
+                            exit_code: code,
+                            signal,
+                            timed_out,
+                            duration_ms,
+                        });
                     }
                     Some(Err(e)) => {
                         exec_rec.error = Some(e.to_string());
@@ -133,7 +162,10 @@ fn lost(e: &RpcError) -> api::ExecEvent {
 }
 
 /// Validate an API exec request and turn it into the agent's request.
-pub(super) fn to_wire(req: &api::ExecRequest, default_timeout_s: u64) -> Result<rpc::ExecRequest, ServiceError> {
+pub(super) fn to_wire(
+    req: &api::ExecRequest,
+    default_timeout_s: u64,
+) -> Result<rpc::ExecRequest, ServiceError> {
     let bad = |m: String| Err(ServiceError::BadRequest(m));
     let mut w = rpc::ExecRequest::default();
     match (&req.cmd, &req.argv) {
@@ -146,7 +178,9 @@ pub(super) fn to_wire(req: &api::ExecRequest, default_timeout_s: u64) -> Result<
     }
     let timeout = match req.timeout_s {
         Some(t) if !(t > 0.0 && t.is_finite() && t < 1e9) => {
-            return bad(format!("timeout_s must be a positive number of seconds, got {t}"));
+            return bad(format!(
+                "timeout_s must be a positive number of seconds, got {t}"
+            ));
         }
         Some(t) => Some(Duration::from_secs_f64(t)),
         None if default_timeout_s > 0 => Some(Duration::from_secs(default_timeout_s)),
@@ -155,7 +189,9 @@ pub(super) fn to_wire(req: &api::ExecRequest, default_timeout_s: u64) -> Result<
     w.timeout = timeout;
     if let Some(cwd) = &req.cwd {
         if !cwd.starts_with('/') {
-            return bad(format!("cwd must be an absolute path inside the VM, got `{cwd}`"));
+            return bad(format!(
+                "cwd must be an absolute path inside the VM, got `{cwd}`"
+            ));
         }
         w.cwd = Some(cwd.clone());
     }
@@ -166,7 +202,9 @@ pub(super) fn to_wire(req: &api::ExecRequest, default_timeout_s: u64) -> Result<
         w.env.push((k.clone(), v.clone()));
     }
     w.stdin = match (&req.stdin_b64, &req.stdin) {
-        (Some(b), _) => Some(api::b64::decode(b).map_err(|e| ServiceError::BadRequest(format!("stdin_b64: {e}")))?),
+        (Some(b), _) => Some(
+            api::b64::decode(b).map_err(|e| ServiceError::BadRequest(format!("stdin_b64: {e}")))?,
+        ),
         (None, Some(s)) => Some(s.as_bytes().to_vec()),
         (None, None) => None,
     };
@@ -179,26 +217,65 @@ mod tests {
 
     #[test]
     fn exec_request_needs_exactly_one_command_form() {
-        let both = api::ExecRequest { cmd: Some("x".into()), argv: Some(vec!["x".into()]), ..Default::default() };
+        let both = api::ExecRequest {
+            cmd: Some("x".into()),
+            argv: Some(vec!["x".into()]),
+            ..Default::default()
+        };
         assert!(to_wire(&both, 0).is_err());
         assert!(to_wire(&api::ExecRequest::default(), 0).is_err());
-        let empty = api::ExecRequest { argv: Some(vec![]), ..Default::default() };
+        let empty = api::ExecRequest {
+            argv: Some(vec![]),
+            ..Default::default()
+        };
         assert!(to_wire(&empty, 0).is_err());
-        let shell = to_wire(&api::ExecRequest { cmd: Some("echo hi".into()), ..Default::default() }, 0).unwrap();
+        let shell = to_wire(
+            &api::ExecRequest {
+                cmd: Some("echo hi".into()),
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
         assert_eq!(shell.shell.as_deref(), Some("echo hi"));
     }
 
     #[test]
     fn bad_timeouts_cwd_and_env_are_refused() {
-        let base = api::ExecRequest { argv: Some(vec!["true".into()]), ..Default::default() };
+        let base = api::ExecRequest {
+            argv: Some(vec!["true".into()]),
+            ..Default::default()
+        };
         for t in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            assert!(to_wire(&api::ExecRequest { timeout_s: Some(t), ..base.clone() }, 0).is_err(), "{t}");
+            assert!(
+                to_wire(
+                    &api::ExecRequest {
+                        timeout_s: Some(t),
+                        ..base.clone()
+                    },
+                    0
+                )
+                .is_err(),
+                "{t}"
+            );
         }
-        assert!(to_wire(&api::ExecRequest { cwd: Some("rel".into()), ..base.clone() }, 0).is_err());
+        assert!(
+            to_wire(
+                &api::ExecRequest {
+                    cwd: Some("rel".into()),
+                    ..base.clone()
+                },
+                0
+            )
+            .is_err()
+        );
         let mut env = base.clone();
         env.env.insert("A=B".into(), "x".into());
         assert!(to_wire(&env, 0).is_err());
-        assert_eq!(to_wire(&base, 30).unwrap().timeout, Some(Duration::from_secs(30)));
+        assert_eq!(
+            to_wire(&base, 30).unwrap().timeout,
+            Some(Duration::from_secs(30))
+        );
         assert_eq!(to_wire(&base, 0).unwrap().timeout, None);
     }
 }

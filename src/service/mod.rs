@@ -64,7 +64,13 @@ pub struct Service {
 impl Service {
     pub fn new(paths: Paths, config: Config, store: Store, artifacts: PathBuf) -> Service {
         let vms = Vms::new(&config.qemu_binary);
-        Service { paths, config, store: Arc::new(store), artifacts, vms }
+        Service {
+            paths,
+            config,
+            store: Arc::new(store),
+            artifacts,
+            vms,
+        }
     }
 
     pub fn health(&self) -> Result<api::Health, ServiceError> {
@@ -74,7 +80,10 @@ impl Service {
             pid: std::process::id(),
             data_root: self.paths.root.display().to_string(),
             accel: self.accel_if_known().map(|a| a.to_string()),
-            sandboxes: self.store.list::<SandboxRecord>(crate::store::SANDBOXES)?.len(),
+            sandboxes: self
+                .store
+                .list::<SandboxRecord>(crate::store::SANDBOXES)?
+                .len(),
         })
     }
 
@@ -82,7 +91,10 @@ impl Service {
     pub async fn shutdown(&self) {
         let n = self.vms.live.lock().map(|m| m.len()).unwrap_or(0);
         if n > 0 {
-            tracing::info!(running = n, "leaving running sandboxes up; the next daemon reattaches to them");
+            tracing::info!(
+                running = n,
+                "leaving running sandboxes up; the next daemon reattaches to them"
+            );
         }
     }
 }

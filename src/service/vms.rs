@@ -29,11 +29,17 @@ pub struct Vms {
 
 impl Vms {
     pub fn new(qemu_binary: &str) -> Vms {
-        let driver = QemuDriver::new(qemu_binary).map(Arc::new).map_err(|e| e.to_string());
+        let driver = QemuDriver::new(qemu_binary)
+            .map(Arc::new)
+            .map_err(|e| e.to_string());
         if let Err(e) = &driver {
             tracing::warn!(error = %e, "no usable VMM; sandboxes cannot be created until it is installed");
         }
-        Vms { driver, accel: tokio::sync::OnceCell::new(), live: Mutex::new(HashMap::new()) }
+        Vms {
+            driver,
+            accel: tokio::sync::OnceCell::new(),
+            live: Mutex::new(HashMap::new()),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<LiveVm>>> {
@@ -56,7 +62,9 @@ impl Vms {
 impl Service {
     fn driver(&self) -> Result<Arc<QemuDriver>, ServiceError> {
         self.vms.driver.clone().map_err(|e| {
-            ServiceError::Unavailable(format!("cannot run VMs: {e}. Install QEMU with `cargo xtask deps`"))
+            ServiceError::Unavailable(format!(
+                "cannot run VMs: {e}. Install QEMU with `cargo xtask deps`"
+            ))
         })
     }
 
@@ -75,7 +83,13 @@ impl Service {
             .vms
             .accel
             .get_or_init(|| {
-                crate::vmm::resolve_accel(self.config.accel, driver, &images.kernel, &images.initramfs, &cache)
+                crate::vmm::resolve_accel(
+                    self.config.accel,
+                    driver,
+                    &images.kernel,
+                    &images.initramfs,
+                    &cache,
+                )
             })
             .await
     }
@@ -85,7 +99,10 @@ impl Service {
     }
 
     /// `POST /v1/sandboxes`: boot a VM and return once its agent answers.
-    pub async fn create_sandbox(self: &Arc<Self>, req: api::CreateSandboxRequest) -> Result<api::Sandbox, ServiceError> {
+    pub async fn create_sandbox(
+        self: &Arc<Self>,
+        req: api::CreateSandboxRequest,
+    ) -> Result<api::Sandbox, ServiceError> {
         let (vcpus, memory_mib, workspace) = self.validate_create(&req)?;
         let images = self.images()?;
         let driver = self.driver()?;
@@ -98,7 +115,9 @@ impl Service {
             api: api::Sandbox {
                 id: id.clone(),
                 state: SandboxState::Creating,
-                workspace: api::WorkspaceSpec { host_path: workspace.display().to_string() },
+                workspace: api::WorkspaceSpec {
+                    host_path: workspace.display().to_string(),
+                },
                 template: req.template.clone().unwrap_or_else(|| "auto".into()),
                 vcpus,
                 memory_mib,
@@ -172,7 +191,9 @@ impl Service {
             vm.agent.closed().await;
             let Some(svc) = svc.upgrade() else { return };
             // A remove takes the VM out of the map first; then this is expected.
-            let Some(current) = svc.vms.get(&id) else { return };
+            let Some(current) = svc.vms.get(&id) else {
+                return;
+            };
             if !Arc::ptr_eq(&current, &vm) {
                 return;
             }
@@ -181,7 +202,10 @@ impl Service {
             let why = if alive {
                 "the guest agent connection broke".to_owned()
             } else {
-                format!("the VM stopped unexpectedly; console: {}", tail(&vm.info.console_log))
+                format!(
+                    "the VM stopped unexpectedly; console: {}",
+                    tail(&vm.info.console_log)
+                )
             };
             tracing::warn!(sandbox = %id, reason = %why, "sandbox failed");
             if let Ok(d) = &svc.vms.driver {
@@ -300,7 +324,10 @@ impl Service {
             }
             Err(e) => {
                 let _ = d.kill(&info).await;
-                self.mark_failed(id, format!("the guest agent did not answer after the daemon restart: {e}"));
+                self.mark_failed(
+                    id,
+                    format!("the guest agent did not answer after the daemon restart: {e}"),
+                );
             }
         }
     }
@@ -315,8 +342,14 @@ async fn wait_dead(driver: &QemuDriver, info: &VmInfo) {
 
 /// The last lines of a log file, for error messages.
 pub fn tail(path: &Path) -> String {
-    let text = std::fs::read(path).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    let text = std::fs::read(path)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     let start = lines.len().saturating_sub(8);
-    if lines.is_empty() { "(empty)".into() } else { lines[start..].join(" | ") }
+    if lines.is_empty() {
+        "(empty)".into()
+    } else {
+        lines[start..].join(" | ")
+    }
 }

@@ -38,7 +38,9 @@ pub fn run(reps: usize) -> Result<()> {
         .unwrap_or("")
         .to_owned();
 
-    println!("==> (a) baseline: bare QEMU, same kernel + initramfs, init powers off at once ({reps}x)");
+    println!(
+        "==> (a) baseline: bare QEMU, same kernel + initramfs, init powers off at once ({reps}x)"
+    );
     let mut base = Vec::new();
     for _ in 0..reps {
         base.push(bare_boot(qemu, &images, &home)?);
@@ -100,8 +102,9 @@ pub fn run(reps: usize) -> Result<()> {
 
     println!("==> (d) memory of an idle sandbox and of the daemon");
     std::thread::sleep(Duration::from_secs(2));
-    let vm: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(home.join("sandboxes").join(&keep).join("vm.json"))?)?;
+    let vm: serde_json::Value = serde_json::from_slice(&std::fs::read(
+        home.join("sandboxes").join(&keep).join("vm.json"),
+    )?)?;
     let qemu_pid = vm["pid"].as_u64().context("vm.json pid")? as u32;
     let qemu_rss = rss_kib(qemu_pid).context("QEMU RSS")?;
     http::request(&sock, "DELETE", &format!("/v1/sandboxes/{keep}"), None)?;
@@ -113,27 +116,65 @@ pub fn run(reps: usize) -> Result<()> {
     let ratio = b.as_secs_f64() / a.as_secs_f64();
     let mut md = String::new();
     writeln!(md, "# Benchmarks\n")?;
-    writeln!(md, "Measured by `cargo xtask bench` on {} ({} cores, {}), {}; medians over the stated repetitions.",
-        util::output(Command::new("date").arg("-u").arg("+%Y-%m-%d %H:%M UTC"), "date")?.trim(),
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), cpu_model(), qemu_version)?;
-    writeln!(md, "Guests: {VCPUS} vCPU, {MEM_MIB} MiB. Accel mode for every row: **{accel}**.\n")?;
+    writeln!(
+        md,
+        "Measured by `cargo xtask bench` on {} ({} cores, {}), {}; medians over the stated repetitions.",
+        util::output(
+            Command::new("date").arg("-u").arg("+%Y-%m-%d %H:%M UTC"),
+            "date"
+        )?
+        .trim(),
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
+        cpu_model(),
+        qemu_version
+    )?;
+    writeln!(
+        md,
+        "Guests: {VCPUS} vCPU, {MEM_MIB} MiB. Accel mode for every row: **{accel}**.\n"
+    )?;
     writeln!(md, "## Boot and exec\n")?;
     writeln!(md, "| what | reps | median | min | max | target |")?;
     writeln!(md, "|---|---|---|---|---|---|")?;
-    row(&mut md, "(a) baseline: bare QEMU launch -> init -> poweroff -> exit", &base, "")?;
-    row(&mut md, "(b) create -> agent ready (API)", &create, "(b)/(a) <= 1.3")?;
+    row(
+        &mut md,
+        "(a) baseline: bare QEMU launch -> init -> poweroff -> exit",
+        &base,
+        "",
+    )?;
+    row(
+        &mut md,
+        "(b) create -> agent ready (API)",
+        &create,
+        "(b)/(a) <= 1.3",
+    )?;
     row(&mut md, "(c) exec `true` round trip, API", &api, "<= 25 ms")?;
     row(&mut md, "(c) exec `true` round trip, CLI process", &cli, "")?;
     writeln!(md, "\nRatio (b)/(a) = **{ratio:.2}** (target <= 1.3).\n")?;
     writeln!(md, "## Memory\n")?;
     writeln!(md, "| what | RSS | target |\n|---|---|---|")?;
-    writeln!(md, "| (d) QEMU of an idle sandbox ({MEM_MIB} MiB guest) | {:.1} MiB | |", qemu_rss as f64 / 1024.0)?;
-    writeln!(md, "| (d) daemon, idle after the run | {:.1} MiB | <= 30 MiB |", daemon_rss as f64 / 1024.0)?;
+    writeln!(
+        md,
+        "| (d) QEMU of an idle sandbox ({MEM_MIB} MiB guest) | {:.1} MiB | |",
+        qemu_rss as f64 / 1024.0
+    )?;
+    writeln!(
+        md,
+        "| (d) daemon, idle after the run | {:.1} MiB | <= 30 MiB |",
+        daemon_rss as f64 / 1024.0
+    )?;
     println!("\n{md}");
     let path = util::repo_root().join("BENCHMARKS.md");
     std::fs::write(&path, md)?;
     println!("wrote {}", path.display());
-    println!("(a) {}  (b) {}  ratio {ratio:.2}  (c) api {} cli {}", fmt(a), fmt(b), fmt(c_api), fmt(c_cli));
+    println!(
+        "(a) {}  (b) {}  ratio {ratio:.2}  (c) api {} cli {}",
+        fmt(a),
+        fmt(b),
+        fmt(c_api),
+        fmt(c_cli)
+    );
     Ok(())
 }
 
@@ -150,7 +191,10 @@ fn bare_boot(qemu: &str, images: &Path, scratch: &Path) -> Result<Duration> {
         .arg(images.join("vmlinuz"))
         .arg("-initrd")
         .arg(images.join("initramfs.cpio.gz"))
-        .args(["-append", "console=ttyS0 reboot=t panic=-1 quiet tryboxi.probe=1"])
+        .args([
+            "-append",
+            "console=ttyS0 reboot=t panic=-1 quiet tryboxi.probe=1",
+        ])
         .arg("-serial")
         .arg(format!("file:{}", console.display()))
         .stdin(Stdio::null())
@@ -181,13 +225,24 @@ fn fmt(d: Duration) -> String {
 fn row(md: &mut String, what: &str, v: &[Duration], target: &str) -> Result<()> {
     let min = v.iter().min().copied().unwrap_or_default();
     let max = v.iter().max().copied().unwrap_or_default();
-    writeln!(md, "| {what} | {} | {} | {} | {} | {target} |", v.len(), fmt(median(v)), fmt(min), fmt(max))?;
+    writeln!(
+        md,
+        "| {what} | {} | {} | {} | {} | {target} |",
+        v.len(),
+        fmt(median(v)),
+        fmt(min),
+        fmt(max)
+    )?;
     Ok(())
 }
 
 fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+        })
         .unwrap_or_else(|| "unknown CPU".into())
 }

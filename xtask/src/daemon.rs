@@ -27,11 +27,18 @@ impl Daemon {
             .stderr(f)
             .spawn()
             .with_context(|| format!("start {}", bin.display()))?;
-        let d = Daemon { home: home.to_path_buf(), child, log };
+        let d = Daemon {
+            home: home.to_path_buf(),
+            child,
+            log,
+        };
         let deadline = Instant::now() + Duration::from_secs(30);
         while crate::http::request(&d.socket(), "GET", "/v1/health", None).is_err() {
             if Instant::now() > deadline {
-                bail!("the daemon did not answer within 30 s; see {}", d.log.display());
+                bail!(
+                    "the daemon did not answer within 30 s; see {}",
+                    d.log.display()
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }

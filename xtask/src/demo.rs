@@ -27,27 +27,47 @@ pub fn run(repo: Option<std::path::PathBuf>) -> Result<()> {
 fn session(bin: &std::path::Path, d: &Daemon, repo: &std::path::Path) -> Result<()> {
     let cli = |args: &[&str]| -> Result<std::process::Output> {
         println!("$ tryboxi {}", args.join(" "));
-        let o = Command::new(bin).args(args).env("TRYBOXI_HOME", &d.home).output()?;
+        let o = Command::new(bin)
+            .args(args)
+            .env("TRYBOXI_HOME", &d.home)
+            .output()?;
         print!("{}", String::from_utf8_lossy(&o.stdout));
         eprint!("{}", String::from_utf8_lossy(&o.stderr));
         Ok(o)
     };
     cli(&["doctor"])?;
-    println!("\n==> creating a sandbox for {} (boots a microVM)", repo.display());
+    println!(
+        "\n==> creating a sandbox for {} (boots a microVM)",
+        repo.display()
+    );
     let started = std::time::Instant::now();
     let o = cli(&["create", "-w", &repo.display().to_string()])?;
     if !o.status.success() {
         bail!("create failed; daemon log: {}", d.log.display());
     }
     println!("   (ready in {})", util::fmt_dur(started.elapsed()));
-    let id = String::from_utf8(o.stdout)?.split_whitespace().next().context("no id")?.to_owned();
-    let o = cli(&["exec", &id, "--", "sh", "-c", "uname -a; cat /etc/os-release | head -2; nproc; free -m | head -2"])?;
+    let id = String::from_utf8(o.stdout)?
+        .split_whitespace()
+        .next()
+        .context("no id")?
+        .to_owned();
+    let o = cli(&[
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "uname -a; cat /etc/os-release | head -2; nproc; free -m | head -2",
+    ])?;
     let o2 = cli(&["exec", &id, "--", "sh", "-c", "echo to-stderr >&2; exit 3"])?;
     println!("   (exit code {:?}, expected 3)", o2.status.code());
     cli(&["ls"])?;
     cli(&["rm", &id])?;
     if !o.status.success() || o2.status.code() != Some(3) {
-        bail!("the demo's commands did not behave as expected; daemon log: {}", d.log.display());
+        bail!(
+            "the demo's commands did not behave as expected; daemon log: {}",
+            d.log.display()
+        );
     }
     println!("\n==> demo done");
     Ok(())

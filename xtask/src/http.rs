@@ -22,7 +22,12 @@ pub fn request(sock: &Path, method: &str, path: &str, body: Option<&str>) -> Res
 /// POST an exec and read NDJSON lines until the `exit` line; returns that line.
 pub fn exec(sock: &Path, id: &str, body: &str) -> Result<String> {
     let mut s = UnixStream::connect(sock)?;
-    send(&mut s, "POST", &format!("/v1/sandboxes/{id}/exec"), Some(body))?;
+    send(
+        &mut s,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(body),
+    )?;
     let mut r = BufReader::new(s);
     let (status, _) = read_head(&mut r)?;
     let mut all = Vec::new();
@@ -50,7 +55,11 @@ fn send(s: &mut UnixStream, method: &str, path: &str, body: Option<&str>) -> Res
 fn read_head<R: BufRead>(r: &mut R) -> Result<(u16, bool)> {
     let mut line = String::new();
     r.read_line(&mut line)?;
-    let status: u16 = line.split_whitespace().nth(1).context("no status line")?.parse()?;
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .context("no status line")?
+        .parse()?;
     let mut chunked = false;
     loop {
         line.clear();
@@ -58,7 +67,10 @@ fn read_head<R: BufRead>(r: &mut R) -> Result<(u16, bool)> {
         if line.trim().is_empty() {
             break;
         }
-        if line.to_ascii_lowercase().starts_with("transfer-encoding: chunked") {
+        if line
+            .to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked")
+        {
             chunked = true;
         }
     }
@@ -68,7 +80,9 @@ fn read_head<R: BufRead>(r: &mut R) -> Result<(u16, bool)> {
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
-        let Ok(size) = usize::from_str_radix(String::from_utf8_lossy(&b[..nl]).trim(), 16) else { break };
+        let Ok(size) = usize::from_str_radix(String::from_utf8_lossy(&b[..nl]).trim(), 16) else {
+            break;
+        };
         if size == 0 || b.len() < nl + 2 + size {
             break;
         }
