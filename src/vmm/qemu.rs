@@ -166,7 +166,7 @@ pub(crate) fn machine_args(accel: Accel, vcpus: u32, memory_mib: u32) -> Vec<OsS
     };
     [
         "-M",
-        "microvm,acpi=off,pit=off,pic=off",
+        "microvm,acpi=off",
         "-accel",
         accel,
         "-cpu",
