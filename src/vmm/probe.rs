@@ -360,9 +360,16 @@ mod tests {
         let initramfs = skip_unless!(testkit::test_initramfs());
         let qemu = skip_unless!(testkit::driver());
         let t = tempfile::tempdir().expect("tempdir");
-        let ok = probe_boot(&qemu, Accel::Tcg, &kernel, &initramfs, t.path(), PROBE_TIMEOUT)
-            .await
-            .expect("probe boot");
+        let ok = probe_boot(
+            &qemu,
+            Accel::Tcg,
+            &kernel,
+            &initramfs,
+            t.path(),
+            PROBE_TIMEOUT,
+        )
+        .await
+        .expect("probe boot");
         println!("TCG probe boot: {}", ok.detail);
         assert!(ok.marker_seen, "{}", ok.detail);
 
