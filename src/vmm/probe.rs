@@ -191,6 +191,9 @@ pub(crate) async fn probe_boot(
     let log = work_dir.join("probe-qemu.log");
     let mut console_opt = std::ffi::OsString::from("file,id=console,path=");
     console_opt.push(console.as_os_str());
+    // Empty the console before QEMU starts: a marker left by an earlier probe must not be read
+    // as this one's (QEMU opens the file only after its own start-up).
+    std::fs::File::create(&console).map_err(io_err(&console))?;
     let out = std::fs::File::create(&log).map_err(io_err(&log))?;
     let err = out.try_clone().map_err(io_err(&log))?;
     let t0 = Instant::now();

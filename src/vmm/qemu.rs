@@ -482,10 +482,10 @@ impl QemuDriver {
                 }
             }
             // Poll again shortly, but wake at once if QEMU exits.
-            let tick = tokio::time::sleep(Duration::from_millis(10));
-            tokio::select! {
-                _ = tick => {}
-                _ = exited.changed() => {}
+            let tick = Duration::from_millis(10);
+            if let Ok(Err(_)) = tokio::time::timeout(tick, exited.changed()).await {
+                // The reaper is gone without a status: fall back to plain polling.
+                tokio::time::sleep(tick).await;
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(VmmError::Timeout(

@@ -272,6 +272,10 @@ async fn tcg_vm_boots_runs_and_stops_leaving_nothing_running() {
         "the guest init did not run: {}",
         tail(&vm.console_log, 2000)
     );
+    println!(
+        "QEMU launch -> guest /init on the console: {:?}",
+        t0.elapsed()
+    );
 
     let t1 = Instant::now();
     f.driver
@@ -379,4 +383,51 @@ async fn guest_panic_ends_qemu_and_nothing_is_left() {
         Err(e) => panic!("unexpected error {e}"),
     }
     assert!(testkit::processes_mentioning(f.dir.path()).is_empty());
+}
+
+#[tokio::test]
+async fn real_images_verify_and_boot_or_fail_cleanly() {
+    // The real kernel + initramfs + rootfs from the image builder. Whether the guest agent
+    // stays up depends on the initramfs of the day; either way QEMU must have run, the result
+    // must be Ok or BootFailed, and nothing may be left running afterwards.
+    let _serial = testkit::SERIAL.lock().await;
+    let artifacts = skip_unless!(testkit::artifacts());
+    let images =
+        skip_unless!(crate::vmm::images::Images::load(&artifacts).map_err(|e| e.to_string()));
+    images.verify(false).expect("sizes match the manifest");
+    let driver = skip_unless!(testkit::driver());
+    let dir = tempfile::Builder::new()
+        .prefix("vm")
+        .tempdir()
+        .expect("tempdir");
+    let spec = VmSpec {
+        id: "real".into(),
+        dir: dir.path().to_owned(),
+        kernel: images.kernel.clone(),
+        initramfs: images.initramfs.clone(),
+        rootfs: images.rootfs.clone(),
+        vcpus: 1,
+        memory_mib: 512,
+        accel: Accel::Tcg,
+    };
+    let t0 = Instant::now();
+    match driver.boot(&spec).await {
+        Ok(vm) => {
+            println!("real images: QMP running after {:?}", t0.elapsed());
+            // Give the guest time to reach its init (or to panic), then look at the console.
+            if let Some(p) = our_process(&vm) {
+                let exited = p.wait_exit(Duration::from_secs(20)).await.expect("wait");
+                println!("real images: QEMU exited by itself within 20 s: {exited}");
+            }
+            println!("real images console tail:\n{}", tail(&vm.console_log, 1500));
+            driver
+                .stop(&vm, Duration::from_secs(10))
+                .await
+                .expect("stop");
+            assert!(!driver.is_alive(&vm));
+        }
+        Err(VmmError::BootFailed(msg)) => println!("real images: BootFailed: {msg}"),
+        Err(e) => panic!("boot with the real images failed unexpectedly: {e}"),
+    }
+    assert!(testkit::processes_mentioning(dir.path()).is_empty());
 }
