@@ -43,10 +43,6 @@ impl Client {
         }
     }
 
-    pub fn socket(&self) -> &Path {
-        &self.socket
-    }
-
     async fn request(
         &self,
         method: Method,
@@ -113,12 +109,6 @@ impl Client {
         let body = body.map(|b| serde_json::to_vec(b).expect("API types serialize"));
         let resp = self.request(method, path, body).await?;
         decode(&collect(resp).await?)
-    }
-
-    pub async fn get_text(&self, path: &str) -> Result<String, ClientError> {
-        let resp = self.request(Method::GET, path, None).await?;
-        String::from_utf8(collect(resp).await?.to_vec())
-            .map_err(|e| ClientError::Protocol(e.to_string()))
     }
 
     /// Start an exec; read its events with [`ExecEvents::next`].

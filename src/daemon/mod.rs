@@ -232,10 +232,10 @@ fn acquire_lock(paths: &Paths) -> Result<Flock<File>, DaemonError> {
 /// The bearer token for TCP clients: created once (0600), then reused.
 pub fn ensure_token(paths: &Paths) -> Result<String, DaemonError> {
     let path = paths.token_file();
-    if let Ok(t) = std::fs::read_to_string(&path) {
-        if !t.trim().is_empty() {
-            return Ok(t.trim().to_owned());
-        }
+    if let Ok(t) = std::fs::read_to_string(&path)
+        && !t.trim().is_empty()
+    {
+        return Ok(t.trim().to_owned());
     }
     let token = crate::ids::new_id("tbx_") + &crate::ids::new_id("")[..16];
     let mut f = std::fs::OpenOptions::new()

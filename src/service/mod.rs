@@ -63,7 +63,10 @@ pub struct Service {
 
 impl Service {
     pub fn new(paths: Paths, config: Config, store: Store, artifacts: PathBuf) -> Service {
-        let vms = Vms::new(&config.qemu_binary);
+        let vms = Vms::new(
+            &config.qemu_binary,
+            std::time::Duration::from_secs(config.boot_timeout_s),
+        );
         Service {
             paths,
             config,

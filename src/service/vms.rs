@@ -28,12 +28,16 @@ pub struct Vms {
 }
 
 impl Vms {
-    pub fn new(qemu_binary: &str) -> Vms {
+    pub fn new(qemu_binary: &str, boot_timeout: Duration) -> Vms {
         let driver = QemuDriver::new(qemu_binary)
-            .map(Arc::new)
+            .map(|d| Arc::new(d.with_boot_timeout(boot_timeout)))
             .map_err(|e| e.to_string());
-        if let Err(e) = &driver {
-            tracing::warn!(error = %e, "no usable VMM; sandboxes cannot be created until it is installed");
+        match &driver {
+            Ok(d) => tracing::info!(driver = d.name(), version = %d.version(), "VMM ready"),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "no usable VMM; sandboxes cannot be created until it is installed"
+            ),
         }
         Vms {
             driver,
@@ -216,22 +220,27 @@ impl Service {
     }
 
     pub(super) fn mark_failed(&self, id: &str, why: String) {
-        if let Ok(Some(mut rec)) = self.store.get::<SandboxRecord>(SANDBOXES, id) {
-            if rec.api.state != SandboxState::Removing {
-                rec.api.state = SandboxState::Failed;
-                rec.api.error = Some(why);
-                let _ = self.store.put(SANDBOXES, id, &rec);
-            }
+        if let Ok(Some(mut rec)) = self.store.get::<SandboxRecord>(SANDBOXES, id)
+            && rec.api.state != SandboxState::Removing
+        {
+            rec.api.state = SandboxState::Failed;
+            rec.api.error = Some(why);
+            let _ = self.store.put(SANDBOXES, id, &rec);
+        }
+    }
+
+    /// Kill the VM recorded in `dir`, if it still runs.
+    async fn kill_leftover(&self, dir: &Path) {
+        if let Ok(d) = &self.vms.driver
+            && let Ok(Some(info)) = d.reattach(dir).await
+        {
+            let _ = d.kill(&info).await;
         }
     }
 
     /// Kill whatever runs in `dir`, delete it (fenced) and forget the record.
     async fn discard(&self, id: &str, dir: &Path) {
-        if let Ok(d) = &self.vms.driver {
-            if let Ok(Some(info)) = d.reattach(dir).await {
-                let _ = d.kill(&info).await;
-            }
-        }
+        self.kill_leftover(dir).await;
         if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
         }
@@ -243,12 +252,12 @@ impl Service {
         let mut rec = self.record(id)?;
         rec.api.state = SandboxState::Removing;
         self.store.put(SANDBOXES, id, &rec)?;
-        if let Some(vm) = self.vms.take(id) {
-            if let Ok(d) = &self.vms.driver {
-                d.kill(&vm.info)
-                    .await
-                    .map_err(|e| ServiceError::Internal(format!("cannot stop the VM: {e}")))?;
-            }
+        if let Some(vm) = self.vms.take(id)
+            && let Ok(d) = &self.vms.driver
+        {
+            d.stop(&vm.info, Duration::from_secs(2))
+                .await
+                .map_err(|e| ServiceError::Internal(format!("cannot stop the VM: {e}")))?;
         }
         self.discard(id, &rec.dir).await;
         tracing::info!(sandbox = %id, "sandbox removed");
@@ -276,11 +285,7 @@ impl Service {
                 }
                 SandboxState::Failed => {
                     // Make sure nothing of it still runs.
-                    if let Ok(d) = &self.vms.driver {
-                        if let Ok(Some(info)) = d.reattach(&rec.dir).await {
-                            let _ = d.kill(&info).await;
-                        }
-                    }
+                    self.kill_leftover(&rec.dir).await;
                 }
                 SandboxState::Ready => self.reattach(&id, &rec.dir).await,
             }

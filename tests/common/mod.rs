@@ -55,10 +55,10 @@ impl Daemon {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(r) = self.try_request("GET", "/v1/health", None) {
-                if r.status == 200 {
-                    return;
-                }
+            if let Ok(r) = self.try_request("GET", "/v1/health", None)
+                && r.status == 200
+            {
+                return;
             }
             if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("daemon exited early ({status}): {}", self.log_text());
@@ -218,10 +218,7 @@ pub fn raw_http<S: Read + Write>(
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(nl) = b.windows(2).position(|w| w == b"\r\n") else {
-            break;
-        };
+    while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
         let size =
             usize::from_str_radix(std::str::from_utf8(&b[..nl]).unwrap().trim(), 16).unwrap();
         if size == 0 {

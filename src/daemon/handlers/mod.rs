@@ -13,6 +13,7 @@ use super::response::{ApiError, Body};
 use super::router::Action;
 use crate::service::Service;
 
+#[cfg(test)]
 pub use health::OPENAPI_YAML;
 
 pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>, ApiError> {
