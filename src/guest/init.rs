@@ -64,11 +64,13 @@ pub fn console(line: &str) {
     }
 }
 
-/// Syncs disks and ends the VM (QEMU runs with `-no-reboot`, so a reboot ends it too).
+/// Syncs disks and ends the VM. A reboot, not a power-off: microvm without ACPI only halts on
+/// power-off, while QEMU runs with `-no-reboot` (and the kernel with `reboot=t`), so a reboot
+/// ends it.
 pub fn power_off() -> ! {
     nix::unistd::sync();
-    let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
     let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_AUTOBOOT);
+    let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
     loop {
         std::thread::sleep(Duration::from_secs(3600));
     }

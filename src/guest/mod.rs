@@ -20,6 +20,8 @@ pub mod server;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod vm_tests;
 
 use exec::ExecConfig;
 use reaper::ReapMode;
@@ -135,20 +137,24 @@ async fn serve_port(cmd: init::Cmdline) -> String {
         }
     };
     init::console(&format!("TRYBOXI_AGENT_READY {AGENT_VERSION}"));
+    let mut hello = None;
     loop {
-        let f = fd.clone();
-        if tokio::task::spawn_blocking(move || port::wait_for_host(&f))
-            .await
-            .is_err()
-        {
-            return "port watcher failed".into();
+        if hello.is_none() {
+            let f = fd.clone();
+            if tokio::task::spawn_blocking(move || port::wait_for_host(&f))
+                .await
+                .is_err()
+            {
+                return "port watcher failed".into();
+            }
         }
         let io = match port::stream(&fd) {
             Ok(io) => io,
             Err(e) => return format!("port stream: {e}"),
         };
-        match server::serve(agent.clone(), io).await {
+        match server::serve_from(agent.clone(), io, hello.take()).await {
             Ok(ServeEnd::Eof) => tracing::info!("host disconnected; waiting for it to come back"),
+            Ok(ServeEnd::Rehello(f)) => hello = Some(f),
             Ok(ServeEnd::Shutdown) => init::power_off(),
             Err(e) => tracing::warn!(error = %e, "connection ended"),
         }

@@ -6,7 +6,11 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// `/dev/vportNpM` whose `/sys/class/virtio-ports/*/name` is `name`.
 pub fn find(name: &str) -> Option<PathBuf> {
@@ -50,12 +54,80 @@ pub fn wait_for_host(fd: &OwnedFd) {
     }
 }
 
-/// A full-duplex async stream over (duplicates of) the port's descriptor.
-pub fn stream(
-    fd: &OwnedFd,
-) -> std::io::Result<impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static> {
-    use tokio::net::unix::pipe;
-    let r = pipe::Receiver::from_owned_fd_unchecked(fd.as_fd().try_clone_to_owned()?)?;
-    let w = pipe::Sender::from_owned_fd_unchecked(fd.as_fd().try_clone_to_owned()?)?;
-    Ok(tokio::io::join(r, w))
+/// A full-duplex async stream over a duplicate of the port's descriptor.
+///
+/// Not tokio's pipe types: a virtio port returns at most one buffer per `read` even when more is
+/// queued, and tokio takes a short read as "drained" and waits for an edge that never comes.
+/// This stream reads until `EAGAIN` before waiting.
+pub fn stream(fd: &OwnedFd) -> std::io::Result<PortStream> {
+    Ok(PortStream {
+        fd: AsyncFd::new(fd.as_fd().try_clone_to_owned()?)?,
+    })
+}
+
+pub struct PortStream {
+    fd: AsyncFd<OwnedFd>,
+}
+
+fn cvt(n: isize) -> std::io::Result<usize> {
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+impl AsyncRead for PortStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        loop {
+            let mut guard = ready!(self.fd.poll_read_ready(cx))?;
+            let unfilled = buf.initialize_unfilled();
+            let r = guard.try_io(|fd| {
+                // SAFETY: reads into the initialized, exclusively borrowed `unfilled` slice.
+                cvt(unsafe {
+                    libc::read(fd.as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len())
+                })
+            });
+            match r {
+                Ok(Ok(n)) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Ok(Err(e)) => return Poll::Ready(Err(e)),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+}
+
+impl AsyncWrite for PortStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        loop {
+            let mut guard = ready!(self.fd.poll_write_ready(cx))?;
+            // SAFETY: writes from the borrowed `data` slice.
+            let r = guard.try_io(|fd| {
+                cvt(unsafe { libc::write(fd.as_raw_fd(), data.as_ptr().cast(), data.len()) })
+            });
+            match r {
+                Ok(res) => return Poll::Ready(res),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
 }

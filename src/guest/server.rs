@@ -41,8 +41,10 @@ pub enum ServeError {
 }
 
 /// Why [`serve`] returned without error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ServeEnd {
+    /// A new host said `Hello` on the same byte stream: call [`serve_from`] with this frame.
+    Rehello(Frame),
     /// The host went away; reconnecting is up to the caller.
     Eof,
     /// The host asked for a shutdown (only with [`ShutdownMode::Return`]).
@@ -89,13 +91,25 @@ pub async fn serve<S>(agent: Arc<Agent>, io: S) -> Result<ServeEnd, ServeError>
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
+    serve_from(agent, io, None).await
+}
+
+/// Like [`serve`], with the connection's `Hello` already read (after [`ServeEnd::Rehello`]).
+pub async fn serve_from<S>(
+    agent: Arc<Agent>,
+    io: S,
+    hello: Option<Frame>,
+) -> Result<ServeEnd, ServeError>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
     let (mut rd, wr) = tokio::io::split(io);
     let outbox = Arc::new(Outbox::new());
     let w = outbox.clone();
     let writer = AbortOnDrop(tokio::spawn(async move { w.run_writer(wr).await }));
     let routes: Routes = Arc::default();
-    let res = serve_inner(&agent, &mut rd, &outbox, &routes).await;
-    if !matches!(res, Ok(ServeEnd::Shutdown)) || agent.shutdown == ShutdownMode::Return {
+    let res = serve_inner(&agent, &mut rd, &outbox, &routes, hello).await;
+    if matches!(res, Ok(ServeEnd::Eof)) {
         let _ = tokio::time::timeout(Duration::from_secs(2), outbox.wait_idle()).await;
     }
     outbox.close();
@@ -122,8 +136,13 @@ async fn serve_inner<R: AsyncRead + Unpin>(
     rd: &mut R,
     outbox: &Arc<Outbox>,
     routes: &Routes,
+    hello: Option<Frame>,
 ) -> Result<ServeEnd, ServeError> {
-    match read_frame(rd).await? {
+    let first = match hello {
+        Some(f) => Some(f),
+        None => read_frame(rd).await?,
+    };
+    match first {
         None => return Ok(ServeEnd::Eof),
         Some(Frame {
             body: Body::Hello { protocol, version },
@@ -158,6 +177,10 @@ async fn serve_inner<R: AsyncRead + Unpin>(
             return Ok(ServeEnd::Eof);
         };
         if stream == CONTROL_STREAM {
+            if let Body::Hello { .. } = body {
+                // On a virtio port a quick host reconnect can arrive without an EOF first.
+                return Ok(ServeEnd::Rehello(Frame { stream, body }));
+            }
             return Err(ServeError::Protocol(format!("frame on stream 0: {body:?}")));
         }
         match body {

@@ -640,3 +640,39 @@ async fn connect_unix_retries_until_the_agent_answers() {
         .unwrap_err();
     assert!(matches!(e, RpcError::Timeout(_)));
 }
+
+#[tokio::test]
+async fn a_second_hello_on_the_same_stream_starts_over() {
+    let a = agent();
+    let (mut h, g) = tokio::io::duplex(1 << 16);
+    let server = tokio::spawn(serve(a, g));
+    raw_hello(&mut h, PROTOCOL_VERSION).await;
+    let hello = Frame {
+        stream: 0,
+        body: Body::Hello {
+            protocol: PROTOCOL_VERSION,
+            version: "again".into(),
+        },
+    };
+    h.write_all(&encode(&hello).unwrap()).await.unwrap();
+    let r = tokio::time::timeout(T, server).await.unwrap().unwrap();
+    assert!(
+        matches!(r, Ok(ServeEnd::Rehello(ref f)) if *f == hello),
+        "{r:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_abandoned_handshake_closes_its_connection() {
+    // A guest that never answers: the client gives up and must really hang up.
+    let (h, mut g) = tokio::io::duplex(1 << 16);
+    let attempt = tokio::time::timeout(Duration::from_millis(200), AgentClient::connect(h)).await;
+    assert!(attempt.is_err());
+    let hello = read_frame(&mut g).await.unwrap().unwrap();
+    assert!(matches!(hello.body, Body::Hello { .. }));
+    let eof = tokio::time::timeout(T, read_frame(&mut g))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(eof.is_none(), "the connection stayed open");
+}

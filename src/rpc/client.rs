@@ -53,6 +53,9 @@ pub enum ExecEvent {
     },
 }
 
+/// How long one connection attempt waits for the handshake before trying a new connection.
+const HANDSHAKE_ATTEMPT: Duration = Duration::from_secs(5);
+
 type StreamTx = mpsc::UnboundedSender<Body>;
 
 /// State shared by the client handles and the reader task.
@@ -159,6 +162,17 @@ impl Drop for Handle {
     }
 }
 
+struct CloseOnDrop(Option<(Arc<Shared>, tokio::task::AbortHandle)>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        if let Some((shared, writer)) = self.0.take() {
+            shared.kill();
+            writer.abort();
+        }
+    }
+}
+
 /// A stream opened by one request; unregisters itself when dropped.
 struct OpenStream {
     handle: Arc<Handle>,
@@ -223,11 +237,20 @@ impl AgentClient {
                 return Err(RpcError::Timeout(timeout));
             }
             match tokio::net::UnixStream::connect(path).await {
-                Ok(s) => match tokio::time::timeout(left, Self::connect(s)).await {
+                // A Hello can be lost (the agent was mid-reconnect, or read garbage first);
+                // a fresh connection costs nothing, so do not wait on one for long.
+                Ok(s) => match tokio::time::timeout(left.min(HANDSHAKE_ATTEMPT), Self::connect(s))
+                    .await
+                {
                     Ok(Ok(c)) => return Ok(c),
-                    Ok(Err(RpcError::Disconnected | RpcError::Io(_) | RpcError::Frame(_))) => {}
+                    Ok(Err(
+                        RpcError::Disconnected
+                        | RpcError::Io(_)
+                        | RpcError::Frame(_)
+                        | RpcError::Protocol(_),
+                    ))
+                    | Err(_) => {}
                     Ok(Err(e)) => return Err(e),
-                    Err(_) => return Err(RpcError::Timeout(timeout)),
                 },
                 Err(e) => {
                     tracing::trace!(path = %path.display(), error = %e, "agent socket not ready")
@@ -257,6 +280,9 @@ impl AgentClient {
             w.kill();
         });
         let abort_writer = writer.abort_handle();
+        // If the handshake fails or this future is dropped (a timeout), close the connection:
+        // the writer task holds half of `io`, and a QEMU chardev accepts one client at a time.
+        let mut guard = CloseOnDrop(Some((shared.clone(), abort_writer.clone())));
         let hello = Frame {
             stream: CONTROL_STREAM,
             body: Body::Hello {
@@ -266,36 +292,37 @@ impl AgentClient {
         };
         let handshake = async {
             shared.outbox.send_control(hello)?;
-            match read_frame(&mut rd).await? {
-                None => Err(RpcError::Disconnected),
-                Some(Frame {
-                    body: Body::HelloAck { protocol, version },
-                    ..
-                }) => {
-                    if protocol != PROTOCOL_VERSION {
-                        return Err(RpcError::VersionMismatch {
-                            ours: PROTOCOL_VERSION,
-                            theirs: protocol,
-                            agent_version: version,
-                        });
+            loop {
+                match read_frame(&mut rd).await? {
+                    None => return Err(RpcError::Disconnected),
+                    Some(Frame {
+                        body: Body::HelloAck { protocol, version },
+                        ..
+                    }) => {
+                        if protocol != PROTOCOL_VERSION {
+                            return Err(RpcError::VersionMismatch {
+                                ours: PROTOCOL_VERSION,
+                                theirs: protocol,
+                                agent_version: version,
+                            });
+                        }
+                        return Ok(version);
                     }
-                    Ok(version)
+                    Some(Frame {
+                        body: Body::Error(e),
+                        ..
+                    }) => return Err(RpcError::Remote(e)),
+                    // On a virtio port, frames the agent wrote for an earlier host connection can
+                    // still be in the pipe when a new host connects: skip them.
+                    Some(f) if f.stream != CONTROL_STREAM => {
+                        tracing::debug!(stream = f.stream, "skipping a stale frame before HelloAck")
+                    }
+                    Some(f) => return Err(unexpected(&f.body)),
                 }
-                Some(Frame {
-                    body: Body::Error(e),
-                    ..
-                }) => Err(RpcError::Remote(e)),
-                Some(f) => Err(unexpected(&f.body)),
             }
         };
-        let agent_version = match handshake.await {
-            Ok(v) => v,
-            Err(e) => {
-                shared.kill();
-                abort_writer.abort();
-                return Err(e);
-            }
-        };
+        let agent_version = handshake.await?;
+        guard.0 = None;
         let r = shared.clone();
         let reader = tokio::spawn(async move {
             let res = loop {
