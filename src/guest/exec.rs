@@ -201,6 +201,8 @@ impl ExecTable {
             );
             resize_fd = Some(master);
             exec = Exec::new(id, pid, stdin_tx, resize_fd);
+            // `Started` must be seq 1: spool it before any reader task can push output.
+            exec.push(WireExecEvent::Started { exec_id: id, pid });
             readers.push(tokio::spawn(read_output(exec.clone(), r, true, stop_rx)));
         } else {
             let take = |fd: Option<OwnedFd>| fd.ok_or_else(|| invalid("missing pipe"));
@@ -213,6 +215,8 @@ impl ExecTable {
                     .map_err(io)?,
             );
             exec = Exec::new(id, pid, stdin_tx, None);
+            // `Started` must be seq 1: spool it before any reader task can push output.
+            exec.push(WireExecEvent::Started { exec_id: id, pid });
             readers.push(tokio::spawn(read_output(
                 exec.clone(),
                 out,
@@ -222,7 +226,6 @@ impl ExecTable {
             readers.push(tokio::spawn(read_output(exec.clone(), err, false, stop_rx)));
         }
         drop(child);
-        exec.push(WireExecEvent::Started { exec_id: id, pid });
         self.lock().insert(id, exec.clone());
         tracing::debug!(exec_id = id, pid, "exec started");
         tokio::spawn(feed_stdin(stdin_w, stdin_rx, spec.pty.is_some()));

@@ -127,10 +127,22 @@ impl Daemon {
 }
 
 impl Drop for Daemon {
+    /// Remove every sandbox (VMs outlive the daemon by design, so a failed test must not leave
+    /// them running), then stop the daemon.
     fn drop(&mut self) {
-        if self.child.is_some() {
-            let _ = self.stop();
+        if self.child.is_none() {
+            return;
         }
+        if let Ok(r) = self.try_request("GET", "/v1/sandboxes", None)
+            && let Ok(list) = serde_json::from_slice::<serde_json::Value>(&r.body)
+        {
+            for s in list["sandboxes"].as_array().into_iter().flatten() {
+                if let Some(id) = s["id"].as_str() {
+                    let _ = self.try_request("DELETE", &format!("/v1/sandboxes/{id}"), None);
+                }
+            }
+        }
+        let _ = self.stop();
     }
 }
 
