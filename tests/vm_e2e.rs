@@ -355,3 +355,85 @@ fn alive(pid: i32) -> bool {
         Err(_) => false,
     }
 }
+
+#[test]
+fn hostile_commands_do_not_hurt_the_daemon_or_the_vm() {
+    let Some(d) = daemon() else { return };
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+    // Out of memory in the guest: the kernel's OOM killer ends the hog; the VM stays usable.
+    let o = sh(&d, &id, "head -c 4000m /dev/zero | tail > /dev/null");
+    assert!(!o.status.success(), "a 4 GB line fit into a 512 MiB guest?");
+    let o = exec(&d, &id, &["--", "echo", "still here"]);
+    assert_eq!(
+        stdout(&o),
+        "still here\n",
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // A command that prints forever is stopped by its timeout; its output so far arrives.
+    let o = exec(&d, &id, &["--timeout", "2", "--", "yes", "spam"]);
+    assert_eq!(o.status.code(), Some(124));
+    assert!(
+        o.stdout.starts_with(b"spam\nspam\n"),
+        "no output before the timeout"
+    );
+    // The daemon still answers, and so does the VM.
+    assert_eq!(d.request("GET", "/v1/health", None).status, 200);
+    assert_eq!(stdout(&exec(&d, &id, &["--", "echo", "ok"])), "ok\n");
+    // Bad requests are refused clearly and lose nothing.
+    let r = d.request(
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(r#"{"cmd":"true","argv":["true"]}"#),
+    );
+    assert_eq!(r.status, 400);
+    let r = d.request(
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(r#"{"cmd":"true","timeout_s":-1}"#),
+    );
+    assert_eq!(r.status, 400);
+    let o = exec(&d, &id, &["--", "/no/such/program"]);
+    assert!(!o.status.success());
+    assert!(!String::from_utf8_lossy(&o.stderr).is_empty());
+}
+
+#[test]
+fn three_sandboxes_at_once() {
+    let Some(d) = daemon() else { return };
+    let ws = tempfile::tempdir().unwrap();
+    let handles: Vec<_> = (0..3)
+        .map(|_| {
+            let root = d.root().to_path_buf();
+            let ws = ws.path().to_path_buf();
+            std::thread::spawn(move || {
+                Command::new(BIN)
+                    .args(["create", "--memory", "256", "-w", ws.to_str().unwrap()])
+                    .env("TRYBOXI_HOME", root)
+                    .output()
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for h in handles {
+        let o = h.join().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        ids.push(stdout(&o).split_whitespace().next().unwrap().to_owned());
+    }
+    for id in &ids {
+        // Each VM is its own machine: its hostname is its id.
+        assert_eq!(stdout(&exec(&d, id, &["--", "hostname"])).trim(), id);
+    }
+    for id in &ids {
+        assert!(d.cli(&["rm", id]).status.success());
+    }
+    assert_eq!(
+        d.request("GET", "/v1/sandboxes", None).json()["sandboxes"]
+            .as_array()
+            .unwrap()
+            .len(),
+        0
+    );
+}

@@ -326,6 +326,11 @@ async fn handle(
             )
         })?
         .to_bytes();
-    let action = router::parse(&parts.method, parts.uri.path(), &body)?;
+    let accept = parts
+        .headers
+        .get(hyper::header::ACCEPT)
+        .and_then(|v| v.to_str().ok());
+    let format = router::StreamFormat::from_accept(accept);
+    let action = router::parse(&parts.method, parts.uri.path(), format, &body)?;
     handlers::handle(&shared.svc, action).await
 }

@@ -9,6 +9,7 @@ use hyper::{Response, StatusCode, header};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use super::router::StreamFormat;
 use crate::api;
 use crate::service::ServiceError;
 
@@ -92,12 +93,17 @@ pub fn text(content_type: &'static str, body: &'static str) -> Response<Body> {
         .expect("valid response")
 }
 
-/// A streamed NDJSON body: one JSON value per line, sent as the receiver yields them.
-pub fn ndjson(rx: mpsc::Receiver<Bytes>) -> Response<Body> {
+/// A streamed body (NDJSON lines or server-sent events), sent as the receiver yields them.
+pub fn stream(rx: mpsc::Receiver<Bytes>, format: StreamFormat) -> Response<Body> {
     use futures_util::StreamExt as _;
     let stream = ReceiverStream::new(rx).map(|b| Ok::<_, Infallible>(Frame::data(b)));
+    let content_type = match format {
+        StreamFormat::Ndjson => "application/x-ndjson",
+        StreamFormat::Sse => "text/event-stream",
+    };
     Response::builder()
-        .header(header::CONTENT_TYPE, "application/x-ndjson")
+        .header(header::CONTENT_TYPE, content_type)
+        .header(header::CACHE_CONTROL, "no-store")
         .body(BodyExt::boxed(StreamBody::new(stream)))
         .expect("valid response")
 }

@@ -16,7 +16,24 @@ pub enum Action {
     ListSandboxes,
     GetSandbox(String),
     DeleteSandbox(String),
-    Exec(String, api::ExecRequest),
+    Exec(String, api::ExecRequest, StreamFormat),
+}
+
+/// How a streamed response is framed: NDJSON by default, server-sent events when the client
+/// sends `Accept: text/event-stream`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamFormat {
+    Ndjson,
+    Sse,
+}
+
+impl StreamFormat {
+    pub fn from_accept(accept: Option<&str>) -> StreamFormat {
+        match accept {
+            Some(a) if a.contains("text/event-stream") => StreamFormat::Sse,
+            _ => StreamFormat::Ndjson,
+        }
+    }
 }
 
 /// Every route the router knows, as `(method, OpenAPI path template)`. Tested against
@@ -33,7 +50,12 @@ pub const ROUTES: &[(&str, &str)] = &[
 ];
 
 /// Turn method + path + body into an action, or a 400/404/405 error.
-pub fn parse(method: &Method, path: &str, body: &[u8]) -> Result<Action, ApiError> {
+pub fn parse(
+    method: &Method,
+    path: &str,
+    format: StreamFormat,
+    body: &[u8],
+) -> Result<Action, ApiError> {
     let segs: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
     match (method, segs.as_slice()) {
         (&Method::GET, ["v1", "health"]) => Ok(Action::Health),
@@ -43,7 +65,7 @@ pub fn parse(method: &Method, path: &str, body: &[u8]) -> Result<Action, ApiErro
         (&Method::GET, ["v1", "sandboxes", id]) => Ok(Action::GetSandbox(sandbox_id(id)?)),
         (&Method::DELETE, ["v1", "sandboxes", id]) => Ok(Action::DeleteSandbox(sandbox_id(id)?)),
         (&Method::POST, ["v1", "sandboxes", id, "exec"]) => {
-            Ok(Action::Exec(sandbox_id(id)?, json(body)?))
+            Ok(Action::Exec(sandbox_id(id)?, json(body)?, format))
         }
         (_, ["v1", "health" | "openapi.yaml"])
         | (_, ["v1", "sandboxes"])
@@ -74,18 +96,38 @@ fn sandbox_id(id: &str) -> Result<String, ApiError> {
 mod tests {
     use super::*;
 
+    fn parse_nd(m: &Method, p: &str, b: &[u8]) -> Result<Action, ApiError> {
+        parse(m, p, StreamFormat::Ndjson, b)
+    }
+
+    #[test]
+    fn accept_header_picks_sse() {
+        assert_eq!(
+            StreamFormat::from_accept(Some("text/event-stream")),
+            StreamFormat::Sse
+        );
+        assert_eq!(
+            StreamFormat::from_accept(Some("application/x-ndjson")),
+            StreamFormat::Ndjson
+        );
+        assert_eq!(StreamFormat::from_accept(None), StreamFormat::Ndjson);
+    }
+
     #[test]
     fn malformed_json_is_a_bad_request() {
-        let e = parse(&Method::POST, "/v1/sandboxes", b"{not json").unwrap_err();
+        let e = parse_nd(&Method::POST, "/v1/sandboxes", b"{not json").unwrap_err();
         assert_eq!(e.status, hyper::StatusCode::BAD_REQUEST);
         assert_eq!(e.code, "bad_request");
     }
 
     #[test]
     fn unknown_route_is_404_and_wrong_method_405() {
-        assert_eq!(parse(&Method::GET, "/v2/x", b"").unwrap_err().status, 404);
         assert_eq!(
-            parse(&Method::PUT, "/v1/sandboxes", b"")
+            parse_nd(&Method::GET, "/v2/x", b"").unwrap_err().status,
+            404
+        );
+        assert_eq!(
+            parse_nd(&Method::PUT, "/v1/sandboxes", b"")
                 .unwrap_err()
                 .status,
             405
@@ -94,9 +136,9 @@ mod tests {
 
     #[test]
     fn path_traversal_ids_never_reach_the_service() {
-        let e = parse(&Method::DELETE, "/v1/sandboxes/..", b"").unwrap_err();
+        let e = parse_nd(&Method::DELETE, "/v1/sandboxes/..", b"").unwrap_err();
         assert_eq!(e.status, 404);
-        let e = parse(&Method::GET, "/v1/sandboxes/sbx_%2e%2e", b"").unwrap_err();
+        let e = parse_nd(&Method::GET, "/v1/sandboxes/sbx_%2e%2e", b"").unwrap_err();
         assert_eq!(e.status, 404);
     }
 
@@ -136,21 +178,21 @@ mod tests {
                 ("POST", _) => br#"{"cmd":"true"}"#,
                 _ => b"",
             };
-            parse(&method, &path, body).unwrap_or_else(|e| panic!("{m} {p}: {e:?}"));
+            parse_nd(&method, &path, body).unwrap_or_else(|e| panic!("{m} {p}: {e:?}"));
         }
     }
 
     #[test]
     fn exec_parses() {
         let id = crate::ids::new_id(crate::ids::SANDBOX);
-        let a = parse(
+        let a = parse_nd(
             &Method::POST,
             &format!("/v1/sandboxes/{id}/exec"),
             br#"{"cmd":"true"}"#,
         )
         .unwrap();
         assert!(
-            matches!(a, Action::Exec(ref i, ref r) if *i == id && r.cmd.as_deref() == Some("true"))
+            matches!(a, Action::Exec(ref i, ref r, StreamFormat::Ndjson) if *i == id && r.cmd.as_deref() == Some("true"))
         );
     }
 }

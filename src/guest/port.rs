@@ -60,9 +60,12 @@ pub fn wait_for_host(fd: &OwnedFd) {
 /// queued, and tokio takes a short read as "drained" and waits for an edge that never comes.
 /// This stream reads until `EAGAIN` before waiting.
 pub fn stream(fd: &OwnedFd) -> std::io::Result<PortStream> {
-    Ok(PortStream {
-        fd: AsyncFd::new(fd.as_fd().try_clone_to_owned()?)?,
-    })
+    let dup = fd.as_fd().try_clone_to_owned()?;
+    // SAFETY: `dup` is a valid, open descriptor owned by the AsyncFd for its whole lifetime
+    // (an `OwnedFd` cannot be closed behind its back), and `as_raw_fd` on it always returns
+    // that same descriptor.
+    let fd = unsafe { AsyncFd::register(dup) }.map_err(std::io::Error::from)?;
+    Ok(PortStream { fd })
 }
 
 pub struct PortStream {

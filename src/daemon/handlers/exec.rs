@@ -1,4 +1,5 @@
-//! `POST /v1/sandboxes/{id}/exec`: streams NDJSON `ExecEvent` lines, the exit status last.
+//! `POST /v1/sandboxes/{id}/exec`: streams `ExecEvent`s (NDJSON lines, or server-sent events
+//! with `Accept: text/event-stream`), the exit status last.
 
 use std::sync::Arc;
 
@@ -8,26 +9,60 @@ use tokio::sync::mpsc;
 
 use crate::api;
 use crate::daemon::response::{self, ApiError, Body};
+use crate::daemon::router::StreamFormat;
 use crate::service::Service;
 
 pub async fn exec(
     svc: &Arc<Service>,
     id: &str,
     req: api::ExecRequest,
+    format: StreamFormat,
 ) -> Result<Response<Body>, ApiError> {
     // Errors before the command starts (unknown sandbox, bad request) are plain JSON errors;
-    // once it runs, everything (including a VM dying) arrives as NDJSON events.
+    // once it runs, everything (including a VM dying) arrives as stream events.
     let mut events = svc.start_exec(id, req).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
         while let Some(ev) = events.recv().await {
-            let mut line = serde_json::to_vec(&ev).expect("exec events serialize");
-            line.push(b'\n');
-            if tx.send(Bytes::from(line)).await.is_err() {
+            if tx.send(encode(&ev, format)).await.is_err() {
                 // The client went away; dropping `events` tells the service to stop streaming.
                 break;
             }
         }
     });
-    Ok(response::ndjson(rx))
+    Ok(response::stream(rx, format))
+}
+
+fn encode(ev: &api::ExecEvent, format: StreamFormat) -> Bytes {
+    let json = serde_json::to_vec(ev).expect("exec events serialize");
+    match format {
+        StreamFormat::Ndjson => Bytes::from([json.as_slice(), b"\n"].concat()),
+        StreamFormat::Sse => {
+            let kind = match ev {
+                api::ExecEvent::Started { .. } => "started",
+                api::ExecEvent::Stdout { .. } => "stdout",
+                api::ExecEvent::Stderr { .. } => "stderr",
+                api::ExecEvent::Exit { .. } => "exit",
+                api::ExecEvent::Error { .. } => "error",
+            };
+            Bytes::from([format!("event: {kind}\ndata: ").as_bytes(), &json, b"\n\n"].concat())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_frames_name_the_event_and_carry_one_json_line() {
+        let ev = api::ExecEvent::output(false, b"a\nb");
+        let b = encode(&ev, StreamFormat::Sse);
+        assert_eq!(
+            &b[..],
+            b"event: stdout\ndata: {\"type\":\"stdout\",\"data\":\"a\\nb\"}\n\n"
+        );
+        let b = encode(&ev, StreamFormat::Ndjson);
+        assert_eq!(&b[..], b"{\"type\":\"stdout\",\"data\":\"a\\nb\"}\n");
+    }
 }

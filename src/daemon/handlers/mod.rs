@@ -24,6 +24,6 @@ pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>
         Action::ListSandboxes => sandboxes::list(svc),
         Action::GetSandbox(id) => sandboxes::get(svc, &id),
         Action::DeleteSandbox(id) => sandboxes::delete(svc, &id).await,
-        Action::Exec(id, req) => exec::exec(svc, &id, req).await,
+        Action::Exec(id, req, format) => exec::exec(svc, &id, req, format).await,
     }
 }
