@@ -60,9 +60,11 @@ pub fn wait_for_host(fd: &OwnedFd) {
 /// queued, and tokio takes a short read as "drained" and waits for an edge that never comes.
 /// This stream reads until `EAGAIN` before waiting.
 pub fn stream(fd: &OwnedFd) -> std::io::Result<PortStream> {
-    Ok(PortStream {
-        fd: AsyncFd::new(fd.as_fd().try_clone_to_owned()?)?,
-    })
+    let dup = fd.as_fd().try_clone_to_owned()?;
+    // SAFETY: `dup` is a valid descriptor owned by the AsyncFd for its whole life, and an
+    // OwnedFd always reports the same raw descriptor.
+    let fd = unsafe { AsyncFd::register(dup) }?;
+    Ok(PortStream { fd })
 }
 
 pub struct PortStream {
