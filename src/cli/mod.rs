@@ -8,11 +8,7 @@ use clap::{Parser, Subcommand};
 use crate::error::TopError;
 
 #[derive(Debug, Parser)]
-#[command(
-    name = "tryboxi",
-    version,
-    about = "Disposable Linux microVMs on your own machine, for AI agents"
-)]
+#[command(name = "tryboxi", version, about = "Disposable Linux microVMs on your own machine, for AI agents")]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
