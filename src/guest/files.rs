@@ -19,6 +19,16 @@ pub enum WriteMsg {
     End,
 }
 
+fn unique_suffix() -> String {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{}-{n}-{nanos:x}", std::process::id())
+}
+
 pub fn check_path(path: &str) -> Result<PathBuf, RemoteError> {
     if !path.starts_with('/') {
         return Err(RemoteError::new(
@@ -184,12 +194,12 @@ pub async fn write(
                 format!("{path:?} names no file"),
             ));
         };
-        let mut rnd = [0u8; 8];
-        getrandom::fill(&mut rnd).map_err(|e| RemoteError::new(ErrorKind::Io, e.to_string()))?;
+        // Not getrandom: in a fresh VM without a hardware RNG it blocks until the kernel's
+        // entropy pool is ready, which under TCG can take minutes. Unique is enough here.
         let t = dir.join(format!(
             ".{}.tryboxi-{}",
             name.to_string_lossy(),
-            hex::encode(rnd)
+            unique_suffix()
         ));
         let ctx = |e: std::io::Error| RemoteError::from_io(&format!("write {}", p.display()), &e);
         let mut f = tokio::fs::OpenOptions::new()

@@ -61,10 +61,9 @@ pub fn wait_for_host(fd: &OwnedFd) {
 /// This stream reads until `EAGAIN` before waiting.
 pub fn stream(fd: &OwnedFd) -> std::io::Result<PortStream> {
     let dup = fd.as_fd().try_clone_to_owned()?;
-    // SAFETY: `dup` is a valid, open descriptor owned by the AsyncFd for its whole lifetime
-    // (an `OwnedFd` cannot be closed behind its back), and `as_raw_fd` on it always returns
-    // that same descriptor.
-    let fd = unsafe { AsyncFd::register(dup) }.map_err(std::io::Error::from)?;
+    // SAFETY: `dup` is a valid descriptor owned by the AsyncFd for its whole life, and an
+    // OwnedFd always reports the same raw descriptor.
+    let fd = unsafe { AsyncFd::register(dup) }?;
     Ok(PortStream { fd })
 }
 

@@ -109,9 +109,7 @@ where
     let writer = AbortOnDrop(tokio::spawn(async move { w.run_writer(wr).await }));
     let routes: Routes = Arc::default();
     let res = serve_inner(&agent, &mut rd, &outbox, &routes, hello).await;
-    // Let queued frames reach the host before closing: after an EOF, and after a version
-    // mismatch, whose HelloAck tells the host which protocol this agent speaks.
-    if matches!(res, Ok(ServeEnd::Eof) | Err(ServeError::Version(_))) {
+    if !matches!(res, Ok(ServeEnd::Rehello(_))) {
         let _ = tokio::time::timeout(Duration::from_secs(2), outbox.wait_idle()).await;
     }
     outbox.close();

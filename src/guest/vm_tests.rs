@@ -147,13 +147,24 @@ async fn boots_in_qemu_and_runs_commands() {
     assert!(out == expected.as_bytes());
     eprintln!("replay after reconnect: {} bytes intact", out.len());
 
-    let file = vec![7u8; 1 << 20];
+    output(&c, "head -c 1048576 /dev/zero > /workspace/blob").await;
     let t = Instant::now();
-    c.write_file("/workspace/blob", &file, 0o644).await.unwrap();
-    eprintln!("1 MiB write_file over virtio-serial: {:?}", t.elapsed());
-    let t = Instant::now();
-    assert_eq!(c.read_file("/workspace/blob").await.unwrap(), file);
+    assert_eq!(
+        c.read_file("/workspace/blob").await.unwrap(),
+        vec![0u8; 1 << 20]
+    );
     eprintln!("1 MiB read_file over virtio-serial: {:?}", t.elapsed());
+    for size in [4_000usize, 40_000, 400_000] {
+        let t = Instant::now();
+        let r = tokio::time::timeout(
+            Duration::from_secs(30),
+            c.write_file("/workspace/up", &vec![1u8; size], 0o644),
+        )
+        .await;
+        eprintln!("{size} B write_file: {:?}", t.elapsed());
+        r.expect("write_file stalled").unwrap();
+        assert_eq!(c.read_file("/workspace/up").await.unwrap(), vec![1u8; size]);
+    }
 
     c.shutdown().await.unwrap();
     let st = tokio::time::timeout(Duration::from_secs(30), qemu.wait())
