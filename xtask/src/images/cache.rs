@@ -108,8 +108,10 @@ impl Cache {
             cache: self.clone(),
             kind: kind.into(),
             key: key.into(),
+            log: kd.join(format!("build-{key}.log")),
             dir,
             started: SystemTime::now(),
+            committed: false,
             _lock: lock,
         }))
     }
@@ -154,7 +156,11 @@ pub struct Pending {
     pub kind: String,
     pub key: String,
     pub dir: PathBuf,
+    /// The build tools' output, `<kind>/build-<key>.log`: outside the temp dir so it survives a
+    /// failed build (whose temp dir is removed); moved into the entry on commit.
+    pub log: PathBuf,
     started: SystemTime,
+    committed: bool,
     /// The kind's build lock; released when the entry is committed or the build fails.
     _lock: std::fs::File,
 }
@@ -163,7 +169,7 @@ impl Pending {
     /// Records meta.json for `file` (already written into `self.dir`) and renames the temp dir
     /// into place. If another build finished the same key first, theirs wins and ours is dropped.
     pub fn commit(
-        self,
+        mut self,
         file: &str,
         sha256: String,
         build_time: Duration,
@@ -189,7 +195,12 @@ impl Pending {
         let meta_path = self.dir.join("meta.json");
         std::fs::write(&meta_path, serde_json::to_vec_pretty(&meta)?)
             .with_context(|| format!("writing {}", meta_path.display()))?;
+        if self.log.exists() {
+            std::fs::rename(&self.log, self.dir.join("build.log"))
+                .with_context(|| format!("moving {}", self.log.display()))?;
+        }
         sync_dir_contents(&self.dir, &[file, "meta.json"]);
+        self.committed = true;
         let final_dir = self.cache.kind_dir(&self.kind).join(&self.key);
         match std::fs::rename(&self.dir, &final_dir) {
             Ok(()) => {}
@@ -211,6 +222,22 @@ impl Pending {
         self.cache
             .lookup(&self.kind, &self.key)
             .with_context(|| format!("cache entry {} vanished after commit", final_dir.display()))
+    }
+}
+
+impl Drop for Pending {
+    /// A build that did not commit (error or panic) leaves no temp dir behind, only its log.
+    fn drop(&mut self) {
+        if !self.committed && self.dir.exists() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+            if self.log.exists() {
+                eprintln!(
+                    "    {} build failed; its log: {}",
+                    self.kind,
+                    self.log.display()
+                );
+            }
+        }
     }
 }
 
@@ -303,6 +330,20 @@ mod tests {
             .unwrap();
         std::fs::set_permissions(e.file_path(), std::fs::Permissions::from_mode(0o644)).unwrap();
         std::fs::write(e.file_path(), b"da").unwrap();
+        assert!(c.lookup("k", "abc").is_none());
+        std::fs::remove_dir_all(&c.root).unwrap();
+    }
+
+    #[test]
+    fn failed_build_leaves_no_temp_dir_but_keeps_its_log() {
+        let c = temp_cache("failed");
+        let p = c.begin("k", "abc").unwrap().pending();
+        std::fs::write(p.dir.join("half"), b"partial").unwrap();
+        std::fs::write(&p.log, b"error: something broke").unwrap();
+        let (dir, log) = (p.dir.clone(), p.log.clone());
+        drop(p);
+        assert!(!dir.exists());
+        assert!(log.exists());
         assert!(c.lookup("k", "abc").is_none());
         std::fs::remove_dir_all(&c.root).unwrap();
     }

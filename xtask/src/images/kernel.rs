@@ -46,7 +46,7 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
     }
 
     let step = Step::start(format!(
-        "kernel: building {SOURCE_PACKAGE} {src_version} (takes ~5 min on 2 cores)"
+        "kernel: building {SOURCE_PACKAGE} {src_version} (~5 min on 2 idle cores, longer on a busy machine)"
     ));
     let pending = match cache.begin("kernel", &key)? {
         Begin::Build(p) => p,
@@ -54,7 +54,7 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
     };
     let work = pending.dir.join("build");
     std::fs::create_dir(&work)?;
-    let log = pending.dir.join("build.log");
+    let log = pending.log.clone();
 
     println!("    extracting {SOURCE_TARBALL}");
     run_logged(

@@ -68,7 +68,7 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
         Begin::Done(e) => return Ok(e),
     };
     let tree = pending.dir.join("root");
-    let log = pending.dir.join("build.log");
+    let log = pending.log.clone();
 
     run_logged(
         Command::new("mmdebstrap")
