@@ -10,7 +10,10 @@ pub fn new_id(prefix: &str) -> String {
 /// True when `id` has the prefix and a well-formed random part (guards paths built from ids).
 pub fn is_valid(prefix: &str, id: &str) -> bool {
     id.strip_prefix(prefix).is_some_and(|rest| {
-        rest.len() == 16 && rest.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        rest.len() == 16
+            && rest
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
     })
 }
 
