@@ -27,8 +27,9 @@ pub fn run(artifacts: &Path) -> Result<(), TopError> {
     files.push("manifest.json");
     for f in files {
         let (from, to) = (src.dir.join(f), staging.join(f));
-        // A hard link costs nothing (images are immutable once built); else copy.
-        if std::fs::hard_link(&from, &to).is_err() {
+        // A hard link costs nothing (images are immutable once built: never written in place);
+        // else copy. The small manifest is always copied, so it is the data root's own file.
+        if f == "manifest.json" || std::fs::hard_link(&from, &to).is_err() {
             std::fs::copy(&from, &to)
                 .map_err(|e| TopError::Other(anyhow::anyhow!("copy {}: {e}", from.display())))?;
         }

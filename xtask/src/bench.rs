@@ -38,6 +38,7 @@ pub fn run(reps: usize) -> Result<()> {
         .unwrap_or("")
         .to_owned();
 
+    let load_before = loadavg();
     println!(
         "==> (a) baseline: bare QEMU, same kernel + initramfs, init powers off at once ({reps}x)"
     );
@@ -132,7 +133,14 @@ pub fn run(reps: usize) -> Result<()> {
     )?;
     writeln!(
         md,
-        "Guests: {VCPUS} vCPU, {MEM_MIB} MiB. Accel mode for every row: **{accel}**.\n"
+        "Guests: {VCPUS} vCPU, {MEM_MIB} MiB. Accel mode for every row: **{accel}**."
+    )?;
+    writeln!(
+        md,
+        "Host load average (1/5/15 min) at the start: {load_before}; at the end: {}. Other work on \
+         the machine slows (a) and (b) alike, which is why (b) is reported as a ratio to (a) of the \
+         same run.\n",
+        loadavg()
     )?;
     writeln!(md, "## Boot and exec\n")?;
     writeln!(md, "| what | reps | median | min | max | target |")?;
@@ -206,6 +214,12 @@ fn bare_boot(qemu: &str, images: &Path, scratch: &Path) -> Result<Duration> {
         bail!("the baseline guest did not reach init (QEMU {st}): {log}");
     }
     Ok(el)
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
 }
 
 fn median(v: &[Duration]) -> Duration {
