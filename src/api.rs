@@ -61,7 +61,7 @@ pub enum SandboxState {
 
 impl std::fmt::Display for SandboxState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+        f.pad(match self {
             SandboxState::Creating => "creating",
             SandboxState::Ready => "ready",
             SandboxState::Failed => "failed",

@@ -34,7 +34,7 @@ pub enum Accel {
 
 impl std::fmt::Display for Accel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+        f.pad(match self {
             Accel::Kvm => "kvm",
             Accel::Tcg => "tcg",
         })

@@ -16,8 +16,20 @@ pub fn run(repo: Option<std::path::PathBuf>) -> Result<()> {
     let out = util::out_dir();
     let repo = repo.unwrap_or_else(util::repo_root);
     let home = out.join("demo-home");
-    println!("\n==> starting the daemon (data root {})", home.display());
-    let d = Daemon::start(&bin, &home, &out, "")?;
+    println!(
+        "\n==> installing the guest images into the data root {}",
+        home.display()
+    );
+    let st = Command::new(&bin)
+        .args(["install", "--artifacts"])
+        .arg(&out)
+        .env("TRYBOXI_HOME", &home)
+        .status()?;
+    if !st.success() {
+        bail!("tryboxi install failed");
+    }
+    println!("\n==> starting the daemon");
+    let d = Daemon::start(&bin, &home, &home.join("artifacts"), "")?;
     let res = session(&bin, &d, &repo);
     println!("\n==> stopping the daemon");
     d.stop()?;
@@ -26,7 +38,17 @@ pub fn run(repo: Option<std::path::PathBuf>) -> Result<()> {
 
 fn session(bin: &std::path::Path, d: &Daemon, repo: &std::path::Path) -> Result<()> {
     let cli = |args: &[&str]| -> Result<std::process::Output> {
-        println!("$ tryboxi {}", args.join(" "));
+        let shown: Vec<String> = args
+            .iter()
+            .map(|a| {
+                if a.contains(' ') {
+                    format!("'{a}'")
+                } else {
+                    a.to_string()
+                }
+            })
+            .collect();
+        println!("$ tryboxi {}", shown.join(" "));
         let o = Command::new(bin)
             .args(args)
             .env("TRYBOXI_HOME", &d.home)
