@@ -60,20 +60,8 @@ pub async fn run(a: Args) -> Result<(), TopError> {
     while let Some(ev) = events.next().await? {
         match ev {
             api::ExecEvent::Started { .. } => {}
-            api::ExecEvent::Stdout { data, data_b64 } => {
-                let b = api::ExecEvent::output_bytes(&data, &data_b64)
-                    .map_err(|m| TopError::Other(anyhow::anyhow!(m)))?;
-                out.write_all(&b)
-                    .and_then(|_| out.flush())
-                    .map_err(|e| TopError::Other(e.into()))?;
-            }
-            api::ExecEvent::Stderr { data, data_b64 } => {
-                let b = api::ExecEvent::output_bytes(&data, &data_b64)
-                    .map_err(|m| TopError::Other(anyhow::anyhow!(m)))?;
-                err.write_all(&b)
-                    .and_then(|_| err.flush())
-                    .map_err(|e| TopError::Other(e.into()))?;
-            }
+            api::ExecEvent::Stdout { data, data_b64 } => copy(&mut out, &data, &data_b64)?,
+            api::ExecEvent::Stderr { data, data_b64 } => copy(&mut err, &data, &data_b64)?,
             api::ExecEvent::Exit {
                 exit_code,
                 signal,
@@ -97,4 +85,17 @@ pub async fn run(a: Args) -> Result<(), TopError> {
     Err(TopError::Other(anyhow::anyhow!(
         "the exec stream ended without an exit status"
     )))
+}
+
+/// Write one output chunk to `w` at once (the user sees output as it comes).
+fn copy(
+    w: &mut impl std::io::Write,
+    data: &Option<String>,
+    data_b64: &Option<String>,
+) -> Result<(), TopError> {
+    let b = api::ExecEvent::output_bytes(data, data_b64)
+        .map_err(|m| TopError::Other(anyhow::anyhow!(m)))?;
+    w.write_all(&b)
+        .and_then(|_| w.flush())
+        .map_err(|e| TopError::Other(e.into()))
 }
