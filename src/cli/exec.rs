@@ -1,7 +1,7 @@
 //! `tryboxi exec [OPTIONS] ID -- CMD...`: stdout to stdout, stderr to stderr, as they come;
 //! exits with the command's exit code (128+N for signal N, 124 on timeout).
 
-use std::io::{Read as _, Write as _};
+use std::io::Read as _;
 
 use crate::api;
 use crate::error::TopError;
