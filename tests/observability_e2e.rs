@@ -137,12 +137,65 @@ fn next_event(rx: &mpsc::Receiver<Value>, d: &Daemon) -> Value {
         .unwrap_or_else(|e| panic!("no event ({e}); daemon log:\n{}", d.log_text()))
 }
 
+/// A minimal OTLP/HTTP collector: answers every POST with 200 and hands over (path, body).
+fn fake_collector() -> (String, mpsc::Receiver<(String, Vec<u8>)>) {
+    use std::io::Read;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { return };
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(c.try_clone().unwrap());
+                loop {
+                    let mut head = Vec::new();
+                    let mut line = String::new();
+                    while r.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                        head.push(std::mem::take(&mut line));
+                    }
+                    if head.is_empty() {
+                        return;
+                    }
+                    let path = head[0].split_whitespace().nth(1).unwrap_or("").to_owned();
+                    let len: usize = head
+                        .iter()
+                        .find_map(|h| {
+                            let (k, v) = h.split_once(':')?;
+                            k.eq_ignore_ascii_case("content-length")
+                                .then(|| v.trim().parse().ok())?
+                        })
+                        .unwrap_or(0);
+                    let mut body = vec![0; len];
+                    if r.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let _ = c.write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n",
+                    );
+                    if tx.send((path, body)).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, rx)
+}
+
 #[test]
 fn a_sandbox_whole_life_is_observable() {
     let Some(art) = artifacts() else { return };
+    let (collector, exported) = fake_collector();
     let d = Daemon::start(
         Some("default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n"),
-        &["--artifacts", art.to_str().unwrap()],
+        &[
+            "--artifacts",
+            art.to_str().unwrap(),
+            "--otlp-endpoint",
+            &collector,
+        ],
     );
     let events = follow_events(&d, "?since=now");
     // The follower is subscribed once the daemon answered its headers; a short request
@@ -309,6 +362,17 @@ fn a_sandbox_whole_life_is_observable() {
         get("tryboxi_exec_output_bytes_total", &[("stream", "stdout")]),
         12.0
     );
+
+    // OTLP: both traces (the sandbox's create, the exec) reached the collector as protobuf.
+    let mut seen_names = String::new();
+    while !(seen_names.contains("vm.boot") && seen_names.contains("output.flush")) {
+        let (path, body) = exported
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("no OTLP export; got {seen_names:?}\n{}", d.log_text()));
+        assert_eq!(path, "/v1/traces");
+        seen_names.push_str(&String::from_utf8_lossy(&body));
+    }
+    assert!(seen_names.contains(&id) && seen_names.contains("tryboxi"));
 
     // Remove: the last event of its life.
     let out = d.cli(&["rm", &id]);
