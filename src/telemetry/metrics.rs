@@ -193,4 +193,35 @@ mod tests {
             "{text}"
         );
     }
+
+    #[test]
+    fn the_grafana_dashboard_only_queries_metrics_that_exist() {
+        let dash = include_str!("../../deploy/grafana/tryboxi.json");
+        let known = [
+            SANDBOXES,
+            CREATES,
+            BOOT_SECONDS,
+            EXECS,
+            EXEC_SECONDS,
+            EXEC_OUTPUT_BYTES,
+            VM_MEMORY,
+            DAEMON_RSS,
+            ERRORS,
+            EVENTS,
+            SYNC_BYTES,
+            SYNC_FILES,
+        ];
+        let re = regex::Regex::new(r"tryboxi_[a-z_]+").unwrap();
+        let mut used = 0;
+        for m in re.find_iter(dash) {
+            let name = m.as_str();
+            let base = name.strip_suffix("_bucket").unwrap_or(name);
+            assert!(
+                known.contains(&base),
+                "the dashboard queries unknown metric `{name}`"
+            );
+            used += 1;
+        }
+        assert!(used >= known.len(), "the dashboard shows too few metrics");
+    }
 }
