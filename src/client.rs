@@ -111,6 +111,11 @@ impl Client {
         decode(&collect(resp).await?)
     }
 
+    /// A GET whose body is read as it arrives (server-sent events).
+    pub async fn get_stream(&self, path: &str) -> Result<Incoming, ClientError> {
+        Ok(self.request(Method::GET, path, None).await?.into_body())
+    }
+
     /// Start an exec; read its events with [`ExecEvents::next`].
     pub async fn exec(&self, id: &str, req: &api::ExecRequest) -> Result<ExecEvents, ClientError> {
         let body = serde_json::to_vec(req).expect("API types serialize");

@@ -52,6 +52,12 @@ pub struct Config {
     pub exec_timeout_s: u64,
     /// Where guest images live when `serve --artifacts` is not given. Default: `<data root>/artifacts`.
     pub artifacts: Option<PathBuf>,
+    /// Cap in bytes of each exec output log file (stdout, stderr, both interleaved) kept under
+    /// `sandboxes/<id>/execs/<exe_id>/`; output past it is counted, not kept. Default: 16 MiB.
+    pub exec_log_max_bytes: u64,
+    /// Export traces over OTLP/HTTP to this endpoint (e.g. `http://127.0.0.1:4318`);
+    /// `serve --otlp-endpoint` overrides it. Default: unset (traces stay in the daemon).
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Default for Config {
@@ -69,6 +75,8 @@ impl Default for Config {
             boot_timeout_s: 120,
             exec_timeout_s: 0,
             artifacts: None,
+            exec_log_max_bytes: 16 << 20,
+            otlp_endpoint: None,
         }
     }
 }
@@ -171,6 +179,8 @@ mod tests {
         assert_eq!(c.default_vcpus, 2);
         assert_eq!(c.default_memory_mib, 1024);
         assert!(c.tcp_listen.is_none());
+        assert_eq!(c.exec_log_max_bytes, 16 << 20);
+        assert!(c.otlp_endpoint.is_none());
     }
 
     #[test]

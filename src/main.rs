@@ -16,6 +16,7 @@ mod rpc;
 mod safefs;
 mod service;
 mod store;
+mod telemetry;
 mod vmm;
 
 use std::process::ExitCode;

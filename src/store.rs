@@ -206,9 +206,7 @@ impl Store {
         Ok(existed)
     }
 
-    /// Append an event; returns its sequence number (1, 2, ...). The observability milestone
-    /// streams them; until then only tests call this.
-    #[allow(dead_code)]
+    /// Append an event; returns its sequence number (1, 2, ...).
     pub fn append_event<T: Serialize>(&self, event: &T) -> Result<u64, StoreError> {
         let bytes = serde_json::to_vec(event).expect("events serialize to JSON");
         let txn = self.db.begin_write()?;
@@ -222,8 +220,14 @@ impl Store {
         Ok(seq)
     }
 
+    /// The newest event's sequence number (0 when there is none).
+    pub fn last_event_id(&self) -> Result<u64, StoreError> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(EVENTS)?;
+        Ok(t.last()?.map(|(k, _)| k.value()).unwrap_or(0))
+    }
+
     /// Events with a sequence number greater than `after`, oldest first, at most `limit`.
-    #[allow(dead_code)]
     pub fn events_after<T: DeserializeOwned>(
         &self,
         after: u64,

@@ -216,14 +216,14 @@ fn cli_lists_every_subcommand_and_unfinished_ones_fail_clearly() {
     let help = String::from_utf8_lossy(&out.stdout);
     for c in [
         "serve", "install", "create", "exec", "ls", "rm", "diff", "apply", "pull", "undo",
-        "events", "trace", "doctor", "mcp", "token", "version",
+        "events", "trace", "logs", "doctor", "mcp", "token", "version",
     ] {
         assert!(
             help.lines().any(|l| l.trim_start().starts_with(c)),
             "`{c}` missing from --help:\n{help}"
         );
     }
-    let out = Command::new(BIN).arg("trace").output().unwrap();
+    let out = Command::new(BIN).arg("undo").output().unwrap();
     assert_eq!(out.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not implemented yet"));
 }

@@ -2,10 +2,13 @@
 //! through `client`.
 
 mod create;
+mod events;
 mod exec;
 mod install;
+mod logs;
 mod ls;
 mod rm;
+mod trace;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -37,6 +40,10 @@ pub enum Command {
         /// Use guest images from this directory (holding `images/manifest.json`) in place.
         #[arg(long, value_name = "DIR")]
         artifacts: Option<PathBuf>,
+        /// Also export per-phase traces over OTLP/HTTP to this collector (e.g.
+        /// `http://127.0.0.1:4318`, the `/v1/traces` path is added).
+        #[arg(long, value_name = "URL")]
+        otlp_endpoint: Option<String>,
     },
     /// Copy guest images (from `cargo xtask images`) into the data root.
     Install {
@@ -60,10 +67,12 @@ pub enum Command {
     Pull,
     /// Restore what an apply or pull changed.
     Undo,
-    /// Follow the daemon's events.
-    Events,
+    /// Follow the daemon's events live (sandbox created/ready/failed/removed, exec started/finished).
+    Events(events::Args),
     /// Per-phase waterfall of a sandbox or exec.
-    Trace,
+    Trace(trace::Args),
+    /// Print an exec's kept output (stdout and stderr).
+    Logs(logs::Args),
     /// Check the host: QEMU, KVM or TCG, guest images, data root, daemon, memory, disk.
     Doctor {
         /// Check the guest images in this directory instead of the installed ones.
@@ -99,11 +108,15 @@ pub fn run(argv0: &str) -> ExitCode {
 
 fn dispatch(cmd: Command) -> Result<(), TopError> {
     match cmd {
-        Command::Serve { artifacts } => {
+        Command::Serve {
+            artifacts,
+            otlp_endpoint,
+        } => {
             init_logging();
             runtime()?
                 .block_on(crate::daemon::serve(crate::daemon::ServeOptions {
                     artifacts,
+                    otlp_endpoint,
                 }))
                 .map_err(|e| TopError::Other(e.into()))
         }
@@ -129,8 +142,9 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Apply => Err(TopError::NotImplemented("apply")),
         Command::Pull => Err(TopError::NotImplemented("pull")),
         Command::Undo => Err(TopError::NotImplemented("undo")),
-        Command::Events => Err(TopError::NotImplemented("events")),
-        Command::Trace => Err(TopError::NotImplemented("trace")),
+        Command::Events(a) => runtime()?.block_on(events::run(a)),
+        Command::Trace(a) => runtime()?.block_on(trace::run(a)),
+        Command::Logs(a) => runtime()?.block_on(logs::run(a)),
         Command::Mcp => Err(TopError::NotImplemented("mcp")),
     }
 }

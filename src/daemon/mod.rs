@@ -68,6 +68,8 @@ fn io_err(
 
 pub struct ServeOptions {
     pub artifacts: Option<PathBuf>,
+    /// Export traces over OTLP/HTTP here (overrides `otlp_endpoint` in config.toml).
+    pub otlp_endpoint: Option<String>,
 }
 
 /// Where a request came from, for access checks.
@@ -115,7 +117,21 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         None => None,
     };
 
-    let svc = Arc::new(Service::new(paths.clone(), config, store, artifacts));
+    let otlp = opts.otlp_endpoint.or_else(|| config.otlp_endpoint.clone());
+    let exporter = match otlp {
+        Some(url) => Some(
+            crate::telemetry::otlp::exporter(&url)
+                .map_err(|e| DaemonError::Setup(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let svc = Arc::new(Service::new(
+        paths.clone(),
+        config,
+        store,
+        artifacts,
+        exporter,
+    ));
     svc.recover().await;
     let shared = Arc::new(Shared {
         svc: svc.clone(),
@@ -326,11 +342,6 @@ async fn handle(
             )
         })?
         .to_bytes();
-    let accept = parts
-        .headers
-        .get(hyper::header::ACCEPT)
-        .and_then(|v| v.to_str().ok());
-    let format = router::StreamFormat::from_accept(accept);
-    let action = router::parse(&parts.method, parts.uri.path(), format, &body)?;
+    let action = router::parse_request(&parts.method, &parts.uri, &parts.headers, &body)?;
     handlers::handle(&shared.svc, action).await
 }

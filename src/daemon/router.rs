@@ -17,6 +17,18 @@ pub enum Action {
     GetSandbox(String),
     DeleteSandbox(String),
     Exec(String, api::ExecRequest, StreamFormat),
+    /// `GET /v1/events`: server-sent events after a cursor, optionally for one sandbox.
+    Events {
+        /// After this event id; `None` (`?since=now`): only events from now on.
+        since: Option<u64>,
+        sandbox: Option<String>,
+    },
+    /// `GET /metrics`: Prometheus text format.
+    Metrics,
+    /// `GET /v1/traces/{id}`: a sandbox's or an exec's per-phase trace.
+    Trace(String),
+    /// `GET /v1/execs/{id}/output`: a piece of an exec's output log.
+    ExecOutput(String, crate::service::OutputQuery),
 }
 
 /// How a streamed response is framed: NDJSON by default, server-sent events when the client
@@ -47,7 +59,150 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}"),
     ("DELETE", "/v1/sandboxes/{id}"),
     ("POST", "/v1/sandboxes/{id}/exec"),
+    ("GET", "/v1/events"),
+    ("GET", "/metrics"),
+    ("GET", "/v1/traces/{id}"),
+    ("GET", "/v1/execs/{id}/output"),
 ];
+
+/// Turn a full request (path with query, headers, body) into an action.
+pub fn parse_request(
+    method: &Method,
+    uri: &hyper::Uri,
+    headers: &hyper::HeaderMap,
+    body: &[u8],
+) -> Result<Action, ApiError> {
+    let accept = headers
+        .get(hyper::header::ACCEPT)
+        .and_then(|v| v.to_str().ok());
+    let format = StreamFormat::from_accept(accept);
+    let query = uri.query().unwrap_or("");
+    let segs: Vec<&str> = uri
+        .path()
+        .trim_end_matches('/')
+        .split('/')
+        .skip(1)
+        .collect();
+    match (method, segs.as_slice()) {
+        (&Method::GET, ["v1", "events"]) => {
+            let last_event_id = headers
+                .get("last-event-id")
+                .and_then(|v| v.to_str().ok())
+                .map(|v| {
+                    v.trim().parse::<u64>().map_err(|_| {
+                        ApiError::bad_request(format!(
+                            "Last-Event-ID must be an event id, got `{v}`"
+                        ))
+                    })
+                })
+                .transpose()?;
+            let mut since = Some(last_event_id.unwrap_or(0));
+            let mut sandbox = None;
+            for (k, v) in query_pairs(query) {
+                match k.as_str() {
+                    // A reconnect's Last-Event-ID wins over the URL's starting point.
+                    "since" if last_event_id.is_some() => {}
+                    "since" if v == "now" => since = None,
+                    "since" => since = Some(number(&k, &v)?),
+                    "sandbox" => sandbox = Some(sandbox_id(&v)?),
+                    _ => return Err(unknown_param(&k)),
+                }
+            }
+            Ok(Action::Events { since, sandbox })
+        }
+        (&Method::GET, ["metrics"]) => Ok(Action::Metrics),
+        (&Method::GET, ["v1", "traces", id]) => {
+            if ids::is_valid(ids::SANDBOX, id) || ids::is_valid(ids::EXEC, id) {
+                Ok(Action::Trace((*id).to_owned()))
+            } else {
+                Err(ApiError::not_found(format!("no sandbox or exec `{id}`")))
+            }
+        }
+        (&Method::GET, ["v1", "execs", id, "output"]) => {
+            if !ids::is_valid(ids::EXEC, id) {
+                return Err(ApiError::not_found(format!("no exec `{id}`")));
+            }
+            let mut q = crate::service::OutputQuery::default();
+            for (k, v) in query_pairs(query) {
+                match k.as_str() {
+                    "offset" => q.offset = number(&k, &v)?,
+                    "stream" => {
+                        q.stream = crate::telemetry::logs::Stream::parse(&v).ok_or_else(|| {
+                            ApiError::bad_request(format!(
+                                "stream must be stdout, stderr or output, got `{v}`"
+                            ))
+                        })?
+                    }
+                    "strip_ansi" => q.strip_ansi = boolean(&k, &v)?,
+                    "wait_ms" => q.wait = std::time::Duration::from_millis(number(&k, &v)?),
+                    "max_bytes" => q.max_bytes = number::<usize>(&k, &v)?,
+                    _ => return Err(unknown_param(&k)),
+                }
+            }
+            Ok(Action::ExecOutput((*id).to_owned(), q))
+        }
+        (_, ["v1", "events" | "traces"])
+        | (_, ["metrics"])
+        | (_, ["v1", "traces", _])
+        | (_, ["v1", "execs", _, "output"]) => Err(ApiError::method_not_allowed(method)),
+        _ => parse(method, uri.path(), format, body),
+    }
+}
+
+/// `a=1&b=x%20y` -> pairs, percent-decoded (`+` is a space).
+fn query_pairs(q: &str) -> Vec<(String, String)> {
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                let hex = |c: u8| (c as char).to_digit(16);
+                match (hex(b[i + 1]), hex(b[i + 2])) {
+                    (Some(h), Some(l)) => {
+                        out.push((h * 16 + l) as u8);
+                        i += 2;
+                    }
+                    _ => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn number<T: std::str::FromStr>(k: &str, v: &str) -> Result<T, ApiError> {
+    v.parse().map_err(|_| {
+        ApiError::bad_request(format!("`{k}` must be a non-negative integer, got `{v}`"))
+    })
+}
+
+fn boolean(k: &str, v: &str) -> Result<bool, ApiError> {
+    match v {
+        "" | "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" => Ok(false),
+        _ => Err(ApiError::bad_request(format!(
+            "`{k}` must be true or false, got `{v}`"
+        ))),
+    }
+}
+
+fn unknown_param(k: &str) -> ApiError {
+    ApiError::bad_request(format!("unknown query parameter `{k}`"))
+}
 
 /// Turn method + path + body into an action, or a 400/404/405 error.
 pub fn parse(
@@ -171,14 +326,20 @@ mod tests {
         // And each documented route really parses (not 404/405) with a sample id and body.
         let id = crate::ids::new_id(crate::ids::SANDBOX);
         for (m, p) in &documented {
-            let path = p.replace("{id}", &id);
+            let path = if p.starts_with("/v1/execs/") {
+                p.replace("{id}", &crate::ids::new_id(crate::ids::EXEC))
+            } else {
+                p.replace("{id}", &id)
+            };
             let method: Method = m.parse().unwrap();
             let body: &[u8] = match (m.as_str(), p.as_str()) {
                 ("POST", "/v1/sandboxes") => br#"{"workspace":{"host_path":"/tmp"}}"#,
                 ("POST", _) => br#"{"cmd":"true"}"#,
                 _ => b"",
             };
-            parse_nd(&method, &path, body).unwrap_or_else(|e| panic!("{m} {p}: {e:?}"));
+            let uri: hyper::Uri = path.parse().unwrap();
+            parse_request(&method, &uri, &hyper::HeaderMap::new(), body)
+                .unwrap_or_else(|e| panic!("{m} {p}: {e:?}"));
         }
     }
 
@@ -194,5 +355,101 @@ mod tests {
         assert!(
             matches!(a, Action::Exec(ref i, ref r, StreamFormat::Ndjson) if *i == id && r.cmd.as_deref() == Some("true"))
         );
+    }
+
+    fn req(m: Method, uri: &str, headers: &[(&str, &str)]) -> Result<Action, ApiError> {
+        let mut h = hyper::HeaderMap::new();
+        for (k, v) in headers {
+            h.insert(
+                hyper::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        parse_request(&m, &uri.parse().unwrap(), &h, b"")
+    }
+
+    #[test]
+    fn events_resume_from_last_event_id_or_since_and_filter_by_sandbox() {
+        let id = crate::ids::new_id(crate::ids::SANDBOX);
+        let a = req(
+            Method::GET,
+            &format!("/v1/events?sandbox={id}&since=5"),
+            &[],
+        )
+        .unwrap();
+        assert!(matches!(a, Action::Events { since: Some(5), sandbox: Some(ref s) } if *s == id));
+        let a = req(Method::GET, "/v1/events?since=5", &[("last-event-id", "9")]).unwrap();
+        assert!(matches!(
+            a,
+            Action::Events {
+                since: Some(9),
+                sandbox: None
+            }
+        ));
+        let a = req(Method::GET, "/v1/events?since=now", &[]).unwrap();
+        assert!(matches!(a, Action::Events { since: None, .. }));
+        assert!(matches!(
+            req(Method::GET, "/v1/events", &[]).unwrap(),
+            Action::Events { since: Some(0), .. }
+        ));
+        assert_eq!(
+            req(Method::GET, "/v1/events?since=x", &[])
+                .unwrap_err()
+                .status,
+            400
+        );
+        assert_eq!(
+            req(Method::GET, "/v1/events?bogus=1", &[])
+                .unwrap_err()
+                .status,
+            400
+        );
+        assert_eq!(
+            req(Method::GET, "/v1/events?sandbox=sbx_..", &[])
+                .unwrap_err()
+                .status,
+            404
+        );
+        assert_eq!(
+            req(Method::POST, "/v1/events", &[]).unwrap_err().status,
+            405
+        );
+    }
+
+    #[test]
+    fn output_query_parses_and_rejects_bad_values() {
+        let id = crate::ids::new_id(crate::ids::EXEC);
+        let a = req(
+            Method::GET,
+            &format!("/v1/execs/{id}/output?offset=12&stream=stderr&strip_ansi=true&wait_ms=50"),
+            &[],
+        )
+        .unwrap();
+        let Action::ExecOutput(got, q) = a else {
+            panic!("{a:?}")
+        };
+        assert_eq!(got, id);
+        assert_eq!(
+            (q.offset, q.stream, q.strip_ansi),
+            (12, crate::telemetry::logs::Stream::Stderr, true)
+        );
+        assert_eq!(q.wait, std::time::Duration::from_millis(50));
+        let bad = format!("/v1/execs/{id}/output?stream=both%20ways");
+        assert_eq!(req(Method::GET, &bad, &[]).unwrap_err().status, 400);
+        assert_eq!(
+            req(Method::GET, "/v1/execs/sbx_0/output", &[])
+                .unwrap_err()
+                .status,
+            404
+        );
+        let sbx = crate::ids::new_id(crate::ids::SANDBOX);
+        assert!(matches!(
+            req(Method::GET, &format!("/v1/traces/{sbx}"), &[]).unwrap(),
+            Action::Trace(_)
+        ));
+        assert!(matches!(
+            req(Method::GET, "/metrics", &[]).unwrap(),
+            Action::Metrics
+        ));
     }
 }

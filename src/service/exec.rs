@@ -86,6 +86,9 @@ impl Service {
             error: None,
         };
         self.store.put(EXECS, &exec_id, &exec_rec)?;
+        let obs = self
+            .telemetry
+            .exec_started(id, &exec_id, &exec_rec.command, &rec.dir, started);
         tracing::info!(sandbox = %id, exec = %exec_id, "exec started");
         let (tx, rx) = mpsc::channel(64);
         let _ = tx.try_send(api::ExecEvent::Started {
@@ -106,8 +109,14 @@ impl Service {
                 };
                 let out = match ev {
                     Some(Ok(rpc::ExecEvent::Started { .. })) => continue,
-                    Some(Ok(rpc::ExecEvent::Stdout(b))) => api::ExecEvent::output(false, &b),
-                    Some(Ok(rpc::ExecEvent::Stderr(b))) => api::ExecEvent::output(true, &b),
+                    Some(Ok(rpc::ExecEvent::Stdout(b))) => {
+                        obs.output(false, &b);
+                        api::ExecEvent::output(false, &b)
+                    }
+                    Some(Ok(rpc::ExecEvent::Stderr(b))) => {
+                        obs.output(true, &b);
+                        api::ExecEvent::output(true, &b)
+                    }
                     Some(Ok(rpc::ExecEvent::Exit {
                         code,
                         signal,
@@ -146,6 +155,12 @@ impl Service {
             if let Err(e) = store.put(EXECS, &exec_rec.id, &exec_rec) {
                 tracing::warn!(error = %e, "cannot record the exec's end");
             }
+            obs.finished(crate::telemetry::ExecEnd {
+                exit_code: exec_rec.exit_code,
+                signal: exec_rec.signal,
+                timed_out: exec_rec.timed_out,
+                error: exec_rec.error.as_deref(),
+            });
             if let Some(ev) = last {
                 let _ = tx.send(ev).await;
             }

@@ -6,6 +6,7 @@
 //! anything except through `safefs`.
 
 mod exec;
+mod observe;
 mod sandboxes;
 mod vms;
 
@@ -17,7 +18,9 @@ use serde::{Deserialize, Serialize};
 use crate::api;
 use crate::config::{Config, Paths};
 use crate::store::{Store, StoreError};
+use crate::telemetry::Telemetry;
 
+pub use observe::{ExecOutput, OutputQuery};
 pub use sandboxes::now_rfc3339;
 pub use vms::Vms;
 
@@ -59,10 +62,24 @@ pub struct Service {
     /// Guest images directory (`serve --artifacts DIR` or `<data root>/artifacts`).
     pub artifacts: PathBuf,
     pub vms: Vms,
+    /// Events, traces, metrics and exec output logs.
+    pub telemetry: Arc<Telemetry>,
 }
 
 impl Service {
-    pub fn new(paths: Paths, config: Config, store: Store, artifacts: PathBuf) -> Service {
+    pub fn new(
+        paths: Paths,
+        config: Config,
+        store: Store,
+        artifacts: PathBuf,
+        trace_exporter: Option<Box<dyn crate::telemetry::traces::Exporter>>,
+    ) -> Service {
+        let store = Arc::new(store);
+        let telemetry = Arc::new(Telemetry::new(
+            store.clone(),
+            config.exec_log_max_bytes,
+            trace_exporter,
+        ));
         let vms = Vms::new(
             &config.qemu_binary,
             std::time::Duration::from_secs(config.boot_timeout_s),
@@ -70,9 +87,10 @@ impl Service {
         Service {
             paths,
             config,
-            store: Arc::new(store),
+            store,
             artifacts,
             vms,
+            telemetry,
         }
     }
 

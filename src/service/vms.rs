@@ -107,6 +107,7 @@ impl Service {
         self: &Arc<Self>,
         req: api::CreateSandboxRequest,
     ) -> Result<api::Sandbox, ServiceError> {
+        let t0 = std::time::Instant::now();
         let (vcpus, memory_mib, workspace) = self.validate_create(&req)?;
         let images = self.images()?;
         let driver = self.driver()?;
@@ -132,6 +133,7 @@ impl Service {
             dir: dir.clone(),
         };
         self.store.put(SANDBOXES, &id, &rec)?;
+        self.telemetry.sandbox_created(&rec.api, t0);
         let spec = VmSpec {
             id: id.clone(),
             dir: dir.clone(),
@@ -148,6 +150,7 @@ impl Service {
                 tracing::info!(sandbox = %id, %accel, boot_ms = started.elapsed().as_millis() as u64, "sandbox ready");
                 rec.api.state = SandboxState::Ready;
                 self.store.put(SANDBOXES, &id, &rec)?;
+                self.telemetry.sandbox_ready(&rec.api, started);
                 let vm = Arc::new(vm);
                 self.vms.insert(&id, vm.clone());
                 self.watch(id, vm);
@@ -155,6 +158,7 @@ impl Service {
             }
             Err(e) => {
                 tracing::warn!(sandbox = %id, error = %e, "create failed; cleaning up");
+                self.telemetry.sandbox_create_failed(&id, &e.to_string());
                 self.discard(&id, &dir).await;
                 Err(e)
             }
@@ -162,10 +166,13 @@ impl Service {
     }
 
     async fn boot(&self, driver: &QemuDriver, spec: &VmSpec) -> Result<LiveVm, ServiceError> {
+        let span = self.telemetry.traces.span(&spec.id, "vm.boot");
         let info = driver
             .boot(spec)
             .await
             .map_err(|e| ServiceError::Internal(format!("the VM did not boot: {e}")))?;
+        drop(span);
+        let _span = self.telemetry.traces.span(&spec.id, "guest.connect");
         let timeout = Duration::from_secs(self.config.boot_timeout_s);
         let agent = tokio::select! {
             r = AgentClient::connect_unix(&info.agent_socket, timeout) => r,
@@ -224,6 +231,7 @@ impl Service {
             && rec.api.state != SandboxState::Removing
         {
             rec.api.state = SandboxState::Failed;
+            self.telemetry.sandbox_failed(id, &why);
             rec.api.error = Some(why);
             let _ = self.store.put(SANDBOXES, id, &rec);
         }
@@ -245,6 +253,7 @@ impl Service {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
         }
         let _ = self.store.delete(SANDBOXES, id);
+        self.telemetry.sandbox_removed(id);
     }
 
     /// `DELETE /v1/sandboxes/{id}`: kill the VM, delete its directory and its record.

@@ -35,6 +35,8 @@ const PACKAGES: &[&str] = &[
     "cpio",
     "xz-utils",
     "python3",
+    // tests/observability_e2e.rs parses /metrics with the real Prometheus text parser.
+    "python3-prometheus-client",
 ];
 
 pub fn run() -> Result<()> {

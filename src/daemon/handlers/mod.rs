@@ -1,9 +1,13 @@
 //! One handler file per resource. Each turns an [`Action`] into a response by calling the
 //! service; none holds business logic.
 
+mod events;
 mod exec;
+mod execs;
 mod health;
+mod metrics;
 mod sandboxes;
+mod traces;
 
 use std::sync::Arc;
 
@@ -25,5 +29,9 @@ pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>
         Action::GetSandbox(id) => sandboxes::get(svc, &id),
         Action::DeleteSandbox(id) => sandboxes::delete(svc, &id).await,
         Action::Exec(id, req, format) => exec::exec(svc, &id, req, format).await,
+        Action::Events { since, sandbox } => events::events(svc, since, sandbox),
+        Action::Metrics => metrics::metrics(svc),
+        Action::Trace(id) => traces::trace(svc, &id),
+        Action::ExecOutput(id, q) => execs::output(svc, &id, q).await,
     }
 }

@@ -1,0 +1,296 @@
+//! The event log: every state change (sandbox created/ready/failed/removed, exec
+//! started/finished, and later sync/apply/snapshot...) is appended to the store's `events` table
+//! and broadcast in process, so followers see it at once and can resume after a disconnect.
+//!
+//! Never: polls. A subscriber reads the stored backlog after its cursor, then the live
+//! broadcast; if it falls behind the broadcast it catches up from the store again.
+
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+use crate::store::{Store, StoreError};
+
+/// One recorded state change. Its `id` is the store's sequence number (1, 2, ...), used as the
+/// SSE `id:` and for `Last-Event-ID` / `?since=N` resumption.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    #[serde(default)]
+    pub id: u64,
+    /// RFC 3339 UTC.
+    pub time: String,
+    /// `sandbox.created`, `sandbox.ready`, `sandbox.failed`, `sandbox.removed`,
+    /// `exec.started`, `exec.finished`, ... (dotted, stable).
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub sandbox_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exec_id: Option<String>,
+    /// Kind-specific details (exit code, reason, duration...).
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub data: serde_json::Value,
+}
+
+/// Event kinds the core emits (other milestones add their own dotted names).
+pub mod kind {
+    pub const SANDBOX_CREATED: &str = "sandbox.created";
+    pub const SANDBOX_READY: &str = "sandbox.ready";
+    pub const SANDBOX_FAILED: &str = "sandbox.failed";
+    pub const SANDBOX_REMOVED: &str = "sandbox.removed";
+    pub const EXEC_STARTED: &str = "exec.started";
+    pub const EXEC_FINISHED: &str = "exec.finished";
+}
+
+/// How many events a live subscriber may fall behind before it re-reads the store.
+const LIVE_CAPACITY: usize = 256;
+/// Backlog read size.
+const BATCH: usize = 256;
+
+pub struct EventBus {
+    store: Arc<Store>,
+    tx: broadcast::Sender<Arc<Event>>,
+    /// Held across append + send, so the broadcast order is the sequence order.
+    order: Mutex<()>,
+}
+
+impl EventBus {
+    pub fn new(store: Arc<Store>) -> EventBus {
+        let (tx, _) = broadcast::channel(LIVE_CAPACITY);
+        EventBus {
+            store,
+            tx,
+            order: Mutex::new(()),
+        }
+    }
+
+    /// Record and broadcast an event; returns its id. A store failure is logged and the event
+    /// is still broadcast (with id 0): observability must never fail the operation it observes.
+    pub fn publish(
+        &self,
+        kind: &str,
+        sandbox_id: &str,
+        exec_id: Option<&str>,
+        data: serde_json::Value,
+    ) -> u64 {
+        let mut ev = Event {
+            id: 0,
+            time: crate::service::now_rfc3339(),
+            kind: kind.to_owned(),
+            sandbox_id: sandbox_id.to_owned(),
+            exec_id: exec_id.map(str::to_owned),
+            data,
+        };
+        let _guard = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        match self.store.append_event(&ev) {
+            Ok(seq) => ev.id = seq,
+            Err(e) => tracing::warn!(error = %e, kind, "cannot record an event"),
+        }
+        metrics::counter!(super::metrics::EVENTS, "type" => kind.to_owned()).increment(1);
+        tracing::debug!(id = ev.id, kind, sandbox = sandbox_id, exec = ?exec_id, "event");
+        let id = ev.id;
+        // No receivers is fine: nobody follows right now.
+        let _ = self.tx.send(Arc::new(ev));
+        id
+    }
+
+    /// Follow events with an id greater than `since` (`None`: only events from now on),
+    /// optionally only one sandbox's.
+    pub fn subscribe(
+        &self,
+        since: Option<u64>,
+        sandbox: Option<String>,
+    ) -> Result<Subscription, StoreError> {
+        // Subscribe before reading the cursor or the backlog, so nothing falls between.
+        let rx = self.tx.subscribe();
+        let cursor = match since {
+            Some(n) => n,
+            None => self.store.last_event_id()?,
+        };
+        Ok(Subscription {
+            rx,
+            store: self.store.clone(),
+            cursor,
+            sandbox,
+            backlog: std::collections::VecDeque::new(),
+            catching_up: true,
+        })
+    }
+}
+
+fn read_after(store: &Store, since: u64, limit: usize) -> Result<Vec<Event>, StoreError> {
+    Ok(store
+        .events_after::<Event>(since, limit)?
+        .into_iter()
+        .map(|(seq, mut e)| {
+            e.id = seq;
+            e
+        })
+        .collect())
+}
+
+/// A follower's cursor: the stored backlog first, then live events, in id order, each once.
+pub struct Subscription {
+    rx: broadcast::Receiver<Arc<Event>>,
+    store: Arc<Store>,
+    cursor: u64,
+    sandbox: Option<String>,
+    backlog: std::collections::VecDeque<Event>,
+    catching_up: bool,
+}
+
+impl Subscription {
+    fn wanted(&self, e: &Event) -> bool {
+        self.sandbox.as_deref().is_none_or(|s| s == e.sandbox_id)
+    }
+
+    /// The next event; `None` only when the bus is gone (daemon shutting down).
+    pub async fn next(&mut self) -> Result<Option<Event>, StoreError> {
+        loop {
+            while let Some(e) = self.backlog.pop_front() {
+                self.cursor = e.id;
+                if self.wanted(&e) {
+                    return Ok(Some(e));
+                }
+            }
+            if self.catching_up {
+                let batch = read_after(&self.store, self.cursor, BATCH)?;
+                if batch.is_empty() {
+                    self.catching_up = false;
+                } else {
+                    self.backlog.extend(batch);
+                }
+                continue;
+            }
+            match self.rx.recv().await {
+                Ok(e) if e.id == 0 => {
+                    // Not stored (store error): deliver it, it cannot be resumed anyway.
+                    if self.wanted(&e) {
+                        return Ok(Some((*e).clone()));
+                    }
+                }
+                Ok(e) if e.id <= self.cursor => {} // already delivered from the backlog
+                Ok(e) if e.id > self.cursor + 1 => {
+                    // A gap (an event stored but broadcast before we subscribed): re-read.
+                    self.catching_up = true;
+                }
+                Ok(e) => {
+                    self.cursor = e.id;
+                    if self.wanted(&e) {
+                        return Ok(Some((*e).clone()));
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::debug!(
+                        missed = n,
+                        "event follower lagged; catching up from the store"
+                    );
+                    self.catching_up = true;
+                }
+                Err(broadcast::error::RecvError::Closed) => return Ok(None),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn bus() -> EventBus {
+        EventBus::new(Arc::new(Store::in_memory()))
+    }
+
+    async fn next(s: &mut Subscription) -> Event {
+        tokio::time::timeout(Duration::from_secs(5), s.next())
+            .await
+            .expect("an event within 5 s")
+            .unwrap()
+            .expect("bus alive")
+    }
+
+    #[tokio::test]
+    async fn follower_gets_backlog_then_live_events_in_order() {
+        let b = bus();
+        b.publish(
+            kind::SANDBOX_CREATED,
+            "sbx_a",
+            None,
+            serde_json::Value::Null,
+        );
+        b.publish(kind::SANDBOX_READY, "sbx_a", None, serde_json::Value::Null);
+        let mut s = b.subscribe(Some(0), None).unwrap();
+        assert_eq!(next(&mut s).await.id, 1);
+        assert_eq!(next(&mut s).await.kind, kind::SANDBOX_READY);
+        let publisher = tokio::spawn({
+            let b = Arc::new(b);
+            async move {
+                b.publish(
+                    kind::EXEC_STARTED,
+                    "sbx_a",
+                    Some("exe_1"),
+                    serde_json::json!({}),
+                );
+                b
+            }
+        });
+        let e = next(&mut s).await;
+        assert_eq!((e.id, e.exec_id.as_deref()), (3, Some("exe_1")));
+        drop(publisher.await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn resume_skips_seen_events_and_filter_keeps_one_sandbox() {
+        let b = bus();
+        for (i, s) in ["sbx_a", "sbx_b", "sbx_a", "sbx_b"].iter().enumerate() {
+            assert_eq!(
+                b.publish(kind::SANDBOX_CREATED, s, None, serde_json::Value::Null),
+                i as u64 + 1
+            );
+        }
+        let mut s = b.subscribe(Some(1), Some("sbx_a".into())).unwrap();
+        assert_eq!(next(&mut s).await.id, 3);
+        b.publish(
+            kind::SANDBOX_REMOVED,
+            "sbx_b",
+            None,
+            serde_json::Value::Null,
+        );
+        b.publish(
+            kind::SANDBOX_REMOVED,
+            "sbx_a",
+            None,
+            serde_json::Value::Null,
+        );
+        let e = next(&mut s).await;
+        assert_eq!((e.id, e.kind.as_str()), (6, kind::SANDBOX_REMOVED));
+    }
+
+    #[tokio::test]
+    async fn following_from_now_skips_the_backlog() {
+        let b = bus();
+        b.publish(
+            kind::SANDBOX_CREATED,
+            "sbx_a",
+            None,
+            serde_json::Value::Null,
+        );
+        let mut s = b.subscribe(None, None).unwrap();
+        b.publish(kind::SANDBOX_READY, "sbx_a", None, serde_json::Value::Null);
+        assert_eq!(next(&mut s).await.id, 2);
+    }
+
+    #[tokio::test]
+    async fn a_lagging_follower_catches_up_from_the_store() {
+        let b = bus();
+        let mut s = b.subscribe(Some(0), None).unwrap();
+        let n = LIVE_CAPACITY as u64 * 2 + 10;
+        for _ in 0..n {
+            b.publish(kind::EXEC_STARTED, "sbx_a", None, serde_json::Value::Null);
+        }
+        for want in 1..=n {
+            assert_eq!(next(&mut s).await.id, want);
+        }
+    }
+}

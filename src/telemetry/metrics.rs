@@ -1,0 +1,227 @@
+//! Prometheus metrics: the `metrics` facade with `metrics-exporter-prometheus` as the
+//! process-wide recorder, rendered on `GET /metrics` (text format 0.0.4).
+//!
+//! Owns: the metric names (constants below, so call sites and the dashboard agree), the
+//! histogram buckets, and the gauges computed at scrape time (sandboxes by state, VM memory,
+//! the daemon's own RSS). Never: serves HTTP (that is `daemon`) or reads the store by itself
+//! (the service hands it a snapshot).
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Sandboxes by state (`state` = creating, ready, failed, removing). Gauge.
+pub const SANDBOXES: &str = "tryboxi_sandboxes";
+/// Sandbox creates by `outcome` (ok, error). Counter.
+pub const CREATES: &str = "tryboxi_sandbox_creates_total";
+/// From create request to agent answering, by `accel`. Histogram, seconds.
+pub const BOOT_SECONDS: &str = "tryboxi_boot_duration_seconds";
+/// Execs by `outcome` (ok, nonzero, signal, timeout, error). Counter.
+pub const EXECS: &str = "tryboxi_execs_total";
+/// Exec wall time, start to exit. Histogram, seconds.
+pub const EXEC_SECONDS: &str = "tryboxi_exec_duration_seconds";
+/// Output bytes by `stream` (stdout, stderr). Counter.
+pub const EXEC_OUTPUT_BYTES: &str = "tryboxi_exec_output_bytes_total";
+/// Memory of running VMs by `kind`: `configured` (guest RAM) and `resident` (QEMU RSS). Gauge.
+pub const VM_MEMORY: &str = "tryboxi_vm_memory_bytes";
+/// The daemon's own resident set size. Gauge.
+pub const DAEMON_RSS: &str = "tryboxi_daemon_resident_memory_bytes";
+/// Errors by `kind` (boot_failed, vm_died, agent_lost, exec_lost, ...). Counter.
+pub const ERRORS: &str = "tryboxi_errors_total";
+/// Events recorded by `type`. Counter.
+pub const EVENTS: &str = "tryboxi_events_total";
+/// Workspace sync: bytes and files sent into VMs. Counters (recorded by the workspace code).
+pub const SYNC_BYTES: &str = "tryboxi_sync_bytes_total";
+pub const SYNC_FILES: &str = "tryboxi_sync_files_total";
+
+/// The Prometheus text exposition content type.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+const BOOT_BUCKETS: &[f64] = &[0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0];
+const EXEC_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Install the process-wide recorder once (later calls reuse it). `None` when another
+/// recorder was installed first (then `/metrics` says so instead of lying).
+pub fn install() -> Option<&'static PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(BOOT_SECONDS.into()), BOOT_BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(EXEC_SECONDS.into()), EXEC_BUCKETS)
+                })
+                .map(|b| b.build_recorder());
+            let recorder = match recorder {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot build the metrics recorder");
+                    return None;
+                }
+            };
+            let handle = recorder.handle();
+            match metrics::set_global_recorder(recorder) {
+                Ok(()) => {
+                    describe();
+                    Some(handle)
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "a metrics recorder is already installed");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_gauge!(SANDBOXES, "Sandboxes by lifecycle state");
+    describe_counter!(CREATES, "Sandbox creates by outcome");
+    describe_histogram!(BOOT_SECONDS, Unit::Seconds, "Sandbox create to agent ready");
+    describe_counter!(EXECS, "Execs by outcome");
+    describe_histogram!(EXEC_SECONDS, Unit::Seconds, "Exec wall time, start to exit");
+    describe_counter!(
+        EXEC_OUTPUT_BYTES,
+        Unit::Bytes,
+        "Exec output bytes by stream"
+    );
+    describe_gauge!(
+        VM_MEMORY,
+        Unit::Bytes,
+        "Memory of running VMs (configured guest RAM, QEMU resident)"
+    );
+    describe_gauge!(DAEMON_RSS, Unit::Bytes, "Resident memory of the daemon");
+    describe_counter!(ERRORS, "Errors by kind");
+    describe_counter!(EVENTS, "Events recorded by type");
+    describe_counter!(SYNC_BYTES, Unit::Bytes, "Bytes synced into sandboxes");
+    describe_counter!(SYNC_FILES, "Files synced into sandboxes");
+}
+
+/// What the service knows at scrape time.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    /// (state, count) for every state, zeros included.
+    pub sandboxes_by_state: Vec<(&'static str, usize)>,
+    /// Guest RAM of running VMs, bytes.
+    pub vm_configured_bytes: u64,
+    /// QEMU processes' pids, for their resident memory.
+    pub vm_pids: Vec<u32>,
+}
+
+/// Set the scrape-time gauges, then render the text exposition.
+pub fn render(snap: &Snapshot) -> Option<String> {
+    let handle = install()?;
+    for (state, n) in &snap.sandboxes_by_state {
+        metrics::gauge!(SANDBOXES, "state" => *state).set(*n as f64);
+    }
+    metrics::gauge!(VM_MEMORY, "kind" => "configured").set(snap.vm_configured_bytes as f64);
+    let resident: u64 = snap
+        .vm_pids
+        .iter()
+        .filter_map(|p| rss_bytes(&p.to_string()))
+        .sum();
+    metrics::gauge!(VM_MEMORY, "kind" => "resident").set(resident as f64);
+    if let Some(own) = rss_bytes("self") {
+        metrics::gauge!(DAEMON_RSS).set(own as f64);
+    }
+    handle.run_upkeep();
+    Some(handle.render())
+}
+
+/// Count one error of `kind` (a short snake_case word).
+pub fn error(kind: &'static str) {
+    metrics::counter!(ERRORS, "kind" => kind).increment(1);
+}
+
+/// Record a workspace sync (for the workspace code).
+#[allow(dead_code)] // called by the workspace milestone
+pub fn record_sync(bytes: u64, files: u64) {
+    metrics::counter!(SYNC_BYTES).increment(bytes);
+    metrics::counter!(SYNC_FILES).increment(files);
+}
+
+/// Resident set size of `/proc/<pid>` in bytes (from `VmRSS`), if readable.
+fn rss_bytes(pid: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_vm_rss(&status)
+}
+
+fn parse_vm_rss(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_rss_is_read_from_proc_status_in_kib() {
+        assert_eq!(
+            parse_vm_rss("Name:\tqemu\nVmRSS:\t  2048 kB\nVmSwap: 0 kB\n"),
+            Some(2048 * 1024)
+        );
+        assert_eq!(parse_vm_rss("Name:\tkthread\n"), None);
+        assert!(rss_bytes("self").is_some_and(|b| b > 0));
+    }
+
+    #[test]
+    fn render_shows_scrape_time_gauges_and_counters() {
+        let snap = Snapshot {
+            sandboxes_by_state: vec![("ready", 2), ("failed", 0)],
+            vm_configured_bytes: 512 << 20,
+            vm_pids: vec![std::process::id()],
+        };
+        install().expect("recorder installed");
+        error("unit_test_kind");
+        let text = render(&snap).expect("recorder installed");
+        assert!(
+            text.contains("tryboxi_sandboxes{state=\"ready\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tryboxi_errors_total{kind=\"unit_test_kind\"}"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tryboxi_vm_memory_bytes{kind=\"configured\"} 536870912"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_grafana_dashboard_only_queries_metrics_that_exist() {
+        let dash = include_str!("../../deploy/grafana/tryboxi.json");
+        let known = [
+            SANDBOXES,
+            CREATES,
+            BOOT_SECONDS,
+            EXECS,
+            EXEC_SECONDS,
+            EXEC_OUTPUT_BYTES,
+            VM_MEMORY,
+            DAEMON_RSS,
+            ERRORS,
+            EVENTS,
+            SYNC_BYTES,
+            SYNC_FILES,
+        ];
+        let re = regex::Regex::new(r"tryboxi_[a-z_]+").unwrap();
+        let mut used = 0;
+        for m in re.find_iter(dash) {
+            let name = m.as_str();
+            let base = name.strip_suffix("_bucket").unwrap_or(name);
+            assert!(
+                known.contains(&base),
+                "the dashboard queries unknown metric `{name}`"
+            );
+            used += 1;
+        }
+        assert!(used >= known.len(), "the dashboard shows too few metrics");
+    }
+}

@@ -1,0 +1,335 @@
+//! Per-phase traces: spans (`scheduler.reserve`, `vm.boot`, `guest.connect`,
+//! `workspace.sync`, `exec.spawn`, `exec`, `output.flush`, ...) kept per sandbox id and per
+//! exec id, in memory with a bound (the newest [`MAX_TRACES`] traces, [`MAX_SPANS`] spans each).
+//! A finished trace is also handed to the OTLP exporter when one is configured.
+//!
+//! Never: blocks on export (the exporter batches in the background) or keeps unbounded state.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+pub const MAX_TRACES: usize = 1024;
+pub const MAX_SPANS: usize = 128;
+
+/// One timed phase.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Span {
+    pub name: String,
+    /// Wall-clock start, nanoseconds since the Unix epoch.
+    pub start_unix_ns: u64,
+    pub duration_ns: u64,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attrs: BTreeMap<String, String>,
+}
+
+/// `GET /v1/traces/{id}`: the spans of a sandbox or an exec, by start time.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Trace {
+    pub id: String,
+    /// True once the traced operation ended (create returned, exec exited).
+    pub finished: bool,
+    pub spans: Vec<Span>,
+}
+
+/// Receives finished traces (the OTLP exporter).
+pub trait Exporter: Send + Sync {
+    fn export(&self, trace: &Trace);
+}
+
+pub struct Traces {
+    inner: Mutex<Inner>,
+    exporter: Option<Box<dyn Exporter>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    traces: HashMap<String, Trace>,
+    /// Insertion order, oldest first, for eviction.
+    order: VecDeque<String>,
+}
+
+pub fn unix_ns(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// The wall-clock time of a monotonic instant in the past.
+fn instant_to_unix_ns(i: Instant) -> u64 {
+    unix_ns(SystemTime::now()).saturating_sub(i.elapsed().as_nanos() as u64)
+}
+
+impl Traces {
+    pub fn new(exporter: Option<Box<dyn Exporter>>) -> Traces {
+        Traces {
+            inner: Mutex::new(Inner::default()),
+            exporter,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Record a span of `trace_id` that started at `start` and ends now.
+    pub fn record(&self, trace_id: &str, name: &str, start: Instant, attrs: &[(&str, String)]) {
+        let span = Span {
+            name: name.to_owned(),
+            start_unix_ns: instant_to_unix_ns(start),
+            duration_ns: (start.elapsed().as_nanos() as u64).max(1),
+            attrs: attrs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.clone()))
+                .collect(),
+        };
+        self.push(trace_id, span);
+    }
+
+    /// A span that ends (and is recorded) when the guard is dropped.
+    pub fn span<'a>(&'a self, trace_id: &str, name: &'static str) -> SpanGuard<'a> {
+        SpanGuard {
+            traces: self,
+            trace_id: trace_id.to_owned(),
+            name,
+            start: Instant::now(),
+            attrs: Vec::new(),
+        }
+    }
+
+    pub fn push(&self, trace_id: &str, span: Span) {
+        let mut g = self.lock();
+        if !g.traces.contains_key(trace_id) {
+            while g.traces.len() >= MAX_TRACES {
+                let Some(old) = g.order.pop_front() else {
+                    break;
+                };
+                g.traces.remove(&old);
+            }
+            g.order.push_back(trace_id.to_owned());
+            g.traces.insert(
+                trace_id.to_owned(),
+                Trace {
+                    id: trace_id.to_owned(),
+                    finished: false,
+                    spans: Vec::new(),
+                },
+            );
+        }
+        if let Some(t) = g.traces.get_mut(trace_id)
+            && t.spans.len() < MAX_SPANS
+        {
+            t.spans.push(span);
+        }
+    }
+
+    /// Mark a trace finished and export it.
+    pub fn finish(&self, trace_id: &str) {
+        let done = {
+            let mut g = self.lock();
+            let Some(t) = g.traces.get_mut(trace_id) else {
+                return;
+            };
+            t.finished = true;
+            t.spans.sort_by_key(|s| s.start_unix_ns);
+            t.clone()
+        };
+        if let Some(x) = &self.exporter {
+            x.export(&done);
+        }
+    }
+
+    /// The spans of a trace, by start time.
+    pub fn get(&self, trace_id: &str) -> Option<Trace> {
+        let mut t = self.lock().traces.get(trace_id).cloned()?;
+        t.spans.sort_by_key(|s| s.start_unix_ns);
+        Some(t)
+    }
+}
+
+/// Records its span when dropped. Add attributes with [`SpanGuard::attr`].
+pub struct SpanGuard<'a> {
+    traces: &'a Traces,
+    trace_id: String,
+    name: &'static str,
+    start: Instant,
+    attrs: Vec<(&'static str, String)>,
+}
+
+impl SpanGuard<'_> {
+    #[allow(dead_code)] // for phases with details (workspace.sync: bytes, files)
+    pub fn attr(&mut self, key: &'static str, value: impl ToString) {
+        self.attrs.push((key, value.to_string()));
+    }
+}
+
+impl Drop for SpanGuard<'_> {
+    fn drop(&mut self) {
+        self.traces
+            .record(&self.trace_id, self.name, self.start, &self.attrs);
+    }
+}
+
+/// A text waterfall: one line per span with its start offset, duration and a bar.
+pub fn waterfall(t: &Trace, width: usize) -> String {
+    let mut out = format!(
+        "trace {}{}\n",
+        t.id,
+        if t.finished { "" } else { " (in progress)" }
+    );
+    let Some(t0) = t.spans.iter().map(|s| s.start_unix_ns).min() else {
+        out.push_str("  (no spans)\n");
+        return out;
+    };
+    let end = t
+        .spans
+        .iter()
+        .map(|s| s.start_unix_ns + s.duration_ns)
+        .max()
+        .unwrap_or(t0);
+    let total = (end - t0).max(1) as f64;
+    let name_w = t
+        .spans
+        .iter()
+        .map(|s| s.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(5);
+    out.push_str(&format!(
+        "  {:<name_w$} {:>10} {:>10}  0{}{}\n",
+        "phase",
+        "start",
+        "duration",
+        " ".repeat(width.saturating_sub(2)),
+        fmt_ms(end - t0)
+    ));
+    for s in &t.spans {
+        let off = s.start_unix_ns - t0;
+        let a = ((off as f64 / total) * width as f64).floor() as usize;
+        let len = ((s.duration_ns as f64 / total) * width as f64)
+            .ceil()
+            .max(1.0) as usize;
+        let a = a.min(width.saturating_sub(1));
+        let len = len.min(width - a);
+        let bar = format!("{}{}", " ".repeat(a), "█".repeat(len));
+        let attrs: Vec<String> = s.attrs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        out.push_str(&format!(
+            "  {:<name_w$} {:>10} {:>10}  |{:<width$}| {}\n",
+            s.name,
+            fmt_ms(off),
+            fmt_ms(s.duration_ns),
+            bar,
+            attrs.join(" ")
+        ));
+    }
+    out
+}
+
+fn fmt_ms(ns: u64) -> String {
+    let ms = ns as f64 / 1e6;
+    if ms >= 1000.0 {
+        format!("{:.2}s", ms / 1000.0)
+    } else {
+        format!("{ms:.2}ms")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex as StdMutex};
+    use std::time::Duration;
+
+    #[test]
+    fn spans_come_back_in_start_order_with_nonzero_durations() {
+        let t = Traces::new(None);
+        let a = Instant::now();
+        std::thread::sleep(Duration::from_millis(2));
+        {
+            let mut g = t.span("exe_1", "exec");
+            g.attr("exit_code", 0);
+        }
+        t.record("exe_1", "exec.spawn", a, &[]);
+        let tr = t.get("exe_1").unwrap();
+        let names: Vec<&str> = tr.spans.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["exec.spawn", "exec"]);
+        assert!(tr.spans.iter().all(|s| s.duration_ns > 0));
+        assert!(tr.spans[0].duration_ns >= 2_000_000);
+        assert_eq!(tr.spans[1].attrs["exit_code"], "0");
+        assert!(!tr.finished);
+    }
+
+    #[test]
+    fn old_traces_are_evicted_past_the_bound() {
+        let t = Traces::new(None);
+        for i in 0..MAX_TRACES + 5 {
+            t.record(&format!("exe_{i}"), "exec", Instant::now(), &[]);
+        }
+        assert!(t.get("exe_0").is_none());
+        assert!(t.get("exe_4").is_none());
+        assert!(t.get("exe_5").is_some());
+        for _ in 0..MAX_SPANS + 3 {
+            t.record("exe_5", "x", Instant::now(), &[]);
+        }
+        assert_eq!(t.get("exe_5").unwrap().spans.len(), MAX_SPANS);
+    }
+
+    struct Collect(Arc<StdMutex<Vec<Trace>>>);
+    impl Exporter for Collect {
+        fn export(&self, trace: &Trace) {
+            self.0.lock().unwrap().push(trace.clone());
+        }
+    }
+
+    #[test]
+    fn finishing_a_trace_exports_it() {
+        let seen = Arc::new(StdMutex::new(Vec::new()));
+        let t = Traces::new(Some(Box::new(Collect(seen.clone()))));
+        t.record("sbx_1", "vm.boot", Instant::now(), &[]);
+        t.finish("sbx_1");
+        t.finish("sbx_unknown");
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 1);
+        assert!(seen[0].finished && seen[0].spans[0].name == "vm.boot");
+    }
+
+    #[test]
+    fn waterfall_shows_offsets_durations_and_bars() {
+        let tr = Trace {
+            id: "exe_1".into(),
+            finished: true,
+            spans: vec![
+                Span {
+                    name: "exec.spawn".into(),
+                    start_unix_ns: 1_000_000_000,
+                    duration_ns: 10_000_000,
+                    attrs: BTreeMap::new(),
+                },
+                Span {
+                    name: "exec".into(),
+                    start_unix_ns: 1_010_000_000,
+                    duration_ns: 30_000_000,
+                    attrs: BTreeMap::new(),
+                },
+            ],
+        };
+        let w = waterfall(&tr, 40);
+        let lines: Vec<&str> = w.lines().collect();
+        assert!(
+            lines[2].contains("exec.spawn")
+                && lines[2].contains("0.00ms")
+                && lines[2].contains("10.00ms"),
+            "{w}"
+        );
+        assert!(
+            lines[3].contains("10.00ms") && lines[3].contains("30.00ms"),
+            "{w}"
+        );
+        // The second bar starts where the first ends: a quarter of the width.
+        let bar = lines[3].split('|').nth(1).unwrap();
+        assert_eq!(bar.chars().take_while(|c| *c == ' ').count(), 10, "{w}");
+        assert_eq!(bar.chars().filter(|c| *c == '█').count(), 30, "{w}");
+    }
+}
