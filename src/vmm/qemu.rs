@@ -626,5 +626,8 @@ impl VmmDriver for QemuDriver {
     }
 }
 
+mod snapshot;
 #[cfg(test)]
 mod tests;
+
+pub use snapshot::Checkpoint;

@@ -1,0 +1,222 @@
+//! Checkpoint and restore of a QEMU microvm.
+//!
+//! A checkpoint captures memory, device state and disk at one instant: the VM is paused, its
+//! memory and device state are written with `migrate` to `state.bin`, and while it is still
+//! paused `blockdev-snapshot-sync` freezes the active qcow2 layer (it becomes a read-only backing
+//! file) and puts a fresh overlay on top; then the VM continues. No disk data is copied.
+//! A restore starts a new QEMU with the same devices, a fresh overlay over the frozen layer and
+//! `-incoming file:state.bin`, and continues it once the incoming migration is done.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::{QemuDriver, VmPaths, abs, check_id, qemu_args, tail, write_vm_json, LOG_TAIL, QMP_TIMEOUT};
+use crate::vmm::qmp::QmpClient;
+use crate::vmm::{VmInfo, VmSpec, VmmError};
+
+/// How long writing or loading a state file may take.
+const MIGRATE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The files of one checkpoint: the state file and the frozen disk layer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub state_file: PathBuf,
+    /// The qcow2 layer frozen at the checkpoint (its backing chain ends at the base rootfs).
+    pub disk_layer: PathBuf,
+    pub state_bytes: u64,
+}
+
+impl QemuDriver {
+    /// Checkpoint the running VM `vm` into `dest` (a new directory inside the VM's directory).
+    /// `next_overlay` is the file the VM continues to write to afterwards.
+    pub async fn checkpoint(&self, vm: &VmInfo, dest: &Path, next_overlay: &Path) -> Result<Checkpoint, VmmError> {
+        let dest = abs(dest)?;
+        let next_overlay = abs(next_overlay)?;
+        std::fs::create_dir_all(&dest).map_err(super::io_err(&dest))?;
+        let state = dest.join("state.bin");
+        let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
+        let layer = active_disk(&qmp).await?;
+        qmp.stop().await?;
+        let res = async {
+            qmp.migrate(&format!("file:{}", state.display())).await?;
+            wait_migration(&qmp, "completed").await?;
+            qmp.execute(
+                "blockdev-snapshot-sync",
+                Some(serde_json::json!({
+                    "device": "root",
+                    "snapshot-file": next_overlay,
+                    "format": "qcow2",
+                })),
+            )
+            .await?;
+            Ok::<(), VmmError>(())
+        }
+        .await;
+        // Whatever happened, the VM must not stay paused.
+        let cont = qmp.cont().await;
+        res?;
+        cont?;
+        let state_bytes = std::fs::metadata(&state).map_err(super::io_err(&state))?.len();
+        Ok(Checkpoint { state_file: state, disk_layer: layer, state_bytes })
+    }
+
+    /// Start `spec`'s VM from `cp`: a new overlay `overlay` over the checkpoint's frozen layer,
+    /// memory and devices from its state file. Returns once the VM runs again.
+    pub async fn restore(&self, spec: &VmSpec, cp: &Checkpoint, overlay: &Path) -> Result<VmInfo, VmmError> {
+        check_id(&spec.id)?;
+        let dir = abs(&spec.dir)?;
+        let mut paths = VmPaths::new(&dir);
+        paths.check_socket_lengths()?;
+        paths.disk = abs(overlay)?;
+        for stale in [&paths.qmp, &paths.agent, &paths.pidfile, &paths.vm_json] {
+            match std::fs::remove_file(stale) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(super::io_err(stale)(e)),
+            }
+        }
+        self.create_layer(&cp.disk_layer, &paths.disk).await?;
+        let spec = VmSpec {
+            dir: dir.clone(),
+            kernel: abs(&spec.kernel)?,
+            initramfs: abs(&spec.initramfs)?,
+            rootfs: abs(&spec.rootfs)?,
+            ..spec.clone()
+        };
+        let mut args = qemu_args(&spec, &paths);
+        args.push(OsString::from("-incoming"));
+        args.push(OsString::from(format!("file:{}", cp.state_file.display())));
+        let t0 = Instant::now();
+        let (pid, exited) = self.spawn_detached(&args, &dir, &paths.qemu_log)?;
+        let info = VmInfo {
+            id: spec.id.clone(),
+            dir: dir.clone(),
+            pid,
+            accel: spec.accel,
+            agent_socket: paths.agent.clone(),
+            qmp_socket: paths.qmp.clone(),
+            console_log: paths.console.clone(),
+        };
+        let res = async {
+            let qmp = connect_until(&paths.qmp, &exited, &paths).await?;
+            wait_incoming(&qmp, &exited, &paths).await?;
+            qmp.cont().await?;
+            write_vm_json(&paths, &info)
+        }
+        .await;
+        if let Err(e) = res {
+            let _ = Self::kill_and_wait(&info).await;
+            return Err(e);
+        }
+        tracing::info!(vm = %info.id, pid, restore_ms = t0.elapsed().as_millis() as u64, "VM restored");
+        Ok(info)
+    }
+
+    /// A qcow2 overlay `file` over the qcow2 `backing`.
+    async fn create_layer(&self, backing: &Path, file: &Path) -> Result<(), VmmError> {
+        let out = tokio::process::Command::new(&self.qemu_img)
+            .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+            .arg(backing)
+            .arg(file)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .map_err(|source| VmmError::Spawn { binary: self.qemu_img.display().to_string(), source })?;
+        if !out.status.success() {
+            return Err(VmmError::Other(format!(
+                "qemu-img create {} failed: {}",
+                file.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The file behind the `root` drive right now.
+async fn active_disk(qmp: &QmpClient) -> Result<PathBuf, VmmError> {
+    let blocks = qmp.execute("query-block", None).await?;
+    blocks
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|b| b["device"] == "root")
+        .and_then(|b| b["inserted"]["file"].as_str())
+        .map(PathBuf::from)
+        .ok_or_else(|| VmmError::Qmp("query-block shows no `root` drive".into()))
+}
+
+async fn wait_migration(qmp: &QmpClient, want: &str) -> Result<(), VmmError> {
+    let deadline = Instant::now() + MIGRATE_TIMEOUT;
+    loop {
+        let m = qmp.query_migrate().await?;
+        match m["status"].as_str() {
+            Some(s) if s == want => return Ok(()),
+            Some("failed" | "cancelled") => {
+                return Err(VmmError::Qmp(format!(
+                    "migration {}: {}",
+                    m["status"],
+                    m["error-desc"].as_str().unwrap_or("no reason given")
+                )));
+            }
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            return Err(VmmError::Timeout(MIGRATE_TIMEOUT, "the state file to be written"));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+type Exited = tokio::sync::watch::Receiver<Option<std::process::ExitStatus>>;
+
+fn exited_err(exited: &Exited, paths: &VmPaths) -> Option<VmmError> {
+    exited.borrow().map(|st| {
+        VmmError::BootFailed(format!(
+            "QEMU exited with {st} during restore.\n--- qemu.log ---\n{}",
+            tail(&paths.qemu_log, LOG_TAIL)
+        ))
+    })
+}
+
+async fn connect_until(sock: &Path, exited: &Exited, paths: &VmPaths) -> Result<QmpClient, VmmError> {
+    let deadline = Instant::now() + QMP_TIMEOUT * 6;
+    loop {
+        if let Some(e) = exited_err(exited, paths) {
+            return Err(e);
+        }
+        if sock.exists()
+            && let Ok(c) = QmpClient::connect(sock, QMP_TIMEOUT).await
+        {
+            return Ok(c);
+        }
+        if Instant::now() > deadline {
+            return Err(VmmError::Timeout(QMP_TIMEOUT * 6, "QMP of the restoring QEMU"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Wait until the incoming migration has loaded (status `paused`).
+async fn wait_incoming(qmp: &QmpClient, exited: &Exited, paths: &VmPaths) -> Result<(), VmmError> {
+    let deadline = Instant::now() + MIGRATE_TIMEOUT;
+    loop {
+        if let Some(e) = exited_err(exited, paths) {
+            return Err(e);
+        }
+        let st = qmp.query_status().await?;
+        if st.status == "paused" || st.status == "postmigrate" {
+            return Ok(());
+        }
+        if st.running {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(VmmError::Timeout(MIGRATE_TIMEOUT, "the state file to be loaded"));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
