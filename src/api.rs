@@ -219,3 +219,39 @@ mod tests {
         assert!(r.is_err());
     }
 }
+
+// ---- Snapshots: checkpoint and restore of one sandbox ----
+
+/// `POST /v1/sandboxes/{id}/snapshots`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotRequest {
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// A checkpoint of a sandbox: memory, device state and disk at one instant.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Snapshot {
+    pub id: String,
+    pub sandbox_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub created_at: String,
+    /// Size of the memory + device state file.
+    pub state_bytes: u64,
+    /// How long the sandbox was paused to take it.
+    pub duration_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotList {
+    pub snapshots: Vec<Snapshot>,
+}
+
+/// `POST /v1/sandboxes/{id}/restore`: `snapshot` is a snapshot id or name.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreRequest {
+    pub snapshot: String,
+}

@@ -21,6 +21,7 @@ pub const SANDBOX: &str = "sbx_";
 pub const EXEC: &str = "exe_";
 #[allow(dead_code)]
 pub const ARTIFACT: &str = "art_";
+pub const SNAPSHOT: &str = "snap_";
 
 #[cfg(test)]
 mod tests {

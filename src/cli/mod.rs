@@ -8,6 +8,7 @@ mod install;
 mod logs;
 mod ls;
 mod rm;
+mod snapshot;
 mod trace;
 
 use std::ffi::OsString;
@@ -71,6 +72,16 @@ pub enum Command {
     Events(events::Args),
     /// Per-phase waterfall of a sandbox or exec.
     Trace(trace::Args),
+    /// Checkpoint a sandbox, or list its snapshots.
+    #[command(subcommand)]
+    Snapshot(snapshot::Cmd),
+    /// Put a sandbox back to a snapshot (memory, processes and disk).
+    Restore {
+        /// Sandbox id.
+        id: String,
+        /// Snapshot id or name.
+        snapshot: String,
+    },
     /// Print an exec's kept output (stdout and stderr).
     Logs(logs::Args),
     /// Check the host: QEMU, KVM or TCG, guest images, data root, daemon, memory, disk.
@@ -144,6 +155,8 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Undo => Err(TopError::NotImplemented("undo")),
         Command::Events(a) => runtime()?.block_on(events::run(a)),
         Command::Trace(a) => runtime()?.block_on(trace::run(a)),
+        Command::Snapshot(c) => runtime()?.block_on(snapshot::run(c)),
+        Command::Restore { id, snapshot } => runtime()?.block_on(snapshot::restore(id, snapshot)),
         Command::Logs(a) => runtime()?.block_on(logs::run(a)),
         Command::Mcp => Err(TopError::NotImplemented("mcp")),
     }

@@ -17,6 +17,9 @@ pub enum Action {
     GetSandbox(String),
     DeleteSandbox(String),
     Exec(String, api::ExecRequest, StreamFormat),
+    CreateSnapshot(String, api::SnapshotRequest),
+    ListSnapshots(String),
+    Restore(String, api::RestoreRequest),
     /// `GET /v1/events`: server-sent events after a cursor, optionally for one sandbox.
     Events {
         /// After this event id; `None` (`?since=now`): only events from now on.
@@ -59,6 +62,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}"),
     ("DELETE", "/v1/sandboxes/{id}"),
     ("POST", "/v1/sandboxes/{id}/exec"),
+    ("POST", "/v1/sandboxes/{id}/snapshots"),
+    ("GET", "/v1/sandboxes/{id}/snapshots"),
+    ("POST", "/v1/sandboxes/{id}/restore"),
     ("GET", "/v1/events"),
     ("GET", "/metrics"),
     ("GET", "/v1/traces/{id}"),
@@ -222,10 +228,26 @@ pub fn parse(
         (&Method::POST, ["v1", "sandboxes", id, "exec"]) => {
             Ok(Action::Exec(sandbox_id(id)?, json(body)?, format))
         }
+        (&Method::POST, ["v1", "sandboxes", id, "snapshots"]) => {
+            let req = if body.iter().all(u8::is_ascii_whitespace) {
+                api::SnapshotRequest::default()
+            } else {
+                json(body)?
+            };
+            Ok(Action::CreateSnapshot(sandbox_id(id)?, req))
+        }
+        (&Method::GET, ["v1", "sandboxes", id, "snapshots"]) => {
+            Ok(Action::ListSnapshots(sandbox_id(id)?))
+        }
+        (&Method::POST, ["v1", "sandboxes", id, "restore"]) => {
+            Ok(Action::Restore(sandbox_id(id)?, json(body)?))
+        }
         (_, ["v1", "health" | "openapi.yaml"])
         | (_, ["v1", "sandboxes"])
         | (_, ["v1", "sandboxes", _])
-        | (_, ["v1", "sandboxes", _, "exec"]) => Err(ApiError::method_not_allowed(method)),
+        | (_, ["v1", "sandboxes", _, "exec" | "snapshots" | "restore"]) => {
+            Err(ApiError::method_not_allowed(method))
+        }
         _ => Err(ApiError::not_found(format!("no such API route: {path}"))),
     }
 }

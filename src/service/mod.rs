@@ -8,6 +8,7 @@
 mod exec;
 mod observe;
 mod sandboxes;
+mod snapshots;
 mod vms;
 
 use std::path::PathBuf;

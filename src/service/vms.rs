@@ -54,17 +54,17 @@ impl Vms {
         self.lock().get(id).cloned()
     }
 
-    fn insert(&self, id: &str, vm: Arc<LiveVm>) {
+    pub(super) fn insert(&self, id: &str, vm: Arc<LiveVm>) {
         self.lock().insert(id.to_owned(), vm);
     }
 
-    fn take(&self, id: &str) -> Option<Arc<LiveVm>> {
+    pub(super) fn take(&self, id: &str) -> Option<Arc<LiveVm>> {
         self.lock().remove(id)
     }
 }
 
 impl Service {
-    fn driver(&self) -> Result<Arc<QemuDriver>, ServiceError> {
+    pub(super) fn driver(&self) -> Result<Arc<QemuDriver>, ServiceError> {
         self.vms.driver.clone().map_err(|e| {
             ServiceError::Unavailable(format!(
                 "cannot run VMs: {e}. Install QEMU with `cargo xtask deps`"
@@ -72,7 +72,7 @@ impl Service {
         })
     }
 
-    fn images(&self) -> Result<Images, ServiceError> {
+    pub(super) fn images(&self) -> Result<Images, ServiceError> {
         Images::load(&self.artifacts).map_err(|e| {
             ServiceError::Unavailable(format!(
                 "{e}. Build the guest images with `cargo xtask images`, then `tryboxi install --artifacts _out` \
@@ -196,7 +196,7 @@ impl Service {
     }
 
     /// Mark the sandbox failed when its VM dies or its agent link breaks without a remove.
-    fn watch(self: &Arc<Self>, id: String, vm: Arc<LiveVm>) {
+    pub(super) fn watch(self: &Arc<Self>, id: String, vm: Arc<LiveVm>) {
         let svc = Arc::downgrade(self);
         tokio::spawn(async move {
             vm.agent.closed().await;
@@ -238,7 +238,7 @@ impl Service {
     }
 
     /// Kill the VM recorded in `dir`, if it still runs.
-    async fn kill_leftover(&self, dir: &Path) {
+    pub(super) async fn kill_leftover(&self, dir: &Path) {
         if let Ok(d) = &self.vms.driver
             && let Ok(Some(info)) = d.reattach(dir).await
         {
@@ -253,6 +253,7 @@ impl Service {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
         }
         let _ = self.store.delete(SANDBOXES, id);
+        self.forget_snapshots(id);
         self.telemetry.sandbox_removed(id);
     }
 

@@ -7,6 +7,7 @@ mod execs;
 mod health;
 mod metrics;
 mod sandboxes;
+mod snapshots;
 mod traces;
 
 use std::sync::Arc;
@@ -29,6 +30,9 @@ pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>
         Action::GetSandbox(id) => sandboxes::get(svc, &id),
         Action::DeleteSandbox(id) => sandboxes::delete(svc, &id).await,
         Action::Exec(id, req, format) => exec::exec(svc, &id, req, format).await,
+        Action::CreateSnapshot(id, req) => snapshots::create(svc, &id, req).await,
+        Action::ListSnapshots(id) => snapshots::list(svc, &id),
+        Action::Restore(id, req) => snapshots::restore(svc, &id, req).await,
         Action::Events { since, sandbox } => events::events(svc, since, sandbox),
         Action::Metrics => metrics::metrics(svc),
         Action::Trace(id) => traces::trace(svc, &id),

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::{QemuDriver, VmPaths, abs, check_id, qemu_args, tail, write_vm_json, LOG_TAIL, QMP_TIMEOUT};
+use super::{
+    LOG_TAIL, QMP_TIMEOUT, QemuDriver, VmPaths, abs, check_id, qemu_args, tail, write_vm_json,
+};
 use crate::vmm::qmp::QmpClient;
 use crate::vmm::{VmInfo, VmSpec, VmmError};
 
@@ -32,10 +34,15 @@ pub struct Checkpoint {
 impl QemuDriver {
     /// Checkpoint the running VM `vm` into `dest` (a new directory inside the VM's directory).
     /// `next_overlay` is the file the VM continues to write to afterwards.
-    pub async fn checkpoint(&self, vm: &VmInfo, dest: &Path, next_overlay: &Path) -> Result<Checkpoint, VmmError> {
+    pub async fn checkpoint(
+        &self,
+        vm: &VmInfo,
+        dest: &Path,
+        next_overlay: &Path,
+    ) -> Result<Checkpoint, VmmError> {
+        std::fs::create_dir_all(dest).map_err(super::io_err(dest))?;
         let dest = abs(dest)?;
-        let next_overlay = abs(next_overlay)?;
-        std::fs::create_dir_all(&dest).map_err(super::io_err(&dest))?;
+        let next_overlay = absolute(next_overlay)?;
         let state = dest.join("state.bin");
         let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
         let layer = active_disk(&qmp).await?;
@@ -59,18 +66,29 @@ impl QemuDriver {
         let cont = qmp.cont().await;
         res?;
         cont?;
-        let state_bytes = std::fs::metadata(&state).map_err(super::io_err(&state))?.len();
-        Ok(Checkpoint { state_file: state, disk_layer: layer, state_bytes })
+        let state_bytes = std::fs::metadata(&state)
+            .map_err(super::io_err(&state))?
+            .len();
+        Ok(Checkpoint {
+            state_file: state,
+            disk_layer: layer,
+            state_bytes,
+        })
     }
 
     /// Start `spec`'s VM from `cp`: a new overlay `overlay` over the checkpoint's frozen layer,
     /// memory and devices from its state file. Returns once the VM runs again.
-    pub async fn restore(&self, spec: &VmSpec, cp: &Checkpoint, overlay: &Path) -> Result<VmInfo, VmmError> {
+    pub async fn restore(
+        &self,
+        spec: &VmSpec,
+        cp: &Checkpoint,
+        overlay: &Path,
+    ) -> Result<VmInfo, VmmError> {
         check_id(&spec.id)?;
         let dir = abs(&spec.dir)?;
         let mut paths = VmPaths::new(&dir);
         paths.check_socket_lengths()?;
-        paths.disk = abs(overlay)?;
+        paths.disk = absolute(overlay)?;
         for stale in [&paths.qmp, &paths.agent, &paths.pidfile, &paths.vm_json] {
             match std::fs::remove_file(stale) {
                 Ok(()) => {}
@@ -124,7 +142,10 @@ impl QemuDriver {
             .stdin(std::process::Stdio::null())
             .output()
             .await
-            .map_err(|source| VmmError::Spawn { binary: self.qemu_img.display().to_string(), source })?;
+            .map_err(|source| VmmError::Spawn {
+                binary: self.qemu_img.display().to_string(),
+                source,
+            })?;
         if !out.status.success() {
             return Err(VmmError::Other(format!(
                 "qemu-img create {} failed: {}",
@@ -134,6 +155,11 @@ impl QemuDriver {
         }
         Ok(())
     }
+}
+
+/// An absolute path for a file that need not exist yet.
+fn absolute(p: &Path) -> Result<PathBuf, VmmError> {
+    std::path::absolute(p).map_err(super::io_err(p))
 }
 
 /// The file behind the `root` drive right now.
@@ -165,7 +191,10 @@ async fn wait_migration(qmp: &QmpClient, want: &str) -> Result<(), VmmError> {
             _ => {}
         }
         if Instant::now() > deadline {
-            return Err(VmmError::Timeout(MIGRATE_TIMEOUT, "the state file to be written"));
+            return Err(VmmError::Timeout(
+                MIGRATE_TIMEOUT,
+                "the state file to be written",
+            ));
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
@@ -182,7 +211,11 @@ fn exited_err(exited: &Exited, paths: &VmPaths) -> Option<VmmError> {
     })
 }
 
-async fn connect_until(sock: &Path, exited: &Exited, paths: &VmPaths) -> Result<QmpClient, VmmError> {
+async fn connect_until(
+    sock: &Path,
+    exited: &Exited,
+    paths: &VmPaths,
+) -> Result<QmpClient, VmmError> {
     let deadline = Instant::now() + QMP_TIMEOUT * 6;
     loop {
         if let Some(e) = exited_err(exited, paths) {
@@ -194,7 +227,10 @@ async fn connect_until(sock: &Path, exited: &Exited, paths: &VmPaths) -> Result<
             return Ok(c);
         }
         if Instant::now() > deadline {
-            return Err(VmmError::Timeout(QMP_TIMEOUT * 6, "QMP of the restoring QEMU"));
+            return Err(VmmError::Timeout(
+                QMP_TIMEOUT * 6,
+                "QMP of the restoring QEMU",
+            ));
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -215,7 +251,10 @@ async fn wait_incoming(qmp: &QmpClient, exited: &Exited, paths: &VmPaths) -> Res
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(VmmError::Timeout(MIGRATE_TIMEOUT, "the state file to be loaded"));
+            return Err(VmmError::Timeout(
+                MIGRATE_TIMEOUT,
+                "the state file to be loaded",
+            ));
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }

@@ -1,0 +1,72 @@
+//! `tryboxi snapshot create|ls` and `tryboxi restore`.
+
+use crate::api;
+use crate::error::TopError;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Cmd {
+    /// Checkpoint a sandbox (memory, processes and disk); prints the snapshot id.
+    Create {
+        /// Sandbox id.
+        id: String,
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// List a sandbox's snapshots.
+    Ls {
+        /// Sandbox id.
+        id: String,
+    },
+}
+
+pub async fn run(cmd: Cmd) -> Result<(), TopError> {
+    let client = super::client()?;
+    match cmd {
+        Cmd::Create { id, name } => {
+            let s: api::Snapshot = client
+                .send(
+                    hyper::Method::POST,
+                    &format!("/v1/sandboxes/{id}/snapshots"),
+                    Some(&api::SnapshotRequest { name }),
+                )
+                .await?;
+            println!(
+                "{} {} ({} ms, {} bytes of state)",
+                s.id,
+                s.name.as_deref().unwrap_or("-"),
+                s.duration_ms,
+                s.state_bytes
+            );
+        }
+        Cmd::Ls { id } => {
+            let l: api::SnapshotList = client.get(&format!("/v1/sandboxes/{id}/snapshots")).await?;
+            println!(
+                "{:<22} {:<16} {:<20} {:>12}",
+                "ID", "NAME", "CREATED", "STATE_BYTES"
+            );
+            for s in l.snapshots {
+                println!(
+                    "{:<22} {:<16} {:<20} {:>12}",
+                    s.id,
+                    s.name.as_deref().unwrap_or("-"),
+                    s.created_at,
+                    s.state_bytes
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `tryboxi restore ID SNAPSHOT`.
+pub async fn restore(id: String, snapshot: String) -> Result<(), TopError> {
+    let s: api::Sandbox = super::client()?
+        .send(
+            hyper::Method::POST,
+            &format!("/v1/sandboxes/{id}/restore"),
+            Some(&api::RestoreRequest { snapshot }),
+        )
+        .await?;
+    println!("{} {}", s.id, s.state);
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! Snapshots of one sandbox: checkpoint (memory, device state and disk at one instant) and
+//! restore. Files live in the sandbox's directory (`snapshots/<snap_id>/state.bin` and the
+//! frozen `disk-*.qcow2` layers), so removing the sandbox removes its snapshots too.
+//!
+//! After a restore the agent channel is reconnected at once; commands that were running on the
+//! old connection end with an `error` event (their host side is gone), never a hang.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::vms::LiveVm;
+use super::{SandboxRecord, Service, ServiceError};
+use crate::api::{self, SandboxState};
+use crate::ids;
+use crate::rpc::AgentClient;
+use crate::store::{SANDBOXES, SNAPSHOTS};
+use crate::vmm::qemu::Checkpoint;
+use crate::vmm::{Accel, VmSpec, VmmDriver};
+
+/// What the store keeps per snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    #[serde(flatten)]
+    pub api: api::Snapshot,
+    pub checkpoint: Checkpoint,
+}
+
+impl Service {
+    /// `POST /v1/sandboxes/{id}/snapshots`.
+    pub async fn create_snapshot(
+        &self,
+        id: &str,
+        req: api::SnapshotRequest,
+    ) -> Result<api::Snapshot, ServiceError> {
+        let rec = self.record(id)?;
+        if rec.api.state != SandboxState::Ready {
+            return Err(ServiceError::Conflict(format!(
+                "sandbox `{id}` is {}, not ready",
+                rec.api.state
+            )));
+        }
+        if let Some(name) = &req.name {
+            if name.is_empty() || name.len() > 64 || name.starts_with(ids::SNAPSHOT) {
+                return Err(ServiceError::BadRequest(format!(
+                    "snapshot name must be 1-64 characters and not start with `{}`",
+                    ids::SNAPSHOT
+                )));
+            }
+            if self
+                .snapshots_of(id)?
+                .iter()
+                .any(|s| s.api.name.as_deref() == Some(name))
+            {
+                return Err(ServiceError::Conflict(format!(
+                    "sandbox `{id}` already has a snapshot named `{name}`"
+                )));
+            }
+        }
+        let vm = self
+            .vms
+            .get(id)
+            .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
+        let driver = self.driver()?;
+        let snap_id = ids::new_id(ids::SNAPSHOT);
+        let dir = rec.dir.join("snapshots").join(&snap_id);
+        let next = rec.dir.join(format!("disk-{snap_id}.qcow2"));
+        let t0 = Instant::now();
+        let cp = driver
+            .checkpoint(&vm.info, &dir, &next)
+            .await
+            .map_err(|e| {
+                ServiceError::Internal(format!("cannot checkpoint sandbox `{id}`: {e}"))
+            })?;
+        let snap = SnapshotRecord {
+            api: api::Snapshot {
+                id: snap_id.clone(),
+                sandbox_id: id.to_owned(),
+                name: req.name,
+                created_at: super::now_rfc3339(),
+                state_bytes: cp.state_bytes,
+                duration_ms: t0.elapsed().as_millis() as u64,
+            },
+            checkpoint: cp,
+        };
+        self.store.put(SNAPSHOTS, &snap_id, &snap)?;
+        tracing::info!(sandbox = %id, snapshot = %snap_id, ms = snap.api.duration_ms, bytes = snap.api.state_bytes, "snapshot taken");
+        Ok(snap.api)
+    }
+
+    /// `GET /v1/sandboxes/{id}/snapshots`, oldest first.
+    pub fn list_snapshots(&self, id: &str) -> Result<api::SnapshotList, ServiceError> {
+        self.record(id)?;
+        let mut snaps: Vec<api::Snapshot> =
+            self.snapshots_of(id)?.into_iter().map(|s| s.api).collect();
+        snaps.sort_by(|a, b| a.created_at.cmp(&b.created_at));
+        Ok(api::SnapshotList { snapshots: snaps })
+    }
+
+    pub(super) fn snapshots_of(&self, id: &str) -> Result<Vec<SnapshotRecord>, ServiceError> {
+        Ok(self
+            .store
+            .list::<SnapshotRecord>(SNAPSHOTS)?
+            .into_iter()
+            .filter(|s| s.api.sandbox_id == id)
+            .collect())
+    }
+
+    /// Forget the snapshot records of a removed sandbox (its files went with its directory).
+    pub(super) fn forget_snapshots(&self, id: &str) {
+        if let Ok(snaps) = self.snapshots_of(id) {
+            for s in snaps {
+                let _ = self.store.delete(SNAPSHOTS, &s.api.id);
+            }
+        }
+    }
+
+    /// `POST /v1/sandboxes/{id}/restore`: replace the sandbox's VM by one started from the snapshot.
+    pub async fn restore_snapshot(
+        self: &Arc<Self>,
+        id: &str,
+        req: api::RestoreRequest,
+    ) -> Result<api::Sandbox, ServiceError> {
+        let mut rec: SandboxRecord = self.record(id)?;
+        if !matches!(rec.api.state, SandboxState::Ready | SandboxState::Failed) {
+            return Err(ServiceError::Conflict(format!(
+                "sandbox `{id}` is {}",
+                rec.api.state
+            )));
+        }
+        let snap = self
+            .snapshots_of(id)?
+            .into_iter()
+            .find(|s| {
+                s.api.id == req.snapshot || s.api.name.as_deref() == Some(req.snapshot.as_str())
+            })
+            .ok_or_else(|| {
+                ServiceError::NotFound(format!("sandbox `{id}` has no snapshot `{}`", req.snapshot))
+            })?;
+        let images = self.images()?;
+        let driver = self.driver()?;
+        let accel = match rec.api.accel.as_deref() {
+            Some("kvm") => Accel::Kvm,
+            _ => Accel::Tcg,
+        };
+        // Take the old VM out first, so its watcher does not mark the sandbox failed.
+        if let Some(old) = self.vms.take(id) {
+            let _ = driver.kill(&old.info).await;
+        } else {
+            self.kill_leftover(&rec.dir).await;
+        }
+        let spec = VmSpec {
+            id: id.to_owned(),
+            dir: rec.dir.clone(),
+            kernel: images.kernel,
+            initramfs: images.initramfs,
+            rootfs: images.rootfs,
+            vcpus: rec.api.vcpus,
+            memory_mib: rec.api.memory_mib,
+            accel,
+        };
+        let overlay = rec.dir.join(format!("disk-{}.qcow2", ids::new_id("r")));
+        let t0 = Instant::now();
+        let restored = async {
+            let info = driver
+                .restore(&spec, &snap.checkpoint, &overlay)
+                .await
+                .map_err(|e| {
+                    ServiceError::Internal(format!("cannot restore `{}`: {e}", snap.api.id))
+                })?;
+            match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(30)).await {
+                Ok(agent) => Ok(LiveVm { info, agent }),
+                Err(e) => {
+                    let _ = driver.kill(&info).await;
+                    Err(ServiceError::Internal(format!(
+                        "the restored guest agent did not answer: {e}"
+                    )))
+                }
+            }
+        }
+        .await;
+        match restored {
+            Ok(vm) => {
+                tracing::info!(sandbox = %id, snapshot = %snap.api.id, ms = t0.elapsed().as_millis() as u64, "sandbox restored");
+                rec.api.state = SandboxState::Ready;
+                rec.api.error = None;
+                self.store.put(SANDBOXES, id, &rec)?;
+                let vm = Arc::new(vm);
+                self.vms.insert(id, vm.clone());
+                self.watch(id.to_owned(), vm);
+                Ok(rec.api)
+            }
+            Err(e) => {
+                self.mark_failed(id, e.to_string());
+                Err(e)
+            }
+        }
+    }
+}

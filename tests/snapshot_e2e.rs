@@ -1,0 +1,132 @@
+//! Checkpoint and restore of a real VM: files and running processes come back, and the agent
+//! channel works at once after a restore.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::Daemon;
+
+fn artifacts() -> Option<PathBuf> {
+    let dir = std::env::var_os("TRYBOXI_ARTIFACTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/_out")));
+    if dir.join("images/manifest.json").exists() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "no guest images at {} under CI",
+        dir.display()
+    );
+    eprintln!("skipped: no guest images at {}", dir.display());
+    None
+}
+
+fn sh(d: &Daemon, id: &str, script: &str) -> (Option<i32>, String) {
+    let o = d.cli(&["exec", id, "--", "sh", "-c", script]);
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn restore_brings_back_files_and_processes() {
+    let Some(art) = artifacts() else { return };
+    let d = Daemon::start(
+        Some("default_memory_mib = 512\ndefault_vcpus = 1\n"),
+        &["--artifacts", art.to_str().unwrap()],
+    );
+    let ws = tempfile::tempdir().unwrap();
+    let o = d.cli(&["create", "-w", ws.path().to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let id = String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+
+    // A file and a background process.
+    let (code, _) = sh(
+        &d,
+        &id,
+        "echo before > /root/f; setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $! > /root/pid",
+    );
+    assert_eq!(code, Some(0));
+    let o = d.cli(&["snapshot", "create", &id, "--name", "base"]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_text()
+    );
+    let snap = String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    assert!(snap.starts_with("snap_"), "{snap}");
+    // The VM goes on after the checkpoint.
+    assert_eq!(sh(&d, &id, "cat /root/f").1, "before\n");
+
+    // Change things: the file, kill the process.
+    let (code, _) = sh(
+        &d,
+        &id,
+        "echo after > /root/f; kill -9 $(cat /root/pid); echo gone > /root/g",
+    );
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        sh(
+            &d,
+            &id,
+            "kill -0 $(cat /root/pid) 2>/dev/null && echo alive || echo dead"
+        )
+        .1,
+        "dead\n"
+    );
+
+    // Restore by name: the file and the process are back, /root/g never existed, exec works at once.
+    let o = d.cli(&["restore", &id, "base"]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_text()
+    );
+    assert_eq!(sh(&d, &id, "cat /root/f").1, "before\n");
+    assert_eq!(
+        sh(&d, &id, "kill -0 $(cat /root/pid) && echo alive").1,
+        "alive\n"
+    );
+    assert_eq!(
+        sh(&d, &id, "test -e /root/g && echo yes || echo no").1,
+        "no\n"
+    );
+
+    // Restore twice from the same snapshot works too (the frozen layer is never written).
+    assert_eq!(sh(&d, &id, "echo again > /root/f").0, Some(0));
+    assert!(d.cli(&["restore", &id, &snap]).status.success());
+    assert_eq!(sh(&d, &id, "cat /root/f").1, "before\n");
+
+    // Listing, unknown snapshot, and removal of everything.
+    let list = d
+        .request("GET", &format!("/v1/sandboxes/{id}/snapshots"), None)
+        .json();
+    assert_eq!(list["snapshots"].as_array().unwrap().len(), 1);
+    let r = d.request(
+        "POST",
+        &format!("/v1/sandboxes/{id}/restore"),
+        Some(r#"{"snapshot":"nope"}"#),
+    );
+    assert_eq!(r.status, 404);
+    let r = d.request(
+        "POST",
+        &format!("/v1/sandboxes/{id}/snapshots"),
+        Some(r#"{"name":"base"}"#),
+    );
+    assert_eq!(r.status, 409, "duplicate names are refused");
+    assert!(d.cli(&["rm", &id]).status.success());
+    assert!(!d.root().join("sandboxes").join(&id).exists());
+}
