@@ -384,6 +384,34 @@ fn hostile_commands_do_not_hurt_the_daemon_or_the_vm() {
     // The daemon still answers, and so does the VM.
     assert_eq!(d.request("GET", "/v1/health", None).status, 200);
     assert_eq!(stdout(&exec(&d, &id, &["--", "echo", "ok"])), "ok\n");
+    // A caller that goes away mid-command (even a silent one) gets the command killed.
+    {
+        let mut s = UnixStream::connect(d.socket()).unwrap();
+        let body = r#"{"cmd":"sleep 333"}"#;
+        write!(
+            s,
+            "POST /v1/sandboxes/{id}/exec HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        let mut line = String::new();
+        while !line.contains("started") {
+            line.clear();
+            assert!(r.read_line(&mut line).unwrap() > 0);
+        }
+        drop(r);
+        drop(s);
+    }
+    let mut left = String::new();
+    for _ in 0..100 {
+        left = stdout(&sh(&d, &id, "ps -eo args | grep -c '^sleep 333' || true"));
+        if left.trim() == "0" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(left.trim(), "0", "the command outlived its caller");
     // Bad requests are refused clearly and lose nothing.
     let r = d.request(
         "POST",

@@ -23,9 +23,15 @@ pub async fn exec(
     let mut events = svc.start_exec(id, req).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
-        while let Some(ev) = events.recv().await {
+        loop {
+            // Watch for the caller going away even while the command prints nothing: dropping
+            // `events` tells the service to kill the command's process group.
+            let ev = tokio::select! {
+                ev = events.recv() => ev,
+                _ = tx.closed() => break,
+            };
+            let Some(ev) = ev else { break };
             if tx.send(encode(&ev, format)).await.is_err() {
-                // The client went away; dropping `events` tells the service to stop streaming.
                 break;
             }
         }
