@@ -17,6 +17,7 @@ mod safefs;
 mod service;
 mod store;
 mod vmm;
+mod workspace;
 
 use std::process::ExitCode;
 

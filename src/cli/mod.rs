@@ -1,11 +1,16 @@
 //! The command line: argument parsing and one file per command. Talks to the daemon only
 //! through `client`.
 
+mod apply;
 mod create;
+mod diff;
 mod exec;
 mod install;
 mod ls;
+mod pull;
 mod rm;
+mod sync;
+mod undo;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -52,14 +57,16 @@ pub enum Command {
     Ls(ls::Args),
     /// Remove a sandbox (its VM and every file of it).
     Rm(rm::Args),
-    /// Show what changed inside a sandbox.
-    Diff,
-    /// Bring a sandbox's changes into the host repo (with a backup).
-    Apply,
+    /// Send the host repo's changes into a sandbox now (exec and create do it too).
+    Sync(sync::Args),
+    /// Show what changed inside a sandbox since the last sync.
+    Diff(diff::Args),
+    /// Bring a sandbox's changes into the host repo (with a backup; prints `art_...`).
+    Apply(apply::Args),
     /// Copy selected files from a sandbox (with a backup).
-    Pull,
+    Pull(pull::Args),
     /// Restore what an apply or pull changed.
-    Undo,
+    Undo(undo::Args),
     /// Follow the daemon's events.
     Events,
     /// Per-phase waterfall of a sandbox or exec.
@@ -112,6 +119,11 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Exec(a) => runtime()?.block_on(exec::run(a)),
         Command::Ls(a) => runtime()?.block_on(ls::run(a)),
         Command::Rm(a) => runtime()?.block_on(rm::run(a)),
+        Command::Sync(a) => runtime()?.block_on(sync::run(a)),
+        Command::Diff(a) => runtime()?.block_on(diff::run(a)),
+        Command::Apply(a) => runtime()?.block_on(apply::run(a)),
+        Command::Pull(a) => runtime()?.block_on(pull::run(a)),
+        Command::Undo(a) => runtime()?.block_on(undo::run(a)),
         Command::Doctor { artifacts } => runtime()?.block_on(crate::doctor::run(artifacts)),
         Command::Token => {
             let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
@@ -125,10 +137,6 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
             println!("tryboxi {}", env!("CARGO_PKG_VERSION"));
             Ok(())
         }
-        Command::Diff => Err(TopError::NotImplemented("diff")),
-        Command::Apply => Err(TopError::NotImplemented("apply")),
-        Command::Pull => Err(TopError::NotImplemented("pull")),
-        Command::Undo => Err(TopError::NotImplemented("undo")),
         Command::Events => Err(TopError::NotImplemented("events")),
         Command::Trace => Err(TopError::NotImplemented("trace")),
         Command::Mcp => Err(TopError::NotImplemented("mcp")),

@@ -331,6 +331,7 @@ async fn handle(
         .get(hyper::header::ACCEPT)
         .and_then(|v| v.to_str().ok());
     let format = router::StreamFormat::from_accept(accept);
-    let action = router::parse(&parts.method, parts.uri.path(), format, &body)?;
+    let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let action = router::parse(&parts.method, target, format, &body)?;
     handlers::handle(&shared.svc, action).await
 }

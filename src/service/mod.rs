@@ -8,6 +8,7 @@
 mod exec;
 mod sandboxes;
 mod vms;
+mod workspace;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -59,6 +60,8 @@ pub struct Service {
     /// Guest images directory (`serve --artifacts DIR` or `<data root>/artifacts`).
     pub artifacts: PathBuf,
     pub vms: Vms,
+    /// One lock per sandbox: its sync, diff, apply and pull never overlap.
+    pub ws_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Service {
@@ -73,6 +76,7 @@ impl Service {
             store: Arc::new(store),
             artifacts,
             vms,
+            ws_locks: Default::default(),
         }
     }
 

@@ -4,6 +4,7 @@
 mod exec;
 mod health;
 mod sandboxes;
+mod workspace;
 
 use std::sync::Arc;
 
@@ -25,5 +26,12 @@ pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>
         Action::GetSandbox(id) => sandboxes::get(svc, &id),
         Action::DeleteSandbox(id) => sandboxes::delete(svc, &id).await,
         Action::Exec(id, req, format) => exec::exec(svc, &id, req, format).await,
+        Action::Sync(id) => workspace::sync(svc, &id).await,
+        Action::Diff { id, stat, paths } => workspace::diff(svc, &id, stat, paths).await,
+        Action::Apply(id, req) => workspace::apply(svc, &id, req).await,
+        Action::Pull(id, req) => workspace::pull(svc, &id, req).await,
+        Action::Undo(art) => workspace::undo(svc, &art).await,
+        Action::ReadFile { id, path } => workspace::read_file(svc, &id, &path).await,
+        Action::WriteFile { id, path, body } => workspace::write_file(svc, &id, &path, body).await,
     }
 }
