@@ -93,7 +93,11 @@ pub fn suspects(
         }
     }
     for (rel, e) in &base.entries {
-        if e.kind != Kind::Dir && !seen.contains_key(rel.as_str()) && selected(paths, rel) {
+        if e.kind != Kind::Dir
+            && !seen.contains_key(rel.as_str())
+            && selected(paths, rel)
+            && rules.keeps(ignores, rel, false)
+        {
             s.deleted.push(rel.clone());
         }
     }
@@ -329,6 +333,10 @@ mod tests {
             we(".git", FileKind::Dir, 0, 200, 0),
             we(".git/config", FileKind::File, 3, 200, 0),
         ];
+        let mut m = m;
+        // The walk skips `.git`: its base entries are not deletions.
+        m.entries
+            .insert(".git/HEAD".into(), Entry::file(0o644, 1, 0, "x".into()));
         let s = suspects(&m, &walk, &rules, &Ignores::default(), &[]);
         let names: Vec<&str> = s.changed.iter().map(|w| w.path.as_str()).collect();
         assert_eq!(names, ["a.txt", "new.txt", "renamed.txt"]);
