@@ -345,3 +345,90 @@ fn conflicts_get_markers_and_escapes_are_refused() {
     assert_eq!(resp.json()["mode"], 384);
     assert!(!r.join("new").exists());
 }
+
+#[test]
+fn daemon_killed_mid_apply_leaves_whole_files_and_undo_restores() {
+    let Some(art) = artifacts() else { return };
+    let home = tempfile::Builder::new()
+        .prefix("tbx-test-")
+        .tempdir()
+        .unwrap();
+    std::fs::write(
+        home.path().join("config.toml"),
+        "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n",
+    )
+    .unwrap();
+    let log_path = home.path().join("daemon.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    // This daemon kills itself (SIGKILL) after 2 host writes of an apply.
+    let child = std::process::Command::new(common::BIN)
+        .args(["serve", "--artifacts", art.to_str().unwrap()])
+        .env("TRYBOXI_HOME", home.path())
+        .env("TRYBOXI_TEST_KILL_AFTER_WRITES", "2")
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let mut d = Daemon {
+        home,
+        child: Some(child),
+        log: log_path,
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !d
+        .try_request("GET", "/v1/health", None)
+        .is_ok_and(|r| r.status == 200)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "daemon did not start: {}",
+            d.log_text()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let repo = tempfile::tempdir().unwrap();
+    let r = repo.path();
+    for i in 0..5 {
+        write(r, &format!("f{i}.txt"), &format!("old {i}\n"));
+    }
+    let id = create(&d, r);
+    sh_ok(
+        &d,
+        &id,
+        "cd /workspace && for i in 0 1 2 3 4; do echo new $i > f$i.txt; done",
+    );
+    let before = tree(r);
+    let o = d.cli(&["apply", &id]);
+    assert!(!o.status.success(), "the daemon should have died mid-apply");
+    let status = common::wait_bounded(
+        d.child.as_mut().unwrap(),
+        std::time::Duration::from_secs(30),
+    );
+    assert!(!status.success());
+    d.child = None;
+    // Every file is either all old or all new; some of each.
+    let (mut old, mut new) = (0, 0);
+    for i in 0..5 {
+        let c = std::fs::read_to_string(r.join(format!("f{i}.txt"))).unwrap();
+        if c == format!("old {i}\n") {
+            old += 1;
+        } else if c == format!("new {i}\n") {
+            new += 1;
+        } else {
+            panic!("f{i}.txt is torn: {c:?}");
+        }
+    }
+    assert_eq!((old, new), (3, 2));
+    // A new daemon (no hook) finds the backup; undo restores the old state.
+    d.spawn(&["--artifacts", art.to_str().unwrap()]);
+    let _rm = Rm(&d, id.clone());
+    let art_id = std::fs::read_dir(d.root().join("artifacts"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("art_"))
+        .expect("the backup survives the crash");
+    cli_ok(&d, &["undo", &art_id]);
+    assert_eq!(tree(r), before);
+}

@@ -106,7 +106,11 @@ pub fn execute(
     }
     rec.state = ArtifactState::Applying;
     save(dir, &rec, persist)?;
-    for op in ops {
+    let kill_after = kill_after_writes();
+    for (n, op) in ops.iter().enumerate() {
+        if kill_after == Some(n) {
+            crash_for_test();
+        }
         let p = root.join(&op.path);
         check_host_parents(root, &op.path).map_err(WorkspaceError::Refused)?;
         match &op.action {
@@ -124,6 +128,20 @@ pub fn execute(
     rec.state = ArtifactState::Applied;
     save(dir, &rec, persist)?;
     Ok(rec)
+}
+
+/// Crash-consistency test hook: with `TRYBOXI_TEST_KILL_AFTER_WRITES=N` in the daemon's
+/// environment, an apply SIGKILLs the daemon after its first N host writes (backups and record
+/// already on disk). Never set in normal use.
+fn kill_after_writes() -> Option<usize> {
+    std::env::var("TRYBOXI_TEST_KILL_AFTER_WRITES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+}
+
+fn crash_for_test() {
+    tracing::warn!("TRYBOXI_TEST_KILL_AFTER_WRITES reached: killing the daemon mid-apply");
+    let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
 }
 
 /// Restore what the artifact changed, byte for byte (content and mode), removing files it added.
