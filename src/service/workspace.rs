@@ -163,7 +163,9 @@ impl Service {
                 .await
                 .map_err(agent_err)?;
         }
-        base.save(&delta.manifest)?;
+        if delta.changed {
+            base.save(&delta.manifest)?;
+        }
         let report = api::SyncReport {
             files_sent: delta.files_sent,
             bytes_sent: delta.bytes_sent,

@@ -19,6 +19,8 @@ pub struct Delta {
     pub delete: Vec<String>,
     /// The base to record once the VM has unpacked `archive` and applied `delete`.
     pub manifest: Manifest,
+    /// Whether `manifest` differs from the stored base (else there is nothing to save).
+    pub changed: bool,
     /// Entries in `archive` (directories included).
     pub entries: u64,
     pub files_sent: u64,
@@ -176,6 +178,7 @@ pub fn compute(root: &Path, scan: &Scan, base: &Base) -> Result<Delta, Workspace
     }
     let archive = b.into_inner().map_err(tar_err("(archive)"))?;
     Ok(Delta {
+        changed: out != old,
         archive,
         delete,
         manifest: out,
@@ -226,6 +229,10 @@ mod tests {
         // Nothing changed: nothing sent.
         let again = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
         assert_eq!((again.files_sent, again.delete.len()), (0, 0));
+        assert!(
+            first.changed && !again.changed,
+            "an idle sync writes no new base"
+        );
         assert_eq!(again.unchanged, first.manifest.entries.len() as u64);
 
         write(root, "src/f3.txt", "changed!");
