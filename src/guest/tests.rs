@@ -712,6 +712,27 @@ async fn untar_replaces_deletes_and_walk_reports_the_tree() {
     // `..` in the delete list is refused.
     let e = c.untar(rootp, vec!["../x".into()], &[]).await.unwrap_err();
     assert!(e.to_string().contains("not a plain relative path"), "{e}");
+    // A VM-made symlink where the host has a directory is replaced, never written through.
+    let outside = dir.path().join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::os::unix::fs::symlink(&outside, root.join("sub")).unwrap();
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_size(2);
+    h.set_mode(0o644);
+    h.set_entry_type(tar::EntryType::Regular);
+    b.append_data(&mut h, "sub/f", &b"hi"[..]).unwrap();
+    c.untar(rootp, vec![], &b.into_inner().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        std::fs::symlink_metadata(root.join("sub"))
+            .unwrap()
+            .is_dir()
+    );
+    assert_eq!(std::fs::read(root.join("sub/f")).unwrap(), b"hi");
+    assert!(!outside.join("f").exists());
+    std::fs::remove_dir_all(root.join("sub")).unwrap();
     let w = c.walk(rootp, &[".git".into()]).await.unwrap();
     let names: Vec<&str> = w.iter().map(|e| e.path.as_str()).collect();
     assert_eq!(names, ["link", "src", "src/run.sh"]);

@@ -68,6 +68,28 @@ fn relative(rel: &str) -> Result<&Path, RemoteError> {
     Ok(p)
 }
 
+/// Remove every existing parent of `rel` under `root` that is not a real directory.
+fn clear_parents(root: &Path, rel: &Path) -> Result<(), RemoteError> {
+    let mut p = root.to_path_buf();
+    let comps: Vec<_> = rel.components().collect();
+    for c in comps.iter().take(comps.len().saturating_sub(1)) {
+        let Component::Normal(name) = c else {
+            return Err(RemoteError::new(
+                ErrorKind::InvalidRequest,
+                format!("{} is not a plain relative path", rel.display()),
+            ));
+        };
+        p.push(name);
+        match std::fs::symlink_metadata(&p) {
+            Ok(md) if !md.is_dir() => std::fs::remove_file(&p)
+                .map_err(|e| RemoteError::from_io(&format!("replace {}", p.display()), &e))?,
+            Ok(_) => {}
+            Err(_) => return Ok(()),
+        }
+    }
+    Ok(())
+}
+
 /// Removes `delete`, then unpacks the archive arriving on `rx` into `dir`.
 pub async fn untar(
     dir: String,
@@ -108,6 +130,9 @@ pub async fn untar(
         for ent in entries {
             let mut ent = ent.map_err(|e| RemoteError::from_io("read archive", &e))?;
             let rel = ent.path().map(|p| p.to_path_buf()).unwrap_or_default();
+            // The host wins: a parent that is a symlink or a file in the VM (made by a command
+            // there) is replaced by the host's directory, so nothing is written through it.
+            clear_parents(&root, &rel)?;
             // A file replacing a directory (or the reverse) must go first.
             let dst = root.join(&rel);
             if let Ok(md) = std::fs::symlink_metadata(&dst) {
