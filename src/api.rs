@@ -232,6 +232,10 @@ pub struct SyncReport {
     /// Paths left out by the secret rules (never synced unless allowed).
     #[serde(default)]
     pub secrets_skipped: Vec<String>,
+    /// Files changed both on the host and in the VM since the last sync: left as the VM has
+    /// them (diff shows them; apply merges both sides).
+    #[serde(default)]
+    pub kept_vm_changes: Vec<String>,
     pub duration_ms: u64,
 }
 

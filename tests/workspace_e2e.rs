@@ -246,6 +246,13 @@ fn conflicts_get_markers_and_escapes_are_refused() {
     // The host changes the same files after the VM did.
     write(r, "a.txt", "x = 1\n");
     write(r, "b.txt", "b1\n");
+    // A sync (also before every exec) leaves files both sides changed as the VM has them.
+    let sync = cli_ok(&d, &["sync", &id, "--json"]);
+    assert!(
+        sync.contains("\"a.txt\"") && sync.contains("\"b.txt\""),
+        "{sync}"
+    );
+    assert_eq!(sh_ok(&d, &id, "cat /workspace/a.txt"), "x = 2\n");
 
     let o = d.cli(&["apply", &id, "a.txt", "evil", "sneaky", "pipe", ".git"]);
     let (out, err) = (text(&o.stdout), text(&o.stderr));

@@ -5,7 +5,7 @@
 //! one sandbox never overlap). The file logic lives in `crate::workspace`; this module moves
 //! bytes between it and the VM's agent and records backups in the store.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -139,9 +139,17 @@ impl Service {
         let rules = self.rules()?;
         let base = Base::new(rec.dir.join("workspace"));
         let (r2, b2) = (root.clone(), base.clone());
-        let (delta, secrets) = blocking(move || {
+        let (scan, old, candidates) = blocking(move || {
             let scan = rules::scan(&r2, &rules)?;
-            let d = sync::compute(&r2, &scan, &b2)?;
+            let old = b2.load()?;
+            let c = sync::overwrite_candidates(&scan, &old);
+            Ok((scan, old, c))
+        })
+        .await?;
+        let vm_changed = self.vm_changed(vm, &old, candidates).await?;
+        let (r2, b2) = (root.clone(), base.clone());
+        let (delta, secrets) = blocking(move || {
+            let d = sync::compute_keeping(&r2, &scan, &b2, &old, &vm_changed)?;
             Ok((d, scan.secrets_skipped))
         })
         .await?;
@@ -172,11 +180,65 @@ impl Service {
             deleted: delta.delete.len() as u64,
             unchanged: delta.unchanged,
             secrets_skipped: secrets,
+            kept_vm_changes: delta.kept_vm_changes.clone(),
             duration_ms: started.elapsed().as_millis() as u64,
         };
         tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
             deleted = report.deleted, ms = report.duration_ms, "workspace synced");
         Ok(report)
+    }
+
+    /// Which of `paths` (files of the base) the VM changed since the base, by stat: one `Stat`
+    /// each for a few, one `Walk` for many.
+    async fn vm_changed(
+        &self,
+        vm: &LiveVm,
+        manifest: &Manifest,
+        paths: Vec<String>,
+    ) -> Result<HashSet<String>, ServiceError> {
+        let mut out = HashSet::new();
+        if paths.is_empty() {
+            return Ok(out);
+        }
+        // `nsec` is unknown from a `Stat` (seconds only).
+        let differs = |rel: &str, size: u64, mode: u32, mtime: i64, nsec: Option<u32>| {
+            manifest.entries.get(rel).is_some_and(|b| {
+                b.guest_size != size
+                    || b.mode != mode
+                    || b.guest_mtime != mtime
+                    || nsec.is_some_and(|n| n != b.guest_nsec)
+            })
+        };
+        if paths.len() > 32 {
+            let walk = vm
+                .agent
+                .walk(GUEST_ROOT, &[".git".to_owned()])
+                .await
+                .map_err(agent_err)?;
+            let want: HashSet<&String> = paths.iter().collect();
+            for w in walk {
+                if want.contains(&w.path)
+                    && (w.kind != FileKind::File
+                        || differs(&w.path, w.size, w.mode, w.mtime, Some(w.mtime_nsec)))
+                {
+                    out.insert(w.path);
+                }
+            }
+            return Ok(out);
+        }
+        for p in paths {
+            match vm.agent.stat(&guest_path(&p)).await {
+                Ok(st) => {
+                    if st.kind != FileKind::File || differs(&p, st.size, st.mode, st.mtime, None) {
+                        out.insert(p);
+                    }
+                }
+                // Deleted in the VM: the host's new version simply goes in.
+                Err(RpcError::Remote(_)) => {}
+                Err(e) => return Err(agent_err(e)),
+            }
+        }
+        Ok(out)
     }
 
     /// Sync before an exec (takes the workspace lock).

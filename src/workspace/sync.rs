@@ -5,6 +5,7 @@
 //! Never changes the host repo; the base is only written by [`Base::save`] after the caller
 //! delivered the archive.
 
+use std::collections::HashSet;
 use std::path::Path;
 
 use super::manifest::{Base, Entry, Kind, Manifest};
@@ -19,6 +20,8 @@ pub struct Delta {
     pub delete: Vec<String>,
     /// The base to record once the VM has unpacked `archive` and applied `delete`.
     pub manifest: Manifest,
+    /// Files changed on both sides since the base: left as the VM has them.
+    pub kept_vm_changes: Vec<String>,
     /// Whether `manifest` differs from the stored base (else there is nothing to save).
     pub changed: bool,
     /// Entries in `archive` (directories included).
@@ -51,8 +54,37 @@ fn header(kind: tar::EntryType, mode: u32, size: u64, mtime_ns: i64) -> tar::Hea
 
 /// Compare the host scan with the base, read what changed, store it in the base's blob store
 /// and build the archive. A file whose stat (size, mtime, mode) is unchanged is not read.
+#[cfg(test)]
 pub fn compute(root: &Path, scan: &Scan, base: &Base) -> Result<Delta, WorkspaceError> {
-    let old = base.load()?;
+    compute_keeping(root, scan, base, &base.load()?, &HashSet::new())
+}
+
+/// Files of the base whose host stat changed: before overwriting them the caller checks
+/// whether the VM changed them too (see [`compute_keeping`]).
+pub fn overwrite_candidates(scan: &Scan, old: &Manifest) -> Vec<String> {
+    scan.entries
+        .iter()
+        .filter(|(rel, h)| {
+            h.kind == Kind::File
+                && old.entries.get(*rel).is_some_and(|p| {
+                    p.kind == Kind::File && (p.size != h.size || p.mtime_ns != h.mtime_ns)
+                })
+        })
+        .map(|(rel, _)| rel.clone())
+        .collect()
+}
+
+/// Like [`compute`], but files in `vm_changed` (changed in the VM since the base) are not
+/// overwritten when the host changed them too: their base stays, so diff shows the VM's
+/// change and apply merges both. They are listed in [`Delta::kept_vm_changes`].
+pub fn compute_keeping(
+    root: &Path,
+    scan: &Scan,
+    base: &Base,
+    old: &Manifest,
+    vm_changed: &HashSet<String>,
+) -> Result<Delta, WorkspaceError> {
+    let mut kept_vm_changes = Vec::new();
     let mut b = tar::Builder::new(Vec::new());
     let mut out = Manifest::default();
     let (mut files_sent, mut bytes_sent, mut unchanged, mut entries) = (0u64, 0u64, 0u64, 0u64);
@@ -146,6 +178,12 @@ pub fn compute(root: &Path, scan: &Scan, base: &Base) -> Result<Delta, Workspace
                     unchanged += 1;
                     continue;
                 }
+                if let Some(p) = prev.filter(|p| p.kind == Kind::File && vm_changed.contains(rel)) {
+                    // Both changed: keep the VM's version and the old base.
+                    out.entries.insert(rel.clone(), p.clone());
+                    kept_vm_changes.push(rel.clone());
+                    continue;
+                }
                 let mut hd = header(
                     tar::EntryType::Regular,
                     h.mode,
@@ -178,7 +216,8 @@ pub fn compute(root: &Path, scan: &Scan, base: &Base) -> Result<Delta, Workspace
     }
     let archive = b.into_inner().map_err(tar_err("(archive)"))?;
     Ok(Delta {
-        changed: out != old,
+        kept_vm_changes,
+        changed: out != *old,
         archive,
         delete,
         manifest: out,
@@ -244,6 +283,31 @@ mod tests {
         assert_eq!(d.bytes_sent, 8);
         let sha = &d.manifest.entries["src/f3.txt"].sha256;
         assert_eq!(base.blob(sha).unwrap(), b"changed!");
+    }
+
+    #[test]
+    fn a_file_changed_on_both_sides_is_left_as_the_vm_has_it() {
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let base = Base::new(data.path().join("ws"));
+        write(root, "a.txt", "base");
+        write(root, "b.txt", "base");
+        let first = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        base.save(&first.manifest).unwrap();
+        write(root, "a.txt", "host edit");
+        write(root, "b.txt", "host edit");
+        let s = scan(root, &rules).unwrap();
+        assert_eq!(
+            overwrite_candidates(&s, &first.manifest),
+            ["a.txt", "b.txt"]
+        );
+        let vm = HashSet::from(["a.txt".to_string()]);
+        let d = compute_keeping(root, &s, &base, &first.manifest, &vm).unwrap();
+        assert_eq!(names(&d.archive), ["b.txt"]);
+        assert_eq!(d.kept_vm_changes, ["a.txt"]);
+        assert_eq!(d.manifest.entries["a.txt"], first.manifest.entries["a.txt"]);
     }
 
     #[test]
