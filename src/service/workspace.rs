@@ -146,6 +146,7 @@ impl Service {
             Ok((scan, old, c))
         })
         .await?;
+        let scan_ms = started.elapsed().as_millis() as u64;
         let vm_changed = self.vm_changed(vm, &old, candidates).await?;
         let (r2, b2) = (root.clone(), base.clone());
         let (delta, secrets) = blocking(move || {
@@ -153,6 +154,7 @@ impl Service {
             Ok((d, scan.secrets_skipped))
         })
         .await?;
+        let compute_ms = started.elapsed().as_millis() as u64;
         if delta.entries > 0 || !delta.delete.is_empty() {
             // A request frame is at most 1 MiB: long delete lists go in batches first.
             let mut batches = delete_batches(&delta.delete);
@@ -171,6 +173,7 @@ impl Service {
                 .await
                 .map_err(agent_err)?;
         }
+        let send_ms = started.elapsed().as_millis() as u64;
         if delta.changed {
             base.save(&delta.manifest)?;
         }
@@ -184,7 +187,7 @@ impl Service {
             duration_ms: started.elapsed().as_millis() as u64,
         };
         tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
-            deleted = report.deleted, ms = report.duration_ms, "workspace synced");
+            deleted = report.deleted, scan_ms, compute_ms, send_ms, ms = report.duration_ms, "workspace synced");
         Ok(report)
     }
 

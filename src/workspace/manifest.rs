@@ -101,10 +101,20 @@ impl Base {
 
     /// Replace the manifest atomically (temp file, fsync, rename).
     pub fn save(&self, m: &Manifest) -> Result<(), WorkspaceError> {
+        self.sync_blobs()?;
         let p = self.manifest_path();
         let json = serde_json::to_vec(m)
             .map_err(|e| WorkspaceError::CorruptBase(p.clone(), e.to_string()))?;
         write_atomic(&p, &json, 0o600)
+    }
+
+    /// Make every blob written so far durable: one `syncfs` of the file system holding them.
+    fn sync_blobs(&self) -> Result<(), WorkspaceError> {
+        let dir = self.dir.join("blobs");
+        let Ok(f) = std::fs::File::open(&dir) else {
+            return Ok(()); // no blobs yet
+        };
+        nix::unistd::syncfs(&f).map_err(|e| WorkspaceError::io("sync", &dir)(e.into()))
     }
 
     /// Store `data` under its hash (no-op when present). Returns the hash.
@@ -112,7 +122,9 @@ impl Base {
         let sha = super::sha256(data);
         let p = self.blob_path(&sha);
         if !p.exists() {
-            write_atomic(&p, data, 0o600)?;
+            // Not fsynced one by one (a first sync writes thousands): `save` syncs the whole
+            // file system once before the manifest that names them is replaced.
+            write_file(&p, data, 0o600, false)?;
         }
         Ok(sha)
     }
@@ -126,6 +138,11 @@ impl Base {
 /// Write `data` to `path` atomically: a temp file in the same directory, exact mode, fsync,
 /// rename. A crash leaves the old content or the new one, never a mix.
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<(), WorkspaceError> {
+    write_file(path, data, mode, true)
+}
+
+/// Temp file + rename; `durable` also fsyncs the file before the rename.
+fn write_file(path: &Path, data: &[u8], mode: u32, durable: bool) -> Result<(), WorkspaceError> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(WorkspaceError::io("create", dir))?;
@@ -144,7 +161,9 @@ pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<(), Workspace
             .open(&tmp)?;
         f.write_all(data)?;
         f.set_permissions(std::fs::Permissions::from_mode(mode & 0o7777))?;
-        f.sync_all()?;
+        if durable {
+            f.sync_all()?;
+        }
         std::fs::rename(&tmp, path)
     })();
     if res.is_err() {
