@@ -8,6 +8,7 @@
 use crate::rpc::frame::CHUNK;
 use crate::rpc::msg::{Body, ErrorKind, FileKind, Frame, RemoteError, Reply, WalkEntry};
 use crate::rpc::outbox::Outbox;
+use std::collections::HashSet;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
@@ -127,26 +128,41 @@ pub async fn untar(
         let entries = ar
             .entries()
             .map_err(|e| RemoteError::from_io("read archive", &e))?;
+        // Parent directories already checked (or made) by this archive: checked once each.
+        let mut ok_dirs: HashSet<PathBuf> = HashSet::new();
         for ent in entries {
             let mut ent = ent.map_err(|e| RemoteError::from_io("read archive", &e))?;
             let rel = ent.path().map(|p| p.to_path_buf()).unwrap_or_default();
-            // The host wins: a parent that is a symlink or a file in the VM (made by a command
-            // there) is replaced by the host's directory, so nothing is written through it.
-            clear_parents(&root, &rel)?;
-            // A file replacing a directory (or the reverse) must go first.
-            let dst = root.join(&rel);
-            if let Ok(md) = std::fs::symlink_metadata(&dst) {
-                let want_dir = ent.header().entry_type().is_dir();
-                if md.is_dir() != want_dir {
-                    let _ = if md.is_dir() {
-                        std::fs::remove_dir_all(&dst)
-                    } else {
-                        std::fs::remove_file(&dst)
-                    };
+            let rel_str = rel.to_string_lossy().into_owned();
+            relative(&rel_str)?;
+            let ctx = |e: std::io::Error| RemoteError::from_io(&format!("unpack {rel_str}"), &e);
+            if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty())
+                && !ok_dirs.contains(parent)
+            {
+                // The host wins: a parent that is a symlink or a file in the VM (made by a
+                // command there) is replaced by the host's directory, never written through.
+                clear_parents(&root, &rel)?;
+                std::fs::create_dir_all(root.join(parent)).map_err(ctx)?;
+                for a in parent.ancestors().filter(|a| !a.as_os_str().is_empty()) {
+                    ok_dirs.insert(a.to_path_buf());
                 }
             }
-            ent.unpack_in(&root)
-                .map_err(|e| RemoteError::from_io(&format!("unpack {}", rel.display()), &e))?;
+            // A file replacing a directory (or the reverse) must go first.
+            let dst = root.join(&rel);
+            let want_dir = ent.header().entry_type().is_dir();
+            if let Ok(md) = std::fs::symlink_metadata(&dst)
+                && md.is_dir() != want_dir
+            {
+                let _ = if md.is_dir() {
+                    std::fs::remove_dir_all(&dst)
+                } else {
+                    std::fs::remove_file(&dst)
+                };
+            }
+            ent.unpack(&dst).map_err(ctx)?;
+            if want_dir {
+                ok_dirs.insert(rel);
+            }
         }
         Ok::<_, RemoteError>(())
     })
