@@ -255,3 +255,101 @@ pub struct SnapshotList {
 pub struct RestoreRequest {
     pub snapshot: String,
 }
+
+// ---- Workspace: sync, diff, apply, pull, undo (the workspace milestone implements these) ----
+
+/// `POST /v1/sandboxes/{id}/sync` (also done before every exec): what went host -> VM.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SyncReport {
+    pub files_sent: u64,
+    pub bytes_sent: u64,
+    pub deleted: u64,
+    pub unchanged: u64,
+    /// Paths left out by the secret rules (never synced unless allowed).
+    #[serde(default)]
+    pub secrets_skipped: Vec<String>,
+    /// Files changed both on the host and in the VM since the last sync: left as the VM has
+    /// them (diff shows them; apply merges both sides).
+    #[serde(default)]
+    pub kept_vm_changes: Vec<String>,
+    pub duration_ms: u64,
+}
+
+/// How a path differs between the sync base and the VM.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ChangeKind {
+    Added,
+    Modified,
+    Deleted,
+    Renamed,
+    ModeChanged,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileChange {
+    pub path: String,
+    pub kind: ChangeKind,
+    /// For `renamed`: where it came from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_path: Option<String>,
+    pub binary: bool,
+    pub additions: u64,
+    pub deletions: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_mode: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_mode: Option<u32>,
+    /// Unified diff (text files, unless `stat` was asked for).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub patch: Option<String>,
+}
+
+/// `GET /v1/sandboxes/{id}/diff[?stat=true][&path=P...]`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DiffReport {
+    pub files: Vec<FileChange>,
+}
+
+/// `POST /v1/sandboxes/{id}/apply` (`paths` empty = everything) and
+/// `POST /v1/sandboxes/{id}/pull` (`paths` required; `force` overrides the host-changed check).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApplyRequest {
+    #[serde(default)]
+    pub paths: Vec<String>,
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// What an apply or pull did. `artifact_id` (`art_...`) undoes it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ApplyReport {
+    pub artifact_id: Option<String>,
+    pub applied: Vec<String>,
+    /// Merged with conflict markers (host and VM both changed the file).
+    pub conflicts: Vec<String>,
+    /// Refused, with the reason (`path: reason`).
+    pub refused: Vec<String>,
+}
+
+/// `POST /v1/artifacts/{art_id}/undo`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct UndoReport {
+    pub artifact_id: String,
+    pub restored: Vec<String>,
+    pub removed: Vec<String>,
+}
+
+/// `GET /v1/sandboxes/{id}/files?path=/abs/path` and the body of `PUT` on the same route.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileContent {
+    pub path: String,
+    /// UTF-8 content, or `content_b64` for binary files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_b64: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<u32>,
+}

@@ -58,7 +58,75 @@ pub struct Config {
     /// Export traces over OTLP/HTTP to this endpoint (e.g. `http://127.0.0.1:4318`);
     /// `serve --otlp-endpoint` overrides it. Default: unset (traces stay in the daemon).
     pub otlp_endpoint: Option<String>,
+    /// Workspace sync, diff, apply and pull (`[sync]` table).
+    pub sync: SyncConfig,
 }
+
+/// `[sync]`: what of the host repo goes into the VM, and limits on what comes back.
+///
+/// Patterns are globs on the path relative to the repo root, `/`-separated. A pattern without
+/// a `/` matches a name at any depth (`*.pem` matches `a/b/c.pem`); a pattern matching a
+/// directory covers everything under it (`.aws` covers `.aws/credentials`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SyncConfig {
+    /// Extra paths never synced (on top of `.gitignore`, `.git/info/exclude`). Default: none.
+    pub exclude: Vec<String>,
+    /// Secret files: never synced, never applied back unless allowed below. Default:
+    /// `.env`, `.env.*`, `.envrc`, `*.pem`, `*.key`, `*.p12`, `*.pfx`, `id_rsa*`, `id_dsa*`,
+    /// `id_ecdsa*`, `id_ed25519*`, `.npmrc`, `.pypirc`, `.netrc`, `_netrc`, `.git-credentials`,
+    /// `.aws`, `.ssh`, `.gnupg`, `.azure`, `.kube/config`, `.docker/config.json`,
+    /// `.config/gcloud`, `.config/gh/hosts.yml`, `credentials.json`, `secrets.*`, `*.keystore`,
+    /// `.htpasswd`. Setting this replaces the whole list.
+    pub secrets: Vec<String>,
+    /// Secret paths the user explicitly allows into the VM (same pattern syntax). Default: none.
+    pub allow_secrets: Vec<String>,
+    /// Largest single file apply/pull bring back from a VM, in MiB. Default: 64.
+    pub max_file_mib: u64,
+}
+
+impl Default for SyncConfig {
+    fn default() -> Self {
+        SyncConfig {
+            exclude: Vec::new(),
+            secrets: DEFAULT_SECRETS.iter().map(|s| s.to_string()).collect(),
+            allow_secrets: Vec::new(),
+            max_file_mib: 64,
+        }
+    }
+}
+
+/// The default secret patterns (see [`SyncConfig::secrets`]).
+pub const DEFAULT_SECRETS: &[&str] = &[
+    ".env",
+    ".env.*",
+    ".envrc",
+    "*.pem",
+    "*.key",
+    "*.p12",
+    "*.pfx",
+    "id_rsa*",
+    "id_dsa*",
+    "id_ecdsa*",
+    "id_ed25519*",
+    ".npmrc",
+    ".pypirc",
+    ".netrc",
+    "_netrc",
+    ".git-credentials",
+    ".aws",
+    ".ssh",
+    ".gnupg",
+    ".azure",
+    ".kube/config",
+    ".docker/config.json",
+    ".config/gcloud",
+    ".config/gh/hosts.yml",
+    "credentials.json",
+    "secrets.*",
+    "*.keystore",
+    ".htpasswd",
+];
 
 impl Default for Config {
     fn default() -> Self {
@@ -77,6 +145,7 @@ impl Default for Config {
             artifacts: None,
             exec_log_max_bytes: 16 << 20,
             otlp_endpoint: None,
+            sync: SyncConfig::default(),
         }
     }
 }
@@ -187,6 +256,17 @@ mod tests {
     fn unknown_key_is_an_error() {
         let e = Config::parse("tcp_lisen = \"127.0.0.1:1\"").unwrap_err();
         assert!(e.contains("tcp_lisen"), "{e}");
+    }
+
+    #[test]
+    fn sync_table_parses_and_rejects_typos() {
+        let c = Config::parse("[sync]\nexclude = [\"big/\"]\nallow_secrets = [\".env.example\"]")
+            .unwrap();
+        assert_eq!(c.sync.exclude, ["big/"]);
+        assert_eq!(c.sync.allow_secrets, [".env.example"]);
+        assert!(c.sync.secrets.iter().any(|s| s == "*.pem"));
+        assert_eq!(c.sync.max_file_mib, 64);
+        assert!(Config::parse("[sync]\nexclud = []").is_err());
     }
 
     #[test]

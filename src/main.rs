@@ -18,6 +18,7 @@ mod service;
 mod store;
 mod telemetry;
 mod vmm;
+mod workspace;
 
 use std::process::ExitCode;
 

@@ -1,15 +1,20 @@
 //! The command line: argument parsing and one file per command. Talks to the daemon only
 //! through `client`.
 
+mod apply;
 mod create;
+mod diff;
 mod events;
 mod exec;
 mod install;
 mod logs;
 mod ls;
+mod pull;
 mod rm;
 mod snapshot;
+mod sync;
 mod trace;
+mod undo;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -60,14 +65,16 @@ pub enum Command {
     Ls(ls::Args),
     /// Remove a sandbox (its VM and every file of it).
     Rm(rm::Args),
-    /// Show what changed inside a sandbox.
-    Diff,
-    /// Bring a sandbox's changes into the host repo (with a backup).
-    Apply,
+    /// Send the host repo's changes into a sandbox now (exec and create do it too).
+    Sync(sync::Args),
+    /// Show what changed inside a sandbox since the last sync.
+    Diff(diff::Args),
+    /// Bring a sandbox's changes into the host repo (with a backup; prints `art_...`).
+    Apply(apply::Args),
     /// Copy selected files from a sandbox (with a backup).
-    Pull,
+    Pull(pull::Args),
     /// Restore what an apply or pull changed.
-    Undo,
+    Undo(undo::Args),
     /// Follow the daemon's events live (sandbox created/ready/failed/removed, exec started/finished).
     Events(events::Args),
     /// Per-phase waterfall of a sandbox or exec.
@@ -136,6 +143,11 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Exec(a) => runtime()?.block_on(exec::run(a)),
         Command::Ls(a) => runtime()?.block_on(ls::run(a)),
         Command::Rm(a) => runtime()?.block_on(rm::run(a)),
+        Command::Sync(a) => runtime()?.block_on(sync::run(a)),
+        Command::Diff(a) => runtime()?.block_on(diff::run(a)),
+        Command::Apply(a) => runtime()?.block_on(apply::run(a)),
+        Command::Pull(a) => runtime()?.block_on(pull::run(a)),
+        Command::Undo(a) => runtime()?.block_on(undo::run(a)),
         Command::Doctor { artifacts } => runtime()?.block_on(crate::doctor::run(artifacts)),
         Command::Token => {
             let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
@@ -149,10 +161,6 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
             println!("tryboxi {}", env!("CARGO_PKG_VERSION"));
             Ok(())
         }
-        Command::Diff => Err(TopError::NotImplemented("diff")),
-        Command::Apply => Err(TopError::NotImplemented("apply")),
-        Command::Pull => Err(TopError::NotImplemented("pull")),
-        Command::Undo => Err(TopError::NotImplemented("undo")),
         Command::Events(a) => runtime()?.block_on(events::run(a)),
         Command::Trace(a) => runtime()?.block_on(trace::run(a)),
         Command::Snapshot(c) => runtime()?.block_on(snapshot::run(c)),

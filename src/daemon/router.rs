@@ -32,6 +32,24 @@ pub enum Action {
     Trace(String),
     /// `GET /v1/execs/{id}/output`: a piece of an exec's output log.
     ExecOutput(String, crate::service::OutputQuery),
+    Sync(String),
+    Diff {
+        id: String,
+        stat: bool,
+        paths: Vec<String>,
+    },
+    Apply(String, api::ApplyRequest),
+    Pull(String, api::ApplyRequest),
+    Undo(String),
+    ReadFile {
+        id: String,
+        path: String,
+    },
+    WriteFile {
+        id: String,
+        path: String,
+        body: api::FileContent,
+    },
 }
 
 /// How a streamed response is framed: NDJSON by default, server-sent events when the client
@@ -69,6 +87,13 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/metrics"),
     ("GET", "/v1/traces/{id}"),
     ("GET", "/v1/execs/{id}/output"),
+    ("POST", "/v1/sandboxes/{id}/sync"),
+    ("GET", "/v1/sandboxes/{id}/diff"),
+    ("POST", "/v1/sandboxes/{id}/apply"),
+    ("POST", "/v1/sandboxes/{id}/pull"),
+    ("POST", "/v1/artifacts/{art_id}/undo"),
+    ("GET", "/v1/sandboxes/{id}/files"),
+    ("PUT", "/v1/sandboxes/{id}/files"),
 ];
 
 /// Turn a full request (path with query, headers, body) into an action.
@@ -151,43 +176,18 @@ pub fn parse_request(
         | (_, ["metrics"])
         | (_, ["v1", "traces", _])
         | (_, ["v1", "execs", _, "output"]) => Err(ApiError::method_not_allowed(method)),
-        _ => parse(method, uri.path(), format, body),
+        _ => parse(
+            method,
+            uri.path_and_query().map_or(uri.path(), |pq| pq.as_str()),
+            format,
+            body,
+        ),
     }
 }
 
 /// `a=1&b=x%20y` -> pairs, percent-decoded (`+` is a space).
 fn query_pairs(q: &str) -> Vec<(String, String)> {
-    q.split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (percent_decode(k), percent_decode(v))
-        })
-        .collect()
-}
-
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < b.len() => {
-                let hex = |c: u8| (c as char).to_digit(16);
-                match (hex(b[i + 1]), hex(b[i + 2])) {
-                    (Some(h), Some(l)) => {
-                        out.push((h * 16 + l) as u8);
-                        i += 2;
-                    }
-                    _ => out.push(b'%'),
-                }
-            }
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    form_urlencoded::parse(q.as_bytes()).into_owned().collect()
 }
 
 fn number<T: std::str::FromStr>(k: &str, v: &str) -> Result<T, ApiError> {
@@ -210,13 +210,17 @@ fn unknown_param(k: &str) -> ApiError {
     ApiError::bad_request(format!("unknown query parameter `{k}`"))
 }
 
-/// Turn method + path + body into an action, or a 400/404/405 error.
+/// Turn method + path (with an optional `?query`) + body into an action, or a 400/404/405 error.
 pub fn parse(
     method: &Method,
-    path: &str,
+    target: &str,
     format: StreamFormat,
     body: &[u8],
 ) -> Result<Action, ApiError> {
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    let q: Vec<(String, String)> = form_urlencoded::parse(query.as_bytes())
+        .into_owned()
+        .collect();
     let segs: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
     match (method, segs.as_slice()) {
         (&Method::GET, ["v1", "health"]) => Ok(Action::Health),
@@ -242,12 +246,47 @@ pub fn parse(
         (&Method::POST, ["v1", "sandboxes", id, "restore"]) => {
             Ok(Action::Restore(sandbox_id(id)?, json(body)?))
         }
+        (&Method::POST, ["v1", "sandboxes", id, "sync"]) => Ok(Action::Sync(sandbox_id(id)?)),
+        (&Method::GET, ["v1", "sandboxes", id, "diff"]) => Ok(Action::Diff {
+            id: sandbox_id(id)?,
+            stat: flag(&q, "stat")?,
+            paths: all(&q, "path"),
+        }),
+        (&Method::POST, ["v1", "sandboxes", id, "apply"]) => {
+            Ok(Action::Apply(sandbox_id(id)?, json_or_default(body)?))
+        }
+        (&Method::POST, ["v1", "sandboxes", id, "pull"]) => {
+            Ok(Action::Pull(sandbox_id(id)?, json(body)?))
+        }
+        (&Method::POST, ["v1", "artifacts", art, "undo"]) => {
+            if ids::is_valid(ids::ARTIFACT, art) {
+                Ok(Action::Undo((*art).to_owned()))
+            } else {
+                Err(ApiError::not_found(format!("no artifact `{art}`")))
+            }
+        }
+        (&Method::GET, ["v1", "sandboxes", id, "files"]) => Ok(Action::ReadFile {
+            id: sandbox_id(id)?,
+            path: one(&q, "path")?,
+        }),
+        (&Method::PUT, ["v1", "sandboxes", id, "files"]) => Ok(Action::WriteFile {
+            id: sandbox_id(id)?,
+            path: one(&q, "path")?,
+            body: json(body)?,
+        }),
         (_, ["v1", "health" | "openapi.yaml"])
         | (_, ["v1", "sandboxes"])
         | (_, ["v1", "sandboxes", _])
-        | (_, ["v1", "sandboxes", _, "exec" | "snapshots" | "restore"]) => {
-            Err(ApiError::method_not_allowed(method))
-        }
+        | (_, ["v1", "artifacts", _, "undo"])
+        | (
+            _,
+            [
+                "v1",
+                "sandboxes",
+                _,
+                "exec" | "sync" | "diff" | "apply" | "pull" | "files" | "snapshots" | "restore",
+            ],
+        ) => Err(ApiError::method_not_allowed(method)),
         _ => Err(ApiError::not_found(format!("no such API route: {path}"))),
     }
 }
@@ -258,6 +297,51 @@ fn json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     }
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("malformed JSON body: {e}")))
+}
+
+/// An optional JSON body (empty = the type's default).
+fn json_or_default<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    json(body)
+}
+
+/// `?name=true|false|1|0` (absent = false).
+fn flag(q: &[(String, String)], name: &str) -> Result<bool, ApiError> {
+    match q
+        .iter()
+        .rev()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+    {
+        None | Some("false" | "0") => Ok(false),
+        Some("true" | "1" | "") => Ok(true),
+        Some(v) => Err(ApiError::bad_request(format!(
+            "query parameter `{name}` must be true or false, got `{v}`"
+        ))),
+    }
+}
+
+/// Every value of a repeated query parameter.
+fn all(q: &[(String, String)], name: &str) -> Vec<String> {
+    q.iter()
+        .filter(|(k, _)| k == name)
+        .map(|(_, v)| v.clone())
+        .collect()
+}
+
+/// A required, single query parameter.
+fn one(q: &[(String, String)], name: &str) -> Result<String, ApiError> {
+    match all(q, name).as_slice() {
+        [v] => Ok(v.clone()),
+        [] => Err(ApiError::bad_request(format!(
+            "the query parameter `{name}` is required"
+        ))),
+        _ => Err(ApiError::bad_request(format!(
+            "give the query parameter `{name}` once"
+        ))),
+    }
 }
 
 /// A syntactically invalid id can never exist: answer 404 like any unknown sandbox.
@@ -348,21 +432,63 @@ mod tests {
         // And each documented route really parses (not 404/405) with a sample id and body.
         let id = crate::ids::new_id(crate::ids::SANDBOX);
         for (m, p) in &documented {
-            let path = if p.starts_with("/v1/execs/") {
+            let art = crate::ids::new_id(crate::ids::ARTIFACT);
+            let mut path = if p.starts_with("/v1/execs/") {
                 p.replace("{id}", &crate::ids::new_id(crate::ids::EXEC))
             } else {
-                p.replace("{id}", &id)
+                p.replace("{id}", &id).replace("{art_id}", &art)
             };
+            if p.ends_with("/files") {
+                path.push_str("?path=/workspace/a");
+            }
             let method: Method = m.parse().unwrap();
             let body: &[u8] = match (m.as_str(), p.as_str()) {
                 ("POST", "/v1/sandboxes") => br#"{"workspace":{"host_path":"/tmp"}}"#,
-                ("POST", _) => br#"{"cmd":"true"}"#,
+                ("POST", p) if p.ends_with("/exec") => br#"{"cmd":"true"}"#,
+                ("POST", p) if p.ends_with("/pull") => br#"{"paths":["a"],"force":true}"#,
+                ("PUT", _) => br#"{"path":"/workspace/a","content":"x"}"#,
                 _ => b"",
             };
             let uri: hyper::Uri = path.parse().unwrap();
             parse_request(&method, &uri, &hyper::HeaderMap::new(), body)
                 .unwrap_or_else(|e| panic!("{m} {p}: {e:?}"));
         }
+    }
+
+    #[test]
+    fn diff_query_parses_stat_and_repeated_paths() {
+        let id = crate::ids::new_id(crate::ids::SANDBOX);
+        let a = parse_nd(
+            &Method::GET,
+            &format!("/v1/sandboxes/{id}/diff?stat=true&path=src%2Fa.rs&path=b+c"),
+            b"",
+        )
+        .unwrap();
+        match a {
+            Action::Diff { stat, paths, .. } => {
+                assert!(stat);
+                assert_eq!(paths, ["src/a.rs", "b c"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = parse_nd(
+            &Method::GET,
+            &format!("/v1/sandboxes/{id}/diff?stat=maybe"),
+            b"",
+        )
+        .unwrap_err();
+        assert_eq!(e.status, 400);
+    }
+
+    #[test]
+    fn files_need_exactly_one_path_and_undo_a_valid_artifact_id() {
+        let id = crate::ids::new_id(crate::ids::SANDBOX);
+        let e = parse_nd(&Method::GET, &format!("/v1/sandboxes/{id}/files"), b"").unwrap_err();
+        assert_eq!(e.status, 400);
+        let e = parse_nd(&Method::POST, "/v1/artifacts/../undo", b"").unwrap_err();
+        assert_eq!(e.status, 404);
+        let e = parse_nd(&Method::GET, "/v1/artifacts/art_0000000000000000/undo", b"").unwrap_err();
+        assert_eq!(e.status, 405);
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod init;
 pub mod port;
 pub mod reaper;
 pub mod server;
+pub mod tree;
 
 #[cfg(test)]
 mod tests;

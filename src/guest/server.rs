@@ -325,6 +325,24 @@ async fn request(
                 lock(&rt).remove(&stream);
             });
         }
+        Request::Untar { dir, delete } => {
+            let (tx, rx) = mpsc::unbounded_channel();
+            lock(routes).insert(stream, Route::Write(tx));
+            let (ob, rt) = (outbox.clone(), routes.clone());
+            tokio::spawn(async move {
+                super::tree::untar(dir, delete, rx, ob, stream).await;
+                lock(&rt).remove(&stream);
+            });
+        }
+        Request::Walk { path, skip } => {
+            let sem = Arc::new(Semaphore::new(WINDOW));
+            lock(routes).insert(stream, Route::Read(sem.clone()));
+            let (ob, rt) = (outbox.clone(), routes.clone());
+            tokio::spawn(async move {
+                super::tree::walk(path, skip, ob, stream, sem).await;
+                lock(&rt).remove(&stream);
+            });
+        }
         req @ (Request::Stat { .. }
         | Request::List { .. }
         | Request::Mkdir { .. }

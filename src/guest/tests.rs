@@ -676,3 +676,70 @@ async fn an_abandoned_handshake_closes_its_connection() {
         .unwrap();
     assert!(eof.is_none(), "the connection stayed open");
 }
+
+#[tokio::test]
+async fn untar_replaces_deletes_and_walk_reports_the_tree() {
+    let a = agent();
+    let (c, _w, _s) = link(&a).await;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("ws");
+    std::fs::create_dir_all(root.join("old/deep")).unwrap();
+    std::fs::write(root.join("old/deep/x"), b"x").unwrap();
+    std::fs::write(root.join("gone"), b"bye").unwrap();
+    std::fs::create_dir_all(root.join(".git/objects")).unwrap();
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_size(5);
+    h.set_mode(0o755);
+    h.set_mtime(1_700_000_000);
+    h.set_entry_type(tar::EntryType::Regular);
+    b.append_data(&mut h, "src/run.sh", &b"hello"[..]).unwrap();
+    let mut l = tar::Header::new_gnu();
+    l.set_entry_type(tar::EntryType::Symlink);
+    l.set_size(0);
+    b.append_link(&mut l, "link", "src/run.sh").unwrap();
+    let tar = b.into_inner().unwrap();
+    let rootp = root.to_str().unwrap();
+    c.untar(
+        rootp,
+        vec!["old".into(), "gone".into(), "never-there".into()],
+        &tar,
+    )
+    .await
+    .unwrap();
+    assert_eq!(std::fs::read(root.join("src/run.sh")).unwrap(), b"hello");
+    assert!(!root.join("old").exists() && !root.join("gone").exists());
+    // `..` in the delete list is refused.
+    let e = c.untar(rootp, vec!["../x".into()], &[]).await.unwrap_err();
+    assert!(e.to_string().contains("not a plain relative path"), "{e}");
+    // A VM-made symlink where the host has a directory is replaced, never written through.
+    let outside = dir.path().join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::os::unix::fs::symlink(&outside, root.join("sub")).unwrap();
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_size(2);
+    h.set_mode(0o644);
+    h.set_entry_type(tar::EntryType::Regular);
+    b.append_data(&mut h, "sub/f", &b"hi"[..]).unwrap();
+    c.untar(rootp, vec![], &b.into_inner().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        std::fs::symlink_metadata(root.join("sub"))
+            .unwrap()
+            .is_dir()
+    );
+    assert_eq!(std::fs::read(root.join("sub/f")).unwrap(), b"hi");
+    assert!(!outside.join("f").exists());
+    std::fs::remove_dir_all(root.join("sub")).unwrap();
+    let w = c.walk(rootp, &[".git".into()]).await.unwrap();
+    let names: Vec<&str> = w.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(names, ["link", "src", "src/run.sh"]);
+    let f = &w[2];
+    assert_eq!(
+        (f.kind, f.size, f.mode, f.mtime, f.mtime_nsec),
+        (FileKind::File, 5, 0o755, 1_700_000_000, 0)
+    );
+    assert_eq!(w[0].link.as_deref(), Some("src/run.sh"));
+}

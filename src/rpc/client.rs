@@ -8,7 +8,7 @@
 use super::frame::{CHUNK, read_frame};
 use super::msg::{
     Body, CONTROL_STREAM, DirEntry, ExecSpec, FileStat, Frame, PROTOCOL_VERSION, PtySize, Reply,
-    Request, WireExecEvent,
+    Request, WalkEntry, WireExecEvent,
 };
 use super::outbox::Outbox;
 use super::{RpcError, WINDOW};
@@ -473,8 +473,43 @@ impl AgentClient {
 
     /// Reads a whole file.
     pub async fn read_file(&self, path: &str) -> Result<Vec<u8>, RpcError> {
+        self.read_stream(Request::ReadFile { path: path.into() })
+            .await
+    }
+
+    /// A manifest of the tree under `path` (directories named in `skip` are left out).
+    pub async fn walk(&self, path: &str, skip: &[String]) -> Result<Vec<WalkEntry>, RpcError> {
+        let bytes = self
+            .read_stream(Request::Walk {
+                path: path.into(),
+                skip: skip.to_vec(),
+            })
+            .await?;
+        let cfg = bincode::config::standard();
+        let (v, n): (Vec<WalkEntry>, usize) = bincode::serde::decode_from_slice(&bytes, cfg)
+            .map_err(|e| RpcError::Protocol(format!("bad walk answer: {e}")))?;
+        if n != bytes.len() {
+            return Err(RpcError::Protocol("trailing bytes in a walk answer".into()));
+        }
+        Ok(v)
+    }
+
+    /// Removes `delete` (relative to `dir`), then unpacks the tar archive `tar` into `dir`.
+    pub async fn untar(&self, dir: &str, delete: Vec<String>, tar: &[u8]) -> Result<(), RpcError> {
+        self.write_stream(
+            Request::Untar {
+                dir: dir.into(),
+                delete,
+            },
+            tar,
+        )
+        .await
+    }
+
+    /// Sends `req`, then collects the `Data` it answers with until `DataEnd`.
+    async fn read_stream(&self, req: Request) -> Result<Vec<u8>, RpcError> {
         let mut s = self.open()?;
-        s.send(Body::Request(Request::ReadFile { path: path.into() }))?;
+        s.send(Body::Request(req))?;
         let mut out = Vec::new();
         loop {
             match s.recv().await? {
@@ -492,11 +527,20 @@ impl AgentClient {
 
     /// Writes a whole file atomically (temp file + rename) with permission bits `mode`.
     pub async fn write_file(&self, path: &str, data: &[u8], mode: u32) -> Result<(), RpcError> {
+        self.write_stream(
+            Request::WriteFile {
+                path: path.into(),
+                mode,
+            },
+            data,
+        )
+        .await
+    }
+
+    /// Sends `req` followed by `data` as `Data` + `DataEnd`; waits for `Done`.
+    async fn write_stream(&self, req: Request, data: &[u8]) -> Result<(), RpcError> {
         let mut s = self.open()?;
-        s.send(Body::Request(Request::WriteFile {
-            path: path.into(),
-            mode,
-        }))?;
+        s.send(Body::Request(req))?;
         let shared = self.handle.shared.clone();
         let (id, credit) = (s.id, s.credit.clone());
         let send = async {

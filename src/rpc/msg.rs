@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this file.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
 pub const CONTROL_STREAM: u32 = 0;
@@ -84,6 +84,33 @@ pub enum Request {
         path: String,
         recursive: bool,
     },
+    /// Workspace sync: first remove each of `delete` (paths relative to `dir`, recursively),
+    /// then unpack the tar archive that follows as `Data` + `DataEnd` into `dir` (modes and
+    /// mtimes preserved). Answered with `Done`.
+    Untar {
+        dir: String,
+        delete: Vec<String>,
+    },
+    /// A manifest of the tree under `path` (not following symlinks, skipping directories whose
+    /// name is in `skip`): bincode of `Vec<WalkEntry>` streamed as `Data` + `DataEnd`.
+    Walk {
+        path: String,
+        skip: Vec<String>,
+    },
+}
+
+/// One entry of a [`Request::Walk`] answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WalkEntry {
+    /// Relative to the walked directory, `/`-separated.
+    pub path: String,
+    pub kind: FileKind,
+    pub size: u64,
+    pub mode: u32,
+    pub mtime: i64,
+    pub mtime_nsec: u32,
+    /// Target of a symlink.
+    pub link: Option<String>,
 }
 
 /// A command to run in the guest. Stdin is a pipe fed by `Data` frames on the exec's stream

@@ -53,6 +53,8 @@ impl Service {
             .vms
             .get(id)
             .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
+        // The VM sees the host repo as it is now (one-way delta sync).
+        self.sync_before_exec(&rec, &vm).await?;
         let exec_id = ids::new_id(ids::EXEC);
         let started = Instant::now();
         let mut stream = match vm.agent.exec(wire).await {

@@ -10,6 +10,7 @@ mod observe;
 mod sandboxes;
 mod snapshots;
 mod vms;
+mod workspace;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -65,6 +66,8 @@ pub struct Service {
     pub vms: Vms,
     /// Events, traces, metrics and exec output logs.
     pub telemetry: Arc<Telemetry>,
+    /// One lock per sandbox: its sync, diff, apply and pull never overlap.
+    pub ws_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Service {
@@ -92,6 +95,7 @@ impl Service {
             artifacts,
             vms,
             telemetry,
+            ws_locks: Default::default(),
         }
     }
 

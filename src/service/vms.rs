@@ -147,13 +147,22 @@ impl Service {
         let started = std::time::Instant::now();
         match self.boot(&driver, &spec).await {
             Ok(vm) => {
-                tracing::info!(sandbox = %id, %accel, boot_ms = started.elapsed().as_millis() as u64, "sandbox ready");
+                let boot_ms = started.elapsed().as_millis() as u64;
+                let vm = Arc::new(vm);
+                self.vms.insert(&id, vm.clone());
+                self.watch(id.clone(), vm.clone());
+                // The workspace goes in before anyone can exec.
+                if let Err(e) = self.sync_locked(&rec, &vm).await {
+                    tracing::warn!(sandbox = %id, error = %e, "first workspace sync failed; cleaning up");
+                    self.vms.take(&id);
+                    self.telemetry.sandbox_create_failed(&id, &e.to_string());
+                    self.discard(&id, &dir).await;
+                    return Err(e);
+                }
+                tracing::info!(sandbox = %id, %accel, boot_ms, total_ms = started.elapsed().as_millis() as u64, "sandbox ready");
                 rec.api.state = SandboxState::Ready;
                 self.store.put(SANDBOXES, &id, &rec)?;
                 self.telemetry.sandbox_ready(&rec.api, started);
-                let vm = Arc::new(vm);
-                self.vms.insert(&id, vm.clone());
-                self.watch(id, vm);
                 Ok(rec.api)
             }
             Err(e) => {

@@ -1,0 +1,602 @@
+//! Workspace use cases: sync (before every exec and at create), diff, apply, pull, undo, and
+//! reading/writing single files in a VM.
+//!
+//! Owns the order of operations and the per-sandbox workspace lock (sync, diff and apply of
+//! one sandbox never overlap). The file logic lives in `crate::workspace`; this module moves
+//! bytes between it and the VM's agent and records backups in the store.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::StreamExt;
+
+use super::vms::LiveVm;
+use super::{SandboxRecord, Service, ServiceError};
+use crate::api::{self, SandboxState};
+use crate::ids;
+use crate::rpc::{FileKind, RpcError};
+use crate::store::ARTIFACTS;
+use crate::workspace::apply::{self, Mode};
+use crate::workspace::backup::{self, ArtifactRecord, ArtifactState};
+use crate::workspace::diff::{self, Change};
+use crate::workspace::manifest::{Base, Entry, Kind, Manifest};
+use crate::workspace::rules::{self, Ignores, Rules};
+use crate::workspace::{GUEST_ROOT, WorkspaceError, sync};
+
+/// VM files fetched at once for a diff.
+const FETCH_CONCURRENCY: usize = 8;
+
+impl From<WorkspaceError> for ServiceError {
+    fn from(e: WorkspaceError) -> Self {
+        match e {
+            WorkspaceError::NoArtifact(_) => ServiceError::NotFound(e.to_string()),
+            WorkspaceError::AlreadyUndone(_) => ServiceError::Conflict(e.to_string()),
+            WorkspaceError::Refused(_) => ServiceError::BadRequest(e.to_string()),
+            WorkspaceError::CorruptBase(..) | WorkspaceError::Store(_) => {
+                ServiceError::Internal(e.to_string())
+            }
+            WorkspaceError::Io { .. } | WorkspaceError::Pattern { .. } => {
+                ServiceError::Unprocessable(e.to_string())
+            }
+        }
+    }
+}
+
+fn agent_err(e: RpcError) -> ServiceError {
+    match e {
+        RpcError::Remote(r) => ServiceError::Unprocessable(format!("the sandbox refused: {r}")),
+        e => ServiceError::Unavailable(format!("cannot reach the sandbox's agent: {e}")),
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, WorkspaceError> + Send + 'static,
+) -> Result<T, ServiceError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ServiceError::Internal(format!("workspace task failed: {e}")))?
+        .map_err(ServiceError::from)
+}
+
+fn guest_path(rel: &str) -> String {
+    format!("{GUEST_ROOT}/{rel}")
+}
+
+/// The changes of a VM against its base, plus what diff/apply need around them.
+struct Changes {
+    base: Base,
+    manifest: Manifest,
+    changes: Vec<Change>,
+    special: Vec<String>,
+}
+
+impl Service {
+    fn ws_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self.ws_locks.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(id.to_owned()).or_default().clone()
+    }
+
+    fn rules(&self) -> Result<Rules, ServiceError> {
+        Ok(Rules::new(&self.config.sync)?)
+    }
+
+    fn max_file_bytes(&self) -> u64 {
+        self.config.sync.max_file_mib.saturating_mul(1024 * 1024)
+    }
+
+    /// The sandbox record and its live VM; 409 unless it is ready.
+    fn ready_vm(&self, id: &str) -> Result<(SandboxRecord, Arc<LiveVm>), ServiceError> {
+        let rec = self.record(id)?;
+        if rec.api.state != SandboxState::Ready {
+            let why = rec
+                .api
+                .error
+                .clone()
+                .map(|e| format!(": {e}"))
+                .unwrap_or_default();
+            return Err(ServiceError::Conflict(format!(
+                "sandbox `{id}` is {}{why}",
+                rec.api.state
+            )));
+        }
+        let vm = self
+            .vms
+            .get(id)
+            .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
+        Ok((rec, vm))
+    }
+
+    fn host_root(rec: &SandboxRecord) -> Result<PathBuf, ServiceError> {
+        let root = PathBuf::from(&rec.api.workspace.host_path);
+        if !root.is_dir() {
+            return Err(ServiceError::Unprocessable(format!(
+                "the workspace {} is gone or not a directory",
+                root.display()
+            )));
+        }
+        Ok(root)
+    }
+
+    /// `POST /v1/sandboxes/{id}/sync`.
+    pub async fn sync_workspace(&self, id: &str) -> Result<api::SyncReport, ServiceError> {
+        let (rec, vm) = self.ready_vm(id)?;
+        let lock = self.ws_lock(id);
+        let _g = lock.lock().await;
+        self.sync_locked(&rec, &vm).await
+    }
+
+    /// Send what changed on the host since the base; record the new base. The caller holds
+    /// the sandbox's workspace lock (or owns the sandbox exclusively, at create).
+    pub(super) async fn sync_locked(
+        &self,
+        rec: &SandboxRecord,
+        vm: &LiveVm,
+    ) -> Result<api::SyncReport, ServiceError> {
+        let started = Instant::now();
+        let root = Self::host_root(rec)?;
+        let rules = self.rules()?;
+        let base = Base::new(rec.dir.join("workspace"));
+        let (r2, b2) = (root.clone(), base.clone());
+        let (scan, old, candidates) = blocking(move || {
+            let scan = rules::scan(&r2, &rules)?;
+            let old = b2.load()?;
+            let c = sync::overwrite_candidates(&scan, &old);
+            Ok((scan, old, c))
+        })
+        .await?;
+        let scan_ms = started.elapsed().as_millis() as u64;
+        let vm_changed = self.vm_changed(vm, &old, candidates).await?;
+        let (r2, b2) = (root.clone(), base.clone());
+        let (delta, secrets) = blocking(move || {
+            let d = sync::compute_keeping(&r2, &scan, &b2, &old, &vm_changed)?;
+            Ok((d, scan.secrets_skipped))
+        })
+        .await?;
+        let compute_ms = started.elapsed().as_millis() as u64;
+        if delta.entries > 0 || !delta.delete.is_empty() {
+            // A request frame is at most 1 MiB: long delete lists go in batches first.
+            let mut batches = delete_batches(&delta.delete);
+            let last = batches.pop().unwrap_or_default();
+            let empty = tar::Builder::new(Vec::new())
+                .into_inner()
+                .map_err(|e| ServiceError::Internal(e.to_string()))?;
+            for b in batches {
+                vm.agent
+                    .untar(GUEST_ROOT, b, &empty)
+                    .await
+                    .map_err(agent_err)?;
+            }
+            vm.agent
+                .untar(GUEST_ROOT, last, &delta.archive)
+                .await
+                .map_err(agent_err)?;
+        }
+        let send_ms = started.elapsed().as_millis() as u64;
+        if delta.changed {
+            base.save(&delta.manifest)?;
+        }
+        let report = api::SyncReport {
+            files_sent: delta.files_sent,
+            bytes_sent: delta.bytes_sent,
+            deleted: delta.delete.len() as u64,
+            unchanged: delta.unchanged,
+            secrets_skipped: secrets,
+            kept_vm_changes: delta.kept_vm_changes.clone(),
+            duration_ms: started.elapsed().as_millis() as u64,
+        };
+        tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
+            deleted = report.deleted, scan_ms, compute_ms, send_ms, ms = report.duration_ms, "workspace synced");
+        Ok(report)
+    }
+
+    /// Which of `paths` (files of the base) the VM changed since the base, by stat: one `Stat`
+    /// each for a few, one `Walk` for many.
+    async fn vm_changed(
+        &self,
+        vm: &LiveVm,
+        manifest: &Manifest,
+        paths: Vec<String>,
+    ) -> Result<HashSet<String>, ServiceError> {
+        let mut out = HashSet::new();
+        if paths.is_empty() {
+            return Ok(out);
+        }
+        // `nsec` is unknown from a `Stat` (seconds only).
+        let differs = |rel: &str, size: u64, mode: u32, mtime: i64, nsec: Option<u32>| {
+            manifest.entries.get(rel).is_some_and(|b| {
+                b.guest_size != size
+                    || b.mode != mode
+                    || b.guest_mtime != mtime
+                    || nsec.is_some_and(|n| n != b.guest_nsec)
+            })
+        };
+        if paths.len() > 32 {
+            let walk = vm
+                .agent
+                .walk(GUEST_ROOT, &[".git".to_owned()])
+                .await
+                .map_err(agent_err)?;
+            let want: HashSet<&String> = paths.iter().collect();
+            for w in walk {
+                if want.contains(&w.path)
+                    && (w.kind != FileKind::File
+                        || differs(&w.path, w.size, w.mode, w.mtime, Some(w.mtime_nsec)))
+                {
+                    out.insert(w.path);
+                }
+            }
+            return Ok(out);
+        }
+        for p in paths {
+            match vm.agent.stat(&guest_path(&p)).await {
+                Ok(st) => {
+                    if st.kind != FileKind::File || differs(&p, st.size, st.mode, st.mtime, None) {
+                        out.insert(p);
+                    }
+                }
+                // Deleted in the VM: the host's new version simply goes in.
+                Err(RpcError::Remote(_)) => {}
+                Err(e) => return Err(agent_err(e)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sync before an exec (takes the workspace lock).
+    pub(super) async fn sync_before_exec(
+        &self,
+        rec: &SandboxRecord,
+        vm: &LiveVm,
+    ) -> Result<(), ServiceError> {
+        let lock = self.ws_lock(&rec.api.id);
+        let _g = lock.lock().await;
+        self.sync_locked(rec, vm).await.map(|_| ())
+    }
+
+    async fn changes(
+        &self,
+        rec: &SandboxRecord,
+        vm: &LiveVm,
+        paths: &[String],
+    ) -> Result<Changes, ServiceError> {
+        let rules = self.rules()?;
+        let base = Base::new(rec.dir.join("workspace"));
+        let manifest = base.load()?;
+        let walk = vm
+            .agent
+            .walk(GUEST_ROOT, &[".git".to_owned()])
+            .await
+            .map_err(agent_err)?;
+        let ignores = Ignores::from_base(&manifest, |p| {
+            manifest
+                .entries
+                .get(p)
+                .and_then(|e| base.blob(&e.sha256).ok())
+        });
+        let s = diff::suspects(&manifest, &walk, &rules, &ignores, paths);
+        let max = self.max_file_bytes();
+        let wanted: Vec<String> = s
+            .changed
+            .iter()
+            .filter(|w| w.kind == FileKind::File && w.size <= max)
+            .map(|w| w.path.clone())
+            .collect();
+        let agent = &vm.agent;
+        let fetched: Vec<Result<(String, Vec<u8>), ServiceError>> =
+            futures_util::stream::iter(wanted)
+                .map(|p| async move {
+                    let data = agent.read_file(&guest_path(&p)).await.map_err(agent_err)?;
+                    Ok((p, data))
+                })
+                .buffer_unordered(FETCH_CONCURRENCY)
+                .collect()
+                .await;
+        let mut contents = HashMap::new();
+        for f in fetched {
+            let (p, d) = f?;
+            contents.insert(p, d);
+        }
+        let special = s.special.clone();
+        let changes = diff::classify(&manifest, s, contents);
+        Ok(Changes {
+            base,
+            manifest,
+            changes,
+            special,
+        })
+    }
+
+    /// `GET /v1/sandboxes/{id}/diff`.
+    pub async fn diff(
+        &self,
+        id: &str,
+        stat: bool,
+        paths: Vec<String>,
+    ) -> Result<api::DiffReport, ServiceError> {
+        let (rec, vm) = self.ready_vm(id)?;
+        let lock = self.ws_lock(id);
+        let _g = lock.lock().await;
+        let ch = self.changes(&rec, &vm, &paths).await?;
+        let files = blocking(move || diff::report(&ch.base, &ch.changes, stat)).await?;
+        Ok(api::DiffReport { files })
+    }
+
+    /// `POST /v1/sandboxes/{id}/apply`.
+    pub async fn apply(
+        &self,
+        id: &str,
+        req: api::ApplyRequest,
+    ) -> Result<api::ApplyReport, ServiceError> {
+        self.bring_back(id, req.paths, Mode::Apply, "apply").await
+    }
+
+    /// `POST /v1/sandboxes/{id}/pull`.
+    pub async fn pull(
+        &self,
+        id: &str,
+        req: api::ApplyRequest,
+    ) -> Result<api::ApplyReport, ServiceError> {
+        if req.paths.is_empty() {
+            return Err(ServiceError::BadRequest(
+                "pull needs at least one path (use apply to bring everything)".into(),
+            ));
+        }
+        self.bring_back(id, req.paths, Mode::Pull { force: req.force }, "pull")
+            .await
+    }
+
+    async fn bring_back(
+        &self,
+        id: &str,
+        paths: Vec<String>,
+        mode: Mode,
+        kind: &str,
+    ) -> Result<api::ApplyReport, ServiceError> {
+        let mut refused_early = Vec::new();
+        let mut ok_paths = Vec::new();
+        for p in &paths {
+            match apply::check_path(p.trim_end_matches('/')) {
+                Ok(()) => ok_paths.push(p.trim_end_matches('/').to_owned()),
+                Err(why) => refused_early.push(format!("{p}: {why}")),
+            }
+        }
+        if !paths.is_empty() && ok_paths.is_empty() {
+            return Err(ServiceError::BadRequest(format!(
+                "nothing to {kind}: {}",
+                refused_early.join("; ")
+            )));
+        }
+        let (rec, vm) = self.ready_vm(id)?;
+        let root = Self::host_root(&rec)?;
+        let lock = self.ws_lock(id);
+        let _g = lock.lock().await;
+        let ch = self.changes(&rec, &vm, &ok_paths).await?;
+        let rules = self.rules()?;
+        let max = self.max_file_bytes();
+        let (r2, b2) = (root.clone(), ch.base.clone());
+        let plan = blocking(move || apply::plan(&r2, &b2, ch.changes, &rules, mode, max)).await?;
+        let mut report = api::ApplyReport {
+            artifact_id: None,
+            applied: plan.applied.clone(),
+            conflicts: plan.conflicts.clone(),
+            refused: refused_early,
+        };
+        report.refused.extend(plan.refused.iter().cloned());
+        report.refused.extend(
+            ch.special.iter().map(|p| {
+                format!("{p}: a device, FIFO or socket; only files and symlinks come back")
+            }),
+        );
+        if !plan.ops.is_empty() {
+            let art_id = ids::new_id(ids::ARTIFACT);
+            let dir = self.paths.artifacts_dir().join(&art_id);
+            let rec0 = ArtifactRecord {
+                id: art_id.clone(),
+                sandbox_id: id.to_owned(),
+                kind: kind.to_owned(),
+                created_at: super::now_rfc3339(),
+                host_root: root.clone(),
+                state: ArtifactState::Applying,
+                entries: Vec::new(),
+            };
+            let store = self.store.clone();
+            let ops = plan.ops.clone();
+            let r2 = root.clone();
+            blocking(move || {
+                backup::execute(&r2, &dir, rec0, &ops, &mut |r| {
+                    store
+                        .put(ARTIFACTS, &r.id, r)
+                        .map_err(|e| WorkspaceError::Store(e.to_string()))
+                })
+            })
+            .await?;
+            tracing::info!(sandbox = %id, artifact = %art_id, files = plan.ops.len(), conflicts = plan.conflicts.len(), "{kind} done");
+            report.artifact_id = Some(art_id);
+        }
+        // The VM's version becomes the base of what was taken.
+        let (base, mut manifest) = (ch.base, ch.manifest);
+        let updates = plan.base_updates;
+        blocking(move || {
+            for (path, vm_item) in updates {
+                let Some(v) = vm_item else {
+                    manifest.entries.remove(&path);
+                    continue;
+                };
+                let host = apply::host_state(&root, &path)?;
+                let md = std::fs::symlink_metadata(root.join(&path)).ok();
+                let (size, mtime_ns) = md
+                    .as_ref()
+                    .and_then(|m| rules::HostEntry::from_metadata(m, None))
+                    .map(|h| (h.size, h.mtime_ns))
+                    .unwrap_or((0, 0));
+                let mut e = match v.kind {
+                    Kind::File => {
+                        let sha = base.put_blob(&v.content)?;
+                        let mut e = Entry::file(v.mode, size, mtime_ns, sha);
+                        // The host holds something else (a merge): make the next sync look.
+                        if !matches!(&host, apply::HostState::File { content, .. } if *content == v.content) {
+                            e.mtime_ns = i64::MIN;
+                        }
+                        e
+                    }
+                    _ => Entry {
+                        kind: Kind::Symlink,
+                        mode: v.mode,
+                        size,
+                        mtime_ns,
+                        sha256: String::new(),
+                        link: v.link.clone(),
+                        guest_size: 0,
+                        guest_mtime: 0,
+                        guest_nsec: 0,
+                    },
+                };
+                e.guest_size = v.walk.size;
+                e.guest_mtime = v.walk.mtime;
+                e.guest_nsec = v.walk.mtime_nsec;
+                manifest.entries.insert(path, e);
+            }
+            base.save(&manifest)
+        })
+        .await?;
+        Ok(report)
+    }
+
+    /// `POST /v1/artifacts/{art_id}/undo`.
+    pub async fn undo(&self, art_id: &str) -> Result<api::UndoReport, ServiceError> {
+        let rec: ArtifactRecord = self
+            .store
+            .get(ARTIFACTS, art_id)?
+            .ok_or_else(|| WorkspaceError::NoArtifact(art_id.to_owned()))?;
+        let lock = self.ws_lock(&rec.sandbox_id);
+        let _g = lock.lock().await;
+        let dir = self.paths.artifacts_dir().join(art_id);
+        let store = self.store.clone();
+        let report = blocking(move || {
+            backup::undo(&dir, rec, &mut |r| {
+                store
+                    .put(ARTIFACTS, &r.id, r)
+                    .map_err(|e| WorkspaceError::Store(e.to_string()))
+            })
+        })
+        .await?;
+        tracing::info!(artifact = %art_id, restored = report.restored.len(), removed = report.removed.len(), "undo done");
+        Ok(report)
+    }
+
+    /// `GET /v1/sandboxes/{id}/files?path=/abs`.
+    pub async fn read_vm_file(
+        &self,
+        id: &str,
+        path: &str,
+    ) -> Result<api::FileContent, ServiceError> {
+        check_guest_path(path)?;
+        let (_rec, vm) = self.ready_vm(id)?;
+        let st = vm.agent.stat(path).await.map_err(not_found_or(path))?;
+        if st.kind != FileKind::File {
+            return Err(ServiceError::BadRequest(format!(
+                "{path} is not a regular file"
+            )));
+        }
+        if st.size > self.max_file_bytes() {
+            return Err(ServiceError::BadRequest(format!(
+                "{path} is {} bytes, over the limit (sync.max_file_mib)",
+                st.size
+            )));
+        }
+        let data = vm.agent.read_file(path).await.map_err(not_found_or(path))?;
+        let (content, content_b64) = match String::from_utf8(data) {
+            Ok(s) => (Some(s), None),
+            Err(e) => (None, Some(api::b64::encode(e.as_bytes()))),
+        };
+        Ok(api::FileContent {
+            path: path.to_owned(),
+            content,
+            content_b64,
+            mode: Some(st.mode),
+        })
+    }
+
+    /// `PUT /v1/sandboxes/{id}/files?path=/abs`: write a file inside the VM (never the host).
+    pub async fn write_vm_file(
+        &self,
+        id: &str,
+        path: &str,
+        body: api::FileContent,
+    ) -> Result<api::FileContent, ServiceError> {
+        check_guest_path(path)?;
+        if !body.path.is_empty() && body.path != path {
+            return Err(ServiceError::BadRequest(format!(
+                "the body names `{}` but the URL names `{path}`",
+                body.path
+            )));
+        }
+        let data = match (&body.content, &body.content_b64) {
+            (Some(_), Some(_)) => {
+                return Err(ServiceError::BadRequest(
+                    "give `content` or `content_b64`, not both".into(),
+                ));
+            }
+            (Some(s), None) => s.as_bytes().to_vec(),
+            (None, Some(b)) => api::b64::decode(b).map_err(ServiceError::BadRequest)?,
+            (None, None) => Vec::new(),
+        };
+        let mode = body.mode.unwrap_or(0o644);
+        if mode > 0o7777 {
+            return Err(ServiceError::BadRequest(format!(
+                "mode {mode:o} is not a permission mode"
+            )));
+        }
+        let (_rec, vm) = self.ready_vm(id)?;
+        if let Some(parent) = std::path::Path::new(path).parent().and_then(|p| p.to_str()) {
+            vm.agent.mkdir(parent, 0o755).await.map_err(agent_err)?;
+        }
+        vm.agent
+            .write_file(path, &data, mode)
+            .await
+            .map_err(agent_err)?;
+        Ok(api::FileContent {
+            path: path.to_owned(),
+            content: None,
+            content_b64: None,
+            mode: Some(mode),
+        })
+    }
+}
+
+/// Split a delete list into batches of at most ~256 KiB of path text.
+fn delete_batches(paths: &[String]) -> Vec<Vec<String>> {
+    let mut out = vec![Vec::new()];
+    let mut size = 0usize;
+    for p in paths {
+        if size + p.len() > 256 * 1024 {
+            out.push(Vec::new());
+            size = 0;
+        }
+        size += p.len() + 8;
+        if let Some(last) = out.last_mut() {
+            last.push(p.clone());
+        }
+    }
+    out
+}
+
+fn check_guest_path(path: &str) -> Result<(), ServiceError> {
+    if !path.starts_with('/') || path.contains('\0') {
+        return Err(ServiceError::BadRequest(format!(
+            "`path` must be an absolute path inside the VM, got `{path}`"
+        )));
+    }
+    Ok(())
+}
+
+fn not_found_or(path: &str) -> impl Fn(RpcError) -> ServiceError + '_ {
+    move |e| match e {
+        RpcError::Remote(r) if r.kind == crate::rpc::msg::ErrorKind::NotFound => {
+            ServiceError::NotFound(format!("no file {path} in the sandbox"))
+        }
+        e => agent_err(e),
+    }
+}

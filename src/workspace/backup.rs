@@ -1,0 +1,309 @@
+//! Backups of apply/pull and their undo.
+//!
+//! Layout: `<data root>/artifacts/<art_id>/record.json` (the [`ArtifactRecord`], also kept in
+//! the store's `artifacts` table) and `<data root>/artifacts/<art_id>/files/<n>` (the host's
+//! content of entry `n` before the change). The record and every backup are written and synced
+//! *before* the first host file changes, and each host write is atomic (temp + rename), so a
+//! daemon killed mid-apply leaves old or new content per file and `undo` still restores all.
+//! Deletes go only through `crate::safefs::remove_under`.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::WorkspaceError;
+use super::apply::{Action, HostState, Op, check_host_parents, host_state};
+use super::manifest::{symlink_atomic, write_atomic};
+use crate::api::UndoReport;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ArtifactState {
+    /// Backups taken; host writes may be partly done (a killed daemon leaves this).
+    Applying,
+    Applied,
+    Undone,
+}
+
+/// What the host had at a path before apply/pull changed it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Before {
+    Absent,
+    File {
+        mode: u32,
+        sha256: String,
+        backup: String,
+    },
+    Symlink {
+        target: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackupEntry {
+    pub path: String,
+    pub before: Before,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ArtifactRecord {
+    pub id: String,
+    pub sandbox_id: String,
+    /// `apply` or `pull`.
+    pub kind: String,
+    pub created_at: String,
+    pub host_root: PathBuf,
+    pub state: ArtifactState,
+    pub entries: Vec<BackupEntry>,
+}
+
+/// Write the record next to the backups (synced) and through `persist` (the store).
+fn save(
+    dir: &Path,
+    rec: &ArtifactRecord,
+    persist: &mut dyn FnMut(&ArtifactRecord) -> Result<(), WorkspaceError>,
+) -> Result<(), WorkspaceError> {
+    let json = serde_json::to_vec_pretty(rec).map_err(|e| WorkspaceError::Store(e.to_string()))?;
+    write_atomic(&dir.join("record.json"), &json, 0o600)?;
+    persist(rec)
+}
+
+/// Back up every path `ops` touch, record it, then perform the ops. `rec` comes in with its
+/// identity filled and no entries.
+pub fn execute(
+    root: &Path,
+    dir: &Path,
+    mut rec: ArtifactRecord,
+    ops: &[Op],
+    persist: &mut dyn FnMut(&ArtifactRecord) -> Result<(), WorkspaceError>,
+) -> Result<ArtifactRecord, WorkspaceError> {
+    std::fs::create_dir_all(dir.join("files")).map_err(WorkspaceError::io("create", dir))?;
+    for (n, op) in ops.iter().enumerate() {
+        let before = match host_state(root, &op.path)? {
+            HostState::Absent => Before::Absent,
+            HostState::Symlink(target) => Before::Symlink { target },
+            HostState::File { content, mode } => {
+                let name = n.to_string();
+                write_atomic(&dir.join("files").join(&name), &content, 0o600)?;
+                Before::File {
+                    mode,
+                    sha256: super::sha256(&content),
+                    backup: name,
+                }
+            }
+            HostState::Other => {
+                return Err(WorkspaceError::Refused(format!(
+                    "{}: the host has a directory or special file there",
+                    op.path
+                )));
+            }
+        };
+        rec.entries.push(BackupEntry {
+            path: op.path.clone(),
+            before,
+        });
+    }
+    rec.state = ArtifactState::Applying;
+    save(dir, &rec, persist)?;
+    let kill_after = kill_after_writes();
+    for (n, op) in ops.iter().enumerate() {
+        if kill_after == Some(n) {
+            crash_for_test();
+        }
+        let p = root.join(&op.path);
+        check_host_parents(root, &op.path).map_err(WorkspaceError::Refused)?;
+        match &op.action {
+            Action::Write { content, mode } => write_atomic(&p, content, *mode)?,
+            Action::Symlink { target } => {
+                if let Some(d) = p.parent() {
+                    std::fs::create_dir_all(d).map_err(WorkspaceError::io("create", d))?;
+                }
+                symlink_atomic(&p, target)?
+            }
+            Action::Delete => crate::safefs::remove_under(root, &p)
+                .map_err(|e| WorkspaceError::Refused(e.to_string()))?,
+        }
+    }
+    rec.state = ArtifactState::Applied;
+    save(dir, &rec, persist)?;
+    Ok(rec)
+}
+
+/// Crash-consistency test hook: with `TRYBOXI_TEST_KILL_AFTER_WRITES=N` in the daemon's
+/// environment, an apply SIGKILLs the daemon after its first N host writes (backups and record
+/// already on disk). Never set in normal use.
+fn kill_after_writes() -> Option<usize> {
+    std::env::var("TRYBOXI_TEST_KILL_AFTER_WRITES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+}
+
+fn crash_for_test() {
+    tracing::warn!("TRYBOXI_TEST_KILL_AFTER_WRITES reached: killing the daemon mid-apply");
+    let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
+}
+
+/// Restore what the artifact changed, byte for byte (content and mode), removing files it added.
+pub fn undo(
+    dir: &Path,
+    mut rec: ArtifactRecord,
+    persist: &mut dyn FnMut(&ArtifactRecord) -> Result<(), WorkspaceError>,
+) -> Result<UndoReport, WorkspaceError> {
+    if rec.state == ArtifactState::Undone {
+        return Err(WorkspaceError::AlreadyUndone(rec.id));
+    }
+    let root = rec.host_root.clone();
+    let mut report = UndoReport {
+        artifact_id: rec.id.clone(),
+        restored: Vec::new(),
+        removed: Vec::new(),
+    };
+    for e in rec.entries.iter().rev() {
+        check_host_parents(&root, &e.path).map_err(WorkspaceError::Refused)?;
+        let p = root.join(&e.path);
+        match &e.before {
+            Before::Absent => {
+                if std::fs::symlink_metadata(&p).is_ok() {
+                    crate::safefs::remove_under(&root, &p)
+                        .map_err(|e| WorkspaceError::Refused(e.to_string()))?;
+                    report.removed.push(e.path.clone());
+                }
+            }
+            Before::File {
+                mode,
+                sha256,
+                backup,
+            } => {
+                let bp = dir.join("files").join(backup);
+                let data =
+                    std::fs::read(&bp).map_err(WorkspaceError::io("read the backup", &bp))?;
+                if super::sha256(&data) != *sha256 {
+                    return Err(WorkspaceError::Refused(format!(
+                        "the backup of {} in {} is damaged (hash mismatch); nothing more restored",
+                        e.path,
+                        bp.display()
+                    )));
+                }
+                if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()) {
+                    crate::safefs::remove_under(&root, &p)
+                        .map_err(|e| WorkspaceError::Refused(e.to_string()))?;
+                }
+                write_atomic(&p, &data, *mode)?;
+                report.restored.push(e.path.clone());
+            }
+            Before::Symlink { target } => {
+                if let Some(d) = p.parent() {
+                    std::fs::create_dir_all(d).map_err(WorkspaceError::io("create", d))?;
+                }
+                symlink_atomic(&p, target)?;
+                report.restored.push(e.path.clone());
+            }
+        }
+    }
+    rec.state = ArtifactState::Undone;
+    save(dir, &rec, persist)?;
+    report.restored.reverse();
+    report.removed.reverse();
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn rec(root: &Path) -> ArtifactRecord {
+        ArtifactRecord {
+            id: "art_test".into(),
+            sandbox_id: "sbx_test".into(),
+            kind: "apply".into(),
+            created_at: "now".into(),
+            host_root: root.to_path_buf(),
+            state: ArtifactState::Applying,
+            entries: vec![],
+        }
+    }
+
+    #[test]
+    fn apply_then_undo_restores_bytes_modes_and_removes_added_files() {
+        let repo = tempfile::tempdir().unwrap();
+        let art = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        std::fs::write(root.join("mod.sh"), b"old\x00bytes").unwrap();
+        std::fs::set_permissions(root.join("mod.sh"), std::fs::Permissions::from_mode(0o750))
+            .unwrap();
+        std::fs::write(root.join("gone.txt"), b"bye").unwrap();
+        let ops = vec![
+            Op {
+                path: "mod.sh".into(),
+                action: Action::Write {
+                    content: b"new".to_vec(),
+                    mode: 0o644,
+                },
+            },
+            Op {
+                path: "new/dir/add.txt".into(),
+                action: Action::Write {
+                    content: b"added".to_vec(),
+                    mode: 0o600,
+                },
+            },
+            Op {
+                path: "gone.txt".into(),
+                action: Action::Delete,
+            },
+        ];
+        let mut saved = Vec::new();
+        let r = execute(root, art.path(), rec(root), &ops, &mut |r| {
+            saved.push(r.state);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(saved, [ArtifactState::Applying, ArtifactState::Applied]);
+        assert_eq!(std::fs::read(root.join("mod.sh")).unwrap(), b"new");
+        assert_eq!(
+            std::fs::read(root.join("new/dir/add.txt")).unwrap(),
+            b"added"
+        );
+        assert!(!root.join("gone.txt").exists());
+
+        let rep = undo(art.path(), r.clone(), &mut |_| Ok(())).unwrap();
+        assert_eq!(std::fs::read(root.join("mod.sh")).unwrap(), b"old\x00bytes");
+        let mode = std::fs::metadata(root.join("mod.sh"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o7777;
+        assert_eq!(mode, 0o750);
+        assert_eq!(std::fs::read(root.join("gone.txt")).unwrap(), b"bye");
+        assert!(!root.join("new/dir/add.txt").exists());
+        assert_eq!(rep.restored, ["mod.sh", "gone.txt"]);
+        assert_eq!(rep.removed, ["new/dir/add.txt"]);
+        let mut r2 = r;
+        r2.state = ArtifactState::Undone;
+        assert!(matches!(
+            undo(art.path(), r2, &mut |_| Ok(())),
+            Err(WorkspaceError::AlreadyUndone(_))
+        ));
+    }
+
+    #[test]
+    fn a_damaged_backup_is_detected_not_restored() {
+        let repo = tempfile::tempdir().unwrap();
+        let art = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        std::fs::write(root.join("f"), b"orig").unwrap();
+        let ops = vec![Op {
+            path: "f".into(),
+            action: Action::Write {
+                content: b"x".to_vec(),
+                mode: 0o644,
+            },
+        }];
+        let r = execute(root, art.path(), rec(root), &ops, &mut |_| Ok(())).unwrap();
+        std::fs::write(art.path().join("files/0"), b"tampered").unwrap();
+        assert!(undo(art.path(), r, &mut |_| Ok(())).is_err());
+        assert_eq!(std::fs::read(root.join("f")).unwrap(), b"x");
+    }
+}

@@ -1,0 +1,214 @@
+//! The sync base of one sandbox: the manifest last synced and the content of what was sent.
+//!
+//! Layout (in the sandbox's directory of the data root):
+//! `workspace/manifest.json` (the [`Manifest`], replaced atomically) and
+//! `workspace/blobs/<aa>/<sha256>` (content-addressed copies of every synced file, written once,
+//! never changed). Owns that directory; never touches the host repo.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::WorkspaceError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    File,
+    Dir,
+    Symlink,
+}
+
+/// One synced path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    pub kind: Kind,
+    pub mode: u32,
+    /// Host size and mtime when synced: an unchanged stat means unchanged content.
+    pub size: u64,
+    pub mtime_ns: i64,
+    /// SHA-256 of the content sent (files; for `.git/config` the sanitized content).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub sha256: String,
+    /// Symlink target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link: Option<String>,
+    /// Size and mtime the file has in the VM right after the sync (seconds, nanoseconds):
+    /// a VM file with another stat may have changed.
+    #[serde(default)]
+    pub guest_size: u64,
+    #[serde(default)]
+    pub guest_mtime: i64,
+    #[serde(default)]
+    pub guest_nsec: u32,
+}
+
+impl Entry {
+    pub fn file(mode: u32, size: u64, mtime_ns: i64, sha256: String) -> Entry {
+        Entry {
+            kind: Kind::File,
+            mode,
+            size,
+            mtime_ns,
+            sha256,
+            link: None,
+            guest_size: size,
+            guest_mtime: mtime_ns.div_euclid(1_000_000_000),
+            guest_nsec: 0,
+        }
+    }
+}
+
+/// Path (relative, `/`-separated) -> entry.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub entries: BTreeMap<String, Entry>,
+}
+
+/// The on-disk sync base of a sandbox.
+#[derive(Debug, Clone)]
+pub struct Base {
+    dir: PathBuf,
+}
+
+impl Base {
+    /// `dir` is `<sandbox dir>/workspace`.
+    pub fn new(dir: PathBuf) -> Base {
+        Base { dir }
+    }
+
+    fn manifest_path(&self) -> PathBuf {
+        self.dir.join("manifest.json")
+    }
+
+    pub fn blob_path(&self, sha256: &str) -> PathBuf {
+        let pre = sha256.get(..2).unwrap_or("00");
+        self.dir.join("blobs").join(pre).join(sha256)
+    }
+
+    /// The manifest last synced; empty before the first sync.
+    pub fn load(&self) -> Result<Manifest, WorkspaceError> {
+        let p = self.manifest_path();
+        match std::fs::read(&p) {
+            Ok(b) => serde_json::from_slice(&b)
+                .map_err(|e| WorkspaceError::CorruptBase(p, e.to_string())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Manifest::default()),
+            Err(e) => Err(WorkspaceError::io("read", p)(e)),
+        }
+    }
+
+    /// Replace the manifest atomically (temp file, fsync, rename).
+    pub fn save(&self, m: &Manifest) -> Result<(), WorkspaceError> {
+        self.sync_blobs()?;
+        let p = self.manifest_path();
+        let json = serde_json::to_vec(m)
+            .map_err(|e| WorkspaceError::CorruptBase(p.clone(), e.to_string()))?;
+        write_atomic(&p, &json, 0o600)
+    }
+
+    /// Make every blob written so far durable: one `syncfs` of the file system holding them.
+    fn sync_blobs(&self) -> Result<(), WorkspaceError> {
+        let dir = self.dir.join("blobs");
+        let Ok(f) = std::fs::File::open(&dir) else {
+            return Ok(()); // no blobs yet
+        };
+        nix::unistd::syncfs(&f).map_err(|e| WorkspaceError::io("sync", &dir)(e.into()))
+    }
+
+    /// Store `data` under its hash (no-op when present). Returns the hash.
+    pub fn put_blob(&self, data: &[u8]) -> Result<String, WorkspaceError> {
+        let sha = super::sha256(data);
+        let p = self.blob_path(&sha);
+        if !p.exists() {
+            // Not fsynced one by one (a first sync writes thousands): `save` syncs the whole
+            // file system once before the manifest that names them is replaced.
+            write_file(&p, data, 0o600, false)?;
+        }
+        Ok(sha)
+    }
+
+    pub fn blob(&self, sha256: &str) -> Result<Vec<u8>, WorkspaceError> {
+        let p = self.blob_path(sha256);
+        std::fs::read(&p).map_err(WorkspaceError::io("read the sync base blob", p))
+    }
+}
+
+/// Write `data` to `path` atomically: a temp file in the same directory, exact mode, fsync,
+/// rename. A crash leaves the old content or the new one, never a mix.
+pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<(), WorkspaceError> {
+    write_file(path, data, mode, true)
+}
+
+/// Temp file + rename; `durable` also fsyncs the file before the rename.
+fn write_file(path: &Path, data: &[u8], mode: u32, durable: bool) -> Result<(), WorkspaceError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(WorkspaceError::io("create", dir))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let mut rnd = [0u8; 6];
+    let _ = getrandom::fill(&mut rnd);
+    let tmp = dir.join(format!(".{name}.tryboxi-{}", hex::encode(rnd)));
+    let res = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(data)?;
+        f.set_permissions(std::fs::Permissions::from_mode(mode & 0o7777))?;
+        if durable {
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, path)
+    })();
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res.map_err(WorkspaceError::io("write", path))
+}
+
+/// Replace `path` with a symlink to `target` atomically.
+pub fn symlink_atomic(path: &Path, target: &str) -> Result<(), WorkspaceError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut rnd = [0u8; 6];
+    let _ = getrandom::fill(&mut rnd);
+    let tmp = dir.join(format!(".tryboxi-link-{}", hex::encode(rnd)));
+    let res = std::os::unix::fs::symlink(target, &tmp).and_then(|()| std::fs::rename(&tmp, path));
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res.map_err(WorkspaceError::io("create the symlink", path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base_round_trips_manifest_and_blobs() {
+        let d = tempfile::tempdir().unwrap();
+        let b = Base::new(d.path().join("workspace"));
+        assert_eq!(b.load().unwrap(), Manifest::default());
+        let sha = b.put_blob(b"hello").unwrap();
+        assert_eq!(b.blob(&sha).unwrap(), b"hello");
+        let mut m = Manifest::default();
+        m.entries
+            .insert("a".into(), Entry::file(0o644, 5, 1_500_000_000_123, sha));
+        b.save(&m).unwrap();
+        assert_eq!(b.load().unwrap(), m);
+        assert_eq!(m.entries["a"].guest_mtime, 1500);
+    }
+
+    #[test]
+    fn corrupt_manifest_is_reported_not_ignored() {
+        let d = tempfile::tempdir().unwrap();
+        let b = Base::new(d.path().to_path_buf());
+        std::fs::write(d.path().join("manifest.json"), b"{oops").unwrap();
+        assert!(matches!(b.load(), Err(WorkspaceError::CorruptBase(..))));
+    }
+}

@@ -1,0 +1,349 @@
+//! What of the host repo is synced: `.gitignore` rules (via the `ignore` crate), `sync.exclude`
+//! globs and the secret patterns (with the user's allow-list).
+//!
+//! Owns the host-side scan ([`scan`]) and the path filter used for the VM's tree too
+//! ([`Rules::keeps`]). Never reads file contents (hashing is `manifest`'s job).
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use globset::{Glob, GlobSet, GlobSetBuilder};
+use ignore::gitignore::{Gitignore, GitignoreBuilder};
+
+use super::manifest::{Kind, Manifest};
+use super::{WorkspaceError, ancestors};
+use crate::config::SyncConfig;
+
+/// Compiled sync rules.
+#[derive(Debug, Clone)]
+pub struct Rules {
+    exclude: GlobSet,
+    secrets: GlobSet,
+    allow: GlobSet,
+}
+
+fn globset(patterns: &[String]) -> Result<GlobSet, WorkspaceError> {
+    let mut b = GlobSetBuilder::new();
+    for p in patterns {
+        let trimmed = p.trim_matches('/');
+        if trimmed.is_empty() {
+            continue;
+        }
+        let pat = if trimmed.contains('/') {
+            trimmed.to_owned()
+        } else {
+            format!("**/{trimmed}")
+        };
+        let g = globset::GlobBuilder::new(&pat)
+            .literal_separator(true)
+            .build()
+            .or_else(|_| Glob::new(&pat))
+            .map_err(|e| WorkspaceError::Pattern {
+                pattern: p.clone(),
+                message: e.to_string(),
+            })?;
+        b.add(g);
+    }
+    b.build().map_err(|e| WorkspaceError::Pattern {
+        pattern: patterns.join(", "),
+        message: e.to_string(),
+    })
+}
+
+fn matches_any_ancestor(set: &GlobSet, rel: &str) -> bool {
+    ancestors(rel).any(|a| set.is_match(a))
+}
+
+impl Rules {
+    pub fn new(cfg: &SyncConfig) -> Result<Rules, WorkspaceError> {
+        Ok(Rules {
+            exclude: globset(&cfg.exclude)?,
+            secrets: globset(&cfg.secrets)?,
+            allow: globset(&cfg.allow_secrets)?,
+        })
+    }
+
+    /// A secret the user has not allowed.
+    pub fn is_secret(&self, rel: &str) -> bool {
+        matches_any_ancestor(&self.secrets, rel) && !matches_any_ancestor(&self.allow, rel)
+    }
+
+    pub fn is_excluded(&self, rel: &str) -> bool {
+        matches_any_ancestor(&self.exclude, rel)
+    }
+
+    /// Whether a path of the VM's tree takes part in diff/apply: not under `.git/`, not
+    /// excluded, not ignored by the `.gitignore` files of the sync base.
+    pub fn keeps(&self, ignores: &Ignores, rel: &str, is_dir: bool) -> bool {
+        !is_git_path(rel) && !self.is_excluded(rel) && !ignores.ignored(rel, is_dir)
+    }
+}
+
+/// `.git` or anything under it (at the repo root).
+pub fn is_git_path(rel: &str) -> bool {
+    rel == ".git" || rel.starts_with(".git/")
+}
+
+/// `.gitignore` matchers built from the sync base (what the VM was given), for filtering the
+/// VM's tree the same way the host's was filtered.
+#[derive(Default)]
+pub struct Ignores {
+    /// (directory relative to the root, "" for the root; matcher)
+    sets: Vec<(String, Gitignore)>,
+}
+
+impl Ignores {
+    /// `read` returns the content of a `.gitignore`/`info/exclude` from the base.
+    pub fn from_base(base: &Manifest, mut read: impl FnMut(&str) -> Option<Vec<u8>>) -> Ignores {
+        let mut sets = Vec::new();
+        for (path, e) in &base.entries {
+            let dir = if path == ".gitignore" || path == ".git/info/exclude" {
+                ""
+            } else if let Some(d) = path.strip_suffix("/.gitignore") {
+                d
+            } else {
+                continue;
+            };
+            if e.kind != Kind::File {
+                continue;
+            }
+            let Some(text) = read(path) else { continue };
+            let mut b = GitignoreBuilder::new(Path::new("/").join(dir));
+            for line in String::from_utf8_lossy(&text).lines() {
+                let _ = b.add_line(None, line);
+            }
+            if let Ok(g) = b.build() {
+                sets.push((dir.to_owned(), g));
+            }
+        }
+        Ignores { sets }
+    }
+
+    pub fn ignored(&self, rel: &str, is_dir: bool) -> bool {
+        let abs = Path::new("/").join(rel);
+        self.sets.iter().any(|(dir, g)| {
+            (dir.is_empty() || rel.starts_with(&format!("{dir}/")))
+                && g.matched_path_or_any_parents(&abs, is_dir).is_ignore()
+        })
+    }
+}
+
+/// One host path as the scan saw it (no content yet).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostEntry {
+    pub kind: Kind,
+    pub mode: u32,
+    pub size: u64,
+    /// Nanoseconds since the epoch.
+    pub mtime_ns: i64,
+    pub link: Option<String>,
+}
+
+impl HostEntry {
+    pub fn from_metadata(md: &std::fs::Metadata, link: Option<String>) -> Option<HostEntry> {
+        let ft = md.file_type();
+        let kind = if ft.is_symlink() {
+            Kind::Symlink
+        } else if ft.is_dir() {
+            Kind::Dir
+        } else if ft.is_file() {
+            Kind::File
+        } else {
+            return None;
+        };
+        Some(HostEntry {
+            kind,
+            mode: md.mode() & 0o7777,
+            size: md.len(),
+            mtime_ns: md.mtime() * 1_000_000_000 + md.mtime_nsec(),
+            link,
+        })
+    }
+}
+
+/// What a scan of the host repo found.
+#[derive(Debug, Default)]
+pub struct Scan {
+    pub entries: BTreeMap<String, HostEntry>,
+    /// Secret paths left out (a secret directory is one entry).
+    pub secrets_skipped: Vec<String>,
+}
+
+/// Walk the host repo (not following symlinks), applying `.gitignore`, `.git/info/exclude`,
+/// `sync.exclude` and the secret rules. Devices, FIFOs and sockets are skipped.
+pub fn scan(root: &Path, rules: &Rules) -> Result<Scan, WorkspaceError> {
+    let mut out = Scan::default();
+    let walker = ignore::WalkBuilder::new(root)
+        .hidden(false)
+        .parents(false)
+        .ignore(false)
+        .git_global(false)
+        .git_ignore(true)
+        .git_exclude(true)
+        .require_git(false)
+        .follow_links(false)
+        .build();
+    let mut skip_dirs: Vec<String> = Vec::new();
+    for ent in walker {
+        let ent = ent.map_err(|e| WorkspaceError::Io {
+            what: "scan",
+            path: root.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let Ok(rel) = ent.path().strip_prefix(root) else {
+            continue;
+        };
+        let Some(rel) = rel.to_str() else {
+            tracing::warn!(path = %ent.path().display(), "skipping a path that is not UTF-8");
+            continue;
+        };
+        if rel.is_empty() {
+            continue;
+        }
+        if skip_dirs.iter().any(|d| rel.starts_with(&format!("{d}/"))) {
+            continue;
+        }
+        let md = match std::fs::symlink_metadata(ent.path()) {
+            Ok(m) => m,
+            Err(_) => continue, // removed while scanning
+        };
+        let secret = rules.is_secret(rel);
+        if secret || rules.is_excluded(rel) {
+            if secret {
+                out.secrets_skipped.push(rel.to_owned());
+            }
+            if md.is_dir() {
+                skip_dirs.push(rel.to_owned());
+            }
+            continue;
+        }
+        let link = if md.file_type().is_symlink() {
+            std::fs::read_link(ent.path())
+                .ok()
+                .map(|t| t.to_string_lossy().into_owned())
+        } else {
+            None
+        };
+        if let Some(h) = HostEntry::from_metadata(&md, link) {
+            out.entries.insert(rel.to_owned(), h);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(exclude: &[&str], allow: &[&str]) -> Rules {
+        Rules::new(&SyncConfig {
+            exclude: exclude.iter().map(|s| s.to_string()).collect(),
+            allow_secrets: allow.iter().map(|s| s.to_string()).collect(),
+            ..SyncConfig::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn default_secret_patterns_match_at_any_depth_and_cover_directories() {
+        let r = rules(&[], &[]);
+        for p in [
+            ".env",
+            ".env.local",
+            "app/.env",
+            "certs/server.pem",
+            "a/b/tls.key",
+            ".ssh/id_ed25519",
+            "home/.aws/credentials",
+            ".npmrc",
+            ".netrc",
+            ".docker/config.json",
+            "id_rsa",
+        ] {
+            assert!(r.is_secret(p), "{p} should be a secret");
+        }
+        for p in [
+            "src/main.rs",
+            "environment.md",
+            "keys.rs",
+            "docker/config.json",
+            "id.rs",
+        ] {
+            assert!(!r.is_secret(p), "{p} should not be a secret");
+        }
+    }
+
+    #[test]
+    fn allow_list_lets_a_secret_through() {
+        let r = rules(&[], &[".env.example"]);
+        assert!(!r.is_secret(".env.example"));
+        assert!(r.is_secret(".env"));
+    }
+
+    #[test]
+    fn scan_applies_gitignore_excludes_and_secrets() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path();
+        for (p, c) in [
+            (".gitignore", "target/\n*.log\n"),
+            ("src/main.rs", "fn main() {}"),
+            ("target/debug/big", "x"),
+            ("run.log", "x"),
+            (".env", "SECRET=1"),
+            (".ssh/id_rsa", "k"),
+            ("vendor/lib.c", "x"),
+            ("sub/.gitignore", "gen.txt\n"),
+            ("sub/gen.txt", "x"),
+            ("sub/keep.txt", "x"),
+            (".git/config", "[core]\n"),
+        ] {
+            let p = root.join(p);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, c).unwrap();
+        }
+        std::os::unix::fs::symlink("src/main.rs", root.join("link")).unwrap();
+        let s = scan(root, &rules(&["vendor"], &[])).unwrap();
+        let names: Vec<&str> = s.entries.keys().map(|s| s.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                ".git",
+                ".git/config",
+                ".gitignore",
+                "link",
+                "src",
+                "src/main.rs",
+                "sub",
+                "sub/.gitignore",
+                "sub/keep.txt"
+            ]
+        );
+        assert_eq!(s.secrets_skipped, [".env", ".ssh"]);
+        assert_eq!(s.entries["link"].link.as_deref(), Some("src/main.rs"));
+    }
+
+    #[test]
+    fn ignores_from_the_base_filter_the_vm_tree() {
+        use super::super::manifest::Entry;
+        let mut m = Manifest::default();
+        let f = Entry::file(0o644, 1, 0, "x".into());
+        m.entries.insert(".gitignore".into(), f.clone());
+        m.entries.insert("sub/.gitignore".into(), f);
+        let ig = Ignores::from_base(&m, |p| {
+            Some(if p == ".gitignore" {
+                b"node_modules/\n*.o\n".to_vec()
+            } else {
+                b"out.txt\n".to_vec()
+            })
+        });
+        assert!(ig.ignored("node_modules/x/y.js", false));
+        assert!(ig.ignored("a/b.o", false));
+        assert!(ig.ignored("sub/out.txt", false));
+        assert!(!ig.ignored("out.txt", false));
+        assert!(!ig.ignored("src/main.rs", false));
+        let r = rules(&[], &[]);
+        assert!(!r.keeps(&ig, ".git/config", false));
+        assert!(r.keeps(&ig, "src/main.rs", false));
+    }
+}

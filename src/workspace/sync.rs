@@ -1,0 +1,360 @@
+//! The delta of a host -> VM sync: what changed since the sync base, as one tar archive of
+//! changed paths plus a list of deletions, and the manifest to record once the VM has it.
+//!
+//! Owns the comparison host scan vs base and the archive format the guest's `Untar` reads.
+//! Never changes the host repo; the base is only written by [`Base::save`] after the caller
+//! delivered the archive.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use super::manifest::{Base, Entry, Kind, Manifest};
+use super::rules::Scan;
+use super::{WorkspaceError, gitconfig};
+
+/// A computed sync, ready to send.
+pub struct Delta {
+    /// Tar archive of every added or changed path (directories, files, symlinks).
+    pub archive: Vec<u8>,
+    /// Paths gone from the host (a deleted directory is one entry, its content implied).
+    pub delete: Vec<String>,
+    /// The base to record once the VM has unpacked `archive` and applied `delete`.
+    pub manifest: Manifest,
+    /// Files changed on both sides since the base: left as the VM has them.
+    pub kept_vm_changes: Vec<String>,
+    /// Whether `manifest` differs from the stored base (else there is nothing to save).
+    pub changed: bool,
+    /// Entries in `archive` (directories included).
+    pub entries: u64,
+    pub files_sent: u64,
+    pub bytes_sent: u64,
+    pub unchanged: u64,
+}
+
+/// Read a host file as it goes into the VM (`.git/config` sanitized).
+fn read_for_vm(root: &Path, rel: &str) -> Result<Vec<u8>, WorkspaceError> {
+    let p = root.join(rel);
+    let data = std::fs::read(&p).map_err(WorkspaceError::io("read", &p))?;
+    if rel == ".git/config" {
+        return Ok(gitconfig::sanitize(&String::from_utf8_lossy(&data)).into_bytes());
+    }
+    Ok(data)
+}
+
+fn header(kind: tar::EntryType, mode: u32, size: u64, mtime_ns: i64) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(kind);
+    h.set_mode(mode);
+    h.set_size(size);
+    h.set_mtime(mtime_ns.div_euclid(1_000_000_000).max(0) as u64);
+    h.set_uid(0);
+    h.set_gid(0);
+    h
+}
+
+/// Compare the host scan with the base, read what changed, store it in the base's blob store
+/// and build the archive. A file whose stat (size, mtime, mode) is unchanged is not read.
+#[cfg(test)]
+pub fn compute(root: &Path, scan: &Scan, base: &Base) -> Result<Delta, WorkspaceError> {
+    compute_keeping(root, scan, base, &base.load()?, &HashSet::new())
+}
+
+/// Files of the base whose host stat changed: before overwriting them the caller checks
+/// whether the VM changed them too (see [`compute_keeping`]).
+pub fn overwrite_candidates(scan: &Scan, old: &Manifest) -> Vec<String> {
+    scan.entries
+        .iter()
+        .filter(|(rel, h)| {
+            h.kind == Kind::File
+                && old.entries.get(*rel).is_some_and(|p| {
+                    p.kind == Kind::File && (p.size != h.size || p.mtime_ns != h.mtime_ns)
+                })
+        })
+        .map(|(rel, _)| rel.clone())
+        .collect()
+}
+
+/// Like [`compute`], but files in `vm_changed` (changed in the VM since the base) are not
+/// overwritten when the host changed them too: their base stays, so diff shows the VM's
+/// change and apply merges both. They are listed in [`Delta::kept_vm_changes`].
+pub fn compute_keeping(
+    root: &Path,
+    scan: &Scan,
+    base: &Base,
+    old: &Manifest,
+    vm_changed: &HashSet<String>,
+) -> Result<Delta, WorkspaceError> {
+    let mut kept_vm_changes = Vec::new();
+    let mut b = tar::Builder::new(Vec::new());
+    let mut out = Manifest::default();
+    let (mut files_sent, mut bytes_sent, mut unchanged, mut entries) = (0u64, 0u64, 0u64, 0u64);
+    let tar_err = |rel: &str| {
+        let rel = rel.to_owned();
+        move |e: std::io::Error| WorkspaceError::Io {
+            what: "archive",
+            path: rel.into(),
+            source: e,
+        }
+    };
+    for (rel, h) in &scan.entries {
+        let prev = old.entries.get(rel);
+        let same_stat = prev.is_some_and(|p| {
+            p.kind == h.kind
+                && p.mode == h.mode
+                && p.link == h.link
+                && (h.kind == Kind::Dir || (p.size == h.size && p.mtime_ns == h.mtime_ns))
+        });
+        if same_stat {
+            if let Some(p) = prev {
+                out.entries.insert(rel.clone(), p.clone());
+            }
+            unchanged += 1;
+            continue;
+        }
+        match h.kind {
+            Kind::Dir => {
+                let hd = header(tar::EntryType::Directory, h.mode, 0, h.mtime_ns);
+                b.append_data(&mut hd.clone(), rel, std::io::empty())
+                    .map_err(tar_err(rel))?;
+                entries += 1;
+                out.entries.insert(
+                    rel.clone(),
+                    Entry {
+                        kind: Kind::Dir,
+                        mode: h.mode,
+                        size: 0,
+                        mtime_ns: h.mtime_ns,
+                        sha256: String::new(),
+                        link: None,
+                        guest_size: 0,
+                        guest_mtime: 0,
+                        guest_nsec: 0,
+                    },
+                );
+            }
+            Kind::Symlink => {
+                let target = h.link.clone().unwrap_or_default();
+                let mut hd = header(tar::EntryType::Symlink, h.mode, 0, h.mtime_ns);
+                b.append_link(&mut hd, rel, &target).map_err(tar_err(rel))?;
+                entries += 1;
+                out.entries.insert(
+                    rel.clone(),
+                    Entry {
+                        kind: Kind::Symlink,
+                        mode: h.mode,
+                        size: h.size,
+                        mtime_ns: h.mtime_ns,
+                        sha256: String::new(),
+                        link: Some(target),
+                        guest_size: 0,
+                        guest_mtime: 0,
+                        guest_nsec: 0,
+                    },
+                );
+                files_sent += 1;
+            }
+            Kind::File => {
+                let data = match read_for_vm(root, rel) {
+                    Ok(d) => d,
+                    // Removed between the scan and now: the next sync deletes it.
+                    Err(WorkspaceError::Io { source, .. })
+                        if source.kind() == std::io::ErrorKind::NotFound =>
+                    {
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
+                let sha = base.put_blob(&data)?;
+                let mut e = Entry::file(h.mode, h.size, h.mtime_ns, sha.clone());
+                e.guest_size = data.len() as u64;
+                if let Some(p) =
+                    prev.filter(|p| p.kind == Kind::File && p.sha256 == sha && p.mode == h.mode)
+                {
+                    // Touched but not changed: the VM keeps its copy.
+                    e.guest_size = p.guest_size;
+                    e.guest_mtime = p.guest_mtime;
+                    e.guest_nsec = p.guest_nsec;
+                    out.entries.insert(rel.clone(), e);
+                    unchanged += 1;
+                    continue;
+                }
+                if let Some(p) = prev.filter(|p| p.kind == Kind::File && vm_changed.contains(rel)) {
+                    // Both changed: keep the VM's version and the old base.
+                    out.entries.insert(rel.clone(), p.clone());
+                    kept_vm_changes.push(rel.clone());
+                    continue;
+                }
+                let mut hd = header(
+                    tar::EntryType::Regular,
+                    h.mode,
+                    data.len() as u64,
+                    h.mtime_ns,
+                );
+                b.append_data(&mut hd, rel, data.as_slice())
+                    .map_err(tar_err(rel))?;
+                files_sent += 1;
+                entries += 1;
+                bytes_sent += data.len() as u64;
+                out.entries.insert(rel.clone(), e);
+            }
+        }
+    }
+    let mut delete: Vec<String> = Vec::new();
+    for (rel, e) in &old.entries {
+        let replaced = scan.entries.get(rel).is_some_and(|h| h.kind == e.kind);
+        if replaced {
+            continue;
+        }
+        if scan.entries.contains_key(rel) && e.kind != Kind::Dir {
+            // Kind changed (file -> dir ...): the guest replaces it while unpacking.
+            continue;
+        }
+        if delete.iter().any(|d| rel.starts_with(&format!("{d}/"))) {
+            continue;
+        }
+        delete.push(rel.clone());
+    }
+    let archive = b.into_inner().map_err(tar_err("(archive)"))?;
+    Ok(Delta {
+        kept_vm_changes,
+        changed: out != *old,
+        archive,
+        delete,
+        manifest: out,
+        entries,
+        files_sent,
+        bytes_sent,
+        unchanged,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::rules::{Rules, scan};
+    use super::*;
+    use crate::config::SyncConfig;
+
+    fn names(archive: &[u8]) -> Vec<String> {
+        let mut a = tar::Archive::new(archive);
+        a.entries()
+            .unwrap()
+            .map(|e| e.unwrap().path().unwrap().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    fn write(root: &Path, rel: &str, data: &str) {
+        let p = root.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, data).unwrap();
+    }
+
+    #[test]
+    fn second_sync_sends_only_the_changed_file_and_the_deletion() {
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let base = Base::new(data.path().join("ws"));
+        for i in 0..20 {
+            write(root, &format!("src/f{i}.txt"), &format!("file {i}"));
+        }
+        write(root, "old/x.txt", "x");
+        write(root, ".env", "SECRET=1");
+        let first = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        assert_eq!(first.files_sent, 21);
+        assert!(!names(&first.archive).iter().any(|n| n.contains(".env")));
+        base.save(&first.manifest).unwrap();
+
+        // Nothing changed: nothing sent.
+        let again = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        assert_eq!((again.files_sent, again.delete.len()), (0, 0));
+        assert!(
+            first.changed && !again.changed,
+            "an idle sync writes no new base"
+        );
+        assert_eq!(again.unchanged, first.manifest.entries.len() as u64);
+
+        write(root, "src/f3.txt", "changed!");
+        std::fs::remove_dir_all(root.join("old")).unwrap();
+        let d = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        assert_eq!(names(&d.archive), ["src/f3.txt"]);
+        assert_eq!(d.delete, ["old"]);
+        assert_eq!(d.files_sent, 1);
+        assert_eq!(d.bytes_sent, 8);
+        let sha = &d.manifest.entries["src/f3.txt"].sha256;
+        assert_eq!(base.blob(sha).unwrap(), b"changed!");
+    }
+
+    #[test]
+    fn a_file_changed_on_both_sides_is_left_as_the_vm_has_it() {
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let base = Base::new(data.path().join("ws"));
+        write(root, "a.txt", "base");
+        write(root, "b.txt", "base");
+        let first = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        base.save(&first.manifest).unwrap();
+        write(root, "a.txt", "host edit");
+        write(root, "b.txt", "host edit");
+        let s = scan(root, &rules).unwrap();
+        assert_eq!(
+            overwrite_candidates(&s, &first.manifest),
+            ["a.txt", "b.txt"]
+        );
+        let vm = HashSet::from(["a.txt".to_string()]);
+        let d = compute_keeping(root, &s, &base, &first.manifest, &vm).unwrap();
+        assert_eq!(names(&d.archive), ["b.txt"]);
+        assert_eq!(d.kept_vm_changes, ["a.txt"]);
+        assert_eq!(d.manifest.entries["a.txt"], first.manifest.entries["a.txt"]);
+    }
+
+    #[test]
+    fn touched_but_identical_file_is_not_resent() {
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let base = Base::new(data.path().join("ws"));
+        write(root, "a.txt", "same");
+        let first = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        base.save(&first.manifest).unwrap();
+        let f = std::fs::File::options()
+            .write(true)
+            .open(root.join("a.txt"))
+            .unwrap();
+        f.set_modified(std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000))
+            .unwrap();
+        let d = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        assert_eq!(d.files_sent, 0);
+    }
+
+    #[test]
+    fn git_config_goes_in_sanitized() {
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        write(
+            root,
+            ".git/config",
+            "[remote \"o\"]\n\turl = https://u:tok@h/r.git\n[credential]\n\thelper = store\n",
+        );
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let base = Base::new(data.path().join("ws"));
+        let d = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        let mut a = tar::Archive::new(d.archive.as_slice());
+        let mut found = false;
+        for e in a.entries().unwrap() {
+            let mut e = e.unwrap();
+            if e.path().unwrap().to_str() == Some(".git/config") {
+                let mut s = String::new();
+                std::io::Read::read_to_string(&mut e, &mut s).unwrap();
+                assert!(!s.contains("tok") && !s.contains("helper"), "{s}");
+                assert!(s.contains("https://h/r.git"), "{s}");
+                found = true;
+            }
+        }
+        assert!(found);
+    }
+}
