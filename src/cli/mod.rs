@@ -5,6 +5,7 @@ mod create;
 mod exec;
 mod install;
 mod ls;
+mod mcp;
 mod rm;
 
 use std::ffi::OsString;
@@ -70,8 +71,9 @@ pub enum Command {
         #[arg(long, value_name = "DIR")]
         artifacts: Option<PathBuf>,
     },
-    /// MCP stdio server (also: argv[0] `sandbox-mcp`).
-    Mcp,
+    /// MCP stdio server for agents (also: argv[0] `sandbox-mcp`); `mcp install` sets up
+    /// Cursor, Claude Code or Codex.
+    Mcp(mcp::Args),
     /// Print the API token for TCP clients.
     Token,
     /// Print the version.
@@ -112,6 +114,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Exec(a) => runtime()?.block_on(exec::run(a)),
         Command::Ls(a) => runtime()?.block_on(ls::run(a)),
         Command::Rm(a) => runtime()?.block_on(rm::run(a)),
+        Command::Mcp(a) => mcp::run(a),
         Command::Doctor { artifacts } => runtime()?.block_on(crate::doctor::run(artifacts)),
         Command::Token => {
             let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
@@ -131,11 +134,10 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Undo => Err(TopError::NotImplemented("undo")),
         Command::Events => Err(TopError::NotImplemented("events")),
         Command::Trace => Err(TopError::NotImplemented("trace")),
-        Command::Mcp => Err(TopError::NotImplemented("mcp")),
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, TopError> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, TopError> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
