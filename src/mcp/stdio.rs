@@ -153,3 +153,219 @@ async fn pump_output<W: AsyncWrite + Unpin>(
     }
     output.flush().await
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::{Value, json};
+    use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader, DuplexStream, Lines};
+
+    use super::*;
+    use crate::mcp::{Options, SandboxServer};
+
+    /// A client on the other end of an in-process pipe; the daemon socket does not exist.
+    struct Peer {
+        tx: DuplexStream,
+        rx: Lines<BufReader<DuplexStream>>,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Peer {
+        fn start(allow_apply: bool) -> Peer {
+            let dir = tempfile::tempdir().unwrap();
+            let mut opts = Options::new(dir.path().join("no-daemon.sock"), dir.path().into());
+            opts.allow_apply = allow_apply;
+            let (tx, server_in) = tokio::io::duplex(1 << 16);
+            let (server_out, rx) = tokio::io::duplex(1 << 16);
+            tokio::spawn(serve(SandboxServer::new(opts), server_in, server_out));
+            Peer {
+                tx,
+                rx: BufReader::new(rx).lines(),
+                _dir: dir,
+            }
+        }
+
+        async fn send_raw(&mut self, line: &str) {
+            self.tx.write_all(line.as_bytes()).await.unwrap();
+            self.tx.write_all(b"\n").await.unwrap();
+        }
+
+        async fn send(&mut self, v: Value) {
+            self.send_raw(&v.to_string()).await;
+        }
+
+        /// The next message (bounded wait).
+        async fn recv(&mut self) -> Value {
+            let line = tokio::time::timeout(Duration::from_secs(10), self.rx.next_line())
+                .await
+                .expect("server answered within 10 s")
+                .unwrap()
+                .expect("server still open");
+            serde_json::from_str(&line).unwrap()
+        }
+
+        async fn request(&mut self, id: u64, method: &str, params: Value) -> Value {
+            self.send(json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}))
+                .await;
+            loop {
+                let m = self.recv().await;
+                if m["id"] == json!(id) {
+                    return m;
+                }
+            }
+        }
+
+        async fn initialize(&mut self, version: &str) -> Value {
+            let r = self
+                .request(
+                    0,
+                    "initialize",
+                    json!({"protocolVersion": version, "capabilities": {},
+                           "clientInfo": {"name": "unit", "version": "0"}}),
+                )
+                .await;
+            self.send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+                .await;
+            r
+        }
+    }
+
+    #[tokio::test]
+    async fn initialize_negotiates_each_supported_version() {
+        for v in ["2025-03-26", "2025-06-18", "2025-11-25"] {
+            let mut p = Peer::start(true);
+            let r = p.initialize(v).await;
+            assert_eq!(r["result"]["protocolVersion"], v, "{r}");
+            assert_eq!(r["result"]["serverInfo"]["name"], "tryboxi");
+            assert!(r["result"]["capabilities"]["tools"].is_object(), "{r}");
+            assert!(
+                r["result"]["instructions"]
+                    .as_str()
+                    .unwrap()
+                    .contains("exec")
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn unknown_version_gets_the_newest_handshake_version() {
+        let mut p = Peer::start(true);
+        let r = p.initialize("1999-01-01").await;
+        assert_eq!(r["result"]["protocolVersion"], "2025-11-25", "{r}");
+    }
+
+    #[tokio::test]
+    async fn unknown_method_is_method_not_found() {
+        let mut p = Peer::start(true);
+        p.initialize("2025-06-18").await;
+        let r = p.request(7, "sandbox/teleport", json!({})).await;
+        assert_eq!(r["error"]["code"], -32601, "{r}");
+    }
+
+    #[tokio::test]
+    async fn malformed_json_is_a_parse_error_and_the_session_goes_on() {
+        let mut p = Peer::start(true);
+        p.initialize("2025-06-18").await;
+        p.send_raw(r#"{"jsonrpc":"2.0","id":5,"method":"ping""#)
+            .await;
+        let r = p.recv().await;
+        assert_eq!(r["error"]["code"], -32700, "{r}");
+        assert_eq!(r["id"], Value::Null, "{r}");
+        let pong = p.request(6, "ping", json!({})).await;
+        assert_eq!(pong["result"], json!({}), "{pong}");
+    }
+
+    #[tokio::test]
+    async fn tools_list_has_object_schemas_and_no_apply_hides_apply() {
+        let mut p = Peer::start(true);
+        p.initialize("2025-06-18").await;
+        let r = p.request(1, "tools/list", json!({})).await;
+        let tools = r["result"]["tools"].as_array().unwrap();
+        let names: Vec<&str> = tools.iter().map(|t| t["name"].as_str().unwrap()).collect();
+        for n in [
+            "create",
+            "exec",
+            "read_output",
+            "diff",
+            "apply",
+            "pull",
+            "undo",
+            "read_file",
+            "write_file",
+            "list",
+            "rm",
+        ] {
+            assert!(names.contains(&n), "{n} missing from {names:?}");
+        }
+        for t in tools {
+            assert_eq!(t["inputSchema"]["type"], "object", "{t}");
+            assert!(
+                t["description"].as_str().is_some_and(|d| !d.is_empty()),
+                "{t}"
+            );
+        }
+        let exec = tools.iter().find(|t| t["name"] == "exec").unwrap();
+        assert_eq!(exec["inputSchema"]["required"], json!(["cmd"]));
+        assert_eq!(
+            exec["inputSchema"]["properties"]["timeout_s"]["type"],
+            json!(["number", "null"])
+        );
+
+        let mut p = Peer::start(false);
+        p.initialize("2025-06-18").await;
+        let r = p.request(1, "tools/list", json!({})).await;
+        let names: Vec<String> = r["result"]["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["name"].as_str().unwrap().to_owned())
+            .collect();
+        assert!(
+            !names.iter().any(|n| n == "apply" || n == "pull"),
+            "{names:?}"
+        );
+        let refused = p
+            .request(2, "tools/call", json!({"name": "apply", "arguments": {}}))
+            .await;
+        assert_eq!(refused["result"]["isError"], true, "{refused}");
+        assert!(
+            refused["result"]["content"][0]["text"]
+                .as_str()
+                .unwrap()
+                .contains("--no-apply")
+        );
+    }
+
+    #[tokio::test]
+    async fn tool_call_without_a_daemon_is_a_tool_error_saying_how_to_start_it() {
+        let mut p = Peer::start(true);
+        p.initialize("2025-06-18").await;
+        let r = p
+            .request(
+                3,
+                "tools/call",
+                json!({"name": "exec", "arguments": {"cmd": "echo hi"}}),
+            )
+            .await;
+        assert_eq!(r["result"]["isError"], true, "{r}");
+        let text = r["result"]["content"][0]["text"].as_str().unwrap();
+        assert!(text.contains("tryboxi serve"), "{text}");
+        let bad = p
+            .request(
+                4,
+                "tools/call",
+                json!({"name": "exec", "arguments": {"command": "ls"}}),
+            )
+            .await;
+        assert_eq!(bad["result"]["isError"], true, "{bad}");
+        let unknown = p
+            .request(
+                5,
+                "tools/call",
+                json!({"name": "teleport", "arguments": {}}),
+            )
+            .await;
+        assert_eq!(unknown["error"]["code"], -32602, "{unknown}");
+    }
+}
