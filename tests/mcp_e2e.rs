@@ -3,7 +3,8 @@
 //! booting real VMs. The scenario itself is `tests/mcp/client.py`; this test supplies the
 //! daemon, the workspace and the checks on its summary.
 //!
-//! Needs the guest images (`TRYBOXI_ARTIFACTS`, else `_out/`) and Python's `mcp` package.
+//! Needs the guest images (`TRYBOXI_ARTIFACTS`, else `_out/`) and Python's `mcp` package
+//! (`cargo xtask deps` puts it in the venv `_out/mcp-venv`).
 //! Without them it skips with a message, except under CI, where that is a failure.
 
 mod common;
@@ -32,26 +33,38 @@ fn artifacts() -> Option<PathBuf> {
     None
 }
 
-fn python_sdk() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import mcp.client, anyio"])
-        .status()
-        .is_ok_and(|s| s.success());
+/// The Python with the MCP SDK: `$TRYBOXI_MCP_PYTHON`, else the venv `cargo xtask deps` makes
+/// (`_out/mcp-venv`, or next to `TRYBOXI_ARTIFACTS`), else `python3` on PATH.
+fn python_sdk() -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("TRYBOXI_MCP_PYTHON") {
+        candidates.push(p.into());
+    }
+    if let Some(a) = std::env::var_os("TRYBOXI_ARTIFACTS") {
+        candidates.push(PathBuf::from(a).join("mcp-venv/bin/python3"));
+    }
+    candidates.push(concat!(env!("CARGO_MANIFEST_DIR"), "/_out/mcp-venv/bin/python3").into());
+    candidates.push("python3".into());
+    let found = candidates.into_iter().find(|py| {
+        Command::new(py)
+            .args(["-c", "import mcp.client, anyio"])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
     assert!(
-        ok || std::env::var_os("CI").is_none(),
+        found.is_some() || std::env::var_os("CI").is_none(),
         "the MCP Python SDK is missing under CI: `cargo xtask deps` installs it"
     );
-    if !ok {
-        eprintln!("skipped: python3 cannot import mcp (pip install mcp)");
+    if found.is_none() {
+        eprintln!("skipped: no python3 with the MCP SDK (run `cargo xtask deps`)");
     }
-    ok
+    found
 }
 
 #[test]
 fn python_sdk_drives_the_mcp_server_against_real_vms() {
-    if !python_sdk() {
-        return;
-    }
+    let Some(python) = python_sdk() else { return };
     let Some(art) = artifacts() else { return };
     let cfg = "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n";
     let d = Daemon::start(Some(cfg), &["--artifacts", art.to_str().unwrap()]);
@@ -59,7 +72,7 @@ fn python_sdk_drives_the_mcp_server_against_real_vms() {
     std::fs::write(ws.path().join("marker.txt"), "synced from the host\n").unwrap();
 
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp/client.py");
-    let out = Command::new("python3")
+    let out = Command::new(&python)
         .arg(script)
         .arg(BIN)
         .arg(d.root())
