@@ -134,3 +134,68 @@ fn python_sdk_drives_the_mcp_server_against_real_vms() {
         "the scenario removes its sandbox with the `rm` tool: {list}"
     );
 }
+
+/// `tryboxi mcp install` as a user runs it: HOME from the environment, `claude` not on PATH,
+/// pre-existing files merged and backed up, a second run changes nothing.
+#[test]
+fn install_cli_writes_the_three_harness_configs_into_the_given_home() {
+    let home = tempfile::tempdir().unwrap();
+    let repo = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(home.path().join(".codex")).unwrap();
+    std::fs::write(home.path().join(".codex/config.toml"), "model = \"o4\"\n").unwrap();
+    std::fs::write(repo.path().join("AGENTS.md"), "# Team rules\n").unwrap();
+    let run = |harness: &str| {
+        let out = Command::new(BIN)
+            .args(["mcp", "install", harness, "--project"])
+            .arg(repo.path())
+            .arg("--no-apply")
+            .env("HOME", home.path())
+            .env_remove("CODEX_HOME")
+            .env("PATH", "/nonexistent")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{harness}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    for h in ["cursor", "claude", "codex"] {
+        run(h);
+    }
+    let cursor: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo.path().join(".cursor/mcp.json")).unwrap(),
+    )
+    .unwrap();
+    let server = &cursor["mcpServers"]["sandbox"];
+    assert_eq!(server["env"]["SANDBOX_WORKSPACE"], "${workspaceFolder}");
+    assert_eq!(server["args"], serde_json::json!(["mcp", "--no-apply"]));
+    assert_eq!(server["command"].as_str(), Some(BIN));
+    assert!(
+        repo.path()
+            .join(".claude/skills/sandbox/SKILL.md")
+            .is_file()
+    );
+    let codex = std::fs::read_to_string(home.path().join(".codex/config.toml")).unwrap();
+    assert!(codex.starts_with("model = \"o4\"\n"), "{codex}");
+    assert!(codex.contains("[mcp_servers.sandbox]") && codex.contains("tool_timeout_sec = 900"));
+    assert_eq!(
+        std::fs::read_to_string(home.path().join(".codex/config.toml.bak")).unwrap(),
+        "model = \"o4\"\n"
+    );
+    let agents = std::fs::read_to_string(repo.path().join("AGENTS.md")).unwrap();
+    assert!(agents.starts_with("# Team rules\n") && agents.contains("tryboxi:sandbox:begin"));
+
+    let again = run("codex");
+    assert!(
+        !again.contains("wrote") && again.contains("already up to date"),
+        "{again}"
+    );
+    let claude = run("claude");
+    assert!(
+        claude.contains("claude mcp add --scope project --env SANDBOX_CLIENT=claude sandbox --"),
+        "{claude}"
+    );
+}
