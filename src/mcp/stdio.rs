@@ -256,6 +256,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn discover_offers_the_stateless_2026_version() {
+        let mut p = Peer::start(true);
+        let meta = json!({
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "unit", "version": "0"},
+            "io.modelcontextprotocol/clientCapabilities": {},
+        });
+        let r = p
+            .request(1, "server/discover", json!({"_meta": meta}))
+            .await;
+        let versions = r["result"]["supportedVersions"]
+            .as_array()
+            .expect("versions");
+        for v in ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26"] {
+            assert!(versions.iter().any(|x| x == v), "{v} not offered: {r}");
+        }
+        // A request of that era, without any initialize: the tools are there.
+        let r = p.request(2, "tools/list", json!({"_meta": meta})).await;
+        assert!(
+            r["result"]["tools"]
+                .as_array()
+                .is_some_and(|t| t.len() >= 8),
+            "{r}"
+        );
+    }
+
+    #[tokio::test]
     async fn unknown_method_is_method_not_found() {
         let mut p = Peer::start(true);
         p.initialize("2025-06-18").await;
