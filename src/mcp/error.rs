@@ -37,8 +37,13 @@ pub enum ToolError {
     InvalidArgs { tool: String, message: String },
     #[error("Unknown tool `{0}`.")]
     UnknownTool(String),
-    #[error("The daemon refused: {code}: {message}")]
+    #[error("The daemon answered with an error: {code}: {message}")]
     Api { code: String, message: String },
+    #[error(
+        "The command could not finish ({code}: {message}). If the sandbox failed, `rm` it; the \
+         next `exec` creates a new one."
+    )]
+    ExecFailed { code: String, message: String },
     #[error("Talking to the daemon failed: {0}")]
     Daemon(String),
     #[error("{0}")]

@@ -103,7 +103,7 @@ pub async fn run(
                         break (exit_code, signal, timed_out, duration_ms);
                     }
                     Some(api::ExecEvent::Error { code, message }) => {
-                        return Err(ToolError::Api { code, message });
+                        return Err(ToolError::ExecFailed { code, message });
                     }
                 }
             }
