@@ -36,16 +36,22 @@ pub fn install(
             expected: "JSON object",
         });
     }
-    let mut servers = serde_json::from_str::<ServersOnly>(text)
+    let mut servers: IndexMap<String, Server> = serde_json::from_str::<ServersOnly>(text)
         .map_err(unparsable)?
         .servers
-        .unwrap_or_default();
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, Server::Other(v)))
+        .collect();
     servers.insert(
         "sandbox".into(),
-        serde_json::json!({
-            "command": cmd.program.display().to_string(),
-            "args": cmd.args,
-            "env": {"SANDBOX_WORKSPACE": "${workspaceFolder}", "SANDBOX_CLIENT": "cursor"},
+        Server::Ours(Entry {
+            command: cmd.program.display().to_string(),
+            args: cmd.args.clone(),
+            env: IndexMap::from([
+                ("SANDBOX_WORKSPACE", "${workspaceFolder}"),
+                ("SANDBOX_CLIENT", "cursor"),
+            ]),
         }),
     );
     let mut out: IndexMap<String, Node> =
@@ -75,8 +81,23 @@ struct ServersOnly {
 #[derive(serde::Serialize)]
 #[serde(untagged)]
 enum Node {
-    Servers(IndexMap<String, Value>),
+    Servers(IndexMap<String, Server>),
     Plain(Value),
+}
+
+/// Our entry, with its keys in the documented order.
+#[derive(serde::Serialize)]
+struct Entry {
+    command: String,
+    args: Vec<String>,
+    env: IndexMap<&'static str, &'static str>,
+}
+
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum Server {
+    Ours(Entry),
+    Other(Value),
 }
 
 #[cfg(test)]
