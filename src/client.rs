@@ -116,6 +116,95 @@ impl Client {
         Ok(self.request(Method::GET, path, None).await?.into_body())
     }
 
+    /// `POST /v1/sandboxes`: boots a VM; returns when it is ready (or failed to boot).
+    pub async fn create(
+        &self,
+        req: &api::CreateSandboxRequest,
+    ) -> Result<api::Sandbox, ClientError> {
+        self.send(Method::POST, "/v1/sandboxes", Some(req)).await
+    }
+
+    /// `GET /v1/sandboxes`.
+    pub async fn list(&self) -> Result<api::SandboxList, ClientError> {
+        self.get("/v1/sandboxes").await
+    }
+
+    /// `GET /v1/sandboxes/{id}`.
+    pub async fn sandbox(&self, id: &str) -> Result<api::Sandbox, ClientError> {
+        self.get(&format!("/v1/sandboxes/{}", seg(id))).await
+    }
+
+    /// `DELETE /v1/sandboxes/{id}`.
+    pub async fn remove(&self, id: &str) -> Result<api::Sandbox, ClientError> {
+        self.send::<(), _>(Method::DELETE, &format!("/v1/sandboxes/{}", seg(id)), None)
+            .await
+    }
+
+    /// `GET /v1/sandboxes/{id}/diff[?stat=true][&path=P...]`.
+    pub async fn diff(
+        &self,
+        id: &str,
+        stat: bool,
+        paths: &[String],
+    ) -> Result<api::DiffReport, ClientError> {
+        let mut query: Vec<String> = Vec::new();
+        if stat {
+            query.push("stat=true".into());
+        }
+        query.extend(paths.iter().map(|p| format!("path={}", qv(p))));
+        let mut path = format!("/v1/sandboxes/{}/diff", seg(id));
+        if !query.is_empty() {
+            path.push('?');
+            path.push_str(&query.join("&"));
+        }
+        self.get(&path).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/apply`.
+    pub async fn apply(
+        &self,
+        id: &str,
+        req: &api::ApplyRequest,
+    ) -> Result<api::ApplyReport, ClientError> {
+        let path = format!("/v1/sandboxes/{}/apply", seg(id));
+        self.send(Method::POST, &path, Some(req)).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/pull`.
+    pub async fn pull(
+        &self,
+        id: &str,
+        req: &api::ApplyRequest,
+    ) -> Result<api::ApplyReport, ClientError> {
+        let path = format!("/v1/sandboxes/{}/pull", seg(id));
+        self.send(Method::POST, &path, Some(req)).await
+    }
+
+    /// `POST /v1/artifacts/{art_id}/undo`.
+    pub async fn undo(&self, artifact_id: &str) -> Result<api::UndoReport, ClientError> {
+        let path = format!("/v1/artifacts/{}/undo", seg(artifact_id));
+        self.send::<(), _>(Method::POST, &path, None).await
+    }
+
+    /// `GET /v1/sandboxes/{id}/files?path=/abs`.
+    pub async fn read_file(&self, id: &str, path: &str) -> Result<api::FileContent, ClientError> {
+        self.get(&format!(
+            "/v1/sandboxes/{}/files?path={}",
+            seg(id),
+            qv(path)
+        ))
+        .await
+    }
+
+    /// `PUT /v1/sandboxes/{id}/files?path=/abs` with the content as the body. Whatever JSON
+    /// the daemon answers with is ignored (success is the 2xx).
+    pub async fn write_file(&self, id: &str, file: &api::FileContent) -> Result<(), ClientError> {
+        let route = format!("/v1/sandboxes/{}/files?path={}", seg(id), qv(&file.path));
+        let body = serde_json::to_vec(file).expect("API types serialize");
+        let resp = self.request(Method::PUT, &route, Some(body)).await?;
+        collect(resp).await.map(|_| ())
+    }
+
     /// Start an exec; read its events with [`ExecEvents::next`].
     pub async fn exec(&self, id: &str, req: &api::ExecRequest) -> Result<ExecEvents, ClientError> {
         let body = serde_json::to_vec(req).expect("API types serialize");
@@ -162,6 +251,24 @@ impl ExecEvents {
     }
 }
 
+/// Characters left as they are in a path segment or query value: RFC 3986 unreserved, and `/`
+/// in query values (file paths read better that way).
+const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+const QUERY_VALUE: &percent_encoding::AsciiSet = &SEGMENT.remove(b'/');
+
+/// One path segment (an id), so a hostile id cannot reach another route.
+fn seg(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, SEGMENT).to_string()
+}
+
+fn qv(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, QUERY_VALUE).to_string()
+}
+
 async fn collect(resp: Response<Incoming>) -> Result<Bytes, ClientError> {
     Ok(resp
         .into_body()
@@ -174,4 +281,15 @@ async fn collect(resp: Response<Incoming>) -> Result<Bytes, ClientError> {
 fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ClientError> {
     serde_json::from_slice(bytes)
         .map_err(|e| ClientError::Protocol(format!("unexpected reply: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_and_paths_are_escaped_in_routes() {
+        assert_eq!(seg("sbx_1/../x"), "sbx_1%2F..%2Fx");
+        assert_eq!(qv("/workspace/a b&c=d.txt"), "/workspace/a%20b%26c%3Dd.txt");
+    }
 }

@@ -14,9 +14,6 @@ pub enum TopError {
     /// The daemon could not be reached (exit 3).
     #[error("{0}")]
     Unreachable(String),
-    /// A subcommand that a later milestone fills in (exit 64).
-    #[error("`{0}` is not implemented yet in this build of tryboxi")]
-    NotImplemented(&'static str),
     /// A command run in a sandbox exited with this code; no message (the code is passed on).
     #[error("exit status {0}")]
     ExitStatus(u8),
@@ -31,7 +28,6 @@ impl TopError {
             TopError::Usage(_) => ExitCode::from(2),
             TopError::Api { .. } | TopError::Other(_) => ExitCode::from(1),
             TopError::Unreachable(_) => ExitCode::from(3),
-            TopError::NotImplemented(_) => ExitCode::from(64),
             TopError::ExitStatus(c) => ExitCode::from(*c),
         }
     }

@@ -12,6 +12,7 @@ mod doctor;
 mod error;
 mod guest;
 mod ids;
+mod mcp;
 mod rpc;
 mod safefs;
 mod service;

@@ -211,21 +211,23 @@ fn tcp_needs_a_token_and_a_loopback_host() {
 }
 
 #[test]
-fn cli_lists_every_subcommand_and_unfinished_ones_fail_clearly() {
+fn cli_lists_every_subcommand_and_bad_usage_exits_2() {
     let out = Command::new(BIN).arg("--help").output().unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
     for c in [
         "serve", "install", "create", "exec", "ls", "rm", "diff", "apply", "pull", "undo",
-        "events", "trace", "logs", "doctor", "mcp", "token", "version",
+        "events", "trace", "logs", "doctor", "mcp", "token", "version", "sync", "snapshot",
+        "restore",
     ] {
         assert!(
             help.lines().any(|l| l.trim_start().starts_with(c)),
             "`{c}` missing from --help:\n{help}"
         );
     }
+    // A missing argument is a usage error with clap's message, not a crash.
     let out = Command::new(BIN).arg("undo").output().unwrap();
-    assert_eq!(out.status.code(), Some(64));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not implemented yet"));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Usage"));
 }
 
 #[test]

@@ -9,6 +9,7 @@ mod exec;
 mod install;
 mod logs;
 mod ls;
+mod mcp;
 mod pull;
 mod rm;
 mod snapshot;
@@ -97,8 +98,9 @@ pub enum Command {
         #[arg(long, value_name = "DIR")]
         artifacts: Option<PathBuf>,
     },
-    /// MCP stdio server (also: argv[0] `sandbox-mcp`).
-    Mcp,
+    /// MCP stdio server for agents (also: argv[0] `sandbox-mcp`); `mcp install` sets up
+    /// Cursor, Claude Code or Codex.
+    Mcp(mcp::Args),
     /// Print the API token for TCP clients.
     Token,
     /// Print the version.
@@ -148,6 +150,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Apply(a) => runtime()?.block_on(apply::run(a)),
         Command::Pull(a) => runtime()?.block_on(pull::run(a)),
         Command::Undo(a) => runtime()?.block_on(undo::run(a)),
+        Command::Mcp(a) => mcp::run(a),
         Command::Doctor { artifacts } => runtime()?.block_on(crate::doctor::run(artifacts)),
         Command::Token => {
             let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
@@ -166,11 +169,10 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Snapshot(c) => runtime()?.block_on(snapshot::run(c)),
         Command::Restore { id, snapshot } => runtime()?.block_on(snapshot::restore(id, snapshot)),
         Command::Logs(a) => runtime()?.block_on(logs::run(a)),
-        Command::Mcp => Err(TopError::NotImplemented("mcp")),
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, TopError> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, TopError> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

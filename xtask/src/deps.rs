@@ -1,4 +1,5 @@
-//! `cargo xtask deps`: installs the Debian packages the build and the daemon need.
+//! `cargo xtask deps`: installs the Debian packages the build and the daemon need, and the
+//! MCP Python SDK the MCP end-to-end test drives the server with.
 //!
 //! Idempotent and quick: asks `dpkg-query` once and runs `apt-get` only when something is
 //! missing. Adds the `bookworm-backports` source (for QEMU 10) if absent. Never removes or
@@ -37,9 +38,66 @@ const PACKAGES: &[&str] = &[
     "python3",
     // tests/observability_e2e.rs parses /metrics with the real Prometheus text parser.
     "python3-prometheus-client",
+    "python3-venv",
 ];
 
 pub fn run() -> Result<()> {
+    debian()?;
+    python_mcp_sdk()
+}
+
+/// The official MCP Python SDK, pinned (tests/mcp_e2e.rs checks the protocol version it
+/// negotiates; Python 3.10+ runs it, Debian 12 has 3.11). Installed into a virtualenv under
+/// `_out/` because Debian's Python is "externally managed" (PEP 668: no system-wide pip).
+/// Skipped when that venv already imports this version.
+const MCP_SDK: &str = "mcp==2.3.0";
+
+/// The venv the MCP end-to-end test runs its client with (`tests/mcp_e2e.rs` looks here).
+pub fn mcp_venv() -> PathBuf {
+    crate::util::out_dir().join("mcp-venv")
+}
+
+fn python_mcp_sdk() -> Result<()> {
+    let step = Step::start("deps: MCP Python SDK");
+    let venv = mcp_venv();
+    let python = venv.join("bin/python3");
+    let wanted = MCP_SDK.trim_start_matches("mcp==");
+    let check = format!(
+        "import importlib.metadata as m, mcp.client; assert m.version('mcp') == '{wanted}'"
+    );
+    let present = Command::new(&python)
+        .args(["-c", &check])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if present {
+        step.done(&format!("{MCP_SDK} in {}", venv.display()));
+        return Ok(());
+    }
+    if !python.exists() {
+        println!("    python3 -m venv {}", venv.display());
+        run_inherit(
+            Command::new("python3").arg("-m").arg("venv").arg(&venv),
+            "python3 -m venv",
+        )?;
+    }
+    println!("    pip install {MCP_SDK}");
+    run_inherit(
+        Command::new(&python).args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            MCP_SDK,
+        ]),
+        "pip install mcp",
+    )?;
+    step.done(&format!("installed {MCP_SDK} in {}", venv.display()));
+    Ok(())
+}
+
+fn debian() -> Result<()> {
     let step = Step::start("deps: Debian packages");
     let mut wanted: Vec<&str> = vec![QEMU];
     wanted.extend_from_slice(PACKAGES);

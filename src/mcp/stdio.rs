@@ -1,0 +1,398 @@
+//! JSON-RPC over stdio: newline-delimited messages, served by `rmcp`.
+//!
+//! `rmcp` silently drops lines that are not JSON (as the other official SDKs do). JSON-RPC 2.0
+//! says such input gets a `-32700 Parse error` response with `id: null`, and a client author
+//! debugging a broken frame is better served by an answer than by silence, so a thin shim sits
+//! between the real stdin/stdout and `rmcp`: it answers unparsable lines itself and passes every
+//! other line through unchanged. It never writes half a line: `rmcp`'s output and its own
+//! answers are interleaved only at line boundaries.
+
+use rmcp::ServiceExt as _;
+use tokio::io::{
+    AsyncBufReadExt as _, AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _, BufReader,
+};
+use tokio::sync::mpsc;
+
+/// Longest accepted input line (a `write_file` of a large file arrives as one line).
+const MAX_LINE: usize = 64 << 20;
+/// Buffer of each in-process pipe between the shim and `rmcp`.
+const PIPE: usize = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("MCP session could not start: {0}")]
+    Start(String),
+    #[error("MCP session ended with an error: {0}")]
+    Run(String),
+    #[error("stdio broke: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The `-32700` answer for a line that is not JSON.
+pub fn parse_error_line(err: &serde_json::Error) -> String {
+    let v = serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": null,
+        "error": {"code": -32700, "message": format!("Parse error: {err}")},
+    });
+    format!("{v}\n")
+}
+
+/// Serve `handler` over a pair of byte streams until `input` ends (or `output` breaks).
+pub async fn serve<H, R, W>(handler: H, input: R, output: W) -> Result<(), ServeError>
+where
+    H: rmcp::ServerHandler,
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let (to_rmcp, rmcp_in) = tokio::io::duplex(PIPE);
+    let (rmcp_out, from_rmcp) = tokio::io::duplex(PIPE);
+    let (answers_tx, answers_rx) = mpsc::unbounded_channel::<String>();
+
+    let reader = tokio::spawn(pump_input(input, to_rmcp, answers_tx));
+    let writer = tokio::spawn(pump_output(from_rmcp, answers_rx, output));
+
+    let result = match handler.serve((rmcp_in, rmcp_out)).await {
+        Ok(running) => running
+            .waiting()
+            .await
+            .map(|_| ())
+            .map_err(|e| ServeError::Run(e.to_string())),
+        Err(e) => Err(ServeError::Start(e.to_string())),
+    };
+    // `rmcp` has dropped its pipe ends: the writer drains what is left and ends.
+    reader.abort();
+    match writer.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "stdout closed"),
+        Err(e) => tracing::warn!(error = %e, "stdout writer task failed"),
+    }
+    result
+}
+
+/// stdin -> `rmcp`, answering lines that are not JSON with `-32700`.
+async fn pump_input<R: AsyncRead + Unpin>(
+    input: R,
+    mut to_rmcp: tokio::io::DuplexStream,
+    answers: mpsc::UnboundedSender<String>,
+) -> std::io::Result<()> {
+    let mut input = BufReader::new(input);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = (&mut input)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .await?;
+        if n == 0 {
+            return Ok(()); // EOF: dropping `to_rmcp` ends the session
+        }
+        if line.len() > MAX_LINE && line.last() != Some(&b'\n') {
+            // Skip the rest of the oversized line, then answer it.
+            let mut rest = Vec::new();
+            input.read_until(b'\n', &mut rest).await?;
+            let e = serde_json::Error::io(std::io::Error::other(format!(
+                "message longer than {MAX_LINE} bytes"
+            )));
+            let _ = answers.send(parse_error_line(&e));
+            continue;
+        }
+        let body = line.trim_ascii();
+        if body.is_empty() {
+            continue;
+        }
+        if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body)
+            && matches!(
+                e.classify(),
+                serde_json::error::Category::Syntax | serde_json::error::Category::Eof
+            )
+        {
+            tracing::debug!(error = %e, "unparsable JSON-RPC line");
+            let _ = answers.send(parse_error_line(&e));
+            continue;
+        }
+        to_rmcp.write_all(body).await?;
+        to_rmcp.write_all(b"\n").await?;
+    }
+}
+
+/// `rmcp`'s output and the shim's own answers -> stdout, whole lines only.
+async fn pump_output<W: AsyncWrite + Unpin>(
+    from_rmcp: tokio::io::DuplexStream,
+    mut answers: mpsc::UnboundedReceiver<String>,
+    mut output: W,
+) -> std::io::Result<()> {
+    let mut from_rmcp = BufReader::new(from_rmcp);
+    let mut line = Vec::new();
+    let mut rmcp_open = true;
+    let mut answers_open = true;
+    while rmcp_open || answers_open {
+        tokio::select! {
+            n = from_rmcp.read_until(b'\n', &mut line), if rmcp_open => {
+                if n? == 0 {
+                    rmcp_open = false;
+                    // The session is over: answers for lines still in flight are moot.
+                    answers_open = false;
+                } else {
+                    output.write_all(&line).await?;
+                    output.flush().await?;
+                    line.clear();
+                }
+            }
+            a = answers.recv(), if answers_open => match a {
+                Some(a) => {
+                    output.write_all(a.as_bytes()).await?;
+                    output.flush().await?;
+                }
+                None => answers_open = false,
+            },
+        }
+    }
+    if !line.is_empty() {
+        output.write_all(&line).await?;
+    }
+    output.flush().await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::{Value, json};
+    use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader, DuplexStream, Lines};
+
+    use super::*;
+    use crate::mcp::{Options, SandboxServer};
+
+    /// A client on the other end of an in-process pipe; the daemon socket does not exist.
+    struct Peer {
+        tx: DuplexStream,
+        rx: Lines<BufReader<DuplexStream>>,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Peer {
+        fn start(allow_apply: bool) -> Peer {
+            let dir = tempfile::tempdir().unwrap();
+            let mut opts = Options::new(dir.path().join("no-daemon.sock"), dir.path().into());
+            opts.allow_apply = allow_apply;
+            let (tx, server_in) = tokio::io::duplex(1 << 16);
+            let (server_out, rx) = tokio::io::duplex(1 << 16);
+            tokio::spawn(serve(SandboxServer::new(opts), server_in, server_out));
+            Peer {
+                tx,
+                rx: BufReader::new(rx).lines(),
+                _dir: dir,
+            }
+        }
+
+        async fn send_raw(&mut self, line: &str) {
+            self.tx.write_all(line.as_bytes()).await.unwrap();
+            self.tx.write_all(b"\n").await.unwrap();
+        }
+
+        async fn send(&mut self, v: Value) {
+            self.send_raw(&v.to_string()).await;
+        }
+
+        /// The next message (bounded wait).
+        async fn recv(&mut self) -> Value {
+            let line = tokio::time::timeout(Duration::from_secs(10), self.rx.next_line())
+                .await
+                .expect("server answered within 10 s")
+                .unwrap()
+                .expect("server still open");
+            serde_json::from_str(&line).unwrap()
+        }
+
+        async fn request(&mut self, id: u64, method: &str, params: Value) -> Value {
+            self.send(json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}))
+                .await;
+            loop {
+                let m = self.recv().await;
+                if m["id"] == json!(id) {
+                    return m;
+                }
+            }
+        }
+
+        async fn initialize(&mut self, version: &str) -> Value {
+            let r = self
+                .request(
+                    0,
+                    "initialize",
+                    json!({"protocolVersion": version, "capabilities": {},
+                           "clientInfo": {"name": "unit", "version": "0"}}),
+                )
+                .await;
+            self.send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+                .await;
+            r
+        }
+    }
+
+    #[tokio::test]
+    async fn initialize_negotiates_each_supported_version() {
+        for v in ["2025-03-26", "2025-06-18", "2025-11-25"] {
+            let mut p = Peer::start(true);
+            let r = p.initialize(v).await;
+            assert_eq!(r["result"]["protocolVersion"], v, "{r}");
+            assert_eq!(r["result"]["serverInfo"]["name"], "tryboxi");
+            assert!(r["result"]["capabilities"]["tools"].is_object(), "{r}");
+            assert!(
+                r["result"]["instructions"]
+                    .as_str()
+                    .unwrap()
+                    .contains("exec")
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn unknown_version_gets_the_newest_handshake_version() {
+        let mut p = Peer::start(true);
+        let r = p.initialize("1999-01-01").await;
+        assert_eq!(r["result"]["protocolVersion"], "2025-11-25", "{r}");
+    }
+
+    #[tokio::test]
+    async fn discover_offers_the_stateless_2026_version() {
+        let mut p = Peer::start(true);
+        let meta = json!({
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "unit", "version": "0"},
+            "io.modelcontextprotocol/clientCapabilities": {},
+        });
+        let r = p
+            .request(1, "server/discover", json!({"_meta": meta}))
+            .await;
+        let versions = r["result"]["supportedVersions"]
+            .as_array()
+            .expect("versions");
+        for v in ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26"] {
+            assert!(versions.iter().any(|x| x == v), "{v} not offered: {r}");
+        }
+        // A request of that era, without any initialize: the tools are there.
+        let r = p.request(2, "tools/list", json!({"_meta": meta})).await;
+        assert!(
+            r["result"]["tools"]
+                .as_array()
+                .is_some_and(|t| t.len() >= 8),
+            "{r}"
+        );
+    }
+
+    #[tokio::test]
+    async fn unknown_method_is_method_not_found() {
+        let mut p = Peer::start(true);
+        p.initialize("2025-06-18").await;
+        let r = p.request(7, "sandbox/teleport", json!({})).await;
+        assert_eq!(r["error"]["code"], -32601, "{r}");
+    }
+
+    #[tokio::test]
+    async fn malformed_json_is_a_parse_error_and_the_session_goes_on() {
+        let mut p = Peer::start(true);
+        p.initialize("2025-06-18").await;
+        p.send_raw(r#"{"jsonrpc":"2.0","id":5,"method":"ping""#)
+            .await;
+        let r = p.recv().await;
+        assert_eq!(r["error"]["code"], -32700, "{r}");
+        assert_eq!(r["id"], Value::Null, "{r}");
+        let pong = p.request(6, "ping", json!({})).await;
+        assert_eq!(pong["result"], json!({}), "{pong}");
+    }
+
+    #[tokio::test]
+    async fn tools_list_has_object_schemas_and_no_apply_hides_apply() {
+        let mut p = Peer::start(true);
+        p.initialize("2025-06-18").await;
+        let r = p.request(1, "tools/list", json!({})).await;
+        let tools = r["result"]["tools"].as_array().unwrap();
+        let names: Vec<&str> = tools.iter().map(|t| t["name"].as_str().unwrap()).collect();
+        for n in [
+            "create",
+            "exec",
+            "read_output",
+            "diff",
+            "apply",
+            "pull",
+            "undo",
+            "read_file",
+            "write_file",
+            "list",
+            "rm",
+        ] {
+            assert!(names.contains(&n), "{n} missing from {names:?}");
+        }
+        for t in tools {
+            assert_eq!(t["inputSchema"]["type"], "object", "{t}");
+            assert!(
+                t["description"].as_str().is_some_and(|d| !d.is_empty()),
+                "{t}"
+            );
+        }
+        let exec = tools.iter().find(|t| t["name"] == "exec").unwrap();
+        assert_eq!(exec["inputSchema"]["required"], json!(["cmd"]));
+        assert_eq!(
+            exec["inputSchema"]["properties"]["timeout_s"]["type"],
+            json!(["number", "null"])
+        );
+
+        let mut p = Peer::start(false);
+        p.initialize("2025-06-18").await;
+        let r = p.request(1, "tools/list", json!({})).await;
+        let names: Vec<String> = r["result"]["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["name"].as_str().unwrap().to_owned())
+            .collect();
+        assert!(
+            !names.iter().any(|n| n == "apply" || n == "pull"),
+            "{names:?}"
+        );
+        let refused = p
+            .request(2, "tools/call", json!({"name": "apply", "arguments": {}}))
+            .await;
+        assert_eq!(refused["result"]["isError"], true, "{refused}");
+        assert!(
+            refused["result"]["content"][0]["text"]
+                .as_str()
+                .unwrap()
+                .contains("--no-apply")
+        );
+    }
+
+    #[tokio::test]
+    async fn tool_call_without_a_daemon_is_a_tool_error_saying_how_to_start_it() {
+        let mut p = Peer::start(true);
+        p.initialize("2025-06-18").await;
+        let r = p
+            .request(
+                3,
+                "tools/call",
+                json!({"name": "exec", "arguments": {"cmd": "echo hi"}}),
+            )
+            .await;
+        assert_eq!(r["result"]["isError"], true, "{r}");
+        let text = r["result"]["content"][0]["text"].as_str().unwrap();
+        assert!(text.contains("tryboxi serve"), "{text}");
+        let bad = p
+            .request(
+                4,
+                "tools/call",
+                json!({"name": "exec", "arguments": {"command": "ls"}}),
+            )
+            .await;
+        assert_eq!(bad["result"]["isError"], true, "{bad}");
+        let unknown = p
+            .request(
+                5,
+                "tools/call",
+                json!({"name": "teleport", "arguments": {}}),
+            )
+            .await;
+        assert_eq!(unknown["error"]["code"], -32602, "{unknown}");
+    }
+}
