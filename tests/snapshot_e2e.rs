@@ -110,11 +110,37 @@ fn restore_brings_back_files_and_processes() {
     assert!(d.cli(&["restore", &id, &snap]).status.success());
     assert_eq!(sh(&d, &id, "cat /root/f").1, "before\n");
 
+    // The sync base goes with the snapshot: a host edit synced after the snapshot does not look,
+    // after a restore, like the VM reverting it (which apply would copy back to the host).
+    std::fs::write(ws.path().join("a.txt"), "v1\n").unwrap();
+    assert_eq!(sh(&d, &id, "cat /workspace/a.txt").1, "v1\n");
+    assert!(
+        d.cli(&["snapshot", "create", &id, "--name", "ws-v1"])
+            .status
+            .success()
+    );
+    std::fs::write(ws.path().join("a.txt"), "v2\n").unwrap();
+    assert_eq!(sh(&d, &id, "cat /workspace/a.txt").1, "v2\n");
+    assert!(d.cli(&["restore", &id, "ws-v1"]).status.success());
+    let diff = d
+        .request("GET", &format!("/v1/sandboxes/{id}/diff"), None)
+        .json();
+    assert_eq!(
+        diff["files"].as_array().unwrap().len(),
+        0,
+        "restore made a phantom VM change: {diff}"
+    );
+    assert_eq!(
+        sh(&d, &id, "cat /workspace/a.txt").1,
+        "v2\n",
+        "the next exec syncs the host's edit"
+    );
+
     // Listing, unknown snapshot, and removal of everything.
     let list = d
         .request("GET", &format!("/v1/sandboxes/{id}/snapshots"), None)
         .json();
-    assert_eq!(list["snapshots"].as_array().unwrap().len(), 1);
+    assert_eq!(list["snapshots"].as_array().unwrap().len(), 2);
     let r = d.request(
         "POST",
         &format!("/v1/sandboxes/{id}/restore"),

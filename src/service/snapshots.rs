@@ -2,6 +2,9 @@
 //! restore. Files live in the sandbox's directory (`snapshots/<snap_id>/state.bin` and the
 //! frozen `disk-*.qcow2` layers), so removing the sandbox removes its snapshots too.
 //!
+//! The workspace sync base (`workspace/manifest.json`) is saved with each snapshot and put back
+//! by a restore, so diff and the next sync compare against what the restored VM has.
+//!
 //! After a restore the agent channel is reconnected at once; commands that were running on the
 //! old connection end with an `error` event (their host side is gone), never a hang.
 
@@ -18,6 +21,7 @@ use crate::rpc::AgentClient;
 use crate::store::{SANDBOXES, SNAPSHOTS};
 use crate::vmm::qemu::Checkpoint;
 use crate::vmm::{Accel, VmSpec, VmmDriver};
+use crate::workspace::manifest::Base;
 
 /// What the store keeps per snapshot.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -73,6 +77,14 @@ impl Service {
             .map_err(|e| {
                 ServiceError::Internal(format!("cannot checkpoint sandbox `{id}`: {e}"))
             })?;
+        // The workspace sync base goes with the snapshot (its blobs are write-once, so the
+        // manifest is enough): after a restore, diff and sync compare against what the VM had.
+        let base = Base::new(rec.dir.join("workspace"));
+        if let Ok(m) = base.load() {
+            Base::new(dir.join("workspace")).save(&m).map_err(|e| {
+                ServiceError::Internal(format!("cannot save the sync base with the snapshot: {e}"))
+            })?;
+        }
         let snap = SnapshotRecord {
             api: api::Snapshot {
                 id: snap_id.clone(),
@@ -182,6 +194,18 @@ impl Service {
         .await;
         match restored {
             Ok(vm) => {
+                let saved = rec
+                    .dir
+                    .join("snapshots")
+                    .join(&snap.api.id)
+                    .join("workspace");
+                if let Ok(m) = Base::new(saved).load() {
+                    Base::new(rec.dir.join("workspace")).save(&m).map_err(|e| {
+                        ServiceError::Internal(format!(
+                            "cannot put back the snapshot's sync base: {e}"
+                        ))
+                    })?;
+                }
                 tracing::info!(sandbox = %id, snapshot = %snap.api.id, ms = t0.elapsed().as_millis() as u64, "sandbox restored");
                 rec.api.state = SandboxState::Ready;
                 rec.api.error = None;
