@@ -104,6 +104,40 @@ pub fn run(reps: usize) -> Result<()> {
         }
     }
 
+    println!("==> (f) snapshot and restore of a ready sandbox ({reps}x each)");
+    let mut snap = Vec::new();
+    let mut restore = Vec::new();
+    for i in 0..reps {
+        let body = format!(r#"{{"name":"b{i}"}}"#);
+        let t = Instant::now();
+        let (st, out) = http::request(
+            &sock,
+            "POST",
+            &format!("/v1/sandboxes/{keep}/snapshots"),
+            Some(&body),
+        )?;
+        snap.push(t.elapsed());
+        if st != 201 {
+            bail!("snapshot failed: HTTP {st}: {out}");
+        }
+        let t = Instant::now();
+        let body = format!(r#"{{"snapshot":"b{i}"}}"#);
+        let (st, out) = http::request(
+            &sock,
+            "POST",
+            &format!("/v1/sandboxes/{keep}/restore"),
+            Some(&body),
+        )?;
+        restore.push(t.elapsed());
+        if st != 200 {
+            bail!("restore failed: HTTP {st}: {out}");
+        }
+    }
+    let after = http::exec(&sock, &keep, r#"{"argv":["true"]}"#)?;
+    if !after.contains("\"exit_code\":0") {
+        bail!("exec after restore failed: {after}");
+    }
+
     println!("==> (d) memory of an idle sandbox and of the daemon");
     std::thread::sleep(Duration::from_secs(2));
     let vm: serde_json::Value = serde_json::from_slice(&std::fs::read(
@@ -165,6 +199,18 @@ pub fn run(reps: usize) -> Result<()> {
     )?;
     row(&mut md, "(c) exec `true` round trip, API", &api, "<= 25 ms")?;
     row(&mut md, "(c) exec `true` round trip, CLI process", &cli, "")?;
+    row(
+        &mut md,
+        "(f) snapshot: pause, state file, freeze disk layer, continue (API)",
+        &snap,
+        "<= 50 ms (issue 7)",
+    )?;
+    row(
+        &mut md,
+        "(f) restore: new QEMU from the state file, agent answering (API)",
+        &restore,
+        "<= 100 ms (issue 7)",
+    )?;
     writeln!(md, "\nRatio (b)/(a) = **{ratio:.2}** (target <= 1.3).\n")?;
     writeln!(md, "## Memory\n")?;
     writeln!(md, "| what | RSS | target |\n|---|---|---|")?;
