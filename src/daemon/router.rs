@@ -446,6 +446,7 @@ mod tests {
                 ("POST", "/v1/sandboxes") => br#"{"workspace":{"host_path":"/tmp"}}"#,
                 ("POST", p) if p.ends_with("/exec") => br#"{"cmd":"true"}"#,
                 ("POST", p) if p.ends_with("/pull") => br#"{"paths":["a"],"force":true}"#,
+                ("POST", p) if p.ends_with("/restore") => br#"{"snapshot":"base"}"#,
                 ("PUT", _) => br#"{"path":"/workspace/a","content":"x"}"#,
                 _ => b"",
             };
