@@ -12,26 +12,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::{BIN, Daemon};
-
-fn artifacts() -> Option<PathBuf> {
-    let dir = std::env::var_os("TRYBOXI_ARTIFACTS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/_out")));
-    if dir.join("images/manifest.json").exists() {
-        return Some(dir);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "no guest images at {} under CI: `cargo xtask ci` builds them",
-        dir.display()
-    );
-    eprintln!(
-        "skipped: no guest images at {} (run `cargo xtask images`)",
-        dir.display()
-    );
-    None
-}
+use common::{BIN, Daemon, artifacts};
 
 /// The Python with the MCP SDK: `$TRYBOXI_MCP_PYTHON`, else the venv `cargo xtask deps` makes
 /// (`_out/mcp-venv`, or next to `TRYBOXI_ARTIFACTS`), else `python3` on PATH.

@@ -9,29 +9,12 @@ mod common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::Daemon;
+use common::{Daemon, artifacts};
 use serde_json::Value;
-
-fn artifacts() -> Option<PathBuf> {
-    let dir = std::env::var_os("TRYBOXI_ARTIFACTS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/_out")));
-    if dir.join("images/manifest.json").exists() {
-        return Some(dir);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "no guest images at {} under CI",
-        dir.display()
-    );
-    eprintln!("skipped: no guest images at {}", dir.display());
-    None
-}
 
 /// Samples of a `/metrics` body, as parsed by prometheus_client's parser.
 fn parse_metrics(text: &str) -> Vec<Value> {

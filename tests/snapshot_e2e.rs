@@ -3,25 +3,7 @@
 
 mod common;
 
-use std::path::PathBuf;
-
-use common::Daemon;
-
-fn artifacts() -> Option<PathBuf> {
-    let dir = std::env::var_os("TRYBOXI_ARTIFACTS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/_out")));
-    if dir.join("images/manifest.json").exists() {
-        return Some(dir);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "no guest images at {} under CI",
-        dir.display()
-    );
-    eprintln!("skipped: no guest images at {}", dir.display());
-    None
-}
+use common::{Daemon, artifacts};
 
 fn sh(d: &Daemon, id: &str, script: &str) -> (Option<i32>, String) {
     let o = d.cli(&["exec", id, "--", "sh", "-c", script]);

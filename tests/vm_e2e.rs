@@ -12,27 +12,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, Daemon};
+use common::{BIN, Daemon, artifacts};
 use sha2::{Digest, Sha256};
-
-fn artifacts() -> Option<PathBuf> {
-    let dir = std::env::var_os("TRYBOXI_ARTIFACTS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/_out")));
-    if dir.join("images/manifest.json").exists() {
-        return Some(dir);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "no guest images at {} under CI: `cargo xtask ci` builds them",
-        dir.display()
-    );
-    eprintln!(
-        "skipped: no guest images at {} (run `cargo xtask images`)",
-        dir.display()
-    );
-    None
-}
 
 /// A daemon using the built images, with small VMs.
 fn daemon() -> Option<Daemon> {

@@ -7,25 +7,9 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use common::Daemon;
-
-fn artifacts() -> Option<PathBuf> {
-    let dir = std::env::var_os("TRYBOXI_ARTIFACTS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/_out")));
-    if dir.join("images/manifest.json").exists() {
-        return Some(dir);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "no guest images at {} under CI: `cargo xtask ci` builds them",
-        dir.display()
-    );
-    eprintln!("skipped: no guest images at {}", dir.display());
-    None
-}
+use common::{Daemon, artifacts};
 
 fn daemon() -> Option<Daemon> {
     let art = artifacts()?;

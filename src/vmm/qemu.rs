@@ -378,10 +378,20 @@ impl QemuDriver {
         if disk.exists() {
             return Ok(());
         }
+        self.qcow2_over(rootfs, "raw", disk).await
+    }
+
+    /// `qemu-img create -f qcow2 -F <fmt> -b <backing> <file>`: a copy-on-write layer.
+    pub(crate) async fn qcow2_over(
+        &self,
+        backing: &Path,
+        backing_fmt: &str,
+        file: &Path,
+    ) -> Result<(), VmmError> {
         let out = tokio::process::Command::new(&self.qemu_img)
-            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
-            .arg(rootfs)
-            .arg(disk)
+            .args(["create", "-q", "-f", "qcow2", "-F", backing_fmt, "-b"])
+            .arg(backing)
+            .arg(file)
             .stdin(Stdio::null())
             .output()
             .await
@@ -392,7 +402,7 @@ impl QemuDriver {
         if !out.status.success() {
             return Err(VmmError::Other(format!(
                 "qemu-img create {} failed ({}): {}",
-                disk.display(),
+                file.display(),
                 out.status,
                 String::from_utf8_lossy(&out.stderr).trim()
             )));

@@ -242,6 +242,27 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The guest images: `TRYBOXI_ARTIFACTS` (set by `cargo xtask ci`) or `_out/`. Without them a
+/// VM test skips with a message, except under CI, where that is a failure.
+pub fn artifacts() -> Option<PathBuf> {
+    let dir = std::env::var_os("TRYBOXI_ARTIFACTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/_out")));
+    if dir.join("images/manifest.json").exists() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "no guest images at {} under CI: `cargo xtask ci` builds them",
+        dir.display()
+    );
+    eprintln!(
+        "skipped: no guest images at {} (run `cargo xtask images`)",
+        dir.display()
+    );
+    None
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -96,7 +96,8 @@ impl QemuDriver {
                 Err(e) => return Err(super::io_err(stale)(e)),
             }
         }
-        self.create_layer(&cp.disk_layer, &paths.disk).await?;
+        self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
+            .await?;
         let spec = VmSpec {
             dir: dir.clone(),
             kernel: abs(&spec.kernel)?,
@@ -131,29 +132,6 @@ impl QemuDriver {
         }
         tracing::info!(vm = %info.id, pid, restore_ms = t0.elapsed().as_millis() as u64, "VM restored");
         Ok(info)
-    }
-
-    /// A qcow2 overlay `file` over the qcow2 `backing`.
-    async fn create_layer(&self, backing: &Path, file: &Path) -> Result<(), VmmError> {
-        let out = tokio::process::Command::new(&self.qemu_img)
-            .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
-            .arg(backing)
-            .arg(file)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .await
-            .map_err(|source| VmmError::Spawn {
-                binary: self.qemu_img.display().to_string(),
-                source,
-            })?;
-        if !out.status.success() {
-            return Err(VmmError::Other(format!(
-                "qemu-img create {} failed: {}",
-                file.display(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
-        }
-        Ok(())
     }
 }
 
