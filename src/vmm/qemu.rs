@@ -100,6 +100,31 @@ impl VmPaths {
         }
     }
 
+    /// Remove leftovers of an earlier run of this VM (they would fool the readiness checks).
+    fn clear_stale(&self) -> Result<(), VmmError> {
+        for stale in [&self.qmp, &self.agent, &self.pidfile, &self.vm_json] {
+            match std::fs::remove_file(stale) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(stale)(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The [`VmInfo`] of `spec`'s VM running as `pid` with these paths.
+    fn info(&self, spec: &VmSpec, pid: u32) -> VmInfo {
+        VmInfo {
+            id: spec.id.clone(),
+            dir: self.dir.clone(),
+            pid,
+            accel: spec.accel,
+            agent_socket: self.agent.clone(),
+            qmp_socket: self.qmp.clone(),
+            console_log: self.console.clone(),
+        }
+    }
+
     /// Unix socket paths must fit `sun_path`; we refuse long ones rather than play tricks with
     /// symlinks or `/proc/self/fd` (both sides of each socket would need the trick).
     fn check_socket_lengths(&self) -> Result<(), VmmError> {
@@ -542,28 +567,13 @@ impl VmmDriver for QemuDriver {
             rootfs: abs(&spec.rootfs)?,
             ..spec.clone()
         };
-        // Leftovers of an earlier run of this VM would fool the readiness checks below.
-        for stale in [&paths.qmp, &paths.agent, &paths.pidfile, &paths.vm_json] {
-            match std::fs::remove_file(stale) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io_err(stale)(e)),
-            }
-        }
+        paths.clear_stale()?;
         self.create_overlay(&spec.rootfs, &paths.disk).await?;
 
         let args = qemu_args(&spec, &paths);
         let t0 = Instant::now();
         let (pid, mut exited) = self.spawn_detached(&args, &dir, &paths.qemu_log)?;
-        let info = VmInfo {
-            id: spec.id.clone(),
-            dir: dir.clone(),
-            pid,
-            accel: spec.accel,
-            agent_socket: paths.agent.clone(),
-            qmp_socket: paths.qmp.clone(),
-            console_log: paths.console.clone(),
-        };
+        let info = paths.info(&spec, pid);
         let ready = match self.wait_ready(&paths, &mut exited).await {
             Ok(()) => write_vm_json(&paths, &info),
             Err(e) => Err(e),

@@ -89,13 +89,7 @@ impl QemuDriver {
         let mut paths = VmPaths::new(&dir);
         paths.check_socket_lengths()?;
         paths.disk = absolute(overlay)?;
-        for stale in [&paths.qmp, &paths.agent, &paths.pidfile, &paths.vm_json] {
-            match std::fs::remove_file(stale) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(super::io_err(stale)(e)),
-            }
-        }
+        paths.clear_stale()?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
         let spec = VmSpec {
@@ -110,15 +104,7 @@ impl QemuDriver {
         args.push(OsString::from(format!("file:{}", cp.state_file.display())));
         let t0 = Instant::now();
         let (pid, exited) = self.spawn_detached(&args, &dir, &paths.qemu_log)?;
-        let info = VmInfo {
-            id: spec.id.clone(),
-            dir: dir.clone(),
-            pid,
-            accel: spec.accel,
-            agent_socket: paths.agent.clone(),
-            qmp_socket: paths.qmp.clone(),
-            console_log: paths.console.clone(),
-        };
+        let info = paths.info(&spec, pid);
         let res = async {
             let qmp = connect_until(&paths.qmp, &exited, &paths).await?;
             wait_incoming(&qmp, &exited, &paths).await?;
