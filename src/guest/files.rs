@@ -47,15 +47,7 @@ pub fn check_path(path: &str) -> Result<PathBuf, RemoteError> {
 
 fn stat_of(md: &std::fs::Metadata) -> FileStat {
     let ft = md.file_type();
-    let kind = if ft.is_symlink() {
-        FileKind::Symlink
-    } else if ft.is_dir() {
-        FileKind::Dir
-    } else if ft.is_file() {
-        FileKind::File
-    } else {
-        FileKind::Other
-    };
+    let kind = FileKind::of(ft);
     FileStat {
         kind,
         size: md.len(),

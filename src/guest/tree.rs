@@ -189,15 +189,7 @@ fn walk_into(
             continue; // removed while walking
         };
         let ft = md.file_type();
-        let kind = if ft.is_symlink() {
-            FileKind::Symlink
-        } else if ft.is_dir() {
-            FileKind::Dir
-        } else if ft.is_file() {
-            FileKind::File
-        } else {
-            FileKind::Other
-        };
+        let kind = FileKind::of(ft);
         let name = ent.file_name().to_string_lossy().into_owned();
         if kind == FileKind::Dir && skip.contains(&name) {
             continue;

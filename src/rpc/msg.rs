@@ -181,6 +181,21 @@ pub enum FileKind {
     Other,
 }
 
+impl FileKind {
+    /// The kind of a file as `lstat` saw it (a symlink is not followed).
+    pub fn of(ft: std::fs::FileType) -> FileKind {
+        if ft.is_symlink() {
+            FileKind::Symlink
+        } else if ft.is_dir() {
+            FileKind::Dir
+        } else if ft.is_file() {
+            FileKind::File
+        } else {
+            FileKind::Other
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileStat {
     pub kind: FileKind,

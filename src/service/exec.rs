@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use super::{Service, ServiceError};
-use crate::api::{self, SandboxState};
+use crate::api;
 use crate::ids;
 use crate::rpc::{self, RpcError};
 use crate::store::EXECS;
@@ -40,19 +40,8 @@ impl Service {
         id: &str,
         req: api::ExecRequest,
     ) -> Result<mpsc::Receiver<api::ExecEvent>, ServiceError> {
-        let rec = self.record(id)?;
+        let (rec, vm) = self.ready_vm(id)?;
         let wire = to_wire(&req, self.config.exec_timeout_s)?;
-        if rec.api.state != SandboxState::Ready {
-            let why = rec.api.error.map(|e| format!(": {e}")).unwrap_or_default();
-            return Err(ServiceError::Conflict(format!(
-                "sandbox `{id}` is {}{why}",
-                rec.api.state
-            )));
-        }
-        let vm = self
-            .vms
-            .get(id)
-            .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
         // The VM sees the host repo as it is now (one-way delta sync).
         self.sync_before_exec(&rec, &vm).await?;
         let exec_id = ids::new_id(ids::EXEC);

@@ -87,7 +87,7 @@ impl Service {
     }
 
     /// The sandbox record and its live VM; 409 unless it is ready.
-    fn ready_vm(&self, id: &str) -> Result<(SandboxRecord, Arc<LiveVm>), ServiceError> {
+    pub(super) fn ready_vm(&self, id: &str) -> Result<(SandboxRecord, Arc<LiveVm>), ServiceError> {
         let rec = self.record(id)?;
         if rec.api.state != SandboxState::Ready {
             let why = rec
