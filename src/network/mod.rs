@@ -1,0 +1,12 @@
+//! Per-sandbox egress network: allowlist-only, in userspace, inside the daemon.
+//!
+//! Owns: everything between a VM's virtio-net device and the outside world.
+//! Never: opens a host interface, tap device or namespace; lets a guest packet reach the host
+//! without a [`gate::Gate`] decision.
+//!
+//! Files: `gate.rs` (the contract between the packet side and the policy side: what the
+//! stack asks, what the policy answers). The stack (`stack/`), the policy engine
+//! (`policy/`), the DNS resolver (`dns/`) and the first-bytes sniffers (`sniff.rs`) build on it.
+//! The design is written down in docs/NETWORK.md.
+
+pub mod gate;
