@@ -31,8 +31,9 @@ fn first_word(o: &std::process::Output) -> String {
         .to_owned()
 }
 
-const TINY_HOST: &str = "default_vcpus = 1\ndefault_memory_mib = 256\n\
-    [limits]\nmax_vcpus = 1\nmax_memory_mib = 512\nqueue_timeout_s = 2\npressure_check_s = 0\n";
+/// Room for exactly one 1-vCPU sandbox.
+const TINY_HOST: &str = "default_vcpus = 1\ndefault_memory_mib = 512\n\
+    [limits]\nmax_vcpus = 1\nmax_memory_mib = 1024\nqueue_timeout_s = 2\npressure_check_s = 0\n";
 
 #[test]
 fn scheduler_refuses_past_the_limit_with_a_clear_error() {
@@ -46,15 +47,18 @@ fn scheduler_refuses_past_the_limit_with_a_clear_error() {
         "POST",
         "/v1/sandboxes",
         Some(&format!(
-            r#"{{"workspace":{{"host_path":"{}"}},"memory_mib":1024}}"#,
+            r#"{{"workspace":{{"host_path":"{}"}},"memory_mib":2048}}"#,
             ws.path().display()
         )),
     );
     assert_eq!(r.status, 503, "{}", r.text());
     let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
-    assert!(msg.contains("1024 MiB") && msg.contains("512 MiB"), "{msg}");
+    assert!(
+        msg.contains("2048 MiB") && msg.contains("1024 MiB"),
+        "{msg}"
+    );
     assert!(t.elapsed() < Duration::from_secs(5));
-    let o = create(&d, ws.path(), &["--memory", "1024"]);
+    let o = create(&d, ws.path(), &["--memory", "2048"]);
     assert!(!o.status.success());
     assert!(out(&o).contains("host limit"), "{}", out(&o));
 

@@ -8,6 +8,8 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::Service;
+#[cfg(test)]
+use super::scheduler::{Ledger, Resources};
 use super::scheduler::{Pauser, pick_to_free};
 use crate::config::LimitsConfig;
 
@@ -68,6 +70,18 @@ pub fn want_to_free(r: Reading, l: &LimitsConfig) -> Option<u64> {
     Some(short.max(1))
 }
 
+/// Ask the pauser to pause each of `ids`, in order; returns each outcome.
+pub async fn pause_all(pauser: &dyn Pauser, ids: &[String]) -> Vec<(String, Result<(), String>)> {
+    let mut out = Vec::new();
+    for id in ids {
+        out.push((id.clone(), pauser.pause(id).await));
+    }
+    out
+}
+
+/// How often a lasting pressure is reported again.
+const REPORT_EVERY: Duration = Duration::from_secs(60);
+
 /// Start the watcher; it ends when the service is dropped.
 pub fn spawn(svc: &Arc<Service>, pauser: Arc<dyn Pauser>) {
     let limits = svc.config.limits.clone();
@@ -78,16 +92,22 @@ pub fn spawn(svc: &Arc<Service>, pauser: Arc<dyn Pauser>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(limits.pressure_check_s));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // While pressure lasts, report (event + pause attempts) at most once a minute.
+        let mut last_report: Option<std::time::Instant> = None;
         loop {
             tick.tick().await;
             let Some(svc) = weak.upgrade() else { return };
             let reading = Reading::now();
             let Some(want) = want_to_free(reading, &limits) else {
+                last_report = None;
                 continue;
             };
-            let ranked = svc.ledger.idle_candidates();
+            if last_report.is_some_and(|t| t.elapsed() < REPORT_EVERY) {
+                continue;
+            }
+            last_report = Some(std::time::Instant::now());
             let pick = pick_to_free(
-                &ranked,
+                &svc.ledger.idle_candidates(),
                 want,
                 Duration::from_secs(limits.pressure_min_idle_s),
             );
@@ -103,8 +123,8 @@ pub fn spawn(svc: &Arc<Service>, pauser: Arc<dyn Pauser>) {
                     "pausing": pick,
                 }),
             );
-            for id in pick {
-                match pauser.pause(&id).await {
+            for (id, res) in pause_all(pauser.as_ref(), &pick).await {
+                match res {
                     Ok(()) => {
                         svc.telemetry.events.publish(
                             "sandbox.paused",
@@ -137,6 +157,47 @@ mod tests {
         assert_eq!(parse_meminfo_mib(mi, "MemAvailable"), Some(2048));
         assert_eq!(parse_meminfo_mib(mi, "MemTotal"), Some(24105));
         assert_eq!(parse_meminfo_mib(mi, "Nope"), None);
+    }
+
+    /// Pauses like the real feature would: gives the sandbox's resources back.
+    struct FakePauser {
+        ledger: Arc<Ledger>,
+        paused: std::sync::Mutex<Vec<String>>,
+    }
+
+    #[async_trait::async_trait]
+    impl Pauser for FakePauser {
+        async fn pause(&self, id: &str) -> Result<(), String> {
+            self.paused.lock().unwrap().push(id.to_owned());
+            self.ledger.release(id).map(|_| ()).ok_or("unknown".into())
+        }
+    }
+
+    #[tokio::test]
+    async fn pressure_pauses_the_idlest_until_enough_is_freed() {
+        let ledger = Ledger::new(Resources::new(16, 16384), Duration::from_secs(1), 4);
+        for (id, mem) in [("old", 1024), ("mid", 2048), ("new", 4096)] {
+            ledger
+                .reserve(id, Resources::new(1, mem))
+                .await
+                .unwrap()
+                .keep();
+            tokio::time::sleep(Duration::from_millis(15)).await;
+        }
+        ledger.busy("mid", 1); // running a command: never paused
+        let pauser = FakePauser {
+            ledger: ledger.clone(),
+            paused: Default::default(),
+        };
+        let pick = pick_to_free(&ledger.idle_candidates(), 3000, Duration::ZERO);
+        assert_eq!(pick, ["old", "new"]);
+        let res = pause_all(&pauser, &pick).await;
+        assert!(res.iter().all(|(_, r)| r.is_ok()), "{res:?}");
+        assert_eq!(*pauser.paused.lock().unwrap(), ["old", "new"]);
+        assert_eq!(ledger.view().used, Resources::new(1, 2048));
+        // NoPauser says why it cannot.
+        let r = pause_all(&crate::service::scheduler::NoPauser, &["x".into()]).await;
+        assert!(r[0].1.as_ref().unwrap_err().contains("no pause support"));
     }
 
     #[test]
