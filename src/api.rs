@@ -353,3 +353,51 @@ pub struct FileContent {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<u32>,
 }
+
+// ---- Templates and garbage collection ----
+
+/// A root filesystem a sandbox can boot (`GET /v1/templates`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Template {
+    pub name: String,
+    /// File in the images directory (`rootfs.ext4` for base, `template-<name>.qcow2` else).
+    pub file: String,
+    pub size: u64,
+    pub sha256: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TemplateList {
+    pub templates: Vec<Template>,
+}
+
+/// `POST /v1/gc`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GcRequest {
+    /// List what would be deleted; delete nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// One thing gc deletes (or would delete).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GcItem {
+    /// `orphan_vm_dir`, `snapshot`, `golden`, `backup`.
+    pub kind: String,
+    pub path: String,
+    /// Allocated bytes on disk.
+    pub bytes: u64,
+    pub reason: String,
+    /// Set when the deletion failed (then the item is still there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GcReport {
+    pub dry_run: bool,
+    pub items: Vec<GcItem>,
+    /// Bytes deleted (or that would be, for a dry run).
+    pub bytes: u64,
+}

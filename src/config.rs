@@ -60,6 +60,78 @@ pub struct Config {
     pub otlp_endpoint: Option<String>,
     /// Workspace sync, diff, apply and pull (`[sync]` table).
     pub sync: SyncConfig,
+    /// Host capacity, the wait queue and memory pressure (`[limits]` table).
+    pub limits: LimitsConfig,
+    /// What `tryboxi gc` deletes (`[gc]` table).
+    pub gc: GcConfig,
+}
+
+/// `[limits]`: what all sandboxes together may reserve on this host (the scheduler's ledger).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// vCPUs all sandboxes may reserve together. Default: 4 x the host's CPU count.
+    pub max_vcpus: u32,
+    /// Memory all sandboxes may reserve together, in MiB. Default: 3/4 of the host's MemTotal.
+    pub max_memory_mib: u64,
+    /// How long a create/restore/fork waits in the queue when the host is full. Default: 30.
+    pub queue_timeout_s: u64,
+    /// Requests allowed to wait at once; more are refused. Default: 16.
+    pub max_queue: usize,
+    /// Seconds between memory pressure checks; 0 = off. Default: 5.
+    pub pressure_check_s: u64,
+    /// PSI `some avg10` (percent) of `/proc/pressure/memory` that counts as pressure; 0 = ignore
+    /// PSI. Default: 10.
+    pub pressure_psi_avg10: f64,
+    /// `MemAvailable` below this (MiB) counts as pressure. Default: 5% of MemTotal.
+    pub pressure_min_available_mib: u64,
+    /// A sandbox idle for less than this is never paused for memory. Default: 120.
+    pub pressure_min_idle_s: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(2);
+        let total = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|t| crate::service::pressure::parse_meminfo_mib(&t, "MemTotal"))
+            .unwrap_or(4096);
+        LimitsConfig {
+            max_vcpus: cpus * 4,
+            max_memory_mib: total * 3 / 4,
+            queue_timeout_s: 30,
+            max_queue: 16,
+            pressure_check_s: 5,
+            pressure_psi_avg10: 10.0,
+            pressure_min_available_mib: total / 20,
+            pressure_min_idle_s: 120,
+        }
+    }
+}
+
+/// `[gc]`: retention of snapshots and backups (`tryboxi gc`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GcConfig {
+    /// Snapshots older than this many days are deleted; 0 = never by age. Default: 14.
+    pub snapshot_max_age_days: u64,
+    /// Newest snapshots kept per sandbox (older ones are deleted); 0 = no limit. Default: 10.
+    pub keep_snapshots_per_sandbox: usize,
+    /// apply/pull backups (`artifacts/art_*`) older than this many days are deleted, except the
+    /// newest one of each existing sandbox (its undo). Default: 30.
+    pub backup_retention_days: u64,
+}
+
+impl Default for GcConfig {
+    fn default() -> Self {
+        GcConfig {
+            snapshot_max_age_days: 14,
+            keep_snapshots_per_sandbox: 10,
+            backup_retention_days: 30,
+        }
+    }
 }
 
 /// `[sync]`: what of the host repo goes into the VM, and limits on what comes back.
@@ -146,6 +218,8 @@ impl Default for Config {
             exec_log_max_bytes: 16 << 20,
             otlp_endpoint: None,
             sync: SyncConfig::default(),
+            limits: LimitsConfig::default(),
+            gc: GcConfig::default(),
         }
     }
 }
@@ -227,6 +301,10 @@ impl Paths {
     pub fn artifacts_dir(&self) -> PathBuf {
         self.root.join("artifacts")
     }
+    /// Golden snapshots, one directory per image key: `golden/<key>/`.
+    pub fn golden_dir(&self) -> PathBuf {
+        self.root.join("golden")
+    }
     /// Cached host facts (the KVM probe).
     pub fn cache_dir(&self) -> PathBuf {
         self.root.join("cache")
@@ -267,6 +345,20 @@ mod tests {
         assert!(c.sync.secrets.iter().any(|s| s == "*.pem"));
         assert_eq!(c.sync.max_file_mib, 64);
         assert!(Config::parse("[sync]\nexclud = []").is_err());
+    }
+
+    #[test]
+    fn limits_and_gc_tables_parse() {
+        let c = Config::parse(
+            "[limits]\nmax_memory_mib = 2048\nqueue_timeout_s = 1\n[gc]\nbackup_retention_days = 7",
+        )
+        .unwrap();
+        assert_eq!(c.limits.max_memory_mib, 2048);
+        assert_eq!(c.limits.queue_timeout_s, 1);
+        assert!(c.limits.max_vcpus >= 4);
+        assert_eq!(c.gc.backup_retention_days, 7);
+        assert_eq!(c.gc.keep_snapshots_per_sandbox, 10);
+        assert!(Config::parse("[limits]\nmax_mem = 1").is_err());
     }
 
     #[test]

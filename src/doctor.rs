@@ -44,6 +44,7 @@ pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> 
         qemu(&config),
         accel(&config, &paths, images.as_ref()).await,
         images_check,
+        templates(images.as_ref()),
         data_root(&paths),
         daemon(&paths).await,
         memory(),
@@ -140,6 +141,29 @@ fn images(artifacts: &Path) -> (Check, Option<Images>) {
         }
         Err(e) => (Check::new("images", Status::Fail, e.to_string()), None),
     }
+}
+
+/// The templates the images provide (`base` always; the others are layers over it).
+fn templates(images: Option<&Images>) -> Check {
+    let Some(imgs) = images else {
+        return Check::new("templates", Status::Warn, "no usable images");
+    };
+    let names: Vec<String> = crate::service::templates::available(imgs)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let status = if names.len() > 1 {
+        Status::Ok
+    } else {
+        Status::Warn
+    };
+    let mut detail = names.join(", ");
+    if names.len() == 1 {
+        detail.push_str(
+            " only (the images have no template layers; `cargo xtask images` builds them)",
+        );
+    }
+    Check::new("templates", status, detail)
 }
 
 async fn accel(config: &Config, paths: &Paths, images: Option<&Images>) -> Check {

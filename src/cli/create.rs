@@ -1,4 +1,4 @@
-//! `tryboxi create -w DIR`: prints `<sbx_id> <state>` (the id first, for scripts).
+//! `tryboxi create -w DIR`: prints `<sbx_id> <state> <accel> <template>` (the id first, for scripts).
 
 use std::path::PathBuf;
 
@@ -48,10 +48,11 @@ pub async fn run(a: Args) -> Result<(), TopError> {
         );
     } else {
         println!(
-            "{} {} {}",
+            "{} {} {} {}",
             sbx.id,
             sbx.state,
-            sbx.accel.as_deref().unwrap_or("-")
+            sbx.accel.as_deref().unwrap_or("-"),
+            sbx.template
         );
     }
     Ok(())

@@ -20,15 +20,16 @@ pub async fn run(a: Args) -> Result<(), TopError> {
         return Ok(());
     }
     println!(
-        "{:<22} {:<9} {:<5} {:>5} {:>7}  {:<20} WORKSPACE",
-        "ID", "STATE", "ACCEL", "VCPUS", "MEM_MIB", "CREATED"
+        "{:<22} {:<9} {:<5} {:<8} {:>5} {:>7}  {:<20} WORKSPACE",
+        "ID", "STATE", "ACCEL", "TEMPLATE", "VCPUS", "MEM_MIB", "CREATED"
     );
     for s in list.sandboxes {
         println!(
-            "{:<22} {:<9} {:<5} {:>5} {:>7}  {:<20} {}",
+            "{:<22} {:<9} {:<5} {:<8} {:>5} {:>7}  {:<20} {}",
             s.id,
             s.state,
             s.accel.as_deref().unwrap_or("-"),
+            s.template,
             s.vcpus,
             s.memory_mib,
             s.created_at,

@@ -6,6 +6,7 @@ mod create;
 mod diff;
 mod events;
 mod exec;
+mod gc;
 mod install;
 mod logs;
 mod ls;
@@ -14,6 +15,7 @@ mod pull;
 mod rm;
 mod snapshot;
 mod sync;
+mod template;
 mod trace;
 mod undo;
 
@@ -92,6 +94,11 @@ pub enum Command {
     },
     /// Print an exec's kept output (stdout and stderr).
     Logs(logs::Args),
+    /// List templates (`base` and the layers built by `cargo xtask images`).
+    #[command(subcommand)]
+    Template(template::Cmd),
+    /// Delete orphaned VM directories, old snapshots, stale golden snapshots and old backups.
+    Gc(gc::Args),
     /// Check the host: QEMU, KVM or TCG, guest images, data root, daemon, memory, disk.
     Doctor {
         /// Check the guest images in this directory instead of the installed ones.
@@ -169,6 +176,8 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Snapshot(c) => runtime()?.block_on(snapshot::run(c)),
         Command::Restore { id, snapshot } => runtime()?.block_on(snapshot::restore(id, snapshot)),
         Command::Logs(a) => runtime()?.block_on(logs::run(a)),
+        Command::Template(c) => runtime()?.block_on(template::run(c)),
+        Command::Gc(a) => runtime()?.block_on(gc::run(a)),
     }
 }
 

@@ -133,6 +133,8 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         exporter,
     ));
     svc.recover().await;
+    // Memory pressure watcher; pausing is a no-op until the pause feature provides a Pauser.
+    crate::service::pressure::spawn(&svc, Arc::new(crate::service::scheduler::NoPauser));
     let shared = Arc::new(Shared {
         svc: svc.clone(),
         token,

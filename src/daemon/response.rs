@@ -70,6 +70,7 @@ impl From<ServiceError> for ApiError {
             ServiceError::Unprocessable(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unprocessable"),
             ServiceError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ServiceError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ServiceError::Busy(_) => (StatusCode::TOO_MANY_REQUESTS, "host_full"),
             ServiceError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         ApiError::new(status, code, e.to_string())

@@ -50,6 +50,10 @@ pub enum Action {
         path: String,
         body: api::FileContent,
     },
+    /// `GET /v1/templates`.
+    ListTemplates,
+    /// `POST /v1/gc`.
+    Gc(api::GcRequest),
 }
 
 /// How a streamed response is framed: NDJSON by default, server-sent events when the client
@@ -94,6 +98,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/artifacts/{art_id}/undo"),
     ("GET", "/v1/sandboxes/{id}/files"),
     ("PUT", "/v1/sandboxes/{id}/files"),
+    ("GET", "/v1/templates"),
+    ("POST", "/v1/gc"),
 ];
 
 /// Turn a full request (path with query, headers, body) into an action.
@@ -274,7 +280,9 @@ pub fn parse(
             path: one(&q, "path")?,
             body: json(body)?,
         }),
-        (_, ["v1", "health" | "openapi.yaml"])
+        (&Method::GET, ["v1", "templates"]) => Ok(Action::ListTemplates),
+        (&Method::POST, ["v1", "gc"]) => Ok(Action::Gc(json_or_default(body)?)),
+        (_, ["v1", "health" | "openapi.yaml" | "templates" | "gc"])
         | (_, ["v1", "sandboxes"])
         | (_, ["v1", "sandboxes", _])
         | (_, ["v1", "artifacts", _, "undo"])

@@ -81,6 +81,10 @@ impl Service {
             .telemetry
             .exec_started(id, &exec_id, &exec_rec.command, &rec.dir, started);
         tracing::info!(sandbox = %id, exec = %exec_id, "exec started");
+        // A sandbox running a command is never "idle" for the memory pressure ranking.
+        self.ledger.busy(id, 1);
+        let ledger = self.ledger.clone();
+        let sandbox_id = id.to_owned();
         let (tx, rx) = mpsc::channel(64);
         let _ = tx.try_send(api::ExecEvent::Started {
             exec_id: exec_id.clone(),
@@ -146,6 +150,7 @@ impl Service {
             if let Err(e) = store.put(EXECS, &exec_rec.id, &exec_rec) {
                 tracing::warn!(error = %e, "cannot record the exec's end");
             }
+            ledger.busy(&sandbox_id, -1);
             obs.finished(crate::telemetry::ExecEnd {
                 exit_code: exec_rec.exit_code,
                 signal: exec_rec.signal,

@@ -6,9 +6,13 @@
 //! anything except through `safefs`.
 
 mod exec;
+mod gc;
 mod observe;
+pub mod pressure;
 mod sandboxes;
+pub mod scheduler;
 mod snapshots;
+pub mod templates;
 mod vms;
 mod workspace;
 
@@ -38,8 +42,21 @@ pub enum ServiceError {
     Conflict(String),
     #[error("{0}")]
     Unavailable(String),
+    /// The host is full and the request could not be queued or waited too long (429).
+    #[error("{0}")]
+    Busy(String),
     #[error("{0}")]
     Internal(String),
+}
+
+impl From<scheduler::SchedError> for ServiceError {
+    fn from(e: scheduler::SchedError) -> Self {
+        match e {
+            scheduler::SchedError::TooBig { .. } => ServiceError::Unavailable(e.to_string()),
+            scheduler::SchedError::Duplicate(_) => ServiceError::Conflict(e.to_string()),
+            _ => ServiceError::Busy(e.to_string()),
+        }
+    }
 }
 
 impl From<StoreError> for ServiceError {
@@ -66,6 +83,8 @@ pub struct Service {
     pub vms: Vms,
     /// Events, traces, metrics and exec output logs.
     pub telemetry: Arc<Telemetry>,
+    /// vCPUs and memory reserved by sandboxes on this host (`scheduler.rs`).
+    pub ledger: Arc<scheduler::Ledger>,
     /// One lock per sandbox: its sync, diff, apply and pull never overlap.
     pub ws_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -88,7 +107,14 @@ impl Service {
             &config.qemu_binary,
             std::time::Duration::from_secs(config.boot_timeout_s),
         );
+        let limits = &config.limits;
+        let ledger = scheduler::Ledger::new(
+            scheduler::Resources::new(limits.max_vcpus, limits.max_memory_mib),
+            std::time::Duration::from_secs(limits.queue_timeout_s),
+            limits.max_queue,
+        );
         Service {
+            ledger,
             paths,
             config,
             store,

@@ -90,6 +90,16 @@ impl Service {
                     (label, recs.iter().filter(|r| r.api.state == *s).count())
                 })
                 .collect(),
+            ledger: {
+                let v = self.ledger.view();
+                Some((
+                    v.used.vcpus,
+                    v.cap.vcpus,
+                    v.used.memory_mib,
+                    v.cap.memory_mib,
+                    v.queued,
+                ))
+            },
             ..Default::default()
         };
         for r in recs.iter().filter(|r| r.api.state == SandboxState::Ready) {

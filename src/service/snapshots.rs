@@ -152,6 +152,20 @@ impl Service {
             })?;
         let images = self.images()?;
         let driver = self.driver()?;
+        let rootfs = self.template_rootfs(&images, &rec.api.template)?;
+        // A failed sandbox holds nothing; it needs its resources back first.
+        let reservation = if self.ledger.holds(id) {
+            None
+        } else {
+            Some(
+                self.ledger
+                    .reserve(
+                        id,
+                        super::scheduler::Resources::new(rec.api.vcpus, rec.api.memory_mib as u64),
+                    )
+                    .await?,
+            )
+        };
         let accel = match rec.api.accel.as_deref() {
             Some("kvm") => Accel::Kvm,
             _ => Accel::Tcg,
@@ -167,7 +181,7 @@ impl Service {
             dir: rec.dir.clone(),
             kernel: images.kernel,
             initramfs: images.initramfs,
-            rootfs: images.rootfs,
+            rootfs,
             vcpus: rec.api.vcpus,
             memory_mib: rec.api.memory_mib,
             accel,
@@ -210,6 +224,9 @@ impl Service {
                 rec.api.state = SandboxState::Ready;
                 rec.api.error = None;
                 self.store.put(SANDBOXES, id, &rec)?;
+                if let Some(r) = reservation {
+                    r.keep();
+                }
                 let vm = Arc::new(vm);
                 self.vms.insert(id, vm.clone());
                 self.watch(id.to_owned(), vm);

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::scheduler::Resources;
 use super::{SandboxRecord, Service, ServiceError};
 use crate::api::{self, SandboxState};
 use crate::ids;
@@ -109,10 +110,17 @@ impl Service {
     ) -> Result<api::Sandbox, ServiceError> {
         let t0 = std::time::Instant::now();
         let (vcpus, memory_mib, workspace) = self.validate_create(&req)?;
+        let id = ids::new_id(ids::SANDBOX);
+        // Waits in the host's queue when full; released on drop unless the create succeeds.
+        let reservation = self
+            .ledger
+            .reserve(&id, Resources::new(vcpus, memory_mib as u64))
+            .await?;
         let images = self.images()?;
         let driver = self.driver()?;
         let accel = self.accel(&driver, &images).await;
-        let id = ids::new_id(ids::SANDBOX);
+        let (template, rootfs) =
+            super::templates::resolve(&images, req.template.as_deref(), &workspace)?;
         let dir = self.paths.sandbox_dir(&id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("cannot create {}: {e}", dir.display())))?;
@@ -123,7 +131,7 @@ impl Service {
                 workspace: api::WorkspaceSpec {
                     host_path: workspace.display().to_string(),
                 },
-                template: req.template.clone().unwrap_or_else(|| "auto".into()),
+                template,
                 vcpus,
                 memory_mib,
                 accel: Some(accel.to_string()),
@@ -139,7 +147,7 @@ impl Service {
             dir: dir.clone(),
             kernel: images.kernel.clone(),
             initramfs: images.initramfs.clone(),
-            rootfs: images.rootfs.clone(),
+            rootfs,
             vcpus,
             memory_mib,
             accel,
@@ -162,6 +170,7 @@ impl Service {
                 tracing::info!(sandbox = %id, %accel, boot_ms, total_ms = started.elapsed().as_millis() as u64, "sandbox ready");
                 rec.api.state = SandboxState::Ready;
                 self.store.put(SANDBOXES, &id, &rec)?;
+                reservation.keep();
                 self.telemetry.sandbox_ready(&rec.api, started);
                 Ok(rec.api)
             }
@@ -240,6 +249,8 @@ impl Service {
             && rec.api.state != SandboxState::Removing
         {
             rec.api.state = SandboxState::Failed;
+            // No VM, no resources held.
+            self.ledger.release(id);
             self.telemetry.sandbox_failed(id, &why);
             rec.api.error = Some(why);
             let _ = self.store.put(SANDBOXES, id, &rec);
@@ -262,6 +273,7 @@ impl Service {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
         }
         let _ = self.store.delete(SANDBOXES, id);
+        self.ledger.release(id);
         self.forget_snapshots(id);
         self.telemetry.sandbox_removed(id);
     }
@@ -306,7 +318,14 @@ impl Service {
                     // Make sure nothing of it still runs.
                     self.kill_leftover(&rec.dir).await;
                 }
-                SandboxState::Ready => self.reattach(&id, &rec.dir).await,
+                SandboxState::Ready => {
+                    // Its VM runs already: count it (a failed reattach releases it again).
+                    self.ledger.adopt(
+                        &id,
+                        Resources::new(rec.api.vcpus, rec.api.memory_mib as u64),
+                    );
+                    self.reattach(&id, &rec.dir).await
+                }
             }
         }
         // Directories nobody owns (e.g. a crash between mkdir and the first store write).

@@ -33,6 +33,10 @@ pub const EVENTS: &str = "tryboxi_events_total";
 /// Workspace sync: bytes and files sent into VMs. Counters (recorded by the workspace code).
 pub const SYNC_BYTES: &str = "tryboxi_sync_bytes_total";
 pub const SYNC_FILES: &str = "tryboxi_sync_files_total";
+/// Host ledger (scheduler): `resource` = vcpus|memory_mib, `kind` = reserved|capacity.
+pub const HOST_LEDGER: &str = "tryboxi_host_ledger";
+/// Requests waiting in the scheduler's queue.
+pub const SCHED_QUEUED: &str = "tryboxi_scheduler_queued";
 
 /// The Prometheus text exposition content type.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -99,6 +103,14 @@ fn describe() {
     describe_counter!(EVENTS, "Events recorded by type");
     describe_counter!(SYNC_BYTES, Unit::Bytes, "Bytes synced into sandboxes");
     describe_counter!(SYNC_FILES, "Files synced into sandboxes");
+    describe_gauge!(
+        HOST_LEDGER,
+        "Host vCPUs and memory reserved by sandboxes, and the capacity"
+    );
+    describe_gauge!(
+        SCHED_QUEUED,
+        "Create/restore/fork requests waiting for host capacity"
+    );
 }
 
 /// What the service knows at scrape time.
@@ -110,6 +122,8 @@ pub struct Snapshot {
     pub vm_configured_bytes: u64,
     /// QEMU processes' pids, for their resident memory.
     pub vm_pids: Vec<u32>,
+    /// Scheduler ledger: (reserved vCPUs, capacity vCPUs, reserved MiB, capacity MiB, queued).
+    pub ledger: Option<(u32, u32, u64, u64, usize)>,
 }
 
 /// Set the scrape-time gauges, then render the text exposition.
@@ -125,6 +139,17 @@ pub fn render(snap: &Snapshot) -> Option<String> {
         .filter_map(|p| rss_bytes(&p.to_string()))
         .sum();
     metrics::gauge!(VM_MEMORY, "kind" => "resident").set(resident as f64);
+    if let Some((rv, cv, rm, cm, q)) = snap.ledger {
+        for (resource, kind, v) in [
+            ("vcpus", "reserved", rv as f64),
+            ("vcpus", "capacity", cv as f64),
+            ("memory_mib", "reserved", rm as f64),
+            ("memory_mib", "capacity", cm as f64),
+        ] {
+            metrics::gauge!(HOST_LEDGER, "resource" => resource, "kind" => kind).set(v);
+        }
+        metrics::gauge!(SCHED_QUEUED).set(q as f64);
+    }
     if let Some(own) = rss_bytes("self") {
         metrics::gauge!(DAEMON_RSS).set(own as f64);
     }
@@ -176,10 +201,16 @@ mod tests {
             sandboxes_by_state: vec![("ready", 2), ("failed", 0)],
             vm_configured_bytes: 512 << 20,
             vm_pids: vec![std::process::id()],
+            ledger: Some((2, 8, 1024, 4096, 1)),
         };
         install().expect("recorder installed");
         error("unit_test_kind");
         let text = render(&snap).expect("recorder installed");
+        assert!(
+            text.contains("tryboxi_host_ledger{resource=\"memory_mib\",kind=\"capacity\"} 4096"),
+            "{text}"
+        );
+        assert!(text.contains("tryboxi_scheduler_queued 1"), "{text}");
         assert!(
             text.contains("tryboxi_sandboxes{state=\"ready\"} 2"),
             "{text}"

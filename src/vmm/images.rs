@@ -183,7 +183,7 @@ impl Images {
 }
 
 /// A manifest `file` must be a single normal path component.
-fn checked_file_name(file: &str) -> Option<&str> {
+pub fn checked_file_name(file: &str) -> Option<&str> {
     let mut comps = Path::new(file).components();
     match (comps.next(), comps.next()) {
         (Some(std::path::Component::Normal(_)), None) => Some(file),

@@ -403,7 +403,13 @@ impl QemuDriver {
         if disk.exists() {
             return Ok(());
         }
-        self.qcow2_over(rootfs, "raw", disk).await
+        // A template is a qcow2 layer over the base rootfs; the base itself is raw ext4.
+        let fmt = if rootfs.extension().is_some_and(|e| e == "qcow2") {
+            "qcow2"
+        } else {
+            "raw"
+        };
+        self.qcow2_over(rootfs, fmt, disk).await
     }
 
     /// `qemu-img create -f qcow2 -F <fmt> -b <backing> <file>`: a copy-on-write layer.

@@ -4,10 +4,12 @@
 mod events;
 mod exec;
 mod execs;
+mod gc;
 mod health;
 mod metrics;
 mod sandboxes;
 mod snapshots;
+mod templates;
 mod traces;
 mod workspace;
 
@@ -45,5 +47,7 @@ pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>
         Action::Undo(art) => workspace::undo(svc, &art).await,
         Action::ReadFile { id, path } => workspace::read_file(svc, &id, &path).await,
         Action::WriteFile { id, path, body } => workspace::write_file(svc, &id, &path, body).await,
+        Action::ListTemplates => templates::list(svc),
+        Action::Gc(req) => gc::gc(svc, req).await,
     }
 }

@@ -1,4 +1,5 @@
-//! `cargo xtask images`: the guest kernel, rootfs and initramfs.
+//! `cargo xtask images`: the guest kernel, rootfs, initramfs and template layers
+//! (`template.<name>`: qcow2 over the rootfs, see [`template`]).
 //!
 //! Each is built into the cache outside the checkout ([`cache`], keyed by a recipe hash) and
 //! then placed into `_out/images/` (hard link, or a sparse copy across filesystems) next to a
@@ -9,6 +10,7 @@ pub mod cache;
 pub mod initramfs;
 pub mod kernel;
 pub mod rootfs;
+pub mod template;
 
 use crate::util::{Step, out_dir};
 use anyhow::{Context, Result};
@@ -55,16 +57,24 @@ pub fn run(binary: &Path, rebuild: Rebuild) -> Result<PathBuf> {
     println!("    image cache: {}", cache.root.display());
     let initramfs = initramfs::build(&cache, binary)?;
     let rootfs = rootfs::build(&cache, rebuild.rootfs)?;
+    let templates = template::build_all(&cache, &rootfs)?;
     let kernel = kernel::build(&cache, rebuild.kernel)?;
 
     let step = Step::start("images: placing into _out/images");
     let dir = out_dir().join("images");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let parts = [
+    let template_names: Vec<String> = templates
+        .iter()
+        .map(|(n, _)| format!("template.{n}"))
+        .collect();
+    let mut parts: Vec<(&str, &Entry)> = vec![
         ("kernel", &kernel),
         ("rootfs", &rootfs),
         ("initramfs", &initramfs),
     ];
+    for (name, (_, e)) in template_names.iter().zip(&templates) {
+        parts.push((name.as_str(), e));
+    }
     for (_, e) in &parts {
         place(&e.file_path(), &dir.join(&e.meta.file))?;
     }

@@ -1,0 +1,40 @@
+//! `tryboxi template ls`: the root filesystems a sandbox can boot.
+
+use crate::api;
+use crate::error::TopError;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Cmd {
+    /// List the templates the installed images provide.
+    Ls {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub async fn run(cmd: Cmd) -> Result<(), TopError> {
+    match cmd {
+        Cmd::Ls { json } => {
+            let l: api::TemplateList = super::client()?.get("/v1/templates").await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&l).expect("serializable")
+                );
+                return Ok(());
+            }
+            println!("{:<10} {:<28} {:>10}  SHA256", "NAME", "FILE", "SIZE_MIB");
+            for t in l.templates {
+                println!(
+                    "{:<10} {:<28} {:>10}  {}",
+                    t.name,
+                    t.file,
+                    t.size >> 20,
+                    t.sha256.get(..16).unwrap_or(&t.sha256)
+                );
+            }
+        }
+    }
+    Ok(())
+}

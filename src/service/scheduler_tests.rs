@@ -1,0 +1,184 @@
+use super::*;
+
+fn r(v: u32, m: u64) -> Resources {
+    Resources::new(v, m)
+}
+
+fn ledger(v: u32, m: u64, timeout_ms: u64, max_queue: usize) -> Arc<Ledger> {
+    Ledger::new(r(v, m), Duration::from_millis(timeout_ms), max_queue)
+}
+
+#[tokio::test]
+async fn grants_within_capacity_and_releases_on_drop() {
+    let l = ledger(4, 2048, 50, 4);
+    let a = l.reserve("a", r(2, 1024)).await.unwrap();
+    let b = l.reserve("b", r(2, 1024)).await.unwrap();
+    assert_eq!(l.view().used, r(4, 2048));
+    drop(a);
+    assert_eq!(l.view().used, r(2, 1024));
+    b.keep();
+    assert_eq!(l.view().used, r(2, 1024), "kept: still held");
+    assert_eq!(l.release("b"), Some(r(2, 1024)));
+    assert_eq!(l.view().used, r(0, 0));
+    assert_eq!(l.release("b"), None);
+}
+
+#[tokio::test]
+async fn too_big_is_refused_at_once_with_numbers() {
+    let l = ledger(2, 2048, 10_000, 4);
+    let t = Instant::now();
+    let e = l.reserve("a", r(1, 4096)).await.err().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(matches!(e, SchedError::TooBig { .. }));
+    let msg = e.to_string();
+    assert!(
+        msg.contains("4096 MiB") && msg.contains("2048 MiB"),
+        "{msg}"
+    );
+}
+
+#[tokio::test]
+async fn full_host_times_out_with_clear_error() {
+    let l = ledger(2, 1024, 100, 4);
+    l.reserve("a", r(2, 1024)).await.unwrap().keep();
+    let e = l.reserve("b", r(1, 512)).await.err().unwrap();
+    assert!(matches!(e, SchedError::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("stayed full"), "{e}");
+    assert_eq!(l.view().queued, 0, "a timed-out waiter leaves the queue");
+    assert_eq!(l.view().used, r(2, 1024));
+}
+
+#[tokio::test]
+async fn queue_full_refuses_at_once() {
+    let l = ledger(1, 1024, 5_000, 1);
+    l.reserve("a", r(1, 1024)).await.unwrap().keep();
+    let l2 = l.clone();
+    let waiting = tokio::spawn(async move { l2.reserve("b", r(1, 1024)).await.map(|g| g.keep()) });
+    while l.view().queued == 0 {
+        tokio::task::yield_now().await;
+    }
+    let e = l.reserve("c", r(1, 1024)).await.err().unwrap();
+    assert!(matches!(e, SchedError::QueueFull { .. }), "{e}");
+    l.release("a");
+    waiting.await.unwrap().unwrap();
+    assert_eq!(l.view().held, vec![("b".to_string(), r(1, 1024))]);
+}
+
+#[tokio::test]
+async fn waiters_are_served_in_fifo_order_and_small_ones_do_not_overtake() {
+    let l = ledger(4, 4096, 5_000, 8);
+    l.reserve("a", r(4, 4096)).await.unwrap().keep();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (id, need) in [("big", r(4, 4096)), ("small", r(1, 512))] {
+        let (l2, o) = (l.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let g = l2.reserve(id, need).await.unwrap();
+            o.lock().unwrap().push(id);
+            g.keep();
+        }));
+        // Enqueue in a known order.
+        let want = tasks.len();
+        while l.view().queued < want {
+            tokio::task::yield_now().await;
+        }
+    }
+    // Freeing 1 vCPU would fit `small`, but `big` is first: nobody is granted.
+    l.release("a");
+    tasks.remove(0).await.unwrap();
+    assert_eq!(*order.lock().unwrap(), vec!["big"]);
+    assert_eq!(l.view().queued, 1, "small waits behind big");
+    l.release("big");
+    tasks.remove(0).await.unwrap();
+    assert_eq!(*order.lock().unwrap(), vec!["big", "small"]);
+}
+
+#[tokio::test]
+async fn duplicate_reservation_is_refused() {
+    let l = ledger(4, 4096, 50, 4);
+    l.reserve("a", r(1, 128)).await.unwrap().keep();
+    assert!(matches!(
+        l.reserve("a", r(1, 128)).await.err().unwrap(),
+        SchedError::Duplicate(_)
+    ));
+}
+
+#[test]
+fn adopt_counts_recovered_sandboxes_even_past_the_limit() {
+    let l = ledger(2, 1024, 50, 4);
+    l.adopt("a", r(2, 1024));
+    l.adopt("b", r(2, 1024));
+    l.adopt("b", r(2, 1024));
+    assert_eq!(l.view().used, r(4, 2048));
+}
+
+fn cand(id: &str, idle_s: u64, running: u32, mem: u64) -> Candidate {
+    Candidate {
+        id: id.into(),
+        idle: Duration::from_secs(idle_s),
+        running_execs: running,
+        memory_mib: mem,
+    }
+}
+
+#[test]
+fn idle_ranking_skips_busy_and_orders_by_idleness_then_size() {
+    let ranked = rank_idle(vec![
+        cand("recent", 5, 0, 1024),
+        cand("busy", 999, 1, 4096),
+        cand("old-small", 600, 0, 512),
+        cand("old-big", 600, 0, 2048),
+        cand("oldest", 3600, 0, 256),
+    ]);
+    let ids: Vec<&str> = ranked.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, ["oldest", "old-big", "old-small", "recent"]);
+}
+
+#[test]
+fn pick_to_free_stops_once_enough_and_respects_min_idle() {
+    let ranked = rank_idle(vec![
+        cand("a", 3600, 0, 512),
+        cand("b", 600, 0, 1024),
+        cand("c", 10, 0, 4096),
+    ]);
+    assert_eq!(
+        pick_to_free(&ranked, 1000, Duration::from_secs(60)),
+        ["a", "b"]
+    );
+    assert_eq!(pick_to_free(&ranked, 100, Duration::from_secs(60)), ["a"]);
+    // `c` is too fresh to pause, even if more is wanted.
+    assert_eq!(
+        pick_to_free(&ranked, 100_000, Duration::from_secs(60)),
+        ["a", "b"]
+    );
+}
+
+#[tokio::test]
+async fn activity_feeds_the_ranking() {
+    let l = ledger(8, 8192, 50, 4);
+    l.reserve("a", r(1, 512)).await.unwrap().keep();
+    l.reserve("b", r(1, 512)).await.unwrap().keep();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    l.busy("a", 1);
+    let ids: Vec<String> = l.idle_candidates().into_iter().map(|c| c.id).collect();
+    assert_eq!(ids, ["b"], "a runs a command");
+    l.busy("a", -1);
+    let ids: Vec<String> = l.idle_candidates().into_iter().map(|c| c.id).collect();
+    assert_eq!(ids, ["b", "a"], "b has been idle longer");
+}
+
+#[tokio::test]
+async fn a_cancelled_waiter_leaves_the_queue_and_holds_nothing() {
+    let l = ledger(1, 1024, 10_000, 4);
+    l.reserve("a", r(1, 1024)).await.unwrap().keep();
+    let l2 = l.clone();
+    let t = tokio::spawn(async move { l2.reserve("b", r(1, 1024)).await.map(|g| g.keep()) });
+    while l.view().queued == 0 {
+        tokio::task::yield_now().await;
+    }
+    t.abort();
+    let _ = t.await;
+    assert_eq!(l.view().queued, 0);
+    l.release("a");
+    assert_eq!(l.view().used, r(0, 0), "nobody holds anything");
+}

@@ -1,0 +1,342 @@
+//! Scheduler, GC and templates against a real daemon and the real CLI (VMs only where needed).
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{BIN, Daemon, artifacts, wait_bounded};
+
+fn out(o: &std::process::Output) -> String {
+    format!(
+        "status {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn create(d: &Daemon, ws: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["create", "-w", ws.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    d.cli(&args)
+}
+
+fn first_word(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Room for exactly one 1-vCPU sandbox.
+const TINY_HOST: &str = "default_vcpus = 1\ndefault_memory_mib = 512\n\
+    [limits]\nmax_vcpus = 1\nmax_memory_mib = 1024\nqueue_timeout_s = 2\npressure_check_s = 0\n";
+
+#[test]
+fn scheduler_refuses_past_the_limit_with_a_clear_error() {
+    let Some(art) = artifacts() else { return };
+    let mut d = Daemon::start(Some(TINY_HOST), &["--artifacts", art.to_str().unwrap()]);
+    let ws = tempfile::tempdir().unwrap();
+
+    // Can never fit: refused at once, 503, both numbers in the message.
+    let t = std::time::Instant::now();
+    let r = d.request(
+        "POST",
+        "/v1/sandboxes",
+        Some(&format!(
+            r#"{{"workspace":{{"host_path":"{}"}},"memory_mib":2048}}"#,
+            ws.path().display()
+        )),
+    );
+    assert_eq!(r.status, 503, "{}", r.text());
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        msg.contains("2048 MiB") && msg.contains("1024 MiB"),
+        "{msg}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let o = create(&d, ws.path(), &["--memory", "2048"]);
+    assert!(!o.status.success());
+    assert!(out(&o).contains("host limit"), "{}", out(&o));
+
+    // One small VM fits; the second waits in the queue (2 s) and is refused with 429.
+    let o = create(&d, ws.path(), &[]);
+    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+    let first = first_word(&o);
+    let t = std::time::Instant::now();
+    let r = d.request(
+        "POST",
+        "/v1/sandboxes",
+        Some(&format!(
+            r#"{{"workspace":{{"host_path":"{}"}}}}"#,
+            ws.path().display()
+        )),
+    );
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.error_code(), "host_full");
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(msg.contains("1/1 vCPUs"), "{msg}");
+    assert!(
+        t.elapsed() >= Duration::from_secs(2),
+        "it waited in the queue first"
+    );
+    let o = create(&d, ws.path(), &[]);
+    assert!(!o.status.success());
+    assert!(out(&o).contains("stayed full"), "{}", out(&o));
+
+    // A daemon restart rebuilds the ledger from the recovered sandbox: a create queues (now
+    // with a long queue timeout), and rm of the first sandbox lets it through.
+    assert!(d.stop().success());
+    std::fs::write(
+        d.root().join("config.toml"),
+        TINY_HOST.replace("queue_timeout_s = 2", "queue_timeout_s = 120"),
+    )
+    .unwrap();
+    let queued_before = d.log_text().matches("waiting in the queue").count();
+    d.spawn(&["--artifacts", art.to_str().unwrap()]);
+    let mut waiting = Command::new(BIN)
+        .args(["create", "-w", ws.path().to_str().unwrap()])
+        .env("TRYBOXI_HOME", d.root())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while d.log_text().matches("waiting in the queue").count() == queued_before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the create after the restart did not queue: {}",
+            d.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = d.cli(&["rm", &first]);
+    assert!(o.status.success(), "{}", out(&o));
+    let status = wait_bounded(&mut waiting, Duration::from_secs(180));
+    let o = waiting.wait_with_output().unwrap();
+    assert!(
+        status.success(),
+        "queued create after rm: {}\n{}",
+        out(&o),
+        d.log_text()
+    );
+    let second = first_word(&o);
+    assert!(second.starts_with("sbx_"), "{}", out(&o));
+    assert!(d.cli(&["rm", &second]).status.success());
+}
+
+/// Make a path look old (gc never touches anything younger than a minute).
+fn age(p: &Path) {
+    let st = Command::new("touch")
+        .args(["-d", "2 hours ago"])
+        .arg(p)
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+fn gc_json(d: &Daemon, dry: bool) -> serde_json::Value {
+    let mut args = vec!["gc", "--json"];
+    if dry {
+        args.push("--dry-run");
+    }
+    let o = d.cli(&args);
+    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+fn paths_of(report: &serde_json::Value) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = report["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            (
+                i["kind"].as_str().unwrap().to_owned(),
+                i["path"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn gc_dry_run_lists_and_deletes_nothing_then_gc_deletes_exactly_that() {
+    // No VM is needed; with images, stale golden snapshots are recognised too.
+    let art = artifacts();
+    let mut extra = vec![];
+    if let Some(a) = &art {
+        extra = vec!["--artifacts".to_string(), a.display().to_string()];
+    }
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let d = Daemon::start(Some("[limits]\npressure_check_s = 0\n"), &extra);
+    let root = d.root().canonicalize().unwrap();
+
+    // Planted after start (the daemon's recover would remove an orphaned VM dir itself).
+    let orphan = root.join("sandboxes/sbx_00000000deadbeef");
+    std::fs::create_dir_all(orphan.join("snapshots")).unwrap();
+    std::fs::write(orphan.join("disk.qcow2"), vec![7u8; 64 << 10]).unwrap();
+    age(&orphan);
+    let young = root.join("sandboxes/sbx_00000000cafef00d");
+    std::fs::create_dir_all(&young).unwrap();
+    let backup = root.join("artifacts/art_00000000deadbeef");
+    std::fs::create_dir_all(backup.join("files")).unwrap();
+    std::fs::write(backup.join("files/0"), vec![1u8; 32 << 10]).unwrap();
+    age(&backup);
+    let golden = root.join("golden/base-00000000deadbeef");
+    std::fs::create_dir_all(&golden).unwrap();
+    std::fs::write(golden.join("state.bin"), vec![2u8; 16 << 10]).unwrap();
+    age(&golden);
+
+    let mut want = vec![
+        ("backup".to_string(), backup.display().to_string()),
+        ("orphan_vm_dir".to_string(), orphan.display().to_string()),
+    ];
+    if art.is_some() {
+        want.push(("golden".to_string(), golden.display().to_string()));
+    }
+    want.sort();
+
+    let dry = gc_json(&d, true);
+    assert_eq!(dry["dry_run"], true);
+    assert_eq!(paths_of(&dry), want, "{dry:#}");
+    assert!(dry["bytes"].as_u64().unwrap() >= (96 << 10), "{dry:#}");
+    for i in dry["items"].as_array().unwrap() {
+        assert!(i["bytes"].as_u64().unwrap() > 0, "{i}");
+    }
+    // Nothing was deleted.
+    for p in [&orphan, &young, &backup, &golden] {
+        assert!(p.exists(), "{} deleted by a dry run", p.display());
+    }
+    // Human output lists the same.
+    let o = d.cli(&["gc", "--dry-run"]);
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        text.contains("would delete") && text.contains("sbx_00000000deadbeef"),
+        "{text}"
+    );
+
+    let done = gc_json(&d, false);
+    assert_eq!(done["dry_run"], false);
+    assert_eq!(paths_of(&done), want, "{done:#}");
+    assert!(!orphan.exists() && !backup.exists());
+    assert_eq!(golden.exists(), art.is_none());
+    assert!(
+        young.exists(),
+        "a directory younger than a minute is never collected"
+    );
+
+    // Each deletion is an event.
+    let mut ev = Command::new(BIN)
+        .args(["events", "--since", "0", "--json", "--count"])
+        .arg(want.len().to_string())
+        .env("TRYBOXI_HOME", d.root())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(wait_bounded(&mut ev, Duration::from_secs(20)).success());
+    let text = String::from_utf8_lossy(&ev.wait_with_output().unwrap().stdout).into_owned();
+    assert_eq!(text.matches("gc.deleted").count(), want.len(), "{text}");
+
+    // Nothing left to do.
+    assert_eq!(paths_of(&gc_json(&d, true)), vec![]);
+}
+
+fn exec(d: &Daemon, id: &str, script: &str) -> (Option<i32>, String) {
+    let o = d.cli(&["exec", id, "--", "sh", "-c", script]);
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn templates_node_explicit_and_auto_by_package_json() {
+    let Some(art) = artifacts() else { return };
+    let manifest = std::fs::read_to_string(art.join("images/manifest.json")).unwrap();
+    assert!(
+        manifest.contains("template.node") && manifest.contains("template.python"),
+        "the images at {} have no template layers: build them with this checkout's `cargo xtask images`",
+        art.display()
+    );
+    let d = Daemon::start(
+        Some("default_vcpus = 1\ndefault_memory_mib = 512\n[limits]\npressure_check_s = 0\n"),
+        &["--artifacts", art.to_str().unwrap()],
+    );
+    let o = d.cli(&["template", "ls"]);
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    for t in ["base", "node", "python"] {
+        assert!(text.lines().any(|l| l.starts_with(t)), "{text}");
+    }
+
+    let ws = tempfile::tempdir().unwrap();
+    let o = create(&d, ws.path(), &["--template", "node"]);
+    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+    let id = first_word(&o);
+    let (code, text) = exec(&d, &id, "cat /etc/tryboxi-template; node --version");
+    assert_eq!(code, Some(0), "{text}");
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("node"));
+    assert!(lines.next().unwrap_or("").starts_with('v'), "{text}");
+    let ls = String::from_utf8_lossy(&d.cli(&["ls"]).stdout).into_owned();
+    assert!(
+        ls.lines().any(|l| l.contains(&id) && l.contains(" node ")),
+        "{ls}"
+    );
+    assert!(d.cli(&["rm", &id]).status.success());
+
+    // auto: package.json -> node.
+    let repo = tempfile::tempdir().unwrap();
+    std::fs::write(repo.path().join("package.json"), "{\"name\":\"x\"}").unwrap();
+    let o = create(&d, repo.path(), &["--json"]);
+    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+    let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(sb["template"], "node", "{sb}");
+    let id = sb["id"].as_str().unwrap().to_owned();
+    let (code, text) = exec(&d, &id, "cat /etc/tryboxi-template");
+    assert_eq!((code, text.as_str()), (Some(0), "node\n"));
+    assert!(d.cli(&["rm", &id]).status.success());
+
+    // An unknown template is a clear 400.
+    let o = create(&d, ws.path(), &["--template", "cobol"]);
+    assert!(!o.status.success());
+    assert!(out(&o).contains("available: auto, base"), "{}", out(&o));
+}
+
+#[test]
+fn python_template_has_a_working_venv() {
+    let Some(art) = artifacts() else { return };
+    let manifest = std::fs::read_to_string(art.join("images/manifest.json")).unwrap();
+    assert!(
+        manifest.contains("template.python"),
+        "no python template in {}",
+        art.display()
+    );
+    let d = Daemon::start(
+        Some("default_vcpus = 1\ndefault_memory_mib = 512\n[limits]\npressure_check_s = 0\n"),
+        &["--artifacts", art.to_str().unwrap()],
+    );
+    let repo = tempfile::tempdir().unwrap();
+    std::fs::write(repo.path().join("requirements.txt"), "").unwrap();
+    let o = create(&d, repo.path(), &[]);
+    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+    let id = first_word(&o);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("python"),
+        "{}",
+        out(&o)
+    );
+    let (code, text) = exec(
+        &d,
+        &id,
+        "cat /etc/tryboxi-template && python3 -m venv /tmp/v && /tmp/v/bin/python -c 'print(42)'",
+    );
+    assert_eq!((code, text.as_str()), (Some(0), "python\n42\n"));
+    assert!(d.cli(&["rm", &id]).status.success());
+}
