@@ -20,6 +20,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{Semaphore, mpsc};
 
+/// How long the agent may take to report that it spawned a command.
+const EXEC_START_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// What to run. `argv` is used unless `shell` is set (then `/bin/sh -c <shell>`).
 #[derive(Debug, Clone, Default)]
 pub struct ExecRequest {
@@ -425,7 +428,12 @@ impl AgentClient {
         };
         let mut s = self.open()?;
         s.send(Body::Request(Request::Exec(spec)))?;
-        let (exec_id, pid) = match s.recv().await? {
+        // The agent answers `Started` as soon as it has spawned the command: never wait
+        // forever for it (a wedged channel must fail the exec, not hang its caller).
+        let first = tokio::time::timeout(EXEC_START_TIMEOUT, s.recv())
+            .await
+            .map_err(|_| RpcError::Timeout(EXEC_START_TIMEOUT))??;
+        let (exec_id, pid) = match first {
             Body::Exec {
                 seq: 1,
                 event: WireExecEvent::Started { exec_id, pid },
