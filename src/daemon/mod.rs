@@ -133,6 +133,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         exporter,
     ));
     svc.recover().await;
+    svc.start_lifecycle();
     let shared = Arc::new(Shared {
         svc: svc.clone(),
         token,

@@ -40,7 +40,7 @@ impl Service {
         id: &str,
         req: api::ExecRequest,
     ) -> Result<mpsc::Receiver<api::ExecEvent>, ServiceError> {
-        let (rec, vm) = self.ready_vm(id)?;
+        let (rec, vm) = self.ready_vm(id).await?;
         let wire = to_wire(&req, self.config.exec_timeout_s)?;
         // The VM sees the host repo as it is now (one-way delta sync).
         self.sync_before_exec(&rec, &vm).await?;

@@ -6,7 +6,10 @@
 //! anything except through `safefs`.
 
 mod exec;
+mod fork;
+mod golden;
 mod observe;
+mod pause;
 mod sandboxes;
 mod snapshots;
 mod vms;
@@ -68,6 +71,8 @@ pub struct Service {
     pub telemetry: Arc<Telemetry>,
     /// One lock per sandbox: its sync, diff, apply and pull never overlap.
     pub ws_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Pause/resume, idle clock, golden snapshots and the warm pool.
+    pub life: pause::Lifecycle,
 }
 
 impl Service {
@@ -96,6 +101,7 @@ impl Service {
             vms,
             telemetry,
             ws_locks: Default::default(),
+            life: Default::default(),
         }
     }
 
@@ -113,8 +119,12 @@ impl Service {
         })
     }
 
-    /// Graceful shutdown: VMs keep running and are found again by the next daemon's `recover`.
+    /// Graceful shutdown: the warm pool ends; with `shutdown = "pause"` running sandboxes are
+    /// paused to disk (the next daemon resumes them), with `"leave"` VMs keep running and are
+    /// found again by the next daemon's `recover`.
     pub async fn shutdown(&self) {
+        self.drain_pool().await;
+        self.pause_all_for_shutdown().await;
         let n = self.vms.live.lock().map(|m| m.len()).unwrap_or(0);
         if n > 0 {
             tracing::info!(

@@ -38,6 +38,7 @@ impl Service {
         id: &str,
         req: api::SnapshotRequest,
     ) -> Result<api::Snapshot, ServiceError> {
+        self.ensure_running(id).await?;
         let rec = self.record(id)?;
         if rec.api.state != SandboxState::Ready {
             return Err(ServiceError::Conflict(format!(

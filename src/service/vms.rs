@@ -112,6 +112,12 @@ impl Service {
         let images = self.images()?;
         let driver = self.driver()?;
         let accel = self.accel(&driver, &images).await;
+        if let Some(done) = self
+            .create_from_pool(&req, &images, (vcpus, memory_mib, accel), &workspace)
+            .await
+        {
+            return done;
+        }
         let id = ids::new_id(ids::SANDBOX);
         let dir = self.paths.sandbox_dir(&id);
         std::fs::create_dir_all(&dir)
@@ -145,7 +151,7 @@ impl Service {
             accel,
         };
         let started = std::time::Instant::now();
-        match self.boot(&driver, &spec).await {
+        match self.boot_or_clone(&driver, &spec).await {
             Ok(vm) => {
                 let boot_ms = started.elapsed().as_millis() as u64;
                 let vm = Arc::new(vm);
@@ -174,7 +180,11 @@ impl Service {
         }
     }
 
-    async fn boot(&self, driver: &QemuDriver, spec: &VmSpec) -> Result<LiveVm, ServiceError> {
+    pub(super) async fn boot(
+        &self,
+        driver: &QemuDriver,
+        spec: &VmSpec,
+    ) -> Result<LiveVm, ServiceError> {
         let span = self.telemetry.traces.span(&spec.id, "vm.boot");
         let info = driver
             .boot(spec)
@@ -256,19 +266,21 @@ impl Service {
     }
 
     /// Kill whatever runs in `dir`, delete it (fenced) and forget the record.
-    async fn discard(&self, id: &str, dir: &Path) {
+    pub(super) async fn discard(&self, id: &str, dir: &Path) {
         self.kill_leftover(dir).await;
         if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
         }
         let _ = self.store.delete(SANDBOXES, id);
         self.forget_snapshots(id);
+        self.life.forget(id);
         self.telemetry.sandbox_removed(id);
     }
 
     /// `DELETE /v1/sandboxes/{id}`: kill the VM, delete its directory and its record.
     pub async fn remove_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
         let mut rec = self.record(id)?;
+        self.check_no_dependents(&rec)?;
         rec.api.state = SandboxState::Removing;
         self.store.put(SANDBOXES, id, &rec)?;
         if let Some(vm) = self.vms.take(id)
@@ -307,6 +319,8 @@ impl Service {
                     self.kill_leftover(&rec.dir).await;
                 }
                 SandboxState::Ready => self.reattach(&id, &rec.dir).await,
+                // No QEMU: `start_lifecycle` resumes what a shutdown paused.
+                SandboxState::Paused => {}
             }
         }
         // Directories nobody owns (e.g. a crash between mkdir and the first store write).
