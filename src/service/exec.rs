@@ -87,7 +87,10 @@ impl Service {
             sandbox_id: id.to_owned(),
         });
         let store = self.store.clone();
+        // Held while the command runs: a VM in use is never idle-paused (`service/pause.rs`).
+        let in_use = vm.clone();
         tokio::spawn(async move {
+            let _in_use = in_use;
             let last = loop {
                 let ev = tokio::select! {
                     ev = stream.next() => ev,

@@ -159,7 +159,7 @@ impl Service {
 
     /// Build `key`'s golden snapshot in the background (once at a time per key).
     fn build_golden(self: &Arc<Self>, key: String, spec: VmSpec) {
-        if !lock(&self.life.golden.building).insert(key.clone()) {
+        if self.life.shutting_down() || !lock(&self.life.golden.building).insert(key.clone()) {
             return;
         }
         let svc = self.clone();
@@ -347,9 +347,36 @@ impl Service {
         Some(Ok(rec.api))
     }
 
-    /// Shutdown: end the pool VMs and any golden VM still being built.
+    /// Daemon start: a golden snapshot left incomplete (no `golden.json`) by a daemon that
+    /// died while building it is ended and deleted.
+    pub(super) async fn clean_incomplete_golden(&self) {
+        let Ok(entries) = std::fs::read_dir(self.paths.root.join("golden")) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let dir = e.path();
+            if dir.join(GOLDEN_FILE).exists() {
+                continue;
+            }
+            tracing::warn!(dir = %dir.display(), "removing an incomplete golden snapshot");
+            self.kill_leftover(&dir.join("vm")).await;
+            if let Err(e) = crate::safefs::remove_under(&self.paths.root, &dir) {
+                tracing::warn!(error = %e, "cannot remove an incomplete golden snapshot");
+            }
+        }
+    }
+
+    /// Shutdown: let golden builds and pool fills in flight finish (bounded: their QEMUs must
+    /// not outlive us), then end the pool VMs.
     pub(super) async fn drain_pool(&self) {
         self.life.set_shutting_down();
+        let deadline = Instant::now() + std::time::Duration::from_secs(self.config.boot_timeout_s);
+        while (!lock(&self.life.golden.building).is_empty()
+            || !lock(&self.life.golden.filling).is_empty())
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
         let all: Vec<PoolVm> = lock(&self.life.golden.pool)
             .drain()
             .flat_map(|(_, v)| v)

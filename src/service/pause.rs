@@ -145,9 +145,9 @@ impl Service {
                 continue;
             }
             let Some(vm) = self.vms.get(id) else { continue };
-            // The live map and the watcher hold one reference each; more means an exec or a
-            // workspace operation is using the VM right now.
-            let busy = Arc::strong_count(&vm) > 2;
+            // The live map, its watcher and `vm` here hold one reference each; more means an
+            // exec or a workspace operation is using the VM right now.
+            let busy = Arc::strong_count(&vm) > 3;
             drop(vm);
             let idle_for = self.life.idle_for(id);
             if busy || idle_for.is_some_and(|d| d < idle) {

@@ -323,6 +323,7 @@ impl Service {
                 SandboxState::Paused => {}
             }
         }
+        self.clean_incomplete_golden().await;
         // Directories nobody owns (e.g. a crash between mkdir and the first store write).
         if let Ok(entries) = std::fs::read_dir(self.paths.sandboxes_dir()) {
             for e in entries.flatten() {

@@ -24,6 +24,12 @@ impl Daemon {
             .prefix("tbx-test-")
             .tempdir()
             .expect("tempdir");
+        // No warm pool unless a test asks for one (each pool VM is a running QEMU: CI stays light).
+        let config = match config {
+            Some(c) if !c.contains("[pool]") => Some(format!("{c}\n[pool]\nsize = 0\n")),
+            Some(c) => Some(c.to_owned()),
+            None => Some("[pool]\nsize = 0\n".to_owned()),
+        };
         if let Some(c) = config {
             std::fs::write(home.path().join("config.toml"), c).unwrap();
         }

@@ -143,17 +143,21 @@ impl QemuDriver {
             ..spec.clone()
         };
         let mut args = qemu_args(&spec, paths);
-        if ignore_shared {
-            args.push(OsString::from("-global"));
-            args.push(OsString::from("migration.x-ignore-shared=on"));
-        }
+        // `defer`: the migration capabilities must match the saving side's before loading
+        // (QEMU 10 has no `-global` for `x-ignore-shared`).
         args.push(OsString::from("-incoming"));
-        args.push(OsString::from(format!("file:{}", state.display())));
+        args.push(OsString::from("defer"));
         let t0 = Instant::now();
         let (pid, exited) = self.spawn_detached(&args, &dir, &paths.qemu_log)?;
         let info = paths.info(&spec, pid);
         let res = async {
             let qmp = connect_until(&paths.qmp, &exited, paths).await?;
+            if ignore_shared {
+                qmp.migrate_set_capabilities(&[("x-ignore-shared", true)])
+                    .await?;
+            }
+            qmp.migrate_incoming(&format!("file:{}", state.display()))
+                .await?;
             wait_incoming(&qmp, &exited, paths).await?;
             qmp.cont().await?;
             write_vm_json(paths, &info)
