@@ -4,7 +4,7 @@
 //! in `<data root>/golden/<key>/`: `vm/` (the VM's directory: `mem.ram`, `disk.qcow2`, logs),
 //! `state/state.bin`, and `golden.json` (the checkpoint; written last, so its presence means
 //! complete). The key hashes everything the snapshot depends on: the image manifest (kernel,
-//! initramfs, rootfs sha256), the rootfs file's size and mtime, the QEMU version, the vCPUs,
+//! initramfs, rootfs sha256), the rootfs path, size and mtime, the QEMU version, the vCPUs,
 //! memory and acceleration, and the whole QEMU argument list of such a VM (the device layout,
 //! including devices other parts of the daemon add). Anything changes: a new key, so a stale
 //! snapshot is never used (old directories are left for GC).
@@ -69,6 +69,10 @@ pub fn golden_key(spec: &VmSpec, images: &Images, qemu_version: &str) -> String 
     for a in &images.manifest.artifacts {
         h.update(format!("{}={}:{}\0", a.name, a.sha256, a.size).as_bytes());
     }
+    // The rootfs is not on the command line (the drive is the VM's overlay over it).
+    h.update(b"rootfs=");
+    h.update(spec.rootfs.as_os_str().as_encoded_bytes());
+    h.update(b"\0");
     if let Ok(m) = std::fs::metadata(&spec.rootfs) {
         use std::os::unix::fs::MetadataExt;
         h.update(format!("rootfs={}:{}:{}\0", m.len(), m.mtime(), m.mtime_nsec()).as_bytes());
@@ -399,5 +403,57 @@ fn clear_dir(root: &Path, dir: &Path) {
                 tracing::warn!(error = %e, "cannot clean up after a failed clone");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vmm::Accel;
+    use crate::vmm::images::{Artifact, Manifest};
+
+    fn images(kernel_sha: &str) -> Images {
+        Images {
+            dir: "/img".into(),
+            kernel: "/img/vmlinuz".into(),
+            initramfs: "/img/initramfs.cpio.gz".into(),
+            rootfs: "/img/rootfs.ext4".into(),
+            manifest: Manifest {
+                version: 1,
+                artifacts: vec![Artifact {
+                    name: "kernel".into(),
+                    file: "vmlinuz".into(),
+                    size: 1,
+                    sha256: kernel_sha.into(),
+                }],
+            },
+        }
+    }
+
+    fn spec(id: &str, vcpus: u32) -> VmSpec {
+        VmSpec {
+            id: id.into(),
+            dir: format!("/data/sandboxes/{id}").into(),
+            kernel: "/img/vmlinuz".into(),
+            initramfs: "/img/initramfs.cpio.gz".into(),
+            rootfs: "/img/rootfs.ext4".into(),
+            vcpus,
+            memory_mib: 256,
+            accel: Accel::Tcg,
+        }
+    }
+
+    #[test]
+    fn key_ignores_identity_and_follows_everything_the_snapshot_depends_on() {
+        let k = golden_key(&spec("sbx_a", 1), &images("aa"), "10.0.2");
+        assert_eq!(k, golden_key(&spec("sbx_b", 1), &images("aa"), "10.0.2"));
+        assert_ne!(k, golden_key(&spec("sbx_a", 2), &images("aa"), "10.0.2"));
+        assert_ne!(k, golden_key(&spec("sbx_a", 1), &images("bb"), "10.0.2"));
+        assert_ne!(k, golden_key(&spec("sbx_a", 1), &images("aa"), "10.1.0"));
+        let other_rootfs = VmSpec {
+            rootfs: "/img/templates/python.ext4".into(),
+            ..spec("sbx_a", 1)
+        };
+        assert_ne!(k, golden_key(&other_rootfs, &images("aa"), "10.0.2"));
     }
 }
