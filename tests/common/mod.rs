@@ -24,11 +24,13 @@ impl Daemon {
             .prefix("tbx-test-")
             .tempdir()
             .expect("tempdir");
-        // No warm pool unless a test asks for one (each pool VM is a running QEMU: CI stays light).
+        // No golden snapshot builds and no warm pool unless a test asks for them (each is a
+        // background boot or a running QEMU: CI stays light; tests/fork_e2e.rs covers them).
+        const NO_POOL: &str = "\n[pool]\ngolden = false\nsize = 0\n";
         let config = match config {
-            Some(c) if !c.contains("[pool]") => Some(format!("{c}\n[pool]\nsize = 0\n")),
+            Some(c) if !c.contains("[pool]") => Some(format!("{c}{NO_POOL}")),
             Some(c) => Some(c.to_owned()),
-            None => Some("[pool]\nsize = 0\n".to_owned()),
+            None => Some(NO_POOL.to_owned()),
         };
         if let Some(c) = config {
             std::fs::write(home.path().join("config.toml"), c).unwrap();
