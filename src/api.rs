@@ -48,8 +48,10 @@ pub struct CreateSandboxRequest {
     pub memory_mib: Option<u32>,
 }
 
-/// Lifecycle of a sandbox. `creating -> ready -> (removing) -> removed`; any state may go to
-/// `failed` (VM died, boot failed); `failed` sandboxes can only be removed.
+/// Lifecycle of a sandbox. `creating -> ready -> (removing) -> removed`; `ready <-> paused`
+/// (pause to disk: no QEMU runs, memory and state are files; an exec, sync, diff or resume
+/// brings it back); any state may go to `failed` (VM died, boot failed); `failed` sandboxes
+/// can only be removed or restored. See docs/ARCHITECTURE.md, "Sandbox state machine".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SandboxState {
@@ -57,6 +59,7 @@ pub enum SandboxState {
     Ready,
     Failed,
     Removing,
+    Paused,
 }
 
 impl std::fmt::Display for SandboxState {
@@ -66,6 +69,7 @@ impl std::fmt::Display for SandboxState {
             SandboxState::Ready => "ready",
             SandboxState::Failed => "failed",
             SandboxState::Removing => "removing",
+            SandboxState::Paused => "paused",
         })
     }
 }
@@ -247,6 +251,24 @@ pub struct Snapshot {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotList {
     pub snapshots: Vec<Snapshot>,
+}
+
+/// `POST /v1/sandboxes/{id}/fork`: `count` new sandboxes (default 1, at most 32) that start
+/// from the current state of the sandbox (memory pages shared copy-on-write, disk through
+/// backing files).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    #[serde(default)]
+    pub count: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ForkResult {
+    pub parent: String,
+    pub sandboxes: Vec<Sandbox>,
+    /// From the request to every child answering.
+    pub duration_ms: u64,
 }
 
 /// `POST /v1/sandboxes/{id}/restore`: `snapshot` is a snapshot id or name.

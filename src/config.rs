@@ -64,6 +64,15 @@ pub struct Config {
     pub limits: LimitsConfig,
     /// What `tryboxi gc` deletes (`[gc]` table).
     pub gc: GcConfig,
+    /// What daemon shutdown (SIGINT/SIGTERM) does with running sandboxes: `pause` (default:
+    /// each is paused to disk and resumed when the next daemon starts) or `leave` (QEMU keeps
+    /// running and the next daemon reattaches to it).
+    pub shutdown: ShutdownMode,
+    /// Pause a ready sandbox to disk once nothing used it for this many seconds (an exec,
+    /// sync, diff... resumes it transparently); 0 = never. Default: 0.
+    pub idle_pause_secs: u64,
+    /// Golden snapshots and the warm pool (`[pool]` table).
+    pub pool: PoolConfig,
 }
 
 /// `[limits]`: what all sandboxes together may reserve on this host (the scheduler's ledger).
@@ -130,6 +139,38 @@ impl Default for GcConfig {
             snapshot_max_age_days: 14,
             keep_snapshots_per_sandbox: 10,
             backup_retention_days: 30,
+        }
+    }
+}
+
+/// See [`Config::shutdown`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ShutdownMode {
+    #[default]
+    Pause,
+    Leave,
+}
+
+/// `[pool]`: creating sandboxes from a golden snapshot instead of booting, and keeping some
+/// ready ahead of time. See docs/ARCHITECTURE.md, "Golden snapshots and the warm pool".
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolConfig {
+    /// Keep a booted, agent-ready golden snapshot per (images, template, vCPUs, memory, device
+    /// layout) and create sandboxes by restoring it. It is built in the background after the
+    /// first create of its kind. Default: true.
+    pub golden: bool,
+    /// Sandboxes kept pre-restored from each golden snapshot that was used (0 = none);
+    /// refilled in the background. Default: 1.
+    pub size: u32,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            golden: true,
+            size: 1,
         }
     }
 }
@@ -220,6 +261,9 @@ impl Default for Config {
             sync: SyncConfig::default(),
             limits: LimitsConfig::default(),
             gc: GcConfig::default(),
+            shutdown: ShutdownMode::Pause,
+            idle_pause_secs: 0,
+            pool: PoolConfig::default(),
         }
     }
 }

@@ -18,7 +18,9 @@ use sha2::{Digest, Sha256};
 /// A daemon using the built images, with small VMs.
 fn daemon() -> Option<Daemon> {
     let art = artifacts()?;
-    let cfg = "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n";
+    // `leave`: these tests check that QEMU outlives the daemon (fork_e2e covers `pause`).
+    let cfg =
+        "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\nshutdown = \"leave\"\n";
     Some(Daemon::start(
         Some(cfg),
         &["--artifacts", art.to_str().unwrap()],

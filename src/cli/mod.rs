@@ -7,10 +7,12 @@ mod diff;
 mod events;
 mod exec;
 mod gc;
+mod fork;
 mod install;
 mod logs;
 mod ls;
 mod mcp;
+mod pause;
 mod pull;
 mod rm;
 mod snapshot;
@@ -86,6 +88,24 @@ pub enum Command {
     #[command(subcommand)]
     Snapshot(snapshot::Cmd),
     /// Put a sandbox back to a snapshot (memory, processes and disk).
+    /// New sandboxes that start from the current state of a sandbox (prints their ids).
+    Fork {
+        /// Sandbox id.
+        id: String,
+        /// How many children.
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
+    /// Pause a sandbox to disk (any use resumes it).
+    Pause {
+        /// Sandbox id.
+        id: String,
+    },
+    /// Resume a paused sandbox.
+    Resume {
+        /// Sandbox id.
+        id: String,
+    },
     Restore {
         /// Sandbox id.
         id: String,
@@ -175,6 +195,9 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Trace(a) => runtime()?.block_on(trace::run(a)),
         Command::Snapshot(c) => runtime()?.block_on(snapshot::run(c)),
         Command::Restore { id, snapshot } => runtime()?.block_on(snapshot::restore(id, snapshot)),
+        Command::Fork { id, count } => runtime()?.block_on(fork::run(id, count)),
+        Command::Pause { id } => runtime()?.block_on(pause::run(id, true)),
+        Command::Resume { id } => runtime()?.block_on(pause::run(id, false)),
         Command::Logs(a) => runtime()?.block_on(logs::run(a)),
         Command::Template(c) => runtime()?.block_on(template::run(c)),
         Command::Gc(a) => runtime()?.block_on(gc::run(a)),

@@ -133,8 +133,12 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         exporter,
     ));
     svc.recover().await;
-    // Memory pressure watcher; pausing is a no-op until the pause feature provides a Pauser.
-    crate::service::pressure::spawn(&svc, Arc::new(crate::service::scheduler::NoPauser));
+    // Memory pressure watcher: pauses the idlest sandboxes to disk.
+    crate::service::pressure::spawn(
+        &svc,
+        Arc::new(crate::service::ServicePauser(Arc::downgrade(&svc))),
+    );
+    svc.start_lifecycle();
     let shared = Arc::new(Shared {
         svc: svc.clone(),
         token,

@@ -20,6 +20,9 @@ pub enum Action {
     CreateSnapshot(String, api::SnapshotRequest),
     ListSnapshots(String),
     Restore(String, api::RestoreRequest),
+    Fork(String, api::ForkRequest),
+    Pause(String),
+    Resume(String),
     /// `GET /v1/events`: server-sent events after a cursor, optionally for one sandbox.
     Events {
         /// After this event id; `None` (`?since=now`): only events from now on.
@@ -87,6 +90,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/sandboxes/{id}/snapshots"),
     ("GET", "/v1/sandboxes/{id}/snapshots"),
     ("POST", "/v1/sandboxes/{id}/restore"),
+    ("POST", "/v1/sandboxes/{id}/fork"),
+    ("POST", "/v1/sandboxes/{id}/pause"),
+    ("POST", "/v1/sandboxes/{id}/resume"),
     ("GET", "/v1/events"),
     ("GET", "/metrics"),
     ("GET", "/v1/traces/{id}"),
@@ -252,6 +258,11 @@ pub fn parse(
         (&Method::POST, ["v1", "sandboxes", id, "restore"]) => {
             Ok(Action::Restore(sandbox_id(id)?, json(body)?))
         }
+        (&Method::POST, ["v1", "sandboxes", id, "fork"]) => {
+            Ok(Action::Fork(sandbox_id(id)?, json_or_default(body)?))
+        }
+        (&Method::POST, ["v1", "sandboxes", id, "pause"]) => Ok(Action::Pause(sandbox_id(id)?)),
+        (&Method::POST, ["v1", "sandboxes", id, "resume"]) => Ok(Action::Resume(sandbox_id(id)?)),
         (&Method::POST, ["v1", "sandboxes", id, "sync"]) => Ok(Action::Sync(sandbox_id(id)?)),
         (&Method::GET, ["v1", "sandboxes", id, "diff"]) => Ok(Action::Diff {
             id: sandbox_id(id)?,
@@ -292,7 +303,8 @@ pub fn parse(
                 "v1",
                 "sandboxes",
                 _,
-                "exec" | "sync" | "diff" | "apply" | "pull" | "files" | "snapshots" | "restore",
+                "exec" | "sync" | "diff" | "apply" | "pull" | "files" | "snapshots" | "restore"
+                | "fork" | "pause" | "resume",
             ],
         ) => Err(ApiError::method_not_allowed(method)),
         _ => Err(ApiError::not_found(format!("no such API route: {path}"))),

@@ -40,7 +40,7 @@ impl Service {
         id: &str,
         req: api::ExecRequest,
     ) -> Result<mpsc::Receiver<api::ExecEvent>, ServiceError> {
-        let (rec, vm) = self.ready_vm(id)?;
+        let (rec, vm) = self.ready_vm(id).await?;
         let wire = to_wire(&req, self.config.exec_timeout_s)?;
         // The VM sees the host repo as it is now (one-way delta sync).
         self.sync_before_exec(&rec, &vm).await?;
@@ -91,7 +91,10 @@ impl Service {
             sandbox_id: id.to_owned(),
         });
         let store = self.store.clone();
+        // Held while the command runs: a VM in use is never idle-paused (`service/pause.rs`).
+        let in_use = vm.clone();
         tokio::spawn(async move {
+            let _in_use = in_use;
             let last = loop {
                 let ev = tokio::select! {
                     ev = stream.next() => ev,

@@ -7,8 +7,11 @@
 
 mod exec;
 mod gc;
-mod observe;
 pub mod pressure;
+mod fork;
+mod golden;
+mod observe;
+mod pause;
 mod sandboxes;
 pub mod scheduler;
 mod snapshots;
@@ -29,6 +32,7 @@ use crate::telemetry::Telemetry;
 pub use observe::{ExecOutput, OutputQuery};
 pub use sandboxes::now_rfc3339;
 pub use vms::Vms;
+pub use pause::ServicePauser;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
@@ -87,6 +91,8 @@ pub struct Service {
     pub ledger: Arc<scheduler::Ledger>,
     /// One lock per sandbox: its sync, diff, apply and pull never overlap.
     pub ws_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Pause/resume, idle clock, golden snapshots and the warm pool.
+    pub life: pause::Lifecycle,
 }
 
 impl Service {
@@ -122,6 +128,7 @@ impl Service {
             vms,
             telemetry,
             ws_locks: Default::default(),
+            life: Default::default(),
         }
     }
 
@@ -139,8 +146,12 @@ impl Service {
         })
     }
 
-    /// Graceful shutdown: VMs keep running and are found again by the next daemon's `recover`.
+    /// Graceful shutdown: the warm pool ends; with `shutdown = "pause"` running sandboxes are
+    /// paused to disk (the next daemon resumes them), with `"leave"` VMs keep running and are
+    /// found again by the next daemon's `recover`.
     pub async fn shutdown(&self) {
+        self.drain_pool().await;
+        self.pause_all_for_shutdown().await;
         let n = self.vms.live.lock().map(|m| m.len()).unwrap_or(0);
         if n > 0 {
             tracing::info!(

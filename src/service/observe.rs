@@ -74,6 +74,7 @@ impl Service {
         let states = [
             SandboxState::Creating,
             SandboxState::Ready,
+            SandboxState::Paused,
             SandboxState::Failed,
             SandboxState::Removing,
         ];
@@ -86,6 +87,7 @@ impl Service {
                         SandboxState::Ready => "ready",
                         SandboxState::Failed => "failed",
                         SandboxState::Removing => "removing",
+                        SandboxState::Paused => "paused",
                     };
                     (label, recs.iter().filter(|r| r.api.state == *s).count())
                 })

@@ -432,23 +432,11 @@ pub fn pick_to_free(ranked: &[Candidate], want_mib: u64, min_idle: Duration) -> 
     out
 }
 
-/// Pauses a sandbox to free host memory (implemented by the pause-to-disk feature).
+/// Pauses a sandbox to free host memory (`service::ServicePauser`: pause to disk).
 #[async_trait::async_trait]
 pub trait Pauser: Send + Sync {
     /// Pause `id`; on success its reservation must have been released.
     async fn pause(&self, id: &str) -> Result<(), String>;
-}
-
-/// Until pause exists: say so (the pressure event still goes out).
-pub struct NoPauser;
-
-#[async_trait::async_trait]
-impl Pauser for NoPauser {
-    async fn pause(&self, id: &str) -> Result<(), String> {
-        Err(format!(
-            "cannot pause `{id}`: this build has no pause support"
-        ))
-    }
 }
 
 #[cfg(test)]

@@ -38,6 +38,7 @@ impl Service {
         id: &str,
         req: api::SnapshotRequest,
     ) -> Result<api::Snapshot, ServiceError> {
+        self.ensure_running(id).await?;
         let rec = self.record(id)?;
         if rec.api.state != SandboxState::Ready {
             return Err(ServiceError::Conflict(format!(
@@ -135,7 +136,10 @@ impl Service {
         req: api::RestoreRequest,
     ) -> Result<api::Sandbox, ServiceError> {
         let mut rec: SandboxRecord = self.record(id)?;
-        if !matches!(rec.api.state, SandboxState::Ready | SandboxState::Failed) {
+        if !matches!(
+            rec.api.state,
+            SandboxState::Ready | SandboxState::Failed | SandboxState::Paused
+        ) {
             return Err(ServiceError::Conflict(format!(
                 "sandbox `{id}` is {}",
                 rec.api.state
@@ -219,6 +223,13 @@ impl Service {
                             "cannot put back the snapshot's sync base: {e}"
                         ))
                     })?;
+                }
+                // A restore of a paused sandbox replaces its paused state.
+                let paused = rec.dir.join(super::pause::PAUSE_DIR);
+                if paused.exists()
+                    && let Err(e) = crate::safefs::remove_under(&self.paths.root, &paused)
+                {
+                    tracing::warn!(sandbox = %id, error = %e, "cannot delete the old pause state");
                 }
                 tracing::info!(sandbox = %id, snapshot = %snap.api.id, ms = t0.elapsed().as_millis() as u64, "sandbox restored");
                 rec.api.state = SandboxState::Ready;

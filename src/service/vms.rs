@@ -121,6 +121,23 @@ impl Service {
         let accel = self.accel(&driver, &images).await;
         let (template, rootfs) =
             super::templates::resolve(&images, req.template.as_deref(), &workspace)?;
+        if let Some(done) = self
+            .create_from_pool(
+                (&template, &rootfs),
+                &images,
+                (vcpus, memory_mib, accel),
+                &workspace,
+            )
+            .await
+        {
+            // The pool VM has its own id: the ledger counts it under that id from now on.
+            drop(reservation);
+            if let Ok(sb) = &done {
+                self.ledger
+                    .adopt(&sb.id, Resources::new(vcpus, memory_mib as u64));
+            }
+            return done;
+        }
         let dir = self.paths.sandbox_dir(&id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("cannot create {}: {e}", dir.display())))?;
@@ -153,7 +170,7 @@ impl Service {
             accel,
         };
         let started = std::time::Instant::now();
-        match self.boot(&driver, &spec).await {
+        match self.boot_or_clone(&driver, &spec).await {
             Ok(vm) => {
                 let boot_ms = started.elapsed().as_millis() as u64;
                 let vm = Arc::new(vm);
@@ -183,7 +200,11 @@ impl Service {
         }
     }
 
-    async fn boot(&self, driver: &QemuDriver, spec: &VmSpec) -> Result<LiveVm, ServiceError> {
+    pub(super) async fn boot(
+        &self,
+        driver: &QemuDriver,
+        spec: &VmSpec,
+    ) -> Result<LiveVm, ServiceError> {
         let span = self.telemetry.traces.span(&spec.id, "vm.boot");
         let info = driver
             .boot(spec)
@@ -267,7 +288,7 @@ impl Service {
     }
 
     /// Kill whatever runs in `dir`, delete it (fenced) and forget the record.
-    async fn discard(&self, id: &str, dir: &Path) {
+    pub(super) async fn discard(&self, id: &str, dir: &Path) {
         self.kill_leftover(dir).await;
         if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
@@ -275,12 +296,14 @@ impl Service {
         let _ = self.store.delete(SANDBOXES, id);
         self.ledger.release(id);
         self.forget_snapshots(id);
+        self.life.forget(id);
         self.telemetry.sandbox_removed(id);
     }
 
     /// `DELETE /v1/sandboxes/{id}`: kill the VM, delete its directory and its record.
     pub async fn remove_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
         let mut rec = self.record(id)?;
+        self.check_no_dependents(&rec)?;
         rec.api.state = SandboxState::Removing;
         self.store.put(SANDBOXES, id, &rec)?;
         if let Some(vm) = self.vms.take(id)
@@ -326,8 +349,11 @@ impl Service {
                     );
                     self.reattach(&id, &rec.dir).await
                 }
+                // No QEMU: `start_lifecycle` resumes what a shutdown paused (and reserves).
+                SandboxState::Paused => {}
             }
         }
+        self.clean_incomplete_golden().await;
         // Directories nobody owns (e.g. a crash between mkdir and the first store write).
         if let Ok(entries) = std::fs::read_dir(self.paths.sandboxes_dir()) {
             for e in entries.flatten() {

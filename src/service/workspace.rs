@@ -87,7 +87,12 @@ impl Service {
     }
 
     /// The sandbox record and its live VM; 409 unless it is ready.
-    pub(super) fn ready_vm(&self, id: &str) -> Result<(SandboxRecord, Arc<LiveVm>), ServiceError> {
+    /// The record and live VM of a ready sandbox; a paused one is resumed first.
+    pub(super) async fn ready_vm(
+        &self,
+        id: &str,
+    ) -> Result<(SandboxRecord, Arc<LiveVm>), ServiceError> {
+        self.ensure_running(id).await?;
         let rec = self.record(id)?;
         if rec.api.state != SandboxState::Ready {
             let why = rec
@@ -121,7 +126,7 @@ impl Service {
 
     /// `POST /v1/sandboxes/{id}/sync`.
     pub async fn sync_workspace(&self, id: &str) -> Result<api::SyncReport, ServiceError> {
-        let (rec, vm) = self.ready_vm(id)?;
+        let (rec, vm) = self.ready_vm(id).await?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
         self.sync_locked(&rec, &vm).await
@@ -315,7 +320,7 @@ impl Service {
         stat: bool,
         paths: Vec<String>,
     ) -> Result<api::DiffReport, ServiceError> {
-        let (rec, vm) = self.ready_vm(id)?;
+        let (rec, vm) = self.ready_vm(id).await?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
         let ch = self.changes(&rec, &vm, &paths).await?;
@@ -368,7 +373,7 @@ impl Service {
                 refused_early.join("; ")
             )));
         }
-        let (rec, vm) = self.ready_vm(id)?;
+        let (rec, vm) = self.ready_vm(id).await?;
         let root = Self::host_root(&rec)?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
@@ -493,7 +498,7 @@ impl Service {
         path: &str,
     ) -> Result<api::FileContent, ServiceError> {
         check_guest_path(path)?;
-        let (_rec, vm) = self.ready_vm(id)?;
+        let (_rec, vm) = self.ready_vm(id).await?;
         let st = vm.agent.stat(path).await.map_err(not_found_or(path))?;
         if st.kind != FileKind::File {
             return Err(ServiceError::BadRequest(format!(
@@ -549,7 +554,7 @@ impl Service {
                 "mode {mode:o} is not a permission mode"
             )));
         }
-        let (_rec, vm) = self.ready_vm(id)?;
+        let (_rec, vm) = self.ready_vm(id).await?;
         if let Some(parent) = std::path::Path::new(path).parent().and_then(|p| p.to_str()) {
             vm.agent.mkdir(parent, 0o755).await.map_err(agent_err)?;
         }

@@ -84,7 +84,32 @@ pub struct VmPaths {
     pub pidfile: PathBuf,
     /// The persisted [`VmInfo`].
     pub vm_json: PathBuf,
+    /// Where the guest RAM lives (see [`RamBacking`]).
+    pub ram: RamBacking,
 }
+
+/// The file behind a VM's RAM (`-object memory-backend-file`). See docs/VMM.md, "Snapshots".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RamBacking {
+    /// The VM's own file `<dir>/mem.ram`, mapped shared: guest RAM *is* this file, so a
+    /// migration with `x-ignore-shared` leaves RAM out of the state file (fast snapshot and
+    /// pause), and a paused VM's RAM is already on disk.
+    Owned(PathBuf),
+    /// A frozen RAM file (a fork base or golden snapshot), mapped private: pages are shared
+    /// copy-on-write with every other VM started from it. A migration must carry the RAM.
+    Borrowed(PathBuf),
+}
+
+impl RamBacking {
+    pub fn path(&self) -> &Path {
+        match self {
+            RamBacking::Owned(p) | RamBacking::Borrowed(p) => p,
+        }
+    }
+}
+
+/// Name of the memory backend object (QMP path `/objects/<name>`).
+pub const RAM_OBJECT: &str = "ram0";
 
 impl VmPaths {
     pub fn new(dir: &Path) -> VmPaths {
@@ -97,6 +122,7 @@ impl VmPaths {
             qemu_log: dir.join("qemu.log"),
             pidfile: dir.join("qemu.pid"),
             vm_json: dir.join("vm.json"),
+            ram: RamBacking::Owned(dir.join("mem.ram")),
         }
     }
 
@@ -185,13 +211,17 @@ pub fn kernel_cmdline(id: &str) -> String {
 
 /// Machine, accelerator and CPU arguments shared by VMs and the KVM probe.
 pub(crate) fn machine_args(accel: Accel, vcpus: u32, memory_mib: u32) -> Vec<OsString> {
+    machine_args_with(accel, vcpus, memory_mib, "microvm,acpi=off")
+}
+
+fn machine_args_with(accel: Accel, vcpus: u32, memory_mib: u32, machine: &str) -> Vec<OsString> {
     let (accel, cpu) = match accel {
         Accel::Kvm => ("kvm", "host"),
         Accel::Tcg => ("tcg", "max"),
     };
     [
         "-M",
-        "microvm,acpi=off",
+        machine,
         "-accel",
         accel,
         "-cpu",
@@ -215,8 +245,24 @@ pub(crate) fn machine_args(accel: Accel, vcpus: u32, memory_mib: u32) -> Vec<OsS
 
 /// The full QEMU argument list (without the binary) for `spec`; `paths` must be absolute.
 pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
-    let mut a = machine_args(spec.accel, spec.vcpus, spec.memory_mib);
+    let machine = format!("microvm,acpi=off,memory-backend={RAM_OBJECT}");
+    let mut a = machine_args_with(spec.accel, spec.vcpus, spec.memory_mib, &machine);
     let mut push = |items: &[&OsStr]| a.extend(items.iter().map(|s| s.to_os_string()));
+    let share = match paths.ram {
+        RamBacking::Owned(_) => "on",
+        RamBacking::Borrowed(_) => "off",
+    };
+    push(&[
+        "-object".as_ref(),
+        &opt(
+            &format!(
+                "memory-backend-file,id={RAM_OBJECT},size={}M,mem-path=",
+                spec.memory_mib
+            ),
+            paths.ram.path(),
+            &format!(",share={share}"),
+        ),
+    ]);
     push(&[
         "-kernel".as_ref(),
         spec.kernel.as_os_str(),
@@ -574,6 +620,8 @@ impl VmmDriver for QemuDriver {
             ..spec.clone()
         };
         paths.clear_stale()?;
+        // A cold boot starts from empty RAM (an old run's file would only take disk space).
+        ramfile::remove(paths.ram.path())?;
         self.create_overlay(&spec.rootfs, &paths.disk).await?;
 
         let args = qemu_args(&spec, &paths);
@@ -652,6 +700,8 @@ impl VmmDriver for QemuDriver {
     }
 }
 
+mod clone;
+pub mod ramfile;
 mod snapshot;
 #[cfg(test)]
 mod tests;

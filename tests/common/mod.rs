@@ -24,6 +24,14 @@ impl Daemon {
             .prefix("tbx-test-")
             .tempdir()
             .expect("tempdir");
+        // No golden snapshot builds and no warm pool unless a test asks for them (each is a
+        // background boot or a running QEMU: CI stays light; tests/fork_e2e.rs covers them).
+        const NO_POOL: &str = "\n[pool]\ngolden = false\nsize = 0\n";
+        let config = match config {
+            Some(c) if !c.contains("[pool]") => Some(format!("{c}{NO_POOL}")),
+            Some(c) => Some(c.to_owned()),
+            None => Some(NO_POOL.to_owned()),
+        };
         if let Some(c) = config {
             std::fs::write(home.path().join("config.toml"), c).unwrap();
         }

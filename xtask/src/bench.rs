@@ -8,7 +8,9 @@
 //! (d) QEMU RSS of an idle sandbox and the daemon's RSS;
 //! (e) workspace: a generated repo of 10,000 files / 100 MB, `rsync -a` of it into a local
 //!     directory vs the first sync into a VM, a one-file delta sync, and a diff of one file
-//!     changed in the VM.
+//!     changed in the VM;
+//! (f) snapshot and restore of a ready sandbox;
+//! (g)-(i) golden-snapshot create, fork of 10, memory of 10 idle forks (`bench_snap.rs`).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -51,7 +53,10 @@ pub fn run(reps: usize) -> Result<()> {
     }
 
     println!("==> starting the daemon");
-    let config = format!("default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n");
+    // Golden snapshots off: (b) measures a cold boot; (g) runs on a second daemon.
+    let config = format!(
+        "default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n[pool]\ngolden = false\n"
+    );
     let d = Daemon::start(&bin, &home, &out, &config)?;
     let sock = d.socket();
     let ws = home.join("ws");
@@ -152,6 +157,7 @@ pub fn run(reps: usize) -> Result<()> {
     println!("==> (e) workspace sync: 10,000 files / 100 MB vs rsync -a");
     let ws = workspace_bench(&sock, &home, reps)?;
     d.stop()?;
+    let sn = crate::bench_snap::run(&bin, &home.join("snap"), &out, MEM_MIB, VCPUS, reps)?;
 
     let (a, b, c_api, c_cli) = (median(&base), median(&create), median(&api), median(&cli));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
@@ -211,7 +217,25 @@ pub fn run(reps: usize) -> Result<()> {
         &restore,
         "<= 100 ms (issue 7)",
     )?;
-    writeln!(md, "\nRatio (b)/(a) = **{ratio:.2}** (target <= 1.3).\n")?;
+    row(
+        &mut md,
+        "(g) create from the golden snapshot -> exec `true` done (API)",
+        &sn.golden_create,
+        "<= 100 ms, (g)/(a) <= 0.07 (issue 7)",
+    )?;
+    row(
+        &mut md,
+        "(h) fork 10 children -> all 10 exec `true` done (API)",
+        &sn.fork10,
+        "<= 0.6 s (issue 7)",
+    )?;
+    writeln!(md, "\nRatio (b)/(a) = **{ratio:.2}** (target <= 1.3).")?;
+    writeln!(
+        md,
+        "Ratio (g)/(a) = **{:.3}** (target <= 0.07); (g)/(b) = {:.3}.\n",
+        median(&sn.golden_create).as_secs_f64() / a.as_secs_f64(),
+        median(&sn.golden_create).as_secs_f64() / b.as_secs_f64()
+    )?;
     writeln!(md, "## Memory\n")?;
     writeln!(md, "| what | RSS | target |\n|---|---|---|")?;
     writeln!(
@@ -223,6 +247,19 @@ pub fn run(reps: usize) -> Result<()> {
         md,
         "| (d) daemon, idle after the run | {:.1} MiB | <= 30 MiB |",
         daemon_rss as f64 / 1024.0
+    )?;
+    writeln!(
+        md,
+        "| (i) {} idle forks of one sandbox: sum of PSS (shared pages split between sharers) | {:.1} MiB ({:.1} MiB each) | |",
+        sn.forks,
+        sn.forks_pss_kib as f64 / 1024.0,
+        sn.forks_pss_kib as f64 / 1024.0 / sn.forks.max(1) as f64
+    )?;
+    writeln!(
+        md,
+        "| (i) the same {} forks: sum of RSS (shared pages counted in each) | {:.1} MiB | |",
+        sn.forks,
+        sn.forks_rss_kib as f64 / 1024.0
     )?;
     writeln!(md, "\n## Workspace sync (10,000 files, 100 MB)\n")?;
     writeln!(md, "| what | reps | median | min | max | target |")?;

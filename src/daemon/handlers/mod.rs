@@ -6,6 +6,7 @@ mod exec;
 mod execs;
 mod gc;
 mod health;
+mod lifecycle;
 mod metrics;
 mod sandboxes;
 mod snapshots;
@@ -36,6 +37,9 @@ pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>
         Action::CreateSnapshot(id, req) => snapshots::create(svc, &id, req).await,
         Action::ListSnapshots(id) => snapshots::list(svc, &id),
         Action::Restore(id, req) => snapshots::restore(svc, &id, req).await,
+        Action::Fork(id, req) => lifecycle::fork(svc, &id, req).await,
+        Action::Pause(id) => lifecycle::pause(svc, &id).await,
+        Action::Resume(id) => lifecycle::resume(svc, &id).await,
         Action::Events { since, sandbox } => events::events(svc, since, sandbox),
         Action::Metrics => metrics::metrics(svc),
         Action::Trace(id) => traces::trace(svc, &id),

@@ -1,11 +1,16 @@
 //! Checkpoint and restore of a QEMU microvm.
 //!
 //! A checkpoint captures memory, device state and disk at one instant: the VM is paused, its
-//! memory and device state are written with `migrate` to `state.bin`, and while it is still
-//! paused `blockdev-snapshot-sync` freezes the active qcow2 layer (it becomes a read-only backing
+//! device state is written with `migrate` to `state.bin`, and while it is still paused
+//! `blockdev-snapshot-sync` freezes the active qcow2 layer (it becomes a read-only backing
 //! file) and puts a fresh overlay on top; then the VM continues. No disk data is copied.
-//! A restore starts a new QEMU with the same devices, a fresh overlay over the frozen layer and
-//! `-incoming file:state.bin`, and continues it once the incoming migration is done.
+//! A VM whose RAM is its own shared file ([`RamBacking::Owned`]) migrates with `x-ignore-shared`
+//! (RAM stays out of `state.bin`, a few tens of KB) and the checkpoint copies the allocated part
+//! of the RAM file to `mem.ram` next to it; a VM on a borrowed (private) mapping writes its RAM
+//! into `state.bin` as before.
+//! A restore starts a new QEMU with the same devices, a fresh overlay over the frozen layer, a
+//! copy of the frozen RAM file and `-incoming file:state.bin`, and continues it once the
+//! incoming migration is done.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -14,7 +19,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    LOG_TAIL, QMP_TIMEOUT, QemuDriver, VmPaths, abs, check_id, qemu_args, tail, write_vm_json,
+    LOG_TAIL, QMP_TIMEOUT, QemuDriver, RAM_OBJECT, VmPaths, abs, check_id, qemu_args, ramfile,
+    tail, write_vm_json,
 };
 use crate::vmm::qmp::QmpClient;
 use crate::vmm::{VmInfo, VmSpec, VmmError};
@@ -29,7 +35,14 @@ pub struct Checkpoint {
     /// The qcow2 layer frozen at the checkpoint (its backing chain ends at the base rootfs).
     pub disk_layer: PathBuf,
     pub state_bytes: u64,
+    /// The frozen RAM file, when RAM is not in the state file (it was saved with
+    /// `x-ignore-shared`); `None`: the state file carries the RAM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_file: Option<PathBuf>,
 }
+
+/// File name of a frozen RAM file inside a checkpoint directory.
+pub const RAM_FILE: &str = "mem.ram";
 
 impl QemuDriver {
     /// Checkpoint the running VM `vm` into `dest` (a new directory inside the VM's directory).
@@ -46,10 +59,12 @@ impl QemuDriver {
         let state = dest.join("state.bin");
         let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
         let layer = active_disk(&qmp).await?;
+        let ram = owned_ram(&qmp).await;
+        let frozen_ram = dest.join(RAM_FILE);
+        let t0 = Instant::now();
         qmp.stop().await?;
         let res = async {
-            qmp.migrate(&format!("file:{}", state.display())).await?;
-            wait_migration(&qmp, "completed").await?;
+            save_state(&qmp, &state, ram.is_some()).await?;
             qmp.execute(
                 "blockdev-snapshot-sync",
                 Some(serde_json::json!({
@@ -59,6 +74,10 @@ impl QemuDriver {
                 })),
             )
             .await?;
+            if let Some(r) = &ram {
+                let bytes = ramfile::copy_sparse(r, &frozen_ram)?;
+                tracing::debug!(vm = %vm.id, bytes, "RAM file frozen");
+            }
             Ok::<(), VmmError>(())
         }
         .await;
@@ -66,6 +85,7 @@ impl QemuDriver {
         let cont = qmp.cont().await;
         res?;
         cont?;
+        tracing::debug!(vm = %vm.id, paused_ms = t0.elapsed().as_millis() as u64, "checkpoint taken");
         let state_bytes = std::fs::metadata(&state)
             .map_err(super::io_err(&state))?
             .len();
@@ -73,6 +93,7 @@ impl QemuDriver {
             state_file: state,
             disk_layer: layer,
             state_bytes,
+            ram_file: ram.map(|_| frozen_ram),
         })
     }
 
@@ -92,6 +113,28 @@ impl QemuDriver {
         paths.clear_stale()?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
+        // The restored VM gets its own copy of the frozen RAM (so later snapshots stay fast);
+        // a state file that carries the RAM fills a fresh file.
+        match &cp.ram_file {
+            Some(r) => {
+                ramfile::copy_sparse(r, paths.ram.path())?;
+            }
+            None => ramfile::remove(paths.ram.path())?,
+        }
+        self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some())
+            .await
+    }
+
+    /// Launch `spec`'s VM with `paths` (disk and RAM already in place) from the state file
+    /// `state`, wait until the incoming migration has loaded, continue it, write `vm.json`.
+    pub(super) async fn start_incoming(
+        &self,
+        spec: &VmSpec,
+        paths: &VmPaths,
+        state: &Path,
+        ignore_shared: bool,
+    ) -> Result<VmInfo, VmmError> {
+        let dir = paths.dir.clone();
         let spec = VmSpec {
             dir: dir.clone(),
             kernel: abs(&spec.kernel)?,
@@ -99,35 +142,72 @@ impl QemuDriver {
             rootfs: abs(&spec.rootfs)?,
             ..spec.clone()
         };
-        let mut args = qemu_args(&spec, &paths);
+        let mut args = qemu_args(&spec, paths);
+        // `defer`: the migration capabilities must match the saving side's before loading
+        // (QEMU 10 has no `-global` for `x-ignore-shared`).
         args.push(OsString::from("-incoming"));
-        args.push(OsString::from(format!("file:{}", cp.state_file.display())));
+        args.push(OsString::from("defer"));
         let t0 = Instant::now();
         let (pid, exited) = self.spawn_detached(&args, &dir, &paths.qemu_log)?;
         let info = paths.info(&spec, pid);
         let res = async {
-            let qmp = connect_until(&paths.qmp, &exited, &paths).await?;
-            wait_incoming(&qmp, &exited, &paths).await?;
+            let qmp = connect_until(&paths.qmp, &exited, paths).await?;
+            if ignore_shared {
+                qmp.migrate_set_capabilities(&[("x-ignore-shared", true)])
+                    .await?;
+            }
+            qmp.migrate_incoming(&format!("file:{}", state.display()))
+                .await?;
+            wait_incoming(&qmp, &exited, paths).await?;
             qmp.cont().await?;
-            write_vm_json(&paths, &info)
+            write_vm_json(paths, &info)
         }
         .await;
         if let Err(e) = res {
             let _ = Self::kill_and_wait(&info).await;
             return Err(e);
         }
-        tracing::info!(vm = %info.id, pid, restore_ms = t0.elapsed().as_millis() as u64, "VM restored");
+        tracing::info!(vm = %info.id, pid, restore_ms = t0.elapsed().as_millis() as u64, "VM started from a state file");
         Ok(info)
     }
 }
 
+/// The VM's own RAM file when its RAM is a shared file mapping (QMP `qom-get`); `None` for a
+/// private mapping or a VM started before RAM files existed.
+pub(super) async fn owned_ram(qmp: &QmpClient) -> Option<PathBuf> {
+    let path = format!("/objects/{RAM_OBJECT}");
+    let get = |prop: &'static str| {
+        qmp.execute(
+            "qom-get",
+            Some(serde_json::json!({ "path": path, "property": prop })),
+        )
+    };
+    let shared = get("share").await.ok()?.as_bool()?;
+    if !shared {
+        return None;
+    }
+    get("mem-path").await.ok()?.as_str().map(PathBuf::from)
+}
+
+/// Write the paused VM's device state (and its RAM unless `ignore_shared`) to `state`.
+pub(super) async fn save_state(
+    qmp: &QmpClient,
+    state: &Path,
+    ignore_shared: bool,
+) -> Result<(), VmmError> {
+    qmp.migrate_set_capabilities(&[("x-ignore-shared", ignore_shared)])
+        .await?;
+    qmp.migrate(&format!("file:{}", state.display())).await?;
+    wait_migration(qmp, "completed").await
+}
+
 /// An absolute path for a file that need not exist yet.
-fn absolute(p: &Path) -> Result<PathBuf, VmmError> {
+pub(super) fn absolute(p: &Path) -> Result<PathBuf, VmmError> {
     std::path::absolute(p).map_err(super::io_err(p))
 }
 
 /// The file behind the `root` drive right now.
-async fn active_disk(qmp: &QmpClient) -> Result<PathBuf, VmmError> {
+pub(super) async fn active_disk(qmp: &QmpClient) -> Result<PathBuf, VmmError> {
     let blocks = qmp.execute("query-block", None).await?;
     blocks
         .as_array()

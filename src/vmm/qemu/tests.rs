@@ -431,3 +431,29 @@ async fn real_images_verify_and_boot_or_fail_cleanly() {
     }
     assert!(testkit::processes_mentioning(dir.path()).is_empty());
 }
+
+#[test]
+fn ram_is_a_shared_file_for_own_vms_and_private_for_clones() {
+    let dir = Path::new("/data/vms/sbx_1");
+    let mut paths = VmPaths::new(dir);
+    let a = args_str(&qemu_args(&spec(dir, "sbx_1"), &paths));
+    assert_eq!(
+        values_of(&a, "-M"),
+        ["microvm,acpi=off,memory-backend=ram0"]
+    );
+    assert_eq!(
+        values_of(&a, "-object"),
+        ["memory-backend-file,id=ram0,size=512M,mem-path=/data/vms/sbx_1/mem.ram,share=on"]
+    );
+    paths.ram = RamBacking::Borrowed("/data/vms/sbx_0/forks/f,1/mem.ram".into());
+    let a = args_str(&qemu_args(&spec(dir, "sbx_1"), &paths));
+    assert_eq!(
+        values_of(&a, "-object"),
+        [
+            "memory-backend-file,id=ram0,size=512M,mem-path=/data/vms/sbx_0/forks/f,,1/mem.ram,share=off"
+        ]
+    );
+    // The KVM probe keeps plain RAM.
+    let probe = args_str(&machine_args(Accel::Tcg, 1, 64));
+    assert_eq!(values_of(&probe, "-M"), ["microvm,acpi=off"]);
+}

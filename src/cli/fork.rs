@@ -1,0 +1,24 @@
+//! `tryboxi fork ID [--count N]`: prints one child id per line.
+
+use crate::api;
+use crate::error::TopError;
+
+pub async fn run(id: String, count: u32) -> Result<(), TopError> {
+    let r: api::ForkResult = super::client()?
+        .send(
+            hyper::Method::POST,
+            &format!("/v1/sandboxes/{id}/fork"),
+            Some(&api::ForkRequest { count: Some(count) }),
+        )
+        .await?;
+    for s in &r.sandboxes {
+        println!("{}", s.id);
+    }
+    eprintln!(
+        "forked {} child(ren) of {} in {} ms",
+        r.sandboxes.len(),
+        r.parent,
+        r.duration_ms
+    );
+    Ok(())
+}

@@ -1,0 +1,287 @@
+//! Fork: N new sandboxes that start from the current state of a running one.
+//!
+//! The parent is checkpointed into `<parent dir>/forks/<base>/` (device state, frozen RAM file,
+//! and its disk layer frozen by `blockdev-snapshot-sync`; the parent goes on running on a new
+//! overlay). Each child is a clone of that checkpoint: a private copy-on-write mapping of the
+//! frozen RAM file and its own qcow2 overlay over the frozen layer, its own id, directory,
+//! agent channel and a copy of the parent's workspace sync base. The children's disk chains
+//! and RAM files live in the parent's directory, so the parent cannot be removed while a child
+//! exists (`lineage.json` in the child's directory records this).
+//!
+//! Also here: what makes a clone its own machine (hostname, a fresh random seed), shared with
+//! golden-snapshot creates.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::vms::LiveVm;
+use super::{SandboxRecord, Service, ServiceError};
+use crate::api::{self, SandboxState};
+use crate::ids;
+use crate::rpc::{AgentClient, ExecEvent, ExecRequest};
+use crate::store::SANDBOXES;
+use crate::vmm::qemu::Checkpoint;
+use crate::vmm::{VmSpec, VmmDriver};
+use crate::workspace::manifest::Base;
+
+/// Most children one fork request may ask for.
+pub const MAX_FORK: u32 = 32;
+const LINEAGE_FILE: &str = "lineage.json";
+
+/// What a sandbox's files depend on outside its own directory.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Lineage {
+    /// Sandbox directories holding our RAM file and disk backing layers.
+    depends_on: Vec<PathBuf>,
+}
+
+impl Service {
+    /// `POST /v1/sandboxes/{id}/fork`.
+    pub async fn fork_sandbox(
+        self: &Arc<Self>,
+        id: &str,
+        req: api::ForkRequest,
+    ) -> Result<api::ForkResult, ServiceError> {
+        let t0 = Instant::now();
+        let count = req.count.unwrap_or(1);
+        if count == 0 || count > MAX_FORK {
+            return Err(ServiceError::BadRequest(format!(
+                "count must be 1-{MAX_FORK}, got {count}"
+            )));
+        }
+        self.ensure_running(id).await?;
+        let lock = self.life.lock_of(id);
+        let guard = lock.lock().await;
+        let parent = self.record(id)?;
+        if parent.api.state != SandboxState::Ready {
+            return Err(ServiceError::Conflict(format!(
+                "sandbox `{id}` is {}, not ready",
+                parent.api.state
+            )));
+        }
+        let vm = self
+            .vms
+            .get(id)
+            .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
+        let driver = self.driver()?;
+        let base_id = ids::new_id("fork_");
+        let base_dir = parent.dir.join("forks").join(&base_id);
+        let next = parent.dir.join(format!("disk-{base_id}.qcow2"));
+        let cp = driver
+            .checkpoint(&vm.info, &base_dir, &next)
+            .await
+            .map_err(|e| ServiceError::Internal(format!("cannot checkpoint `{id}`: {e}")))?;
+        drop(guard);
+        let checkpoint_ms = t0.elapsed().as_millis() as u64;
+        // The parent's sync base goes with the fork base (the children's /workspace is the
+        // parent's at this instant).
+        let saved_base = base_dir.join("workspace");
+        if let Ok(m) = Base::new(parent.dir.join("workspace")).load() {
+            Base::new(saved_base.clone()).save(&m).map_err(|e| {
+                ServiceError::Internal(format!("cannot save the sync base with the fork: {e}"))
+            })?;
+        }
+        let kids = (0..count).map(|_| self.start_child(&parent, &cp, &saved_base));
+        let results = futures_util::future::join_all(kids).await;
+        let mut sandboxes = Vec::new();
+        let mut errors = Vec::new();
+        for r in results {
+            match r {
+                Ok(sb) => sandboxes.push(sb),
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        let duration_ms = t0.elapsed().as_millis() as u64;
+        tracing::info!(parent = %id, children = sandboxes.len(), failed = errors.len(), checkpoint_ms, duration_ms, "sandbox forked");
+        if sandboxes.is_empty() {
+            return Err(ServiceError::Internal(format!(
+                "no child could be started: {}",
+                errors.join("; ")
+            )));
+        }
+        for e in &errors {
+            tracing::warn!(parent = %id, error = %e, "a fork child failed");
+        }
+        Ok(api::ForkResult {
+            parent: id.to_owned(),
+            sandboxes,
+            duration_ms,
+        })
+    }
+
+    /// One child of a fork: record, clone, identity, sync base, ready.
+    async fn start_child(
+        self: &Arc<Self>,
+        parent: &SandboxRecord,
+        cp: &Checkpoint,
+        saved_base: &Path,
+    ) -> Result<api::Sandbox, ServiceError> {
+        let started = Instant::now();
+        let id = ids::new_id(ids::SANDBOX);
+        // Each child is a VM of its own in the host's ledger (waits or is refused like a create).
+        let reservation = self
+            .ledger
+            .reserve(
+                &id,
+                super::scheduler::Resources::new(parent.api.vcpus, parent.api.memory_mib as u64),
+            )
+            .await?;
+        let dir = self.paths.sandbox_dir(&id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ServiceError::Internal(format!("cannot create {}: {e}", dir.display())))?;
+        let mut rec = parent.clone();
+        rec.api.id = id.clone();
+        rec.api.state = SandboxState::Creating;
+        rec.api.created_at = super::now_rfc3339();
+        rec.api.error = None;
+        rec.dir = dir.clone();
+        write_lineage(&dir, &parent.dir)?;
+        self.store.put(SANDBOXES, &id, &rec)?;
+        self.telemetry.sandbox_created(&rec.api, started);
+        let res = async {
+            let spec = self.spec_of(&rec)?;
+            let vm = self.start_clone(&spec, cp, true).await?;
+            if let Ok(m) = Base::new(saved_base.to_owned()).load() {
+                Base::new(dir.join("workspace")).save(&m).map_err(|e| {
+                    ServiceError::Internal(format!("cannot copy the parent's sync base: {e}"))
+                })?;
+            }
+            Ok::<_, ServiceError>(vm)
+        }
+        .await;
+        match res {
+            Ok(vm) => {
+                let vm = Arc::new(vm);
+                self.vms.insert(&id, vm.clone());
+                self.watch(id.clone(), vm);
+                rec.api.state = SandboxState::Ready;
+                self.store.put(SANDBOXES, &id, &rec)?;
+                reservation.keep();
+                self.life.touch(&id);
+                self.telemetry.sandbox_ready(&rec.api, started);
+                self.telemetry.events.publish(
+                    "sandbox.forked",
+                    &id,
+                    None,
+                    serde_json::json!({"parent": parent.api.id}),
+                );
+                Ok(rec.api)
+            }
+            Err(e) => {
+                self.telemetry.sandbox_create_failed(&id, &e.to_string());
+                self.discard(&id, &dir).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Start a VM from `cp`, connect its agent and make it its own machine. With `borrow` and
+    /// a checkpoint that has a RAM file, the VM maps that file privately (pages shared with
+    /// every clone); otherwise it gets its own RAM (a copy, or filled from the state file).
+    pub(super) async fn start_clone(
+        &self,
+        spec: &VmSpec,
+        cp: &Checkpoint,
+        borrow: bool,
+    ) -> Result<LiveVm, ServiceError> {
+        let driver = self.driver()?;
+        let overlay = spec.dir.join("disk.qcow2");
+        let info = if borrow && cp.ram_file.is_some() {
+            driver.clone_vm(spec, cp, &overlay).await
+        } else {
+            driver.restore(spec, cp, &overlay).await
+        }
+        .map_err(|e| ServiceError::Internal(format!("cannot start the clone: {e}")))?;
+        let agent =
+            match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(30)).await {
+                Ok(a) => a,
+                Err(e) => {
+                    let _ = driver.kill(&info).await;
+                    return Err(ServiceError::Internal(format!(
+                        "the clone's guest agent did not answer: {e}"
+                    )));
+                }
+            };
+        if let Err(e) = set_identity(&agent, &spec.id).await {
+            let _ = driver.kill(&info).await;
+            return Err(e);
+        }
+        Ok(LiveVm { info, agent })
+    }
+
+    /// Refuse to remove a sandbox whose directory other sandboxes' files depend on.
+    pub(super) fn check_no_dependents(&self, rec: &SandboxRecord) -> Result<(), ServiceError> {
+        let recs: Vec<SandboxRecord> = self.store.list(SANDBOXES)?;
+        let deps: Vec<String> = recs
+            .iter()
+            .filter(|r| r.api.id != rec.api.id && r.api.state != SandboxState::Removing)
+            .filter(|r| read_lineage(&r.dir).depends_on.contains(&rec.dir))
+            .map(|r| r.api.id.clone())
+            .collect();
+        if deps.is_empty() {
+            Ok(())
+        } else {
+            Err(ServiceError::Conflict(format!(
+                "sandbox `{}` has forks that use its memory and disk files: {}; remove them first",
+                rec.api.id,
+                deps.join(", ")
+            )))
+        }
+    }
+}
+
+fn write_lineage(dir: &Path, parent_dir: &Path) -> Result<(), ServiceError> {
+    let mut l = read_lineage(parent_dir);
+    l.depends_on.push(parent_dir.to_owned());
+    let path = dir.join(LINEAGE_FILE);
+    let data = serde_json::to_vec_pretty(&l)
+        .map_err(|e| ServiceError::Internal(format!("cannot encode lineage: {e}")))?;
+    std::fs::write(&path, data)
+        .map_err(|e| ServiceError::Internal(format!("cannot write {}: {e}", path.display())))
+}
+
+fn read_lineage(dir: &Path) -> Lineage {
+    std::fs::read(dir.join(LINEAGE_FILE))
+        .ok()
+        .and_then(|d| serde_json::from_slice(&d).ok())
+        .unwrap_or_default()
+}
+
+/// Make a clone its own machine: its hostname is its id, and its kernel's random pool gets
+/// fresh bytes from the host (clones of one snapshot would otherwise share the pool's state).
+pub(super) async fn set_identity(agent: &AgentClient, id: &str) -> Result<(), ServiceError> {
+    let mut seed = [0u8; 32];
+    getrandom::fill(&mut seed)
+        .map_err(|e| ServiceError::Internal(format!("no host randomness: {e}")))?;
+    // `id` is [A-Za-z0-9_-] (checked by the VMM layer); the seed is hex.
+    let script = format!(
+        "echo {id} > /proc/sys/kernel/hostname && echo {} > /dev/urandom",
+        hex::encode(seed)
+    );
+    let req = ExecRequest {
+        shell: Some(script),
+        cwd: Some("/".into()),
+        timeout: Some(Duration::from_secs(10)),
+        ..Default::default()
+    };
+    let bad = |m: String| ServiceError::Internal(format!("cannot set the clone's identity: {m}"));
+    let mut s = agent.exec(req).await.map_err(|e| bad(e.to_string()))?;
+    let mut err = Vec::new();
+    while let Some(ev) = s.next().await {
+        match ev.map_err(|e| bad(e.to_string()))? {
+            ExecEvent::Stderr(b) => err.extend_from_slice(&b),
+            ExecEvent::Exit { code: Some(0), .. } => return Ok(()),
+            ExecEvent::Exit { code, signal, .. } => {
+                return Err(bad(format!(
+                    "exit {code:?} signal {signal:?}: {}",
+                    String::from_utf8_lossy(&err).trim()
+                )));
+            }
+            _ => {}
+        }
+    }
+    Err(bad("the exec ended without an exit status".into()))
+}

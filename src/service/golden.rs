@@ -1,0 +1,476 @@
+//! Golden snapshots and the warm pool.
+//!
+//! A golden snapshot is a VM booted once until its agent answered, then paused to disk, kept
+//! in `<data root>/golden/<key>/`: `vm/` (the VM's directory: `mem.ram`, `disk.qcow2`, logs),
+//! `state/state.bin`, and `golden.json` (the checkpoint; written last, so its presence means
+//! complete). The key hashes everything the snapshot depends on: the image manifest (kernel,
+//! initramfs, rootfs sha256), the rootfs path, size and mtime, the QEMU version, the vCPUs,
+//! memory and acceleration, and the whole QEMU argument list of such a VM (the device layout,
+//! including devices other parts of the daemon add). Anything changes: a new key, so a stale
+//! snapshot is never used (old directories are left for GC).
+//!
+//! `create` first takes a sandbox from the warm pool (VMs already started from the golden
+//! snapshot, with their own id and directory, waiting without a record), else starts one from
+//! the golden snapshot, else boots. A missing snapshot is built in the background after the
+//! first boot of its kind; a broken one (its clone fails) is marked `broken` and not used
+//! again (event `golden.broken`). The pool is refilled in the background.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::vms::LiveVm;
+use super::{SandboxRecord, Service, ServiceError};
+use crate::api::{self, SandboxState};
+use crate::ids;
+use crate::store::SANDBOXES;
+use crate::vmm::qemu::{Checkpoint, VmPaths, qemu_args};
+use crate::vmm::{Images, VmSpec, VmmDriver};
+
+const GOLDEN_FILE: &str = "golden.json";
+const BROKEN_FILE: &str = "broken";
+
+/// A VM started from a golden snapshot ahead of time.
+pub(super) struct PoolVm {
+    id: String,
+    dir: PathBuf,
+    vm: LiveVm,
+}
+
+#[derive(Default)]
+pub struct GoldenState {
+    /// Keys whose snapshot is being built right now.
+    building: Mutex<std::collections::HashSet<String>>,
+    /// Keys whose pool is being refilled right now.
+    filling: Mutex<std::collections::HashSet<String>>,
+    pool: Mutex<HashMap<String, Vec<PoolVm>>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Golden {
+    key: String,
+    checkpoint: Checkpoint,
+    built_at: String,
+    boot_ms: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The golden key of VMs shaped like `spec` (its id and directory do not count).
+pub fn golden_key(spec: &VmSpec, images: &Images, qemu_version: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(b"tryboxi-golden-v1\0");
+    for a in &images.manifest.artifacts {
+        h.update(format!("{}={}:{}\0", a.name, a.sha256, a.size).as_bytes());
+    }
+    // The rootfs is not on the command line (the drive is the VM's overlay over it).
+    h.update(b"rootfs=");
+    h.update(spec.rootfs.as_os_str().as_encoded_bytes());
+    h.update(b"\0");
+    if let Ok(m) = std::fs::metadata(&spec.rootfs) {
+        use std::os::unix::fs::MetadataExt;
+        h.update(format!("rootfs={}:{}:{}\0", m.len(), m.mtime(), m.mtime_nsec()).as_bytes());
+    }
+    h.update(format!("qemu={qemu_version}\0").as_bytes());
+    let shape = VmSpec {
+        id: "golden".into(),
+        dir: PathBuf::from("/golden"),
+        ..spec.clone()
+    };
+    for arg in qemu_args(&shape, &VmPaths::new(&shape.dir)) {
+        h.update(arg.as_encoded_bytes());
+        h.update(b"\0");
+    }
+    hex::encode(&h.finalize()[..8])
+}
+
+impl Service {
+    fn golden_dir(&self, key: &str) -> PathBuf {
+        self.paths.root.join("golden").join(key)
+    }
+
+    /// `<images key>-<shape key>`: the first half is `gc::golden_key` of the kernel, initramfs
+    /// and this VM's rootfs/template image, which is how `tryboxi gc` tells stale snapshots.
+    fn key_of(&self, spec: &VmSpec) -> Option<String> {
+        let images = self.images().ok()?;
+        let driver = self.driver().ok()?;
+        let sha = |pred: &dyn Fn(&crate::vmm::images::Artifact) -> bool| {
+            images
+                .manifest
+                .artifacts
+                .iter()
+                .find(|a| pred(a))
+                .map(|a| a.sha256.clone())
+        };
+        let rootfs_file = spec.rootfs.file_name()?.to_str()?.to_owned();
+        let images_key = super::gc::golden_key(
+            &sha(&|a| a.name == "kernel")?,
+            &sha(&|a| a.name == "initramfs")?,
+            &sha(&|a| a.file == rootfs_file)?,
+        );
+        let shape = golden_key(spec, &images, &driver.version().to_string());
+        Some(format!("{images_key}-{shape}"))
+    }
+
+    /// The complete, not broken golden snapshot of `key`, if any.
+    fn golden(&self, key: &str) -> Option<Golden> {
+        let dir = self.golden_dir(key);
+        if dir.join(BROKEN_FILE).exists() {
+            return None;
+        }
+        let data = std::fs::read(dir.join(GOLDEN_FILE)).ok()?;
+        serde_json::from_slice(&data).ok()
+    }
+
+    /// Start `spec`'s VM from its golden snapshot when there is one, else boot it (and build
+    /// the snapshot in the background for next time). The one call site `create` uses.
+    pub(super) async fn boot_or_clone(
+        self: &Arc<Self>,
+        driver: &crate::vmm::QemuDriver,
+        spec: &VmSpec,
+    ) -> Result<LiveVm, ServiceError> {
+        if !self.config.pool.golden {
+            return self.boot(driver, spec).await;
+        }
+        let Some(key) = self.key_of(spec) else {
+            return self.boot(driver, spec).await;
+        };
+        if let Some(g) = self.golden(&key) {
+            let t0 = Instant::now();
+            let span = self.telemetry.traces.span(&spec.id, "vm.golden_restore");
+            match self.start_clone(spec, &g.checkpoint, false).await {
+                Ok(vm) => {
+                    drop(span);
+                    tracing::info!(sandbox = %spec.id, golden = %key, ms = t0.elapsed().as_millis() as u64, "created from the golden snapshot");
+                    self.fill_pool(&key, spec);
+                    return Ok(vm);
+                }
+                Err(e) => {
+                    drop(span);
+                    self.mark_broken(&key, &e.to_string());
+                    // Leftovers of the failed clone must not confuse the boot.
+                    self.kill_leftover(&spec.dir).await;
+                    clear_dir(&self.paths.root, &spec.dir);
+                }
+            }
+        } else {
+            tracing::info!(sandbox = %spec.id, golden = %key, "no golden snapshot yet: cold boot");
+        }
+        let vm = self.boot(driver, spec).await?;
+        self.build_golden(key, spec.clone());
+        Ok(vm)
+    }
+
+    fn mark_broken(&self, key: &str, why: &str) {
+        tracing::warn!(golden = %key, error = %why, "golden snapshot broken: falling back to a cold boot");
+        let _ = std::fs::write(self.golden_dir(key).join(BROKEN_FILE), why);
+        self.telemetry.events.publish(
+            "golden.broken",
+            "",
+            None,
+            serde_json::json!({"key": key, "error": why}),
+        );
+    }
+
+    /// Build `key`'s golden snapshot in the background (once at a time per key).
+    fn build_golden(self: &Arc<Self>, key: String, spec: VmSpec) {
+        if self.life.shutting_down() || !lock(&self.life.golden.building).insert(key.clone()) {
+            return;
+        }
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let t0 = Instant::now();
+            match svc.build_golden_now(&key, &spec).await {
+                Ok(()) => {
+                    tracing::info!(golden = %key, ms = t0.elapsed().as_millis() as u64, "golden snapshot built");
+                    svc.fill_pool(&key, &spec);
+                }
+                Err(e) => {
+                    tracing::warn!(golden = %key, error = %e, "cannot build the golden snapshot")
+                }
+            }
+            lock(&svc.life.golden.building).remove(&key);
+        });
+    }
+
+    async fn build_golden_now(&self, key: &str, spec: &VmSpec) -> Result<(), ServiceError> {
+        let driver = self.driver()?;
+        let gdir = self.golden_dir(key);
+        if gdir.exists() {
+            // An earlier attempt (incomplete or broken): start over.
+            self.kill_leftover(&gdir.join("vm")).await;
+            crate::safefs::remove_under(&self.paths.root, &gdir)
+                .map_err(|e| ServiceError::Internal(e.to_string()))?;
+        }
+        let vm_dir = gdir.join("vm");
+        std::fs::create_dir_all(&vm_dir).map_err(|e| {
+            ServiceError::Internal(format!("cannot create {}: {e}", vm_dir.display()))
+        })?;
+        let gspec = VmSpec {
+            id: format!("golden-{key}"),
+            dir: vm_dir.clone(),
+            ..spec.clone()
+        };
+        let t0 = Instant::now();
+        let vm = self.boot(&driver, &gspec).await?;
+        let boot_ms = t0.elapsed().as_millis() as u64;
+        let cp = driver
+            .pause_to_disk(&vm.info, &gdir.join("state"))
+            .await
+            .map_err(|e| ServiceError::Internal(format!("cannot pause the golden VM: {e}")))?;
+        drop(vm);
+        let g = Golden {
+            key: key.to_owned(),
+            checkpoint: cp,
+            built_at: super::now_rfc3339(),
+            boot_ms,
+        };
+        let tmp = gdir.join("golden.json.tmp");
+        let data = serde_json::to_vec_pretty(&g)
+            .map_err(|e| ServiceError::Internal(format!("cannot encode golden.json: {e}")))?;
+        std::fs::write(&tmp, data)
+            .and_then(|()| std::fs::rename(&tmp, gdir.join(GOLDEN_FILE)))
+            .map_err(|e| ServiceError::Internal(format!("cannot write golden.json: {e}")))?;
+        self.telemetry.events.publish(
+            "golden.built",
+            "",
+            None,
+            serde_json::json!({"key": key, "boot_ms": boot_ms}),
+        );
+        Ok(())
+    }
+
+    /// Refill `key`'s warm pool up to `pool.size` in the background.
+    fn fill_pool(self: &Arc<Self>, key: &str, spec: &VmSpec) {
+        let want = self.config.pool.size as usize;
+        if want == 0 || !lock(&self.life.golden.filling).insert(key.to_owned()) {
+            return;
+        }
+        let svc = self.clone();
+        let key = key.to_owned();
+        let spec = spec.clone();
+        tokio::spawn(async move {
+            loop {
+                let have = lock(&svc.life.golden.pool).get(&key).map_or(0, Vec::len);
+                if have >= want || svc.life.shutting_down() {
+                    break;
+                }
+                let Some(g) = svc.golden(&key) else { break };
+                // Scheduler hook: a pool VM holds `spec.memory_mib` of the host's memory.
+                let id = ids::new_id(ids::SANDBOX);
+                let dir = svc.paths.sandbox_dir(&id);
+                if let Err(e) = std::fs::create_dir_all(&dir) {
+                    tracing::warn!(error = %e, "cannot create a pool VM directory");
+                    break;
+                }
+                let pspec = VmSpec {
+                    id: id.clone(),
+                    dir: dir.clone(),
+                    ..spec.clone()
+                };
+                match svc.start_clone(&pspec, &g.checkpoint, false).await {
+                    Ok(vm) => {
+                        tracing::debug!(golden = %key, sandbox = %id, "pool VM ready");
+                        lock(&svc.life.golden.pool)
+                            .entry(key.clone())
+                            .or_default()
+                            .push(PoolVm { id, dir, vm });
+                    }
+                    Err(e) => {
+                        svc.mark_broken(&key, &e.to_string());
+                        svc.discard(&id, &dir).await;
+                        break;
+                    }
+                }
+            }
+            lock(&svc.life.golden.filling).remove(&key);
+        });
+    }
+
+    /// `create` from the warm pool: a ready sandbox if a pool VM of this shape is waiting.
+    /// The one call site `create` uses before anything else.
+    pub(super) async fn create_from_pool(
+        self: &Arc<Self>,
+        (template, rootfs): (&str, &Path),
+        images: &Images,
+        (vcpus, memory_mib, accel): (u32, u32, crate::vmm::Accel),
+        workspace: &Path,
+    ) -> Option<Result<api::Sandbox, ServiceError>> {
+        if !self.config.pool.golden || self.config.pool.size == 0 {
+            return None;
+        }
+        let spec_like = VmSpec {
+            id: "pool".into(),
+            dir: self.paths.sandboxes_dir(),
+            kernel: images.kernel.clone(),
+            initramfs: images.initramfs.clone(),
+            rootfs: rootfs.to_path_buf(),
+            vcpus,
+            memory_mib,
+            accel,
+        };
+        let spec_like = &spec_like;
+        let key = self.key_of(spec_like)?;
+        let t0 = Instant::now();
+        let pvm = loop {
+            let p = lock(&self.life.golden.pool).get_mut(&key)?.pop()?;
+            let driver = self.driver().ok()?;
+            if !p.vm.agent.is_closed() && driver.is_alive(&p.vm.info) {
+                break p;
+            }
+            tracing::warn!(sandbox = %p.id, "a pool VM died while waiting; dropping it");
+            self.discard(&p.id, &p.dir).await;
+        };
+        let id = pvm.id.clone();
+        let mut rec = SandboxRecord {
+            api: api::Sandbox {
+                id: id.clone(),
+                state: SandboxState::Creating,
+                workspace: api::WorkspaceSpec {
+                    host_path: workspace.display().to_string(),
+                },
+                template: template.to_owned(),
+                vcpus,
+                memory_mib,
+                accel: Some(accel.to_string()),
+                created_at: super::now_rfc3339(),
+                error: None,
+            },
+            dir: pvm.dir.clone(),
+        };
+        if let Err(e) = self.store.put(SANDBOXES, &id, &rec) {
+            return Some(Err(e.into()));
+        }
+        self.telemetry.sandbox_created(&rec.api, t0);
+        let vm = Arc::new(pvm.vm);
+        self.vms.insert(&id, vm.clone());
+        self.watch(id.clone(), vm.clone());
+        if let Err(e) = self.sync_locked(&rec, &vm).await {
+            self.vms.take(&id);
+            self.telemetry.sandbox_create_failed(&id, &e.to_string());
+            self.discard(&id, &rec.dir).await;
+            return Some(Err(e));
+        }
+        rec.api.state = SandboxState::Ready;
+        if let Err(e) = self.store.put(SANDBOXES, &id, &rec) {
+            return Some(Err(e.into()));
+        }
+        self.life.touch(&id);
+        self.telemetry.sandbox_ready(&rec.api, t0);
+        tracing::info!(sandbox = %id, golden = %key, ms = t0.elapsed().as_millis() as u64, "created from the warm pool");
+        self.fill_pool(&key, spec_like);
+        Some(Ok(rec.api))
+    }
+
+    /// Daemon start: a golden snapshot left incomplete (no `golden.json`) by a daemon that
+    /// died while building it is ended and deleted.
+    pub(super) async fn clean_incomplete_golden(&self) {
+        let Ok(entries) = std::fs::read_dir(self.paths.root.join("golden")) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let dir = e.path();
+            if dir.join(GOLDEN_FILE).exists() {
+                continue;
+            }
+            tracing::warn!(dir = %dir.display(), "removing an incomplete golden snapshot");
+            self.kill_leftover(&dir.join("vm")).await;
+            if let Err(e) = crate::safefs::remove_under(&self.paths.root, &dir) {
+                tracing::warn!(error = %e, "cannot remove an incomplete golden snapshot");
+            }
+        }
+    }
+
+    /// Shutdown: let golden builds and pool fills in flight finish (bounded: their QEMUs must
+    /// not outlive us), then end the pool VMs.
+    pub(super) async fn drain_pool(&self) {
+        self.life.set_shutting_down();
+        let deadline = Instant::now() + std::time::Duration::from_secs(self.config.boot_timeout_s);
+        while (!lock(&self.life.golden.building).is_empty()
+            || !lock(&self.life.golden.filling).is_empty())
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let all: Vec<PoolVm> = lock(&self.life.golden.pool)
+            .drain()
+            .flat_map(|(_, v)| v)
+            .collect();
+        for p in all {
+            self.discard(&p.id, &p.dir).await;
+        }
+        let building: Vec<String> = lock(&self.life.golden.building).iter().cloned().collect();
+        for key in building {
+            self.kill_leftover(&self.golden_dir(&key).join("vm")).await;
+        }
+    }
+}
+
+/// Empty a sandbox directory after a failed clone (fenced to the data root).
+fn clear_dir(root: &Path, dir: &Path) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if let Err(e) = crate::safefs::remove_under(root, &e.path()) {
+                tracing::warn!(error = %e, "cannot clean up after a failed clone");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vmm::Accel;
+    use crate::vmm::images::{Artifact, Manifest};
+
+    fn images(kernel_sha: &str) -> Images {
+        Images {
+            dir: "/img".into(),
+            kernel: "/img/vmlinuz".into(),
+            initramfs: "/img/initramfs.cpio.gz".into(),
+            rootfs: "/img/rootfs.ext4".into(),
+            manifest: Manifest {
+                version: 1,
+                artifacts: vec![Artifact {
+                    name: "kernel".into(),
+                    file: "vmlinuz".into(),
+                    size: 1,
+                    sha256: kernel_sha.into(),
+                }],
+            },
+        }
+    }
+
+    fn spec(id: &str, vcpus: u32) -> VmSpec {
+        VmSpec {
+            id: id.into(),
+            dir: format!("/data/sandboxes/{id}").into(),
+            kernel: "/img/vmlinuz".into(),
+            initramfs: "/img/initramfs.cpio.gz".into(),
+            rootfs: "/img/rootfs.ext4".into(),
+            vcpus,
+            memory_mib: 256,
+            accel: Accel::Tcg,
+        }
+    }
+
+    #[test]
+    fn key_ignores_identity_and_follows_everything_the_snapshot_depends_on() {
+        let k = golden_key(&spec("sbx_a", 1), &images("aa"), "10.0.2");
+        assert_eq!(k, golden_key(&spec("sbx_b", 1), &images("aa"), "10.0.2"));
+        assert_ne!(k, golden_key(&spec("sbx_a", 2), &images("aa"), "10.0.2"));
+        assert_ne!(k, golden_key(&spec("sbx_a", 1), &images("bb"), "10.0.2"));
+        assert_ne!(k, golden_key(&spec("sbx_a", 1), &images("aa"), "10.1.0"));
+        let other_rootfs = VmSpec {
+            rootfs: "/img/templates/python.ext4".into(),
+            ..spec("sbx_a", 1)
+        };
+        assert_ne!(k, golden_key(&other_rootfs, &images("aa"), "10.0.2"));
+    }
+}

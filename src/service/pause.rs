@@ -1,0 +1,383 @@
+//! Pause to disk and resume: a paused sandbox has no QEMU; its device state is
+//! `paused/state.bin`, its RAM is its own RAM file (or is inside that state file for a VM that
+//! ran on a borrowed mapping), its disk the overlay it was writing. `paused/pause.json` says
+//! which files and why it was paused.
+//!
+//! Owns: the `ready <-> paused` transitions (user pause/resume, pause on daemon shutdown,
+//! automatic idle pause, transparent resume on use), the per-sandbox lifecycle lock that keeps
+//! those from overlapping, and the last-use clock behind idle pause.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::vms::LiveVm;
+use super::{SandboxRecord, Service, ServiceError};
+use crate::api::{self, SandboxState};
+use crate::config::ShutdownMode;
+use crate::rpc::AgentClient;
+use crate::store::SANDBOXES;
+use crate::vmm::qemu::Checkpoint;
+use crate::vmm::{Accel, VmSpec, VmmDriver};
+
+/// Directory (inside the sandbox directory) of a paused sandbox's state.
+pub const PAUSE_DIR: &str = "paused";
+const PAUSE_FILE: &str = "pause.json";
+
+/// Why a sandbox was paused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PauseReason {
+    /// `tryboxi pause`: stays paused until resumed or used.
+    User,
+    /// Daemon shutdown: the next daemon resumes it at start.
+    Shutdown,
+    /// Nothing used it for `idle_pause_secs`: resumed on first use.
+    Idle,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PauseRecord {
+    checkpoint: Checkpoint,
+    reason: PauseReason,
+    paused_at: String,
+}
+
+/// Per-sandbox lifecycle locks, last-use times, and a handle back to the service (for the
+/// watchers of resumed VMs).
+#[derive(Default)]
+pub struct Lifecycle {
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    last_used: Mutex<HashMap<String, Instant>>,
+    me: OnceLock<Weak<Service>>,
+    stopping: std::sync::atomic::AtomicBool,
+    pub(super) golden: super::golden::GoldenState,
+}
+
+impl Lifecycle {
+    pub(super) fn lock_of(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(id.to_owned()).or_default().clone()
+    }
+
+    /// Note that `id` was used now (idle pause counts from here).
+    pub(super) fn touch(&self, id: &str) {
+        let mut m = self.last_used.lock().unwrap_or_else(|p| p.into_inner());
+        m.insert(id.to_owned(), Instant::now());
+    }
+
+    fn idle_for(&self, id: &str) -> Option<Duration> {
+        let m = self.last_used.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(id).map(Instant::elapsed)
+    }
+
+    pub(super) fn forget(&self, id: &str) {
+        self.locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        self.last_used
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+    }
+
+    pub(super) fn shutting_down(&self) -> bool {
+        self.stopping.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(super) fn set_shutting_down(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn service(&self) -> Option<Arc<Service>> {
+        self.me.get().and_then(Weak::upgrade)
+    }
+}
+
+impl Service {
+    /// Daemon start, after `recover`: remember the service for watchers, resume what the last
+    /// shutdown paused (in the background), and start the idle-pause clock.
+    pub fn start_lifecycle(self: &Arc<Self>) {
+        let _ = self.life.me.set(Arc::downgrade(self));
+        if let Ok(recs) = self.store.list::<SandboxRecord>(SANDBOXES) {
+            for rec in recs {
+                let id = rec.api.id.clone();
+                if rec.api.state == SandboxState::Paused
+                    && read_pause(&rec).is_ok_and(|p| p.reason == PauseReason::Shutdown)
+                {
+                    let svc = self.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = svc.resume_sandbox(&id).await {
+                            tracing::warn!(sandbox = %id, error = %e, "cannot resume after restart");
+                        }
+                    });
+                } else if rec.api.state == SandboxState::Ready {
+                    self.life.touch(&id);
+                }
+            }
+        }
+        if self.config.idle_pause_secs > 0 {
+            let weak = Arc::downgrade(self);
+            let idle = Duration::from_secs(self.config.idle_pause_secs);
+            tokio::spawn(async move {
+                let tick = (idle / 4).clamp(Duration::from_millis(200), Duration::from_secs(30));
+                loop {
+                    tokio::time::sleep(tick).await;
+                    let Some(svc) = weak.upgrade() else { return };
+                    svc.pause_idle(idle).await;
+                }
+            });
+        }
+    }
+
+    /// Pause every ready sandbox nobody used for `idle` and that has no request in flight.
+    async fn pause_idle(self: &Arc<Self>, idle: Duration) {
+        let Ok(recs) = self.store.list::<SandboxRecord>(SANDBOXES) else {
+            return;
+        };
+        for rec in recs {
+            let id = &rec.api.id;
+            if rec.api.state != SandboxState::Ready {
+                continue;
+            }
+            let Some(vm) = self.vms.get(id) else { continue };
+            // The live map, its watcher and `vm` here hold one reference each; more means an
+            // exec or a workspace operation is using the VM right now.
+            let busy = Arc::strong_count(&vm) > 3;
+            drop(vm);
+            let idle_for = self.life.idle_for(id);
+            if busy || idle_for.is_some_and(|d| d < idle) {
+                continue;
+            }
+            if idle_for.is_none() {
+                // First seen now (e.g. created before the clock started): count from here.
+                self.life.touch(id);
+                continue;
+            }
+            match self.pause_with(id, PauseReason::Idle).await {
+                Ok(_) => {
+                    tracing::info!(sandbox = %id, idle_s = idle.as_secs(), "idle sandbox paused")
+                }
+                Err(e) => tracing::warn!(sandbox = %id, error = %e, "idle pause failed"),
+            }
+        }
+    }
+
+    /// `POST /v1/sandboxes/{id}/pause`.
+    pub async fn pause_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
+        self.pause_with(id, PauseReason::User).await
+    }
+
+    pub(super) async fn pause_with(
+        &self,
+        id: &str,
+        reason: PauseReason,
+    ) -> Result<api::Sandbox, ServiceError> {
+        let lock = self.life.lock_of(id);
+        let _g = lock.lock().await;
+        let mut rec = self.record(id)?;
+        match rec.api.state {
+            SandboxState::Ready => {}
+            SandboxState::Paused => return Ok(rec.api),
+            s => {
+                return Err(ServiceError::Conflict(format!(
+                    "sandbox `{id}` is {s}, not ready"
+                )));
+            }
+        }
+        let driver = self.driver()?;
+        // Out of the live map first, so its watcher takes the agent link closing as expected.
+        let vm = self
+            .vms
+            .take(id)
+            .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
+        let t0 = Instant::now();
+        let dir = rec.dir.join(PAUSE_DIR);
+        let cp = match driver.pause_to_disk(&vm.info, &dir).await {
+            Ok(cp) => cp,
+            Err(e) => {
+                // The driver continued the VM if it could; give it back unless it died.
+                if driver.is_alive(&vm.info) {
+                    self.vms.insert(id, vm);
+                } else {
+                    self.mark_failed(id, format!("pause failed and the VM is gone: {e}"));
+                }
+                return Err(ServiceError::Internal(format!(
+                    "cannot pause sandbox `{id}`: {e}"
+                )));
+            }
+        };
+        let pr = PauseRecord {
+            checkpoint: cp,
+            reason,
+            paused_at: super::now_rfc3339(),
+        };
+        write_pause(&rec, &pr)?;
+        rec.api.state = SandboxState::Paused;
+        self.store.put(SANDBOXES, id, &rec)?;
+        self.ledger.release(id);
+        self.telemetry.events.publish(
+            "sandbox.paused",
+            id,
+            None,
+            serde_json::json!({"reason": pr.reason, "ms": t0.elapsed().as_millis() as u64,
+                               "state_bytes": pr.checkpoint.state_bytes}),
+        );
+        tracing::info!(sandbox = %id, ?reason, ms = t0.elapsed().as_millis() as u64, state_bytes = pr.checkpoint.state_bytes, "sandbox paused to disk");
+        Ok(rec.api)
+    }
+
+    /// `POST /v1/sandboxes/{id}/resume`; also what using a paused sandbox does.
+    pub async fn resume_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
+        let lock = self.life.lock_of(id);
+        let _g = lock.lock().await;
+        let mut rec = self.record(id)?;
+        match rec.api.state {
+            SandboxState::Paused => {}
+            SandboxState::Ready if self.vms.get(id).is_some() => return Ok(rec.api),
+            s => {
+                return Err(ServiceError::Conflict(format!(
+                    "sandbox `{id}` is {s}, not paused"
+                )));
+            }
+        }
+        let pr = read_pause(&rec)?;
+        let driver = self.driver()?;
+        let spec = self.spec_of(&rec)?;
+        // A paused sandbox holds nothing in the ledger: it waits for room like a create.
+        let reservation = self
+            .ledger
+            .reserve(
+                id,
+                super::scheduler::Resources::new(rec.api.vcpus, rec.api.memory_mib as u64),
+            )
+            .await?;
+        let t0 = Instant::now();
+        let info = driver
+            .resume_from_disk(&spec, &pr.checkpoint)
+            .await
+            .map_err(|e| ServiceError::Internal(format!("cannot resume sandbox `{id}`: {e}")))?;
+        let agent =
+            match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(30)).await {
+                Ok(a) => a,
+                Err(e) => {
+                    let _ = driver.kill(&info).await;
+                    return Err(ServiceError::Internal(format!(
+                        "the resumed guest agent did not answer: {e}"
+                    )));
+                }
+            };
+        let vm = Arc::new(LiveVm { info, agent });
+        self.vms.insert(id, vm.clone());
+        match self.life.service() {
+            Some(svc) => svc.watch(id.to_owned(), vm),
+            None => tracing::warn!(sandbox = %id, "resumed without a watcher (no service handle)"),
+        }
+        // The state file is spent (the RAM file and overlay are the live ones now).
+        if let Err(e) = crate::safefs::remove_under(&self.paths.root, &rec.dir.join(PAUSE_DIR)) {
+            tracing::warn!(sandbox = %id, error = %e, "cannot delete the spent pause state");
+        }
+        rec.api.state = SandboxState::Ready;
+        self.store.put(SANDBOXES, id, &rec)?;
+        reservation.keep();
+        self.life.touch(id);
+        let ms = t0.elapsed().as_millis() as u64;
+        self.telemetry.events.publish(
+            "sandbox.resumed",
+            id,
+            None,
+            serde_json::json!({"ms": ms, "paused_for": pr.reason}),
+        );
+        tracing::info!(sandbox = %id, ms, "sandbox resumed");
+        Ok(rec.api)
+    }
+
+    /// Before using a sandbox: resume it if it is paused, and reset its idle clock.
+    pub(super) async fn ensure_running(&self, id: &str) -> Result<(), ServiceError> {
+        let rec = self.record(id)?;
+        if rec.api.state == SandboxState::Paused {
+            tracing::info!(sandbox = %id, "resuming a paused sandbox on use");
+            self.resume_sandbox(id).await?;
+        }
+        self.life.touch(id);
+        Ok(())
+    }
+
+    /// Daemon shutdown with `shutdown = "pause"`: pause every running sandbox to disk.
+    pub(super) async fn pause_all_for_shutdown(&self) {
+        if self.config.shutdown != ShutdownMode::Pause {
+            return;
+        }
+        let ids: Vec<String> = self
+            .vms
+            .live
+            .lock()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        for id in ids {
+            match self.pause_with(&id, PauseReason::Shutdown).await {
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e, "cannot pause on shutdown; leaving it running")
+                }
+            }
+        }
+    }
+
+    /// What to start a sandbox's VM with (restore, resume, fork); the images are the current
+    /// ones (a restored VM's memory already holds its kernel; its disk chain names its rootfs).
+    pub(super) fn spec_of(&self, rec: &SandboxRecord) -> Result<VmSpec, ServiceError> {
+        let images = self.images()?;
+        let accel = match rec.api.accel.as_deref() {
+            Some("kvm") => Accel::Kvm,
+            _ => Accel::Tcg,
+        };
+        Ok(VmSpec {
+            id: rec.api.id.clone(),
+            dir: rec.dir.clone(),
+            kernel: images.kernel,
+            initramfs: images.initramfs,
+            rootfs: images.rootfs,
+            vcpus: rec.api.vcpus,
+            memory_mib: rec.api.memory_mib,
+            accel,
+        })
+    }
+}
+
+fn read_pause(rec: &SandboxRecord) -> Result<PauseRecord, ServiceError> {
+    let path = rec.dir.join(PAUSE_DIR).join(PAUSE_FILE);
+    let data = std::fs::read(&path)
+        .map_err(|e| ServiceError::Internal(format!("cannot read {}: {e}", path.display())))?;
+    serde_json::from_slice(&data)
+        .map_err(|e| ServiceError::Internal(format!("{} is not valid: {e}", path.display())))
+}
+
+fn write_pause(rec: &SandboxRecord, pr: &PauseRecord) -> Result<(), ServiceError> {
+    let dir = rec.dir.join(PAUSE_DIR);
+    let tmp = dir.join("pause.json.tmp");
+    let data = serde_json::to_vec_pretty(pr)
+        .map_err(|e| ServiceError::Internal(format!("cannot encode pause.json: {e}")))?;
+    std::fs::write(&tmp, data)
+        .and_then(|()| std::fs::rename(&tmp, dir.join(PAUSE_FILE)))
+        .map_err(|e| ServiceError::Internal(format!("cannot write {}: {e}", tmp.display())))
+}
+
+/// Memory pressure pauses through the same path as `tryboxi pause` (reason `idle`: the next use
+/// resumes it).
+pub struct ServicePauser(pub std::sync::Weak<Service>);
+
+#[async_trait::async_trait]
+impl super::scheduler::Pauser for ServicePauser {
+    async fn pause(&self, id: &str) -> Result<(), String> {
+        let svc = self.0.upgrade().ok_or("the daemon is shutting down")?;
+        svc.pause_with(id, PauseReason::Idle)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+}

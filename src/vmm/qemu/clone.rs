@@ -1,0 +1,104 @@
+//! Clones (fork children, golden-snapshot sandboxes) and pause to disk / resume.
+//!
+//! A clone is a new QEMU with the same devices as the checkpointed VM, its RAM a private
+//! (copy-on-write) mapping of the checkpoint's frozen RAM file, a fresh qcow2 overlay over the
+//! checkpoint's frozen disk layer, and `-incoming file:state.bin`. Every clone of one
+//! checkpoint shares the pages it has not written.
+//!
+//! Pause writes the device state (and, for a VM on a borrowed mapping, its RAM) to a state
+//! file and ends QEMU; the RAM file and the active overlay stay where they are. Resume starts
+//! a new QEMU on the same overlay and RAM file from that state file.
+
+use std::path::Path;
+use std::time::Duration;
+
+use super::snapshot::{Checkpoint, absolute, active_disk, owned_ram, save_state};
+use super::{QMP_TIMEOUT, QemuDriver, RamBacking, VmPaths, abs, check_id, our_process, ramfile};
+use crate::vmm::qmp::QmpClient;
+use crate::vmm::{VmInfo, VmSpec, VmmError};
+
+/// How long a paused-to-disk QEMU gets to exit after `quit`.
+const QUIT_WAIT: Duration = Duration::from_secs(10);
+
+impl QemuDriver {
+    /// Start `spec`'s VM as a clone of `cp` with the new overlay `overlay` (see the module doc).
+    /// `cp` must have a frozen RAM file.
+    pub async fn clone_vm(
+        &self,
+        spec: &VmSpec,
+        cp: &Checkpoint,
+        overlay: &Path,
+    ) -> Result<VmInfo, VmmError> {
+        check_id(&spec.id)?;
+        let ram = cp.ram_file.as_ref().ok_or_else(|| {
+            VmmError::Other("this checkpoint has no RAM file: it cannot be cloned".into())
+        })?;
+        let dir = abs(&spec.dir)?;
+        let mut paths = VmPaths::new(&dir);
+        paths.check_socket_lengths()?;
+        paths.disk = absolute(overlay)?;
+        paths.ram = RamBacking::Borrowed(abs(ram)?);
+        paths.clear_stale()?;
+        self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
+            .await?;
+        self.start_incoming(spec, &paths, &cp.state_file, true)
+            .await
+    }
+
+    /// Pause `vm` to disk: its state goes to `dest/state.bin`, then QEMU exits. The returned
+    /// checkpoint names the VM's active overlay (not frozen: resume goes on writing it).
+    pub async fn pause_to_disk(&self, vm: &VmInfo, dest: &Path) -> Result<Checkpoint, VmmError> {
+        std::fs::create_dir_all(dest).map_err(super::io_err(dest))?;
+        let dest = abs(dest)?;
+        let state = dest.join("state.bin");
+        let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
+        let disk = active_disk(&qmp).await?;
+        let ram = owned_ram(&qmp).await;
+        qmp.stop().await?;
+        if let Err(e) = save_state(&qmp, &state, ram.is_some()).await {
+            let _ = qmp.cont().await;
+            return Err(e);
+        }
+        let proc = our_process(vm);
+        qmp.quit().await?;
+        if let Some(p) = proc
+            && !p.wait_exit(QUIT_WAIT).await.unwrap_or(false)
+        {
+            tracing::warn!(vm = %vm.id, "QEMU did not exit after quit; killing it");
+            Self::kill_and_wait(vm).await?;
+        }
+        let state_bytes = std::fs::metadata(&state)
+            .map_err(super::io_err(&state))?
+            .len();
+        Ok(Checkpoint {
+            state_file: state,
+            disk_layer: disk,
+            state_bytes,
+            ram_file: ram,
+        })
+    }
+
+    /// Start `spec`'s VM again from a [`QemuDriver::pause_to_disk`] checkpoint: same overlay,
+    /// its own RAM file (filled from the state file if the VM ran on a borrowed mapping).
+    pub async fn resume_from_disk(
+        &self,
+        spec: &VmSpec,
+        cp: &Checkpoint,
+    ) -> Result<VmInfo, VmmError> {
+        check_id(&spec.id)?;
+        let dir = abs(&spec.dir)?;
+        let mut paths = VmPaths::new(&dir);
+        paths.check_socket_lengths()?;
+        paths.disk = cp.disk_layer.clone();
+        paths.clear_stale()?;
+        match &cp.ram_file {
+            Some(r) if r != paths.ram.path() => {
+                ramfile::copy_sparse(r, paths.ram.path())?;
+            }
+            Some(_) => {}
+            None => ramfile::remove(paths.ram.path())?,
+        }
+        self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some())
+            .await
+    }
+}

@@ -1,0 +1,163 @@
+//! Bench rows of issue 7, run by `cargo xtask bench` after the cold-boot rows, on a second
+//! daemon with golden snapshots on (the first daemon keeps them off, so its create row stays a
+//! cold boot):
+//!
+//! (g) create from the golden snapshot to exec-ready (`POST /v1/sandboxes` + one exec `true`),
+//!     pool size 0 so every create restores;
+//! (h) fork of 10 children to all exec-ready (`POST /fork {count:10}` + one exec per child);
+//! (i) memory of the 10 idle forks: sum of PSS (shared pages counted once, split between
+//!     sharers; `/proc/PID/smaps_rollup`) next to the sum of RSS.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::daemon::{Daemon, rss_kib};
+use crate::http;
+
+pub struct SnapRows {
+    pub golden_create: Vec<Duration>,
+    pub fork10: Vec<Duration>,
+    pub forks_pss_kib: u64,
+    pub forks_rss_kib: u64,
+    pub forks: usize,
+}
+
+const FORKS: usize = 10;
+
+fn pss_kib(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    s.lines()
+        .find(|l| l.starts_with("Pss:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+fn qemu_pid(home: &Path, id: &str) -> Result<u32> {
+    let vm: serde_json::Value = serde_json::from_slice(&std::fs::read(
+        home.join("sandboxes").join(id).join("vm.json"),
+    )?)?;
+    Ok(vm["pid"].as_u64().context("vm.json pid")? as u32)
+}
+
+fn exec_true(sock: &Path, id: &str) -> Result<()> {
+    let line = http::exec(sock, id, r#"{"argv":["true"]}"#)?;
+    if !line.contains("\"exit_code\":0") {
+        bail!("`true` failed in {id}: {line}");
+    }
+    Ok(())
+}
+
+pub fn run(
+    bin: &Path,
+    home: &Path,
+    artifacts: &Path,
+    mem_mib: u32,
+    vcpus: u32,
+    reps: usize,
+) -> Result<SnapRows> {
+    let config = format!(
+        "default_memory_mib = {mem_mib}\ndefault_vcpus = {vcpus}\n[pool]\ngolden = true\nsize = 0\n"
+    );
+    let d = Daemon::start(bin, home, artifacts, &config)?;
+    let sock = d.socket();
+    let ws = home.join("ws-snap");
+    std::fs::create_dir_all(&ws)?;
+    let create_body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
+
+    println!(
+        "==> (g) golden snapshot: first create boots, the snapshot is built in the background"
+    );
+    let (st, first) = http::request(&sock, "POST", "/v1/sandboxes", Some(&create_body))?;
+    if st != 201 {
+        bail!("create failed: HTTP {st}: {first}");
+    }
+    let keep = http::json_str(&first, "id").context("no id")?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let golden = home.join("golden");
+    while !std::fs::read_dir(&golden)
+        .map(|mut r| r.any(|e| e.is_ok_and(|e| e.path().join("golden.json").exists())))
+        .unwrap_or(false)
+    {
+        if Instant::now() > deadline {
+            bail!("no golden snapshot after 300 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("==> (g) create from the golden snapshot to exec-ready ({reps}x)");
+    let mut golden_create = Vec::new();
+    for _ in 0..reps {
+        let t = Instant::now();
+        let (st, body) = http::request(&sock, "POST", "/v1/sandboxes", Some(&create_body))?;
+        if st != 201 {
+            bail!("create failed: HTTP {st}: {body}");
+        }
+        let id = http::json_str(&body, "id").context("no id")?;
+        exec_true(&sock, &id)?;
+        golden_create.push(t.elapsed());
+        http::request(&sock, "DELETE", &format!("/v1/sandboxes/{id}"), None)?;
+    }
+
+    let fork_reps = reps.min(3);
+    println!("==> (h) fork {FORKS} children to all exec-ready ({fork_reps}x)");
+    exec_true(&sock, &keep)?;
+    let mut fork10 = Vec::new();
+    let mut last: Vec<String> = Vec::new();
+    for i in 0..fork_reps {
+        let t = Instant::now();
+        let (st, body) = http::request(
+            &sock,
+            "POST",
+            &format!("/v1/sandboxes/{keep}/fork"),
+            Some(&format!(r#"{{"count":{FORKS}}}"#)),
+        )?;
+        if st != 201 {
+            bail!("fork failed: HTTP {st}: {body}");
+        }
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        let kids: Vec<String> = v["sandboxes"]
+            .as_array()
+            .context("no children")?
+            .iter()
+            .filter_map(|s| s["id"].as_str().map(str::to_owned))
+            .collect();
+        if kids.len() != FORKS {
+            bail!("fork gave {} children: {body}", kids.len());
+        }
+        for k in &kids {
+            exec_true(&sock, k)?;
+        }
+        fork10.push(t.elapsed());
+        if i + 1 < fork_reps {
+            for k in &kids {
+                http::request(&sock, "DELETE", &format!("/v1/sandboxes/{k}"), None)?;
+            }
+        } else {
+            last = kids;
+        }
+    }
+
+    println!("==> (i) memory of {FORKS} idle forks");
+    std::thread::sleep(Duration::from_secs(2));
+    let (mut pss, mut rss) = (0u64, 0u64);
+    for k in &last {
+        let pid = qemu_pid(home, k)?;
+        pss += pss_kib(pid).context("PSS")?;
+        rss += rss_kib(pid).context("RSS")?;
+    }
+    for k in &last {
+        http::request(&sock, "DELETE", &format!("/v1/sandboxes/{k}"), None)?;
+    }
+    http::request(&sock, "DELETE", &format!("/v1/sandboxes/{keep}"), None)?;
+    d.stop()?;
+    Ok(SnapRows {
+        golden_create,
+        fork10,
+        forks_pss_kib: pss,
+        forks_rss_kib: rss,
+        forks: last.len(),
+    })
+}
