@@ -68,6 +68,8 @@ pub struct Service {
     pub telemetry: Arc<Telemetry>,
     /// One lock per sandbox: its sync, diff, apply and pull never overlap.
     pub ws_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Per sandbox: the last workspace walk the agent sent and its cursor (see `WalkSince`).
+    pub walks: workspace::WalkMirrors,
 }
 
 impl Service {
@@ -96,6 +98,7 @@ impl Service {
             vms,
             telemetry,
             ws_locks: Default::default(),
+            walks: Default::default(),
         }
     }
 

@@ -109,6 +109,7 @@ impl Service {
     ) -> Result<api::Sandbox, ServiceError> {
         let t0 = std::time::Instant::now();
         let (vcpus, memory_mib, workspace) = self.validate_create(&req)?;
+        self.check_exclude(&req.workspace.exclude)?;
         let images = self.images()?;
         let driver = self.driver()?;
         let accel = self.accel(&driver, &images).await;
@@ -122,6 +123,7 @@ impl Service {
                 state: SandboxState::Creating,
                 workspace: api::WorkspaceSpec {
                     host_path: workspace.display().to_string(),
+                    exclude: req.workspace.exclude.clone(),
                 },
                 template: req.template.clone().unwrap_or_else(|| "auto".into()),
                 vcpus,
@@ -152,7 +154,7 @@ impl Service {
                 self.vms.insert(&id, vm.clone());
                 self.watch(id.clone(), vm.clone());
                 // The workspace goes in before anyone can exec.
-                if let Err(e) = self.sync_locked(&rec, &vm).await {
+                if let Err(e) = self.sync_locked(&rec, &vm, &[]).await {
                     tracing::warn!(sandbox = %id, error = %e, "first workspace sync failed; cleaning up");
                     self.vms.take(&id);
                     self.telemetry.sandbox_create_failed(&id, &e.to_string());
@@ -279,6 +281,7 @@ impl Service {
                 .map_err(|e| ServiceError::Internal(format!("cannot stop the VM: {e}")))?;
         }
         self.discard(id, &rec.dir).await;
+        self.forget_walk(id);
         tracing::info!(sandbox = %id, "sandbox removed");
         Ok(rec.api)
     }

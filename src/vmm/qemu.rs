@@ -84,6 +84,8 @@ pub struct VmPaths {
     pub pidfile: PathBuf,
     /// The persisted [`VmInfo`].
     pub vm_json: PathBuf,
+    /// The transfer disk (see [`crate::vmm::TRANSFER_DISK_FILE`]).
+    pub xfer: PathBuf,
 }
 
 impl VmPaths {
@@ -97,7 +99,25 @@ impl VmPaths {
             qemu_log: dir.join("qemu.log"),
             pidfile: dir.join("qemu.pid"),
             vm_json: dir.join("vm.json"),
+            xfer: dir.join(crate::vmm::TRANSFER_DISK_FILE),
         }
+    }
+
+    /// Make the transfer disk (sparse, fixed size) unless it is there: the device set of a VM
+    /// (and of every VM restored from its checkpoints) always includes it.
+    fn ensure_transfer_disk(&self) -> Result<(), VmmError> {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.xfer)
+            .map_err(io_err(&self.xfer))?;
+        let len = f.metadata().map_err(io_err(&self.xfer))?.len();
+        if len != crate::vmm::TRANSFER_DISK_BYTES {
+            f.set_len(crate::vmm::TRANSFER_DISK_BYTES)
+                .map_err(io_err(&self.xfer))?;
+        }
+        Ok(())
     }
 
     /// Remove leftovers of an earlier run of this VM (they would fool the readiness checks).
@@ -240,6 +260,21 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
         ),
         "-device".as_ref(),
         "virtio-blk-device,drive=root".as_ref(),
+    ]);
+    // The transfer disk: the host writes bulk sync data into it, the guest only reads it.
+    push(&[
+        "-drive".as_ref(),
+        &opt(
+            "file=",
+            &paths.xfer,
+            ",format=raw,if=none,id=xfer,readonly=on",
+        ),
+        "-device".as_ref(),
+        format!(
+            "virtio-blk-device,drive=xfer,serial={}",
+            crate::vmm::TRANSFER_DISK_SERIAL
+        )
+        .as_ref(),
     ]);
     push(&[
         "-device".as_ref(),
@@ -568,6 +603,7 @@ impl VmmDriver for QemuDriver {
             ..spec.clone()
         };
         paths.clear_stale()?;
+        paths.ensure_transfer_disk()?;
         self.create_overlay(&spec.rootfs, &paths.disk).await?;
 
         let args = qemu_args(&spec, &paths);

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use super::manifest::{Base, Entry, Kind, Manifest};
-use super::rules::Scan;
+use super::rules::{Scan, Skip};
 use super::{WorkspaceError, gitconfig};
 
 /// A computed sync, ready to send.
@@ -56,7 +56,14 @@ fn header(kind: tar::EntryType, mode: u32, size: u64, mtime_ns: i64) -> tar::Hea
 /// and build the archive. A file whose stat (size, mtime, mode) is unchanged is not read.
 #[cfg(test)]
 pub fn compute(root: &Path, scan: &Scan, base: &Base) -> Result<Delta, WorkspaceError> {
-    compute_keeping(root, scan, base, &base.load()?, &HashSet::new())
+    compute_keeping(
+        root,
+        scan,
+        base,
+        &base.load()?,
+        &HashSet::new(),
+        &Skip::default(),
+    )
 }
 
 /// Files of the base whose host stat changed: before overwriting them the caller checks
@@ -77,16 +84,24 @@ pub fn overwrite_candidates(scan: &Scan, old: &Manifest) -> Vec<String> {
 /// Like [`compute`], but files in `vm_changed` (changed in the VM since the base) are not
 /// overwritten when the host changed them too: their base stays, so diff shows the VM's
 /// change and apply merges both. They are listed in [`Delta::kept_vm_changes`].
+/// Paths of the base that `skip` matches stay as they are (not sent, not deleted); the scan
+/// is expected to have left them out.
 pub fn compute_keeping(
     root: &Path,
     scan: &Scan,
     base: &Base,
     old: &Manifest,
     vm_changed: &HashSet<String>,
+    skip: &Skip,
 ) -> Result<Delta, WorkspaceError> {
     let mut kept_vm_changes = Vec::new();
     let mut b = tar::Builder::new(Vec::new());
     let mut out = Manifest::default();
+    for (rel, e) in &old.entries {
+        if skip.skips(rel) {
+            out.entries.insert(rel.clone(), e.clone());
+        }
+    }
     let (mut files_sent, mut bytes_sent, mut unchanged, mut entries) = (0u64, 0u64, 0u64, 0u64);
     let tar_err = |rel: &str| {
         let rel = rel.to_owned();
@@ -97,6 +112,9 @@ pub fn compute_keeping(
         }
     };
     for (rel, h) in &scan.entries {
+        if skip.skips(rel) {
+            continue;
+        }
         let prev = old.entries.get(rel);
         let same_stat = prev.is_some_and(|p| {
             p.kind == h.kind
@@ -201,6 +219,9 @@ pub fn compute_keeping(
     }
     let mut delete: Vec<String> = Vec::new();
     for (rel, e) in &old.entries {
+        if skip.skips(rel) {
+            continue;
+        }
         let replaced = scan.entries.get(rel).is_some_and(|h| h.kind == e.kind);
         if replaced {
             continue;
@@ -304,10 +325,40 @@ mod tests {
             ["a.txt", "b.txt"]
         );
         let vm = HashSet::from(["a.txt".to_string()]);
-        let d = compute_keeping(root, &s, &base, &first.manifest, &vm).unwrap();
+        let d = compute_keeping(root, &s, &base, &first.manifest, &vm, &Skip::default()).unwrap();
         assert_eq!(names(&d.archive), ["b.txt"]);
         assert_eq!(d.kept_vm_changes, ["a.txt"]);
         assert_eq!(d.manifest.entries["a.txt"], first.manifest.entries["a.txt"]);
+    }
+
+    #[test]
+    fn a_request_exclude_neither_sends_nor_deletes_its_paths() {
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let base = Base::new(data.path().join("ws"));
+        write(root, "big/a.bin", "a");
+        write(root, "src/x.txt", "x");
+        let first = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        base.save(&first.manifest).unwrap();
+        write(root, "big/a.bin", "changed");
+        write(root, "big/new.bin", "new");
+        write(root, "src/x.txt", "changed");
+        let skip = Skip::new(&["big".into()]).unwrap();
+        let scan_rules = rules.with_exclude(&["big".into()]).unwrap();
+        let s = scan(root, &scan_rules).unwrap();
+        let d = compute_keeping(root, &s, &base, &first.manifest, &HashSet::new(), &skip).unwrap();
+        assert_eq!(names(&d.archive), ["src/x.txt"]);
+        assert!(d.delete.is_empty(), "{:?}", d.delete);
+        for p in ["big", "big/a.bin"] {
+            assert_eq!(d.manifest.entries[p], first.manifest.entries[p], "{p}");
+        }
+        assert!(!d.manifest.entries.contains_key("big/new.bin"));
+        // The next sync without the exclude sends what was skipped.
+        base.save(&d.manifest).unwrap();
+        let n = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        assert_eq!(names(&n.archive), ["big/a.bin", "big/new.bin"]);
     }
 
     #[test]

@@ -38,11 +38,11 @@ pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>
         Action::Metrics => metrics::metrics(svc),
         Action::Trace(id) => traces::trace(svc, &id),
         Action::ExecOutput(id, q) => execs::output(svc, &id, q).await,
-        Action::Sync(id) => workspace::sync(svc, &id).await,
+        Action::Sync(id, req) => workspace::sync(svc, &id, req).await,
         Action::Diff { id, stat, paths } => workspace::diff(svc, &id, stat, paths).await,
         Action::Apply(id, req) => workspace::apply(svc, &id, req).await,
         Action::Pull(id, req) => workspace::pull(svc, &id, req).await,
-        Action::Undo(art) => workspace::undo(svc, &art).await,
+        Action::Undo(art, req) => workspace::undo(svc, &art, req).await,
         Action::ReadFile { id, path } => workspace::read_file(svc, &id, &path).await,
         Action::WriteFile { id, path, body } => workspace::write_file(svc, &id, &path, body).await,
     }
