@@ -216,8 +216,10 @@ impl Service {
         }
         let send_ms = started.elapsed().as_millis() as u64;
         if delta.changed {
-            base.save(&delta.manifest)?;
+            let (b2, m) = (base.clone(), delta.manifest);
+            blocking(move || b2.save(&m)).await?;
         }
+        let save_ms = started.elapsed().as_millis() as u64;
         let report = api::SyncReport {
             files_sent: delta.files_sent,
             bytes_sent: delta.bytes_sent,
@@ -228,7 +230,7 @@ impl Service {
             duration_ms: started.elapsed().as_millis() as u64,
         };
         tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
-            deleted = report.deleted, scan_ms, compute_ms, send_ms, via_disk, ms = report.duration_ms, "workspace synced");
+            deleted = report.deleted, scan_ms, compute_ms, send_ms, save_ms, via_disk, ms = report.duration_ms, "workspace synced");
         Ok(report)
     }
 
