@@ -181,14 +181,15 @@ impl Service {
         .await?;
         let scan_ms = started.elapsed().as_millis() as u64;
         let vm_changed = self.vm_changed(&rec.api.id, vm, &old, candidates).await?;
-        let (r2, b2) = (root.clone(), base.clone());
-        let (delta, secrets) = blocking(move || {
-            let d = sync::compute_keeping(&r2, &scan, &b2, &old, &vm_changed, &skip)?;
+        let r2 = root.clone();
+        let (mut delta, secrets) = blocking(move || {
+            let d = sync::compute_keeping(&r2, &scan, &old, &vm_changed, &skip)?;
             Ok((d, scan.secrets_skipped))
         })
         .await?;
         let compute_ms = started.elapsed().as_millis() as u64;
         let mut via_disk = false;
+        let archive = Arc::new(std::mem::take(&mut delta.archive));
         if delta.entries > 0 || !delta.delete.is_empty() {
             // A request frame is at most 1 MiB: long delete lists go in batches first.
             let mut batches = delete_batches(&delta.delete);
@@ -202,7 +203,6 @@ impl Service {
                     .await
                     .map_err(agent_err)?;
             }
-            let archive = Arc::new(delta.archive);
             via_disk = archive.len() as u64 >= DISK_TRANSFER_MIN
                 && self
                     .untar_via_disk(vm, last.clone(), archive.clone())
@@ -216,8 +216,12 @@ impl Service {
         }
         let send_ms = started.elapsed().as_millis() as u64;
         if delta.changed {
-            let (b2, m) = (base.clone(), delta.manifest);
-            blocking(move || b2.save(&m)).await?;
+            let (b2, m, idx) = (base.clone(), delta.manifest, delta.pack_index);
+            blocking(move || {
+                b2.put_pack(&archive, &idx)?;
+                b2.save(&m)
+            })
+            .await?;
         }
         let save_ms = started.elapsed().as_millis() as u64;
         let report = api::SyncReport {
