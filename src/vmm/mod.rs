@@ -61,6 +61,10 @@ pub struct VmSpec {
 /// workspace data (a tar archive) at its start and the guest agent reads it from the device
 /// (after dropping its page cache): far faster than the RPC channel. Its content has no meaning
 /// between transfers, so checkpoints do not capture it.
+/// The virtio serial of the root disk; the guest's init mounts the disk with this serial
+/// (`tryboxi.root=serial:...`), not a fixed `/dev/vdX`, because the kernel need not enumerate
+/// the virtio-mmio disks in command-line order.
+pub const ROOT_DISK_SERIAL: &str = "tryboxi-root";
 pub const TRANSFER_DISK_FILE: &str = "xfer.img";
 pub const TRANSFER_DISK_SERIAL: &str = "tryboxi-xfer";
 /// Its fixed size: the largest archive one transfer can carry.

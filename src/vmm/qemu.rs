@@ -200,7 +200,10 @@ fn check_id(id: &str) -> Result<(), VmmError> {
 
 /// The kernel command line of a normal VM.
 pub fn kernel_cmdline(id: &str) -> String {
-    format!("console=ttyS0 reboot=t panic=-1 quiet tryboxi.root=/dev/vda tryboxi.hostname={id}")
+    format!(
+        "console=ttyS0 reboot=t panic=-1 quiet tryboxi.root=serial:{} tryboxi.hostname={id}",
+        crate::vmm::ROOT_DISK_SERIAL
+    )
 }
 
 /// Machine, accelerator and CPU arguments shared by VMs and the KVM probe.
@@ -259,7 +262,11 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
             ",format=qcow2,if=none,id=root,cache=unsafe,discard=unmap",
         ),
         "-device".as_ref(),
-        "virtio-blk-device,drive=root".as_ref(),
+        format!(
+            "virtio-blk-device,drive=root,serial={}",
+            crate::vmm::ROOT_DISK_SERIAL
+        )
+        .as_ref(),
     ]);
     // The transfer disk: the host writes bulk sync data into it, the guest only reads it.
     push(&[
