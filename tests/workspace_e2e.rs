@@ -488,10 +488,18 @@ fn excludes_per_sandbox_and_per_request_and_diff_sees_every_change() {
         (Some(1), Some(0)),
         "{rep}"
     );
-    assert_eq!(
-        sh_ok(&d, &id, "cat /workspace/gen/x.txt /workspace/src/f.txt"),
-        "x2\nf\n"
-    );
+    // (every exec syncs first: this one leaves `src` alone too, or it would delete f.txt)
+    let o = d.cli(&[
+        "exec",
+        &id,
+        "--sync-exclude",
+        "src",
+        "--",
+        "cat",
+        "/workspace/gen/x.txt",
+        "/workspace/src/f.txt",
+    ]);
+    assert_eq!(text(&o.stdout), "x2\nf\n", "{}", text(&o.stderr));
     write(r, "src/f.txt", "f\n"); // back as the base has it
     assert!(diff_paths(&d, &id).is_empty(), "the VM equals the base");
 

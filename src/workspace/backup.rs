@@ -49,6 +49,20 @@ pub enum After {
     Symlink { target: String },
 }
 
+impl Before {
+    /// Whether the host holds exactly this (content and mode): undo would write what is there.
+    fn matches(&self, host: &HostState) -> bool {
+        match (self, host) {
+            (Before::Absent, HostState::Absent) => true,
+            (Before::File { mode, sha256, .. }, HostState::File { content, mode: m }) => {
+                mode & 0o7777 == m & 0o7777 && *sha256 == super::sha256(content)
+            }
+            (Before::Symlink { target }, HostState::Symlink(t)) => target == t,
+            _ => false,
+        }
+    }
+}
+
 impl After {
     fn of(action: &Action) -> After {
         match action {
@@ -189,7 +203,9 @@ fn crash_for_test() {
 }
 
 /// Paths of `rec` the host changed after the apply wrote them (a record without the
-/// after-state counts as changed: it cannot be checked).
+/// after-state counts as changed: it cannot be checked). In a record left `Applying` (the
+/// daemon was killed mid-apply) a path that still holds its before-state was never written: no
+/// edit.
 fn host_edits(
     root: &Path,
     rec: &ArtifactRecord,
@@ -198,7 +214,8 @@ fn host_edits(
     for (n, e) in rec.entries.iter().enumerate() {
         check_host_parents(root, &e.path).map_err(WorkspaceError::Refused)?;
         let host = host_state(root, &e.path)?;
-        if !e.after.as_ref().is_some_and(|a| a.matches(&host)) {
+        let unwritten = rec.state == ArtifactState::Applying && e.before.matches(&host);
+        if !e.after.as_ref().is_some_and(|a| a.matches(&host)) && !unwritten {
             out.push((n, host));
         }
     }
@@ -502,6 +519,28 @@ mod tests {
         // The backup was recorded before the overwrite.
         assert_eq!(saved[0].state, ArtifactState::Applied);
         assert_eq!(saved[0].overwritten_by_undo.len(), 1);
+    }
+
+    #[test]
+    fn paths_an_interrupted_apply_never_wrote_are_no_host_edits() {
+        let repo = tempfile::tempdir().unwrap();
+        let art = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let mut r = one_write(root, art.path());
+        // As if killed after the first write: new.txt not written yet.
+        std::fs::remove_file(root.join("new.txt")).unwrap();
+        r.state = ArtifactState::Applying;
+        let rep = undo(art.path(), r.clone(), false, &mut |_| Ok(())).unwrap();
+        assert!(rep.overwritten.is_empty(), "{:?}", rep.overwritten);
+        assert_eq!(std::fs::read(root.join("a.txt")).unwrap(), b"before");
+        // A real edit in an interrupted apply still needs force.
+        let mut r = one_write(root, art.path());
+        r.state = ArtifactState::Applying;
+        std::fs::write(root.join("a.txt"), b"my later edit").unwrap();
+        assert!(matches!(
+            undo(art.path(), r, false, &mut |_| Ok(())),
+            Err(WorkspaceError::HostEdited(_))
+        ));
     }
 
     #[test]
