@@ -30,9 +30,13 @@ pub struct Health {
 }
 
 /// The workspace of a sandbox: a directory on the host.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct WorkspaceSpec {
     pub host_path: String,
+    /// More `sync.exclude` patterns for this sandbox's whole life (sync, diff, apply), on top
+    /// of the config's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
 }
 
 /// `POST /v1/sandboxes`.
@@ -117,6 +121,10 @@ pub struct ExecRequest {
     /// Standard input, base64 (for binary input); wins over `stdin`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stdin_b64: Option<String>,
+    /// Paths (`sync.exclude` patterns) the sync before this exec leaves alone: not sent and
+    /// not deleted in the VM.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sync_exclude: Vec<String>,
 }
 
 /// One line of the NDJSON exec stream (`application/x-ndjson`).
@@ -297,6 +305,16 @@ pub struct SyncReport {
     pub duration_ms: u64,
 }
 
+/// Optional body of `POST /v1/sandboxes/{id}/sync`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyncRequest {
+    /// Paths (`sync.exclude` patterns) this sync leaves alone: not sent and not deleted in the
+    /// VM (a later sync without them sends them).
+    #[serde(default)]
+    pub exclude: Vec<String>,
+}
+
 /// How a path differs between the sync base and the VM.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -361,6 +379,22 @@ pub struct UndoReport {
     pub artifact_id: String,
     pub restored: Vec<String>,
     pub removed: Vec<String>,
+    /// Paths the host had changed after the apply, overwritten because `force` was set.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overwritten: Vec<String>,
+    /// Where their content before the undo was backed up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overwritten_backup: Option<String>,
+}
+
+/// Optional body of `POST /v1/artifacts/{art_id}/undo`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UndoRequest {
+    /// Undo even though the host changed some of the paths after the apply (their current
+    /// content is backed up first).
+    #[serde(default)]
+    pub force: bool,
 }
 
 /// `GET /v1/sandboxes/{id}/files?path=/abs/path` and the body of `PUT` on the same route.

@@ -181,9 +181,14 @@ impl Client {
     }
 
     /// `POST /v1/artifacts/{art_id}/undo`.
-    pub async fn undo(&self, artifact_id: &str) -> Result<api::UndoReport, ClientError> {
+    pub async fn undo(
+        &self,
+        artifact_id: &str,
+        force: bool,
+    ) -> Result<api::UndoReport, ClientError> {
         let path = format!("/v1/artifacts/{}/undo", seg(artifact_id));
-        self.send::<(), _>(Method::POST, &path, None).await
+        let req = api::UndoRequest { force };
+        self.send(Method::POST, &path, Some(&req)).await
     }
 
     /// `GET /v1/sandboxes/{id}/files?path=/abs`.

@@ -423,3 +423,166 @@ fn daemon_killed_mid_apply_leaves_whole_files_and_undo_restores() {
     cli_ok(&d, &["undo", &art_id]);
     assert_eq!(tree(r), before);
 }
+
+/// The changed paths `diff --json` reports, with their kind.
+fn diff_paths(d: &Daemon, id: &str) -> BTreeMap<String, String> {
+    let v: serde_json::Value = serde_json::from_str(&cli_ok(d, &["diff", id, "--json"])).unwrap();
+    v["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            (
+                f["path"].as_str().unwrap().to_owned(),
+                f["kind"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn excludes_per_sandbox_and_per_request_and_diff_sees_every_change() {
+    let Some(d) = daemon() else { return };
+    let repo = tempfile::tempdir().unwrap();
+    let r = repo.path();
+    for f in ["a", "b", "c", "d", "e", "f"] {
+        write(r, &format!("src/{f}.txt"), &format!("{f}\n"));
+    }
+    write(r, "data/huge.bin", "not for the VM");
+    write(r, "gen/x.txt", "x1\n");
+    write(r, "a/b/c/d/e/deep.txt", "deep\n");
+    let o = d.cli(&["create", "-w", r.to_str().unwrap(), "--exclude", "data"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let id = text(&o.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    let _rm = Rm(&d, id.clone());
+    assert_eq!(
+        sh(&d, &id, "test -e /workspace/data").status.code(),
+        Some(1),
+        "excluded at create"
+    );
+
+    // One exec's sync leaves `gen` alone; the next sync without it sends it.
+    write(r, "gen/x.txt", "x2\n");
+    write(r, "src/a.txt", "a2\n");
+    let o = d.cli(&[
+        "exec",
+        &id,
+        "--sync-exclude",
+        "gen",
+        "--",
+        "cat",
+        "/workspace/gen/x.txt",
+        "/workspace/src/a.txt",
+    ]);
+    assert_eq!(text(&o.stdout), "x1\na2\n", "{}", text(&o.stderr));
+    // A sync excluding `src` neither sends nor deletes there.
+    std::fs::remove_file(r.join("src/f.txt")).unwrap();
+    let rep: serde_json::Value =
+        serde_json::from_str(&cli_ok(&d, &["sync", &id, "--exclude", "src", "--json"])).unwrap();
+    assert_eq!(
+        (rep["files_sent"].as_u64(), rep["deleted"].as_u64()),
+        (Some(1), Some(0)),
+        "{rep}"
+    );
+    // (every exec syncs first: this one leaves `src` alone too, or it would delete f.txt)
+    let o = d.cli(&[
+        "exec",
+        &id,
+        "--sync-exclude",
+        "src",
+        "--",
+        "cat",
+        "/workspace/gen/x.txt",
+        "/workspace/src/f.txt",
+    ]);
+    assert_eq!(text(&o.stdout), "x2\nf\n", "{}", text(&o.stderr));
+    write(r, "src/f.txt", "f\n"); // back as the base has it
+    assert!(diff_paths(&d, &id).is_empty(), "the VM equals the base");
+
+    // A process started before the next sync writes later: seen too.
+    sh_ok(
+        &d,
+        &id,
+        "setsid sh -c 'sleep 3; echo late >> /workspace/src/f.txt' </dev/null >/dev/null 2>&1 &",
+    );
+    let steps: [(&str, &str, &str); 6] = [
+        ("echo b2 >> /workspace/src/b.txt", "src/b.txt", "modified"),
+        (
+            "mkdir -p /workspace/n1/n2 && echo n > /workspace/n1/n2/new.txt",
+            "n1/n2/new.txt",
+            "added",
+        ),
+        ("rm /workspace/src/c.txt", "src/c.txt", "deleted"),
+        (
+            "mv /workspace/src/d.txt /workspace/src/d2.txt",
+            "src/d2.txt",
+            "renamed",
+        ),
+        (
+            "chmod 700 /workspace/src/e.txt",
+            "src/e.txt",
+            "mode_changed",
+        ),
+        (
+            "echo deeper >> /workspace/a/b/c/d/e/deep.txt",
+            "a/b/c/d/e/deep.txt",
+            "modified",
+        ),
+    ];
+    let mut want = BTreeMap::new();
+    for (script, path, kind) in steps {
+        sh_ok(&d, &id, script);
+        want.insert(path.to_owned(), kind.to_owned());
+        let got = diff_paths(&d, &id);
+        for (p, k) in &want {
+            assert_eq!(got.get(p), Some(k), "after `{script}`: {got:?}");
+        }
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if diff_paths(&d, &id).get("src/f.txt").map(String::as_str) == Some("modified") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the background write never showed in the diff"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+
+    // Undo does not silently destroy host edits made after the apply.
+    let out = cli_ok(&d, &["apply", &id, "src/b.txt"]);
+    let art = out.lines().next().unwrap().to_owned();
+    assert_eq!(
+        std::fs::read_to_string(r.join("src/b.txt")).unwrap(),
+        "b\nb2\n"
+    );
+    write(r, "src/b.txt", "my own later edit\n");
+    let o = d.cli(&["undo", &art]);
+    assert!(
+        !o.status.success(),
+        "undo over a later host edit must be refused"
+    );
+    assert!(text(&o.stderr).contains("src/b.txt"), "{}", text(&o.stderr));
+    assert_eq!(
+        std::fs::read_to_string(r.join("src/b.txt")).unwrap(),
+        "my own later edit\n",
+        "a refused undo changes nothing"
+    );
+    let out = cli_ok(&d, &["undo", &art, "--force"]);
+    assert_eq!(std::fs::read_to_string(r.join("src/b.txt")).unwrap(), "b\n");
+    let dir = out
+        .lines()
+        .find_map(|l| l.strip_prefix("host edits it overwrote are backed up in "))
+        .unwrap_or_else(|| panic!("{out}"));
+    let kept: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    assert_eq!(kept, ["my own later edit\n"]);
+}

@@ -18,6 +18,10 @@ pub struct Args {
     /// Memory in MiB.
     #[arg(long = "memory", value_name = "MIB")]
     memory_mib: Option<u32>,
+    /// Never sync paths matching this pattern into this sandbox (like `sync.exclude` in the
+    /// config, for this sandbox only). Repeatable.
+    #[arg(long = "exclude", value_name = "PATTERN")]
+    exclude: Vec<String>,
     /// Print the sandbox as JSON.
     #[arg(long)]
     json: bool,
@@ -33,6 +37,7 @@ pub async fn run(a: Args) -> Result<(), TopError> {
     let req = api::CreateSandboxRequest {
         workspace: api::WorkspaceSpec {
             host_path: dir.display().to_string(),
+            exclude: a.exclude,
         },
         template: Some(a.template),
         vcpus: a.vcpus,

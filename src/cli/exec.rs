@@ -23,6 +23,10 @@ pub struct Args {
     /// Run CMD as one shell string (`/bin/sh -c`) instead of an argv.
     #[arg(short = 'c', long = "shell")]
     shell: bool,
+    /// The sync before the command leaves paths matching this `sync.exclude` pattern alone
+    /// (not sent, not deleted in the VM). Repeatable.
+    #[arg(long = "sync-exclude", value_name = "PATTERN")]
+    sync_exclude: Vec<String>,
     /// Sandbox id.
     id: String,
     /// The command and its arguments (after `--`).
@@ -34,6 +38,7 @@ pub async fn run(a: Args) -> Result<(), TopError> {
     let mut req = api::ExecRequest {
         timeout_s: a.timeout,
         cwd: a.cwd,
+        sync_exclude: a.sync_exclude,
         ..Default::default()
     };
     if a.shell {

@@ -7,6 +7,10 @@ use crate::error::TopError;
 pub struct Args {
     /// Sandbox id.
     id: String,
+    /// Leave paths matching this `sync.exclude` pattern alone this time (not sent, not
+    /// deleted in the VM). Repeatable.
+    #[arg(long = "exclude", value_name = "PATTERN")]
+    exclude: Vec<String>,
     /// Print the SyncReport as JSON.
     #[arg(long)]
     json: bool,
@@ -15,10 +19,10 @@ pub struct Args {
 pub async fn run(a: Args) -> Result<(), TopError> {
     let client = super::client()?;
     let r: api::SyncReport = client
-        .send::<(), _>(
+        .send(
             hyper::Method::POST,
             &format!("/v1/sandboxes/{}/sync", a.id),
-            None,
+            Some(&api::SyncRequest { exclude: a.exclude }),
         )
         .await?;
     if a.json {

@@ -7,17 +7,27 @@ use crate::error::TopError;
 pub struct Args {
     /// Backup id printed by apply/pull (`art_...`).
     art_id: String,
+    /// Undo even though the host changed some of the paths since the apply (their current
+    /// content is backed up first).
+    #[arg(long)]
+    force: bool,
 }
 
 pub async fn run(a: Args) -> Result<(), TopError> {
     let client = super::client()?;
     let r: api::UndoReport = client
-        .send::<(), _>(
+        .send(
             hyper::Method::POST,
             &format!("/v1/artifacts/{}/undo", a.art_id),
-            None,
+            Some(&api::UndoRequest { force: a.force }),
         )
         .await?;
+    for p in &r.overwritten {
+        println!("overwrote host edit {p}");
+    }
+    if let Some(b) = &r.overwritten_backup {
+        println!("host edits it overwrote are backed up in {b}");
+    }
     for p in &r.restored {
         println!("restored {p}");
     }

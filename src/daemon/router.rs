@@ -35,7 +35,7 @@ pub enum Action {
     Trace(String),
     /// `GET /v1/execs/{id}/output`: a piece of an exec's output log.
     ExecOutput(String, crate::service::OutputQuery),
-    Sync(String),
+    Sync(String, api::SyncRequest),
     Diff {
         id: String,
         stat: bool,
@@ -43,7 +43,7 @@ pub enum Action {
     },
     Apply(String, api::ApplyRequest),
     Pull(String, api::ApplyRequest),
-    Undo(String),
+    Undo(String, api::UndoRequest),
     ReadFile {
         id: String,
         path: String,
@@ -263,7 +263,9 @@ pub fn parse(
         }
         (&Method::POST, ["v1", "sandboxes", id, "pause"]) => Ok(Action::Pause(sandbox_id(id)?)),
         (&Method::POST, ["v1", "sandboxes", id, "resume"]) => Ok(Action::Resume(sandbox_id(id)?)),
-        (&Method::POST, ["v1", "sandboxes", id, "sync"]) => Ok(Action::Sync(sandbox_id(id)?)),
+        (&Method::POST, ["v1", "sandboxes", id, "sync"]) => {
+            Ok(Action::Sync(sandbox_id(id)?, json_or_default(body)?))
+        }
         (&Method::GET, ["v1", "sandboxes", id, "diff"]) => Ok(Action::Diff {
             id: sandbox_id(id)?,
             stat: flag(&q, "stat")?,
@@ -277,7 +279,7 @@ pub fn parse(
         }
         (&Method::POST, ["v1", "artifacts", art, "undo"]) => {
             if ids::is_valid(ids::ARTIFACT, art) {
-                Ok(Action::Undo((*art).to_owned()))
+                Ok(Action::Undo((*art).to_owned(), json_or_default(body)?))
             } else {
                 Err(ApiError::not_found(format!("no artifact `{art}`")))
             }
@@ -510,6 +512,31 @@ mod tests {
         assert_eq!(e.status, 404);
         let e = parse_nd(&Method::GET, "/v1/artifacts/art_0000000000000000/undo", b"").unwrap_err();
         assert_eq!(e.status, 405);
+    }
+
+    #[test]
+    fn sync_and_undo_take_an_optional_body() {
+        let id = crate::ids::new_id(crate::ids::SANDBOX);
+        let a = parse_nd(&Method::POST, &format!("/v1/sandboxes/{id}/sync"), b"").unwrap();
+        assert!(matches!(a, Action::Sync(_, r) if r.exclude.is_empty()));
+        let a = parse_nd(
+            &Method::POST,
+            &format!("/v1/sandboxes/{id}/sync"),
+            br#"{"exclude":["big/"]}"#,
+        )
+        .unwrap();
+        assert!(matches!(a, Action::Sync(_, r) if r.exclude == ["big/"]));
+        let art = "/v1/artifacts/art_0000000000000000/undo";
+        assert!(matches!(
+            parse_nd(&Method::POST, art, b"").unwrap(),
+            Action::Undo(_, r) if !r.force
+        ));
+        assert!(matches!(
+            parse_nd(&Method::POST, art, br#"{"force":true}"#).unwrap(),
+            Action::Undo(_, r) if r.force
+        ));
+        let e = parse_nd(&Method::POST, art, br#"{"forse":true}"#).unwrap_err();
+        assert_eq!(e.status, 400);
     }
 
     #[test]

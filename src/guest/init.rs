@@ -103,6 +103,30 @@ pub fn proc_and_cmdline() -> Result<Cmdline, InitError> {
     Ok(Cmdline::parse(&s))
 }
 
+/// The root device named by `tryboxi.root=`, once it exists: a device path, or
+/// `serial:NAME` for the virtio-blk disk whose `/sys/block/*/serial` is NAME (robust against
+/// the order the kernel enumerates virtio-mmio devices in, which need not be the order of the
+/// QEMU command line once there is more than one disk).
+fn find_root(spec: &str) -> Option<String> {
+    match spec.strip_prefix("serial:") {
+        Some(serial) => block_dev_with_serial(Path::new("/sys/block"), serial)
+            .map(|name| format!("/dev/{name}"))
+            .filter(|dev| Path::new(dev).exists()),
+        None => Path::new(spec).exists().then(|| spec.to_string()),
+    }
+}
+
+/// The name (`vda`, ...) of the block device under `sys_block` whose `serial` is `serial`.
+fn block_dev_with_serial(sys_block: &Path, serial: &str) -> Option<String> {
+    std::fs::read_dir(sys_block)
+        .ok()?
+        .flatten()
+        .find_map(|ent| {
+            let s = std::fs::read_to_string(ent.path().join("serial")).ok()?;
+            (s.trim() == serial).then(|| ent.file_name().to_string_lossy().into_owned())
+        })
+}
+
 /// Mounts the root disk and switches into it, then sets up the rest of the system.
 pub fn boot(cmd: &Cmdline) -> Result<(), InitError> {
     let nodev = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
@@ -116,13 +140,16 @@ pub fn boot(cmd: &Cmdline) -> Result<(), InitError> {
     )?;
 
     let t0 = Instant::now();
-    while !Path::new(&cmd.root).exists() {
+    let root = loop {
+        if let Some(dev) = find_root(&cmd.root) {
+            break dev;
+        }
         if t0.elapsed() > Duration::from_secs(10) {
             return Err(InitError::NoRoot(cmd.root.clone()));
         }
         std::thread::sleep(Duration::from_millis(10));
-    }
-    mnt(&cmd.root, "/newroot", Some("ext4"), MsFlags::empty(), None)?;
+    };
+    mnt(&root, "/newroot", Some("ext4"), MsFlags::empty(), None)?;
     for d in ["dev", "proc", "sys"] {
         let target = format!("/newroot/{d}");
         mnt(&format!("/{d}"), &target, None, MsFlags::MS_MOVE, None)?;
@@ -237,5 +264,24 @@ mod tests {
             ("p2", "/dev/vdb", false)
         );
         assert_eq!(d.hostname, "sandbox");
+    }
+
+    #[test]
+    fn root_by_serial_picks_the_disk_with_that_serial_whatever_its_name() {
+        let t = tempfile::tempdir().unwrap();
+        for (name, serial) in [("vda", "tryboxi-xfer\n"), ("vdb", "tryboxi-root\n")] {
+            std::fs::create_dir(t.path().join(name)).unwrap();
+            std::fs::write(t.path().join(name).join("serial"), serial).unwrap();
+        }
+        std::fs::create_dir(t.path().join("loop0")).unwrap();
+        assert_eq!(
+            block_dev_with_serial(t.path(), "tryboxi-root").as_deref(),
+            Some("vdb")
+        );
+        assert_eq!(
+            block_dev_with_serial(t.path(), "tryboxi-xfer").as_deref(),
+            Some("vda")
+        );
+        assert_eq!(block_dev_with_serial(t.path(), "other"), None);
     }
 }

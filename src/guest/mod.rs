@@ -1,8 +1,8 @@
 //! The guest agent: PID 1 inside every VM.
 //!
 //! Owns everything that runs in the guest: early boot ([`init`]), the virtio-serial channel
-//! ([`port`]), child reaping ([`reaper`]), commands ([`exec`]), files ([`files`]) and the RPC
-//! server ([`server`]). It shares nothing with the host side but `crate::rpc`, has no network
+//! ([`port`]), child reaping ([`reaper`]), commands ([`exec`]), files ([`files`]), workspace
+//! sync and walks ([`tree`], [`watch`]) and the RPC server ([`server`]). It shares nothing with the host side but `crate::rpc`, has no network
 //! access and loads nothing from the network.
 //!
 //! Outside a VM (argv[0] `init` but not PID 1) it serves one connection on stdin/stdout,
@@ -18,6 +18,7 @@ pub mod port;
 pub mod reaper;
 pub mod server;
 pub mod tree;
+pub mod watch;
 
 #[cfg(test)]
 mod tests;

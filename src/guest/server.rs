@@ -55,6 +55,8 @@ pub enum ServeEnd {
 pub struct Agent {
     pub execs: Arc<ExecTable>,
     shutdown: ShutdownMode,
+    /// The workspace walk kept current by inotify (`WalkSince`).
+    walks: Arc<std::sync::Mutex<Option<super::watch::WalkCache>>>,
 }
 
 impl Agent {
@@ -68,6 +70,7 @@ impl Agent {
         Ok(Arc::new(Self {
             execs: ExecTable::new(cfg, reaper),
             shutdown,
+            walks: Arc::default(),
         }))
     }
 }
@@ -341,6 +344,35 @@ async fn request(
             tokio::spawn(async move {
                 super::tree::walk(path, skip, ob, stream, sem).await;
                 lock(&rt).remove(&stream);
+            });
+        }
+        Request::WalkSince { path, skip, since } => {
+            let sem = Arc::new(Semaphore::new(WINDOW));
+            lock(routes).insert(stream, Route::Read(sem.clone()));
+            let (ob, rt) = (outbox.clone(), routes.clone());
+            let cache = agent.walks.clone();
+            tokio::spawn(async move {
+                super::tree::walk_since(cache, path, skip, since, ob, stream, sem).await;
+                lock(&rt).remove(&stream);
+            });
+        }
+        Request::UntarDisk {
+            dir,
+            delete,
+            serial,
+            len,
+        } => {
+            lock(routes).insert(stream, Route::Busy);
+            let (ob, rt) = (outbox.clone(), routes.clone());
+            tokio::spawn(async move {
+                let r = tokio::task::spawn_blocking(move || {
+                    super::tree::untar_disk(&dir, &delete, &serial, len)
+                })
+                .await
+                .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())))
+                .map(|()| Reply::Done);
+                lock(&rt).remove(&stream);
+                reply(&ob, stream, r);
             });
         }
         req @ (Request::Stat { .. }

@@ -101,18 +101,6 @@ pub async fn untar(
 ) {
     let ob = outbox.clone();
     let res = tokio::task::spawn_blocking(move || {
-        let root = check_path(&dir)?;
-        std::fs::create_dir_all(&root)
-            .map_err(|e| RemoteError::from_io(&format!("mkdir {}", root.display()), &e))?;
-        for rel in &delete {
-            let p = root.join(relative(rel)?);
-            let r = match std::fs::symlink_metadata(&p) {
-                Ok(md) if md.is_dir() => std::fs::remove_dir_all(&p),
-                Ok(_) => std::fs::remove_file(&p),
-                Err(_) => Ok(()),
-            };
-            r.map_err(|e| RemoteError::from_io(&format!("remove {}", p.display()), &e))?;
-        }
         let reader = ChannelReader {
             rx,
             buf: Vec::new(),
@@ -121,50 +109,7 @@ pub async fn untar(
             outbox: ob,
             stream,
         };
-        let mut ar = tar::Archive::new(reader);
-        ar.set_preserve_permissions(true);
-        ar.set_preserve_mtime(true);
-        ar.set_overwrite(true);
-        let entries = ar
-            .entries()
-            .map_err(|e| RemoteError::from_io("read archive", &e))?;
-        // Parent directories already checked (or made) by this archive: checked once each.
-        let mut ok_dirs: HashSet<PathBuf> = HashSet::new();
-        for ent in entries {
-            let mut ent = ent.map_err(|e| RemoteError::from_io("read archive", &e))?;
-            let rel = ent.path().map(|p| p.to_path_buf()).unwrap_or_default();
-            let rel_str = rel.to_string_lossy().into_owned();
-            relative(&rel_str)?;
-            let ctx = |e: std::io::Error| RemoteError::from_io(&format!("unpack {rel_str}"), &e);
-            if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty())
-                && !ok_dirs.contains(parent)
-            {
-                // The host wins: a parent that is a symlink or a file in the VM (made by a
-                // command there) is replaced by the host's directory, never written through.
-                clear_parents(&root, &rel)?;
-                std::fs::create_dir_all(root.join(parent)).map_err(ctx)?;
-                for a in parent.ancestors().filter(|a| !a.as_os_str().is_empty()) {
-                    ok_dirs.insert(a.to_path_buf());
-                }
-            }
-            // A file replacing a directory (or the reverse) must go first.
-            let dst = root.join(&rel);
-            let want_dir = ent.header().entry_type().is_dir();
-            if let Ok(md) = std::fs::symlink_metadata(&dst)
-                && md.is_dir() != want_dir
-            {
-                let _ = if md.is_dir() {
-                    std::fs::remove_dir_all(&dst)
-                } else {
-                    std::fs::remove_file(&dst)
-                };
-            }
-            ent.unpack(&dst).map_err(ctx)?;
-            if want_dir {
-                ok_dirs.insert(rel);
-            }
-        }
-        Ok::<_, RemoteError>(())
+        unpack(&dir, &delete, reader)
     })
     .await
     .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())));
@@ -173,6 +118,98 @@ pub async fn untar(
         Err(e) => Body::Error(e),
     };
     let _ = outbox.send(Frame { stream, body });
+}
+
+// BLKFLSBUF: write back and drop the page cache of a block device.
+nix::ioctl_none!(blkflsbuf, 0x12, 97);
+
+/// The block device whose virtio serial is `serial` (`/sys/block/*/serial`).
+fn disk_by_serial(serial: &str) -> Result<PathBuf, RemoteError> {
+    let rd =
+        std::fs::read_dir("/sys/block").map_err(|e| RemoteError::from_io("list /sys/block", &e))?;
+    for ent in rd.flatten() {
+        let s = std::fs::read_to_string(ent.path().join("serial")).unwrap_or_default();
+        if s.trim() == serial {
+            return Ok(Path::new("/dev").join(ent.file_name()));
+        }
+    }
+    Err(RemoteError::new(
+        ErrorKind::NotFound,
+        format!("no disk with serial {serial:?}"),
+    ))
+}
+
+/// `UntarDisk`: removes `delete`, then unpacks the first `len` bytes of the transfer disk.
+pub fn untar_disk(dir: &str, delete: &[String], serial: &str, len: u64) -> Result<(), RemoteError> {
+    let dev = disk_by_serial(serial)?;
+    let ctx = |e: std::io::Error| RemoteError::from_io(&format!("read {}", dev.display()), &e);
+    let f = std::fs::File::open(&dev).map_err(ctx)?;
+    // The host rewrote the disk behind the guest's back: nothing cached from before may be read.
+    // SAFETY: BLKFLSBUF takes no argument; `f` is an open block device for the whole call.
+    unsafe { blkflsbuf(std::os::fd::AsRawFd::as_raw_fd(&f)) }
+        .map_err(|e| ctx(std::io::Error::from(e)))?;
+    let reader = std::io::BufReader::with_capacity(1 << 20, f).take(len);
+    unpack(dir, delete, reader)
+}
+
+/// Removes `delete` under `dir`, then unpacks the tar archive read from `reader` into it.
+fn unpack(dir: &str, delete: &[String], reader: impl Read) -> Result<(), RemoteError> {
+    let root = check_path(dir)?;
+    std::fs::create_dir_all(&root)
+        .map_err(|e| RemoteError::from_io(&format!("mkdir {}", root.display()), &e))?;
+    for rel in delete {
+        let p = root.join(relative(rel)?);
+        let r = match std::fs::symlink_metadata(&p) {
+            Ok(md) if md.is_dir() => std::fs::remove_dir_all(&p),
+            Ok(_) => std::fs::remove_file(&p),
+            Err(_) => Ok(()),
+        };
+        r.map_err(|e| RemoteError::from_io(&format!("remove {}", p.display()), &e))?;
+    }
+    let mut ar = tar::Archive::new(reader);
+    ar.set_preserve_permissions(true);
+    ar.set_preserve_mtime(true);
+    ar.set_overwrite(true);
+    let entries = ar
+        .entries()
+        .map_err(|e| RemoteError::from_io("read archive", &e))?;
+    // Parent directories already checked (or made) by this archive: checked once each.
+    let mut ok_dirs: HashSet<PathBuf> = HashSet::new();
+    for ent in entries {
+        let mut ent = ent.map_err(|e| RemoteError::from_io("read archive", &e))?;
+        let rel = ent.path().map(|p| p.to_path_buf()).unwrap_or_default();
+        let rel_str = rel.to_string_lossy().into_owned();
+        relative(&rel_str)?;
+        let ctx = |e: std::io::Error| RemoteError::from_io(&format!("unpack {rel_str}"), &e);
+        if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty())
+            && !ok_dirs.contains(parent)
+        {
+            // The host wins: a parent that is a symlink or a file in the VM (made by a
+            // command there) is replaced by the host's directory, never written through.
+            clear_parents(&root, &rel)?;
+            std::fs::create_dir_all(root.join(parent)).map_err(ctx)?;
+            for a in parent.ancestors().filter(|a| !a.as_os_str().is_empty()) {
+                ok_dirs.insert(a.to_path_buf());
+            }
+        }
+        // A file replacing a directory (or the reverse) must go first.
+        let dst = root.join(&rel);
+        let want_dir = ent.header().entry_type().is_dir();
+        if let Ok(md) = std::fs::symlink_metadata(&dst)
+            && md.is_dir() != want_dir
+        {
+            let _ = if md.is_dir() {
+                std::fs::remove_dir_all(&dst)
+            } else {
+                std::fs::remove_file(&dst)
+            };
+        }
+        ent.unpack(&dst).map_err(ctx)?;
+        if want_dir {
+            ok_dirs.insert(rel);
+        }
+    }
+    Ok(())
 }
 
 fn walk_into(
@@ -221,6 +258,30 @@ fn walk_into(
     Ok(())
 }
 
+/// Answers `WalkSince` from the agent's walk cache (see [`super::watch`]) and streams the
+/// encoded [`crate::rpc::msg::WalkDelta`] within the stream's credit.
+pub async fn walk_since(
+    cache: Arc<std::sync::Mutex<Option<super::watch::WalkCache>>>,
+    path: String,
+    skip: Vec<String>,
+    since: Option<crate::rpc::msg::WalkCursor>,
+    outbox: Arc<Outbox>,
+    stream: u32,
+    credit: Arc<Semaphore>,
+) {
+    let res = tokio::task::spawn_blocking(move || {
+        let root: PathBuf = check_path(&path)?;
+        let mut slot = cache.lock().unwrap_or_else(|p| p.into_inner());
+        let d = super::watch::walk_since(&mut slot, &root, &skip, since)
+            .map_err(|e| RemoteError::from_io(&format!("walk {}", root.display()), &e))?;
+        bincode::serde::encode_to_vec(&d, bincode::config::standard())
+            .map_err(|e| RemoteError::new(ErrorKind::Other, e.to_string()))
+    })
+    .await
+    .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())));
+    send_bytes(res, outbox, stream, credit).await;
+}
+
 /// Walks `path` and streams the encoded manifest within the stream's credit.
 pub async fn walk(
     path: String,
@@ -241,6 +302,16 @@ pub async fn walk(
     })
     .await
     .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())));
+    send_bytes(res, outbox, stream, credit).await;
+}
+
+/// Streams an encoded answer (or its error) within the stream's credit.
+async fn send_bytes(
+    res: Result<Vec<u8>, RemoteError>,
+    outbox: Arc<Outbox>,
+    stream: u32,
+    credit: Arc<Semaphore>,
+) {
     let bytes = match res {
         Ok(b) => b,
         Err(e) => {

@@ -79,9 +79,9 @@ impl SandboxServer {
                     None => me.opts.workspace.clone(),
                 };
                 let (sbx, reused) = if a.new {
-                    (self.boot(&ws, a.template).await?, false)
+                    (self.boot(&ws, a.template, a.exclude).await?, false)
                 } else {
-                    self.find_or_create(&ws, a.template).await?
+                    self.find_or_create(&ws, a.template, a.exclude).await?
                 };
                 let mut v =
                     serde_json::to_value(&sbx).map_err(|e| ToolError::Other(e.to_string()))?;
@@ -93,10 +93,16 @@ impl SandboxServer {
             }
             "exec" => {
                 let a: tools::ExecArgs = parse(name, args)?;
-                let req = exec::request(a.cmd, a.timeout_s, a.cwd, me.opts.exec_timeout_s)?;
+                let mut req = exec::request(a.cmd, a.timeout_s, a.cwd, me.opts.exec_timeout_s)?;
+                req.sync_exclude = a.sync_exclude;
                 let id = match a.sandbox_id {
                     Some(id) => id,
-                    None => self.find_or_create(&me.opts.workspace, None).await?.0.id,
+                    None => {
+                        self.find_or_create(&me.opts.workspace, None, Vec::new())
+                            .await?
+                            .0
+                            .id
+                    }
                 };
                 exec::run(&me.client, &id, &req, ctx, &me.outputs).await
             }
@@ -185,7 +191,7 @@ impl SandboxServer {
             }
             "undo" => {
                 let a: tools::UndoArgs = parse(name, args)?;
-                let report = me.client.undo(&a.artifact_id).await.map_err(|e| {
+                let report = me.client.undo(&a.artifact_id, a.force).await.map_err(|e| {
                     ToolError::from_client(e, "undo", "POST /v1/artifacts/{art_id}/undo", None)
                 })?;
                 Ok(json_result(&report))
@@ -219,7 +225,12 @@ impl SandboxServer {
                 let a: tools::WriteFileArgs = parse(name, args)?;
                 let id = match a.sandbox_id {
                     Some(id) => id,
-                    None => self.find_or_create(&me.opts.workspace, None).await?.0.id,
+                    None => {
+                        self.find_or_create(&me.opts.workspace, None, Vec::new())
+                            .await?
+                            .0
+                            .id
+                    }
                 };
                 let file = api::FileContent {
                     path: vm_path(&a.path),
@@ -264,12 +275,13 @@ impl SandboxServer {
         &self,
         ws: &Path,
         template: Option<String>,
+        exclude: Vec<String>,
     ) -> Result<(api::Sandbox, bool), ToolError> {
         let _guard = self.inner.resolving.lock().await;
         if let Some(s) = self.find(ws).await? {
             return Ok((s, true));
         }
-        Ok((self.boot(ws, template).await?, false))
+        Ok((self.boot(ws, template, exclude).await?, false))
     }
 
     /// The remembered sandbox of `ws` if it is still ready; else a ready one the daemon has for
@@ -309,11 +321,17 @@ impl SandboxServer {
         Ok(found)
     }
 
-    async fn boot(&self, ws: &Path, template: Option<String>) -> Result<api::Sandbox, ToolError> {
+    async fn boot(
+        &self,
+        ws: &Path,
+        template: Option<String>,
+        exclude: Vec<String>,
+    ) -> Result<api::Sandbox, ToolError> {
         let o = &self.inner.opts;
         let req = api::CreateSandboxRequest {
             workspace: api::WorkspaceSpec {
                 host_path: ws.display().to_string(),
+                exclude,
             },
             template: Some(template.unwrap_or_else(|| o.template.clone())),
             vcpus: o.vcpus,

@@ -24,6 +24,10 @@ pub struct CreateArgs {
     /// Guest image template; `auto` picks one from the repo's files. Default: the user's choice.
     #[serde(default)]
     pub template: Option<String>,
+    /// Paths never synced into this sandbox (glob patterns like `data/`, `*.bin`), on top of
+    /// .gitignore and the user's sync.exclude. Only used when a new sandbox is created.
+    #[serde(default)]
+    pub exclude: Vec<String>,
 }
 
 /// `exec`.
@@ -41,6 +45,10 @@ pub struct ExecArgs {
     /// Sandbox to run in. Default: this workspace's sandbox (created if there is none).
     #[serde(default)]
     pub sandbox_id: Option<String>,
+    /// Glob patterns the sync before this command leaves alone (not sent, not deleted in the
+    /// VM), e.g. a huge data directory the command does not need.
+    #[serde(default)]
+    pub sync_exclude: Vec<String>,
 }
 
 /// `rm` (and any tool that only needs a sandbox).
@@ -107,6 +115,10 @@ pub struct PullArgs {
 pub struct UndoArgs {
     /// The `artifact_id` (`art_...`) an `apply` or `pull` returned.
     pub artifact_id: String,
+    /// Undo even though the user changed some of those files since (their current content is
+    /// backed up first). Only with the user's consent.
+    #[serde(default)]
+    pub force: bool,
 }
 
 /// `read_file`.

@@ -8,7 +8,7 @@
 use super::frame::{CHUNK, read_frame};
 use super::msg::{
     Body, CONTROL_STREAM, DirEntry, ExecSpec, FileStat, Frame, PROTOCOL_VERSION, PtySize, Reply,
-    Request, WalkEntry, WireExecEvent,
+    Request, WalkCursor, WalkDelta, WalkEntry, WireExecEvent,
 };
 use super::outbox::Outbox;
 use super::{RpcError, WINDOW};
@@ -500,6 +500,48 @@ impl AgentClient {
             return Err(RpcError::Protocol("trailing bytes in a walk answer".into()));
         }
         Ok(v)
+    }
+
+    /// Like [`Self::walk`], from the agent's inotify-kept walk: everything, or only what
+    /// changed after `since` (see [`WalkDelta`]).
+    pub async fn walk_since(
+        &self,
+        path: &str,
+        skip: &[String],
+        since: Option<WalkCursor>,
+    ) -> Result<WalkDelta, RpcError> {
+        let bytes = self
+            .read_stream(Request::WalkSince {
+                path: path.into(),
+                skip: skip.to_vec(),
+                since,
+            })
+            .await?;
+        let cfg = bincode::config::standard();
+        let (v, n): (WalkDelta, usize) = bincode::serde::decode_from_slice(&bytes, cfg)
+            .map_err(|e| RpcError::Protocol(format!("bad walk answer: {e}")))?;
+        if n != bytes.len() {
+            return Err(RpcError::Protocol("trailing bytes in a walk answer".into()));
+        }
+        Ok(v)
+    }
+
+    /// Removes `delete` (relative to `dir`), then unpacks the `len`-byte tar archive the host
+    /// wrote at the start of the disk with serial `serial` into `dir`.
+    pub async fn untar_disk(
+        &self,
+        dir: &str,
+        delete: Vec<String>,
+        serial: &str,
+        len: u64,
+    ) -> Result<(), RpcError> {
+        self.call_done(Request::UntarDisk {
+            dir: dir.into(),
+            delete,
+            serial: serial.into(),
+            len,
+        })
+        .await
     }
 
     /// Removes `delete` (relative to `dir`), then unpacks the tar archive `tar` into `dir`.

@@ -20,7 +20,9 @@ pub mod outbox;
 pub use client::{AgentClient, ExecEvent, ExecRequest, ExecStream};
 pub use frame::FrameError;
 #[allow(unused_imports)]
-pub use msg::{DirEntry, FileKind, FileStat, PtySize, RemoteError, WalkEntry};
+pub use msg::{
+    DirEntry, FileKind, FileStat, PtySize, RemoteError, WalkCursor, WalkDelta, WalkEntry,
+};
 
 /// Bytes of `Data` a sender may have in flight per stream before the receiver grants credit.
 /// Also the window of unacknowledged exec output the guest may have in flight per exec.

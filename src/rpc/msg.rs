@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this file.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
 pub const CONTROL_STREAM: u32 = 0;
@@ -97,6 +97,44 @@ pub enum Request {
         path: String,
         skip: Vec<String>,
     },
+    /// Like `Walk`, answered from a tree walk the agent keeps current with inotify: bincode of a
+    /// [`WalkDelta`] streamed as `Data` + `DataEnd`, holding everything (`full`) or only what
+    /// changed after `since` (a cursor of an earlier answer).
+    WalkSince {
+        path: String,
+        skip: Vec<String>,
+        since: Option<WalkCursor>,
+    },
+    /// Workspace sync through the transfer disk: remove each of `delete` (as `Untar`), then
+    /// unpack the tar archive the host wrote at the start of the virtio-blk disk whose serial is
+    /// `serial` (`len` bytes) into `dir`. Answered with `Done`.
+    UntarDisk {
+        dir: String,
+        delete: Vec<String>,
+        serial: String,
+        len: u64,
+    },
+}
+
+/// A position in the agent's walk cache: `generation` counts its updates, `epoch` names the cache
+/// (a new cache, e.g. after an agent restart, has another epoch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WalkCursor {
+    pub epoch: u64,
+    pub generation: u64,
+}
+
+/// The answer to [`Request::WalkSince`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WalkDelta {
+    /// Pass it as `since` next time.
+    pub cursor: WalkCursor,
+    /// `entries` is the whole tree (the caller drops what it had); else only what changed.
+    pub full: bool,
+    /// New or changed entries (or all of them).
+    pub entries: Vec<WalkEntry>,
+    /// Paths removed since the cursor (every removed path, not just the top of a tree).
+    pub removed: Vec<String>,
 }
 
 /// One entry of a [`Request::Walk`] answer.

@@ -43,7 +43,7 @@ impl Service {
         let (rec, vm) = self.ready_vm(id).await?;
         let wire = to_wire(&req, self.config.exec_timeout_s)?;
         // The VM sees the host repo as it is now (one-way delta sync).
-        self.sync_before_exec(&rec, &vm).await?;
+        self.sync_before_exec(&rec, &vm, &req.sync_exclude).await?;
         let exec_id = ids::new_id(ids::EXEC);
         let started = Instant::now();
         let mut stream = match vm.agent.exec(wire).await {

@@ -301,6 +301,7 @@ impl Service {
         images: &Images,
         (vcpus, memory_mib, accel): (u32, u32, crate::vmm::Accel),
         workspace: &Path,
+        exclude: &[String],
     ) -> Option<Result<api::Sandbox, ServiceError>> {
         if !self.config.pool.golden || self.config.pool.size == 0 {
             return None;
@@ -334,6 +335,7 @@ impl Service {
                 state: SandboxState::Creating,
                 workspace: api::WorkspaceSpec {
                     host_path: workspace.display().to_string(),
+                    exclude: exclude.to_vec(),
                 },
                 template: template.to_owned(),
                 vcpus,
@@ -351,7 +353,7 @@ impl Service {
         let vm = Arc::new(pvm.vm);
         self.vms.insert(&id, vm.clone());
         self.watch(id.clone(), vm.clone());
-        if let Err(e) = self.sync_locked(&rec, &vm).await {
+        if let Err(e) = self.sync_locked(&rec, &vm, &[]).await {
             self.vms.take(&id);
             self.telemetry.sandbox_create_failed(&id, &e.to_string());
             self.discard(&id, &rec.dir).await;

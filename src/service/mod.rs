@@ -6,12 +6,12 @@
 //! anything except through `safefs`.
 
 mod exec;
-mod gc;
-pub mod pressure;
 mod fork;
+mod gc;
 mod golden;
 mod observe;
 mod pause;
+pub mod pressure;
 mod sandboxes;
 pub mod scheduler;
 mod snapshots;
@@ -30,9 +30,9 @@ use crate::store::{Store, StoreError};
 use crate::telemetry::Telemetry;
 
 pub use observe::{ExecOutput, OutputQuery};
+pub use pause::ServicePauser;
 pub use sandboxes::now_rfc3339;
 pub use vms::Vms;
-pub use pause::ServicePauser;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
@@ -93,6 +93,8 @@ pub struct Service {
     pub ws_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Pause/resume, idle clock, golden snapshots and the warm pool.
     pub life: pause::Lifecycle,
+    /// Per sandbox: the last workspace walk the agent sent and its cursor (see `WalkSince`).
+    pub walks: workspace::WalkMirrors,
 }
 
 impl Service {
@@ -129,6 +131,7 @@ impl Service {
             telemetry,
             ws_locks: Default::default(),
             life: Default::default(),
+            walks: Default::default(),
         }
     }
 

@@ -110,6 +110,7 @@ impl Service {
     ) -> Result<api::Sandbox, ServiceError> {
         let t0 = std::time::Instant::now();
         let (vcpus, memory_mib, workspace) = self.validate_create(&req)?;
+        self.check_exclude(&req.workspace.exclude)?;
         let id = ids::new_id(ids::SANDBOX);
         // Waits in the host's queue when full; released on drop unless the create succeeds.
         let reservation = self
@@ -127,6 +128,7 @@ impl Service {
                 &images,
                 (vcpus, memory_mib, accel),
                 &workspace,
+                &req.workspace.exclude,
             )
             .await
         {
@@ -147,6 +149,7 @@ impl Service {
                 state: SandboxState::Creating,
                 workspace: api::WorkspaceSpec {
                     host_path: workspace.display().to_string(),
+                    exclude: req.workspace.exclude.clone(),
                 },
                 template,
                 vcpus,
@@ -177,7 +180,7 @@ impl Service {
                 self.vms.insert(&id, vm.clone());
                 self.watch(id.clone(), vm.clone());
                 // The workspace goes in before anyone can exec.
-                if let Err(e) = self.sync_locked(&rec, &vm).await {
+                if let Err(e) = self.sync_locked(&rec, &vm, &[]).await {
                     tracing::warn!(sandbox = %id, error = %e, "first workspace sync failed; cleaning up");
                     self.vms.take(&id);
                     self.telemetry.sandbox_create_failed(&id, &e.to_string());
@@ -314,6 +317,7 @@ impl Service {
                 .map_err(|e| ServiceError::Internal(format!("cannot stop the VM: {e}")))?;
         }
         self.discard(id, &rec.dir).await;
+        self.forget_walk(id);
         tracing::info!(sandbox = %id, "sandbox removed");
         Ok(rec.api)
     }

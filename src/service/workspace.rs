@@ -5,7 +5,7 @@
 //! one sandbox never overlap). The file logic lives in `crate::workspace`; this module moves
 //! bytes between it and the VM's agent and records backups in the store.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,23 +16,28 @@ use super::vms::LiveVm;
 use super::{SandboxRecord, Service, ServiceError};
 use crate::api::{self, SandboxState};
 use crate::ids;
-use crate::rpc::{FileKind, RpcError};
+use crate::rpc::{FileKind, RpcError, WalkCursor, WalkEntry};
 use crate::store::ARTIFACTS;
 use crate::workspace::apply::{self, Mode};
 use crate::workspace::backup::{self, ArtifactRecord, ArtifactState};
 use crate::workspace::diff::{self, Change};
 use crate::workspace::manifest::{Base, Entry, Kind, Manifest};
-use crate::workspace::rules::{self, Ignores, Rules};
+use crate::workspace::rules::{self, Ignores, Rules, Skip};
 use crate::workspace::{GUEST_ROOT, WorkspaceError, sync};
 
 /// VM files fetched at once for a diff.
 const FETCH_CONCURRENCY: usize = 8;
 
+/// Archives from this size on go through the VM's transfer disk instead of the RPC channel.
+const DISK_TRANSFER_MIN: u64 = 1 << 20;
+
 impl From<WorkspaceError> for ServiceError {
     fn from(e: WorkspaceError) -> Self {
         match e {
             WorkspaceError::NoArtifact(_) => ServiceError::NotFound(e.to_string()),
-            WorkspaceError::AlreadyUndone(_) => ServiceError::Conflict(e.to_string()),
+            WorkspaceError::AlreadyUndone(_) | WorkspaceError::HostEdited(_) => {
+                ServiceError::Conflict(e.to_string())
+            }
             WorkspaceError::Refused(_) => ServiceError::BadRequest(e.to_string()),
             WorkspaceError::CorruptBase(..) | WorkspaceError::Store(_) => {
                 ServiceError::Internal(e.to_string())
@@ -64,6 +69,18 @@ fn guest_path(rel: &str) -> String {
     format!("{GUEST_ROOT}/{rel}")
 }
 
+/// The host's copy of a VM's workspace walk: which QEMU it came from (a restored or rebooted VM
+/// is another process, so its copy is not reused), the agent's cursor and the entries by path.
+struct WalkMirror {
+    vm_pid: u32,
+    cursor: WalkCursor,
+    entries: BTreeMap<String, WalkEntry>,
+}
+
+/// Sandbox id -> [`WalkMirror`].
+#[derive(Default)]
+pub struct WalkMirrors(std::sync::Mutex<HashMap<String, WalkMirror>>);
+
 /// The changes of a VM against its base, plus what diff/apply need around them.
 struct Changes {
     base: Base,
@@ -78,8 +95,16 @@ impl Service {
         m.entry(id.to_owned()).or_default().clone()
     }
 
-    fn rules(&self) -> Result<Rules, ServiceError> {
-        Ok(Rules::new(&self.config.sync)?)
+    /// The sync rules of a sandbox: the config's plus the `exclude` given at create.
+    fn rules(&self, rec: &SandboxRecord) -> Result<Rules, ServiceError> {
+        Ok(Rules::new(&self.config.sync)?.with_exclude(&rec.api.workspace.exclude)?)
+    }
+
+    /// Refuse bad `exclude` patterns of a create request before anything boots.
+    pub(super) fn check_exclude(&self, patterns: &[String]) -> Result<(), ServiceError> {
+        Skip::new(patterns)
+            .map(|_| ())
+            .map_err(|e| ServiceError::BadRequest(e.to_string()))
     }
 
     fn max_file_bytes(&self) -> u64 {
@@ -125,23 +150,31 @@ impl Service {
     }
 
     /// `POST /v1/sandboxes/{id}/sync`.
-    pub async fn sync_workspace(&self, id: &str) -> Result<api::SyncReport, ServiceError> {
+    pub async fn sync_workspace(
+        &self,
+        id: &str,
+        req: api::SyncRequest,
+    ) -> Result<api::SyncReport, ServiceError> {
+        self.check_exclude(&req.exclude)?;
         let (rec, vm) = self.ready_vm(id).await?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
-        self.sync_locked(&rec, &vm).await
+        self.sync_locked(&rec, &vm, &req.exclude).await
     }
 
     /// Send what changed on the host since the base; record the new base. The caller holds
-    /// the sandbox's workspace lock (or owns the sandbox exclusively, at create).
+    /// the sandbox's workspace lock (or owns the sandbox exclusively, at create). Paths that
+    /// `exclude` (this request's patterns) matches are left as they are in the VM and base.
     pub(super) async fn sync_locked(
         &self,
         rec: &SandboxRecord,
         vm: &LiveVm,
+        exclude: &[String],
     ) -> Result<api::SyncReport, ServiceError> {
         let started = Instant::now();
         let root = Self::host_root(rec)?;
-        let rules = self.rules()?;
+        let skip = Skip::new(exclude).map_err(|e| ServiceError::BadRequest(e.to_string()))?;
+        let rules = self.rules(rec)?.with_exclude(exclude)?;
         let base = Base::new(rec.dir.join("workspace"));
         let (r2, b2) = (root.clone(), base.clone());
         let (scan, old, candidates) = blocking(move || {
@@ -152,14 +185,16 @@ impl Service {
         })
         .await?;
         let scan_ms = started.elapsed().as_millis() as u64;
-        let vm_changed = self.vm_changed(vm, &old, candidates).await?;
-        let (r2, b2) = (root.clone(), base.clone());
-        let (delta, secrets) = blocking(move || {
-            let d = sync::compute_keeping(&r2, &scan, &b2, &old, &vm_changed)?;
+        let vm_changed = self.vm_changed(&rec.api.id, vm, &old, candidates).await?;
+        let r2 = root.clone();
+        let (mut delta, secrets) = blocking(move || {
+            let d = sync::compute_keeping(&r2, &scan, &old, &vm_changed, &skip)?;
             Ok((d, scan.secrets_skipped))
         })
         .await?;
         let compute_ms = started.elapsed().as_millis() as u64;
+        let mut via_disk = false;
+        let archive = Arc::new(std::mem::take(&mut delta.archive));
         if delta.entries > 0 || !delta.delete.is_empty() {
             // A request frame is at most 1 MiB: long delete lists go in batches first.
             let mut batches = delete_batches(&delta.delete);
@@ -173,15 +208,27 @@ impl Service {
                     .await
                     .map_err(agent_err)?;
             }
-            vm.agent
-                .untar(GUEST_ROOT, last, &delta.archive)
-                .await
-                .map_err(agent_err)?;
+            via_disk = archive.len() as u64 >= DISK_TRANSFER_MIN
+                && self
+                    .untar_via_disk(vm, last.clone(), archive.clone())
+                    .await?;
+            if !via_disk {
+                vm.agent
+                    .untar(GUEST_ROOT, last, &archive)
+                    .await
+                    .map_err(agent_err)?;
+            }
         }
         let send_ms = started.elapsed().as_millis() as u64;
         if delta.changed {
-            base.save(&delta.manifest)?;
+            let (b2, m, idx) = (base.clone(), delta.manifest, delta.pack_index);
+            blocking(move || {
+                b2.put_pack(&archive, &idx)?;
+                b2.save(&m)
+            })
+            .await?;
         }
+        let save_ms = started.elapsed().as_millis() as u64;
         let report = api::SyncReport {
             files_sent: delta.files_sent,
             bytes_sent: delta.bytes_sent,
@@ -192,14 +239,105 @@ impl Service {
             duration_ms: started.elapsed().as_millis() as u64,
         };
         tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
-            deleted = report.deleted, scan_ms, compute_ms, send_ms, ms = report.duration_ms, "workspace synced");
+            deleted = report.deleted, scan_ms, compute_ms, send_ms, save_ms, via_disk, ms = report.duration_ms, "workspace synced");
         Ok(report)
+    }
+
+    /// The VM's workspace tree (without `.git`), as `Walk` gives it, from the agent's
+    /// inotify-kept walk: only what changed since the last call crosses the channel.
+    async fn vm_walk(&self, sandbox: &str, vm: &LiveVm) -> Result<Vec<WalkEntry>, ServiceError> {
+        let skip = [".git".to_owned()];
+        let since = {
+            let m = self.walks.0.lock().unwrap_or_else(|p| p.into_inner());
+            m.get(sandbox)
+                .filter(|w| w.vm_pid == vm.info.pid)
+                .map(|w| w.cursor)
+        };
+        let d = vm
+            .agent
+            .walk_since(GUEST_ROOT, &skip, since)
+            .await
+            .map_err(agent_err)?;
+        let mut m = self.walks.0.lock().unwrap_or_else(|p| p.into_inner());
+        let w = m.entry(sandbox.to_owned()).or_insert_with(|| WalkMirror {
+            vm_pid: vm.info.pid,
+            cursor: d.cursor,
+            entries: BTreeMap::new(),
+        });
+        if d.full || w.vm_pid != vm.info.pid || since.is_none() {
+            w.entries.clear();
+        }
+        for r in &d.removed {
+            w.entries.remove(r);
+        }
+        let (n_changed, full) = (d.entries.len(), d.full);
+        for e in d.entries {
+            w.entries.insert(e.path.clone(), e);
+        }
+        w.vm_pid = vm.info.pid;
+        w.cursor = d.cursor;
+        tracing::debug!(
+            sandbox,
+            full,
+            changed = n_changed,
+            removed = d.removed.len(),
+            "workspace walk"
+        );
+        Ok(w.entries.values().cloned().collect())
+    }
+
+    /// Forget the walk copy of a sandbox (removed, restored).
+    pub(super) fn forget_walk(&self, sandbox: &str) {
+        let mut m = self.walks.0.lock().unwrap_or_else(|p| p.into_inner());
+        m.remove(sandbox);
+    }
+
+    /// Unpack `archive` in the VM through its transfer disk: write it at the start of the disk's
+    /// file, then have the agent read it from the device. `Ok(false)` when the VM has no
+    /// transfer disk (booted by an older version) or the archive does not fit: use the channel.
+    async fn untar_via_disk(
+        &self,
+        vm: &LiveVm,
+        delete: Vec<String>,
+        archive: Arc<Vec<u8>>,
+    ) -> Result<bool, ServiceError> {
+        let path = vm.info.dir.join(crate::vmm::TRANSFER_DISK_FILE);
+        let len = archive.len() as u64;
+        if len > crate::vmm::TRANSFER_DISK_BYTES || !path.is_file() {
+            return Ok(false);
+        }
+        let p2 = path.clone();
+        blocking(move || {
+            use std::os::unix::fs::FileExt;
+            // No fsync: QEMU reads the file through the same page cache.
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&p2)
+                .map_err(WorkspaceError::io("open the transfer disk", &p2))?;
+            f.write_all_at(&archive, 0)
+                .map_err(WorkspaceError::io("write the transfer disk", &p2))
+        })
+        .await?;
+        match vm
+            .agent
+            .untar_disk(GUEST_ROOT, delete, crate::vmm::TRANSFER_DISK_SERIAL, len)
+            .await
+        {
+            Ok(()) => Ok(true),
+            // No such device in this VM: the channel still works.
+            Err(RpcError::Remote(r)) if r.kind == crate::rpc::msg::ErrorKind::NotFound => {
+                tracing::warn!(sandbox = %vm.info.id, error = %r, "no transfer disk in the VM; syncing over the channel");
+                Ok(false)
+            }
+            Err(e) => Err(agent_err(e)),
+        }
     }
 
     /// Which of `paths` (files of the base) the VM changed since the base, by stat: one `Stat`
     /// each for a few, one `Walk` for many.
     async fn vm_changed(
         &self,
+        sandbox: &str,
         vm: &LiveVm,
         manifest: &Manifest,
         paths: Vec<String>,
@@ -218,11 +356,7 @@ impl Service {
             })
         };
         if paths.len() > 32 {
-            let walk = vm
-                .agent
-                .walk(GUEST_ROOT, &[".git".to_owned()])
-                .await
-                .map_err(agent_err)?;
+            let walk = self.vm_walk(sandbox, vm).await?;
             let want: HashSet<&String> = paths.iter().collect();
             for w in walk {
                 if want.contains(&w.path)
@@ -249,15 +383,16 @@ impl Service {
         Ok(out)
     }
 
-    /// Sync before an exec (takes the workspace lock).
+    /// Sync before an exec (takes the workspace lock); `exclude` as in [`Self::sync_locked`].
     pub(super) async fn sync_before_exec(
         &self,
         rec: &SandboxRecord,
         vm: &LiveVm,
+        exclude: &[String],
     ) -> Result<(), ServiceError> {
         let lock = self.ws_lock(&rec.api.id);
         let _g = lock.lock().await;
-        self.sync_locked(rec, vm).await.map(|_| ())
+        self.sync_locked(rec, vm, exclude).await.map(|_| ())
     }
 
     async fn changes(
@@ -266,14 +401,10 @@ impl Service {
         vm: &LiveVm,
         paths: &[String],
     ) -> Result<Changes, ServiceError> {
-        let rules = self.rules()?;
+        let rules = self.rules(rec)?;
         let base = Base::new(rec.dir.join("workspace"));
         let manifest = base.load()?;
-        let walk = vm
-            .agent
-            .walk(GUEST_ROOT, &[".git".to_owned()])
-            .await
-            .map_err(agent_err)?;
+        let walk = self.vm_walk(&rec.api.id, vm).await?;
         let ignores = Ignores::from_base(&manifest, |p| {
             manifest
                 .entries
@@ -378,7 +509,7 @@ impl Service {
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
         let ch = self.changes(&rec, &vm, &ok_paths).await?;
-        let rules = self.rules()?;
+        let rules = self.rules(&rec)?;
         let max = self.max_file_bytes();
         let (r2, b2) = (root.clone(), ch.base.clone());
         let plan = blocking(move || apply::plan(&r2, &b2, ch.changes, &rules, mode, max)).await?;
@@ -405,6 +536,7 @@ impl Service {
                 host_root: root.clone(),
                 state: ArtifactState::Applying,
                 entries: Vec::new(),
+                overwritten_by_undo: Vec::new(),
             };
             let store = self.store.clone();
             let ops = plan.ops.clone();
@@ -469,8 +601,13 @@ impl Service {
         Ok(report)
     }
 
-    /// `POST /v1/artifacts/{art_id}/undo`.
-    pub async fn undo(&self, art_id: &str) -> Result<api::UndoReport, ServiceError> {
+    /// `POST /v1/artifacts/{art_id}/undo`: refused (409) when the host changed an applied path
+    /// since, unless `force` (then what it overwrites is backed up first).
+    pub async fn undo(
+        &self,
+        art_id: &str,
+        req: api::UndoRequest,
+    ) -> Result<api::UndoReport, ServiceError> {
         let rec: ArtifactRecord = self
             .store
             .get(ARTIFACTS, art_id)?
@@ -480,14 +617,15 @@ impl Service {
         let dir = self.paths.artifacts_dir().join(art_id);
         let store = self.store.clone();
         let report = blocking(move || {
-            backup::undo(&dir, rec, &mut |r| {
+            backup::undo(&dir, rec, req.force, &mut |r| {
                 store
                     .put(ARTIFACTS, &r.id, r)
                     .map_err(|e| WorkspaceError::Store(e.to_string()))
             })
         })
         .await?;
-        tracing::info!(artifact = %art_id, restored = report.restored.len(), removed = report.removed.len(), "undo done");
+        tracing::info!(artifact = %art_id, restored = report.restored.len(), removed = report.removed.len(),
+            overwritten = report.overwritten.len(), "undo done");
         Ok(report)
     }
 

@@ -56,6 +56,20 @@ pub struct VmSpec {
     pub accel: Accel,
 }
 
+/// The transfer disk of every VM: a sparse raw file in the VM's directory, attached read-only
+/// as a second virtio-blk device with serial [`TRANSFER_DISK_SERIAL`]. The host writes bulk
+/// workspace data (a tar archive) at its start and the guest agent reads it from the device
+/// (after dropping its page cache): far faster than the RPC channel. Its content has no meaning
+/// between transfers, so checkpoints do not capture it.
+/// The virtio serial of the root disk; the guest's init mounts the disk with this serial
+/// (`tryboxi.root=serial:...`), not a fixed `/dev/vdX`, because the kernel need not enumerate
+/// the virtio-mmio disks in command-line order.
+pub const ROOT_DISK_SERIAL: &str = "tryboxi-root";
+pub const TRANSFER_DISK_FILE: &str = "xfer.img";
+pub const TRANSFER_DISK_SERIAL: &str = "tryboxi-xfer";
+/// Its fixed size: the largest archive one transfer can carry.
+pub const TRANSFER_DISK_BYTES: u64 = 4 << 30;
+
 /// A running VM as the driver knows it; persisted as `vm.json` in the VM's directory.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct VmInfo {

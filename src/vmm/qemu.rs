@@ -86,6 +86,8 @@ pub struct VmPaths {
     pub vm_json: PathBuf,
     /// Where the guest RAM lives (see [`RamBacking`]).
     pub ram: RamBacking,
+    /// The transfer disk (see [`crate::vmm::TRANSFER_DISK_FILE`]).
+    pub xfer: PathBuf,
 }
 
 /// The file behind a VM's RAM (`-object memory-backend-file`). See docs/VMM.md, "Snapshots".
@@ -123,7 +125,25 @@ impl VmPaths {
             pidfile: dir.join("qemu.pid"),
             vm_json: dir.join("vm.json"),
             ram: RamBacking::Owned(dir.join("mem.ram")),
+            xfer: dir.join(crate::vmm::TRANSFER_DISK_FILE),
         }
+    }
+
+    /// Make the transfer disk (sparse, fixed size) unless it is there: the device set of a VM
+    /// (and of every VM restored from its checkpoints) always includes it.
+    fn ensure_transfer_disk(&self) -> Result<(), VmmError> {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.xfer)
+            .map_err(io_err(&self.xfer))?;
+        let len = f.metadata().map_err(io_err(&self.xfer))?.len();
+        if len != crate::vmm::TRANSFER_DISK_BYTES {
+            f.set_len(crate::vmm::TRANSFER_DISK_BYTES)
+                .map_err(io_err(&self.xfer))?;
+        }
+        Ok(())
     }
 
     /// Remove leftovers of an earlier run of this VM (they would fool the readiness checks).
@@ -206,7 +226,10 @@ fn check_id(id: &str) -> Result<(), VmmError> {
 
 /// The kernel command line of a normal VM.
 pub fn kernel_cmdline(id: &str) -> String {
-    format!("console=ttyS0 reboot=t panic=-1 quiet tryboxi.root=/dev/vda tryboxi.hostname={id}")
+    format!(
+        "console=ttyS0 reboot=t panic=-1 quiet tryboxi.root=serial:{} tryboxi.hostname={id}",
+        crate::vmm::ROOT_DISK_SERIAL
+    )
 }
 
 /// Machine, accelerator and CPU arguments shared by VMs and the KVM probe.
@@ -285,7 +308,26 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
             ",format=qcow2,if=none,id=root,cache=unsafe,discard=unmap",
         ),
         "-device".as_ref(),
-        "virtio-blk-device,drive=root".as_ref(),
+        format!(
+            "virtio-blk-device,drive=root,serial={}",
+            crate::vmm::ROOT_DISK_SERIAL
+        )
+        .as_ref(),
+    ]);
+    // The transfer disk: the host writes bulk sync data into it, the guest only reads it.
+    push(&[
+        "-drive".as_ref(),
+        &opt(
+            "file=",
+            &paths.xfer,
+            ",format=raw,if=none,id=xfer,readonly=on",
+        ),
+        "-device".as_ref(),
+        format!(
+            "virtio-blk-device,drive=xfer,serial={}",
+            crate::vmm::TRANSFER_DISK_SERIAL
+        )
+        .as_ref(),
     ]);
     push(&[
         "-device".as_ref(),
@@ -622,6 +664,7 @@ impl VmmDriver for QemuDriver {
         paths.clear_stale()?;
         // A cold boot starts from empty RAM (an old run's file would only take disk space).
         ramfile::remove(paths.ram.path())?;
+        paths.ensure_transfer_disk()?;
         self.create_overlay(&spec.rootfs, &paths.disk).await?;
 
         let args = qemu_args(&spec, &paths);

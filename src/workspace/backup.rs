@@ -40,10 +40,63 @@ pub enum Before {
     },
 }
 
+/// What the host has at a path right after apply/pull wrote it (undo checks it is still so).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum After {
+    Absent,
+    File { mode: u32, sha256: String },
+    Symlink { target: String },
+}
+
+impl Before {
+    /// Whether the host holds exactly this (content and mode): undo would write what is there.
+    fn matches(&self, host: &HostState) -> bool {
+        match (self, host) {
+            (Before::Absent, HostState::Absent) => true,
+            (Before::File { mode, sha256, .. }, HostState::File { content, mode: m }) => {
+                mode & 0o7777 == m & 0o7777 && *sha256 == super::sha256(content)
+            }
+            (Before::Symlink { target }, HostState::Symlink(t)) => target == t,
+            _ => false,
+        }
+    }
+}
+
+impl After {
+    fn of(action: &Action) -> After {
+        match action {
+            Action::Write { content, mode } => After::File {
+                mode: *mode & 0o7777,
+                sha256: super::sha256(content),
+            },
+            Action::Symlink { target } => After::Symlink {
+                target: target.clone(),
+            },
+            Action::Delete => After::Absent,
+        }
+    }
+
+    /// Whether the host still holds exactly this (content and mode; mtime does not count).
+    fn matches(&self, host: &HostState) -> bool {
+        match (self, host) {
+            (After::Absent, HostState::Absent) => true,
+            (After::File { mode, sha256 }, HostState::File { content, mode: m }) => {
+                mode == m && *sha256 == super::sha256(content)
+            }
+            (After::Symlink { target }, HostState::Symlink(t)) => target == t,
+            _ => false,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BackupEntry {
     pub path: String,
     pub before: Before,
+    /// What the apply left there; `None` in records of older versions (undo then needs force).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<After>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -56,6 +109,10 @@ pub struct ArtifactRecord {
     pub host_root: PathBuf,
     pub state: ArtifactState,
     pub entries: Vec<BackupEntry>,
+    /// What a forced undo overwrote (host edits made after the apply), backed up under
+    /// `undone/<n>` next to the apply's own backups.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overwritten_by_undo: Vec<BackupEntry>,
 }
 
 /// Write the record next to the backups (synced) and through `persist` (the store).
@@ -102,6 +159,7 @@ pub fn execute(
         rec.entries.push(BackupEntry {
             path: op.path.clone(),
             before,
+            after: Some(After::of(&op.action)),
         });
     }
     rec.state = ArtifactState::Applying;
@@ -144,21 +202,98 @@ fn crash_for_test() {
     let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
 }
 
+/// Paths of `rec` the host changed after the apply wrote them (a record without the
+/// after-state counts as changed: it cannot be checked). In a record left `Applying` (the
+/// daemon was killed mid-apply) a path that still holds its before-state was never written: no
+/// edit.
+fn host_edits(
+    root: &Path,
+    rec: &ArtifactRecord,
+) -> Result<Vec<(usize, HostState)>, WorkspaceError> {
+    let mut out = Vec::new();
+    for (n, e) in rec.entries.iter().enumerate() {
+        check_host_parents(root, &e.path).map_err(WorkspaceError::Refused)?;
+        let host = host_state(root, &e.path)?;
+        let unwritten = rec.state == ArtifactState::Applying && e.before.matches(&host);
+        if !e.after.as_ref().is_some_and(|a| a.matches(&host)) && !unwritten {
+            out.push((n, host));
+        }
+    }
+    Ok(out)
+}
+
 /// Restore what the artifact changed, byte for byte (content and mode), removing files it added.
+///
+/// A path the host changed after the apply (edited, deleted, recreated) is not silently
+/// overwritten: without `force` nothing is changed and [`WorkspaceError::HostEdited`] names
+/// them; with `force` their current content is first backed up under `undone/` in the
+/// artifact's directory (listed in the record's `overwritten_by_undo` and the report).
 pub fn undo(
     dir: &Path,
     mut rec: ArtifactRecord,
+    force: bool,
     persist: &mut dyn FnMut(&ArtifactRecord) -> Result<(), WorkspaceError>,
 ) -> Result<UndoReport, WorkspaceError> {
     if rec.state == ArtifactState::Undone {
         return Err(WorkspaceError::AlreadyUndone(rec.id));
     }
     let root = rec.host_root.clone();
+    let edits = host_edits(&root, &rec)?;
+    if !edits.is_empty() && !force {
+        let names: Vec<&str> = edits
+            .iter()
+            .map(|(n, _)| rec.entries[*n].path.as_str())
+            .collect();
+        return Err(WorkspaceError::HostEdited(format!(
+            "undo of {} would overwrite host changes made after it was applied, in: {}; nothing \
+             was changed (undo with force to overwrite them; their current content is backed up \
+             first)",
+            rec.id,
+            names.join(", ")
+        )));
+    }
     let mut report = UndoReport {
         artifact_id: rec.id.clone(),
         restored: Vec::new(),
         removed: Vec::new(),
+        overwritten: Vec::new(),
+        overwritten_backup: None,
     };
+    if !edits.is_empty() {
+        let bdir = dir.join("undone");
+        std::fs::create_dir_all(&bdir).map_err(WorkspaceError::io("create", &bdir))?;
+        for (n, host) in edits {
+            let path = rec.entries[n].path.clone();
+            let before = match host {
+                HostState::Absent => Before::Absent,
+                HostState::Symlink(target) => Before::Symlink { target },
+                HostState::File { content, mode } => {
+                    let name = n.to_string();
+                    write_atomic(&bdir.join(&name), &content, 0o600)?;
+                    Before::File {
+                        mode,
+                        sha256: super::sha256(&content),
+                        backup: name,
+                    }
+                }
+                HostState::Other => {
+                    return Err(WorkspaceError::Refused(format!(
+                        "{path}: the host now has a directory or special file there; move it \
+                         away and undo again"
+                    )));
+                }
+            };
+            report.overwritten.push(path.clone());
+            rec.overwritten_by_undo.push(BackupEntry {
+                path,
+                before,
+                after: None,
+            });
+        }
+        // The backups of what is about to be overwritten are durable before the first write.
+        save(dir, &rec, persist)?;
+        report.overwritten_backup = Some(bdir.display().to_string());
+    }
     for e in rec.entries.iter().rev() {
         check_host_parents(&root, &e.path).map_err(WorkspaceError::Refused)?;
         let p = root.join(&e.path);
@@ -222,6 +357,7 @@ mod tests {
             host_root: root.to_path_buf(),
             state: ArtifactState::Applying,
             entries: vec![],
+            overwritten_by_undo: vec![],
         }
     }
 
@@ -268,7 +404,7 @@ mod tests {
         );
         assert!(!root.join("gone.txt").exists());
 
-        let rep = undo(art.path(), r.clone(), &mut |_| Ok(())).unwrap();
+        let rep = undo(art.path(), r.clone(), false, &mut |_| Ok(())).unwrap();
         assert_eq!(std::fs::read(root.join("mod.sh")).unwrap(), b"old\x00bytes");
         let mode = std::fs::metadata(root.join("mod.sh"))
             .unwrap()
@@ -283,7 +419,7 @@ mod tests {
         let mut r2 = r;
         r2.state = ArtifactState::Undone;
         assert!(matches!(
-            undo(art.path(), r2, &mut |_| Ok(())),
+            undo(art.path(), r2, false, &mut |_| Ok(())),
             Err(WorkspaceError::AlreadyUndone(_))
         ));
     }
@@ -303,7 +439,126 @@ mod tests {
         }];
         let r = execute(root, art.path(), rec(root), &ops, &mut |_| Ok(())).unwrap();
         std::fs::write(art.path().join("files/0"), b"tampered").unwrap();
-        assert!(undo(art.path(), r, &mut |_| Ok(())).is_err());
+        assert!(undo(art.path(), r, false, &mut |_| Ok(())).is_err());
         assert_eq!(std::fs::read(root.join("f")).unwrap(), b"x");
+    }
+
+    fn one_write(root: &Path, art: &Path) -> ArtifactRecord {
+        std::fs::write(root.join("a.txt"), b"before").unwrap();
+        let ops = vec![
+            Op {
+                path: "a.txt".into(),
+                action: Action::Write {
+                    content: b"applied".to_vec(),
+                    mode: 0o644,
+                },
+            },
+            Op {
+                path: "new.txt".into(),
+                action: Action::Write {
+                    content: b"added".to_vec(),
+                    mode: 0o644,
+                },
+            },
+        ];
+        execute(root, art, rec(root), &ops, &mut |_| Ok(())).unwrap()
+    }
+
+    #[test]
+    fn undo_refuses_to_overwrite_host_edits_made_after_the_apply() {
+        let repo = tempfile::tempdir().unwrap();
+        let art = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let r = one_write(root, art.path());
+        // The user edits an applied file and a mode change elsewhere counts too.
+        std::fs::write(root.join("a.txt"), b"my later edit").unwrap();
+        let err = undo(art.path(), r.clone(), false, &mut |_| Ok(())).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, WorkspaceError::HostEdited(_)), "{msg}");
+        assert!(msg.contains("a.txt") && !msg.contains("new.txt"), "{msg}");
+        // Nothing was touched.
+        assert_eq!(std::fs::read(root.join("a.txt")).unwrap(), b"my later edit");
+        assert_eq!(std::fs::read(root.join("new.txt")).unwrap(), b"added");
+
+        // A deleted added file and a chmod are host edits as well.
+        std::fs::write(root.join("a.txt"), b"applied").unwrap();
+        std::fs::set_permissions(root.join("a.txt"), std::fs::Permissions::from_mode(0o600))
+            .unwrap();
+        std::fs::remove_file(root.join("new.txt")).unwrap();
+        let msg = undo(art.path(), r.clone(), false, &mut |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("a.txt") && msg.contains("new.txt"), "{msg}");
+    }
+
+    #[test]
+    fn forced_undo_backs_up_the_host_edits_it_overwrites() {
+        let repo = tempfile::tempdir().unwrap();
+        let art = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let r = one_write(root, art.path());
+        std::fs::write(root.join("a.txt"), b"my later edit").unwrap();
+        let mut saved = Vec::new();
+        let rep = undo(art.path(), r, true, &mut |r| {
+            saved.push(r.clone());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(std::fs::read(root.join("a.txt")).unwrap(), b"before");
+        assert!(!root.join("new.txt").exists());
+        assert_eq!(rep.overwritten, ["a.txt"]);
+        let bdir = PathBuf::from(rep.overwritten_backup.unwrap());
+        let last = saved.last().unwrap();
+        assert_eq!(last.state, ArtifactState::Undone);
+        let Before::File { backup, sha256, .. } = &last.overwritten_by_undo[0].before else {
+            panic!("{:?}", last.overwritten_by_undo);
+        };
+        let kept = std::fs::read(bdir.join(backup)).unwrap();
+        assert_eq!(kept, b"my later edit");
+        assert_eq!(super::super::sha256(&kept), *sha256);
+        // The backup was recorded before the overwrite.
+        assert_eq!(saved[0].state, ArtifactState::Applied);
+        assert_eq!(saved[0].overwritten_by_undo.len(), 1);
+    }
+
+    #[test]
+    fn paths_an_interrupted_apply_never_wrote_are_no_host_edits() {
+        let repo = tempfile::tempdir().unwrap();
+        let art = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let mut r = one_write(root, art.path());
+        // As if killed after the first write: new.txt not written yet.
+        std::fs::remove_file(root.join("new.txt")).unwrap();
+        r.state = ArtifactState::Applying;
+        let rep = undo(art.path(), r.clone(), false, &mut |_| Ok(())).unwrap();
+        assert!(rep.overwritten.is_empty(), "{:?}", rep.overwritten);
+        assert_eq!(std::fs::read(root.join("a.txt")).unwrap(), b"before");
+        // A real edit in an interrupted apply still needs force.
+        let mut r = one_write(root, art.path());
+        r.state = ArtifactState::Applying;
+        std::fs::write(root.join("a.txt"), b"my later edit").unwrap();
+        assert!(matches!(
+            undo(art.path(), r, false, &mut |_| Ok(())),
+            Err(WorkspaceError::HostEdited(_))
+        ));
+    }
+
+    #[test]
+    fn undo_without_host_edits_needs_no_force_and_old_records_do() {
+        let repo = tempfile::tempdir().unwrap();
+        let art = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let mut r = one_write(root, art.path());
+        for e in &mut r.entries {
+            e.after = None; // as written by an older version
+        }
+        assert!(matches!(
+            undo(art.path(), r.clone(), false, &mut |_| Ok(())),
+            Err(WorkspaceError::HostEdited(_))
+        ));
+        let r = one_write(root, art.path());
+        let rep = undo(art.path(), r, false, &mut |_| Ok(())).unwrap();
+        assert!(rep.overwritten.is_empty() && rep.overwritten_backup.is_none());
+        assert_eq!(std::fs::read(root.join("a.txt")).unwrap(), b"before");
     }
 }

@@ -99,39 +99,95 @@ impl Base {
         }
     }
 
-    /// Replace the manifest atomically (temp file, fsync, rename).
+    /// Replace the manifest atomically (temp file, fsync, rename). Every blob and pack it names
+    /// is already durable (they are fsynced when written).
     pub fn save(&self, m: &Manifest) -> Result<(), WorkspaceError> {
-        self.sync_blobs()?;
         let p = self.manifest_path();
         let json = serde_json::to_vec(m)
             .map_err(|e| WorkspaceError::CorruptBase(p.clone(), e.to_string()))?;
         write_atomic(&p, &json, 0o600)
     }
 
-    /// Make every blob written so far durable: one `syncfs` of the file system holding them.
-    fn sync_blobs(&self) -> Result<(), WorkspaceError> {
-        let dir = self.dir.join("blobs");
-        let Ok(f) = std::fs::File::open(&dir) else {
-            return Ok(()); // no blobs yet
-        };
-        nix::unistd::syncfs(&f).map_err(|e| WorkspaceError::io("sync", &dir)(e.into()))
-    }
-
-    /// Store `data` under its hash (no-op when present). Returns the hash.
+    /// Store `data` under its hash (no-op when present), durably. Returns the hash.
     pub fn put_blob(&self, data: &[u8]) -> Result<String, WorkspaceError> {
         let sha = super::sha256(data);
         let p = self.blob_path(&sha);
         if !p.exists() {
-            // Not fsynced one by one (a first sync writes thousands): `save` syncs the whole
-            // file system once before the manifest that names them is replaced.
-            write_file(&p, data, 0o600, false)?;
+            write_file(&p, data, 0o600, true)?;
         }
         Ok(sha)
     }
 
+    /// Store the archive of one sync as a pack: `index` names each file's content in it
+    /// (SHA-256, offset, length). Durable when this returns.
+    pub fn put_pack(
+        &self,
+        archive: &[u8],
+        index: &[(String, u64, u64)],
+    ) -> Result<(), WorkspaceError> {
+        if index.is_empty() {
+            return Ok(());
+        }
+        let dir = self.dir.join("packs");
+        let mut rnd = [0u8; 8];
+        let _ = getrandom::fill(&mut rnd);
+        let id = hex::encode(rnd);
+        write_file(&dir.join(format!("{id}.tar")), archive, 0o600, true)?;
+        let idx: BTreeMap<&str, (u64, u64)> = index
+            .iter()
+            .map(|(sha, off, len)| (sha.as_str(), (*off, *len)))
+            .collect();
+        let json = serde_json::to_vec(&idx)
+            .map_err(|e| WorkspaceError::CorruptBase(dir.clone(), e.to_string()))?;
+        write_file(&dir.join(format!("{id}.idx")), &json, 0o600, true)?;
+        let d = std::fs::File::open(&dir).map_err(WorkspaceError::io("open", &dir))?;
+        d.sync_all().map_err(WorkspaceError::io("sync", &dir))
+    }
+
+    /// The content with this hash from the packs, if one holds it.
+    fn packed(&self, sha256: &str) -> Result<Option<Vec<u8>>, WorkspaceError> {
+        use std::os::unix::fs::FileExt;
+        let dir = self.dir.join("packs");
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            return Ok(None);
+        };
+        for ent in rd.flatten() {
+            let p = ent.path();
+            if p.extension().is_none_or(|e| e != "idx") {
+                continue;
+            }
+            let raw = std::fs::read(&p).map_err(WorkspaceError::io("read", &p))?;
+            let idx: BTreeMap<String, (u64, u64)> = serde_json::from_slice(&raw)
+                .map_err(|e| WorkspaceError::CorruptBase(p.clone(), e.to_string()))?;
+            let Some((off, len)) = idx.get(sha256) else {
+                continue;
+            };
+            let pack = p.with_extension("tar");
+            let f = std::fs::File::open(&pack).map_err(WorkspaceError::io("open", &pack))?;
+            let mut buf = vec![0u8; *len as usize];
+            f.read_exact_at(&mut buf, *off)
+                .map_err(WorkspaceError::io("read", &pack))?;
+            if super::sha256(&buf) != sha256 {
+                return Err(WorkspaceError::CorruptBase(
+                    pack,
+                    format!("content of {sha256} does not match its hash"),
+                ));
+            }
+            return Ok(Some(buf));
+        }
+        Ok(None)
+    }
+
     pub fn blob(&self, sha256: &str) -> Result<Vec<u8>, WorkspaceError> {
         let p = self.blob_path(sha256);
-        std::fs::read(&p).map_err(WorkspaceError::io("read the sync base blob", p))
+        match std::fs::read(&p) {
+            Ok(d) => Ok(d),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match self.packed(sha256)? {
+                Some(d) => Ok(d),
+                None => Err(WorkspaceError::io("read the sync base blob", p)(e)),
+            },
+            Err(e) => Err(WorkspaceError::io("read the sync base blob", p)(e)),
+        }
     }
 }
 
@@ -202,6 +258,24 @@ mod tests {
         b.save(&m).unwrap();
         assert_eq!(b.load().unwrap(), m);
         assert_eq!(m.entries["a"].guest_mtime, 1500);
+    }
+
+    #[test]
+    fn packed_contents_are_found_by_hash_and_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let b = Base::new(d.path().join("workspace"));
+        let archive = b"xxxxhelloyyworld".to_vec();
+        let (h, w) = (
+            super::super::sha256(b"hello"),
+            super::super::sha256(b"world"),
+        );
+        b.put_pack(&archive, &[(h.clone(), 4, 5), (w.clone(), 11, 5)])
+            .unwrap();
+        assert_eq!(b.blob(&h).unwrap(), b"hello");
+        assert_eq!(b.blob(&w).unwrap(), b"world");
+        assert!(b.blob(&super::super::sha256(b"nope")).is_err());
+        let loose = b.put_blob(b"loose").unwrap();
+        assert_eq!(b.blob(&loose).unwrap(), b"loose");
     }
 
     #[test]

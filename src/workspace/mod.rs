@@ -41,6 +41,9 @@ pub enum WorkspaceError {
     AlreadyUndone(String),
     #[error("{0}")]
     Refused(String),
+    /// Undo would overwrite host changes made after the apply.
+    #[error("{0}")]
+    HostEdited(String),
     #[error("cannot record the backup: {0}")]
     Store(String),
 }

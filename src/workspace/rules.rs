@@ -18,6 +18,8 @@ use crate::config::SyncConfig;
 /// Compiled sync rules.
 #[derive(Debug, Clone)]
 pub struct Rules {
+    /// The `exclude` patterns as given (kept to build [`Rules::with_exclude`]).
+    exclude_patterns: Vec<String>,
     exclude: GlobSet,
     secrets: GlobSet,
     allow: GlobSet,
@@ -55,12 +57,49 @@ fn matches_any_ancestor(set: &GlobSet, rel: &str) -> bool {
     ancestors(rel).any(|a| set.is_match(a))
 }
 
+/// Paths one sync request leaves alone (`exclude` of an exec or sync request): neither sent
+/// nor deleted in the VM, whatever the host has there.
+#[derive(Debug, Clone, Default)]
+pub struct Skip(Option<GlobSet>);
+
+impl Skip {
+    pub fn new(patterns: &[String]) -> Result<Skip, WorkspaceError> {
+        if patterns.is_empty() {
+            return Ok(Skip(None));
+        }
+        Ok(Skip(Some(globset(patterns)?)))
+    }
+
+    /// `rel` or one of its ancestors matches.
+    pub fn skips(&self, rel: &str) -> bool {
+        self.0
+            .as_ref()
+            .is_some_and(|s| matches_any_ancestor(s, rel))
+    }
+}
+
 impl Rules {
     pub fn new(cfg: &SyncConfig) -> Result<Rules, WorkspaceError> {
         Ok(Rules {
+            exclude_patterns: cfg.exclude.clone(),
             exclude: globset(&cfg.exclude)?,
             secrets: globset(&cfg.secrets)?,
             allow: globset(&cfg.allow_secrets)?,
+        })
+    }
+
+    /// These rules with more `exclude` patterns (a sandbox's own, or one request's).
+    pub fn with_exclude(&self, more: &[String]) -> Result<Rules, WorkspaceError> {
+        if more.is_empty() {
+            return Ok(self.clone());
+        }
+        let mut all = self.exclude_patterns.clone();
+        all.extend(more.iter().cloned());
+        Ok(Rules {
+            exclude: globset(&all)?,
+            exclude_patterns: all,
+            secrets: self.secrets.clone(),
+            allow: self.allow.clone(),
         })
     }
 
@@ -272,6 +311,23 @@ mod tests {
         ] {
             assert!(!r.is_secret(p), "{p} should not be a secret");
         }
+    }
+
+    #[test]
+    fn more_excludes_and_skips_match_paths_and_whole_directories() {
+        let r = rules(&["vendor"], &[]);
+        let more = r
+            .with_exclude(&["data/*.csv".into(), "big".into()])
+            .unwrap();
+        for p in ["vendor/x.c", "data/a.csv", "big", "x/big/y"] {
+            assert!(more.is_excluded(p), "{p}");
+        }
+        assert!(!more.is_excluded("data/sub/a.csv") && !more.is_excluded("src/big.rs"));
+        assert!(!r.is_excluded("big"), "the original rules are unchanged");
+        assert!(r.with_exclude(&["[".into()]).is_err());
+        let s = Skip::new(&["gen".into()]).unwrap();
+        assert!(s.skips("gen") && s.skips("a/gen/b.txt") && !s.skips("generated"));
+        assert!(!Skip::default().skips("anything"));
     }
 
     #[test]

@@ -8,8 +8,8 @@
 use std::collections::HashSet;
 use std::path::Path;
 
-use super::manifest::{Base, Entry, Kind, Manifest};
-use super::rules::Scan;
+use super::manifest::{Entry, Kind, Manifest};
+use super::rules::{Scan, Skip};
 use super::{WorkspaceError, gitconfig};
 
 /// A computed sync, ready to send.
@@ -22,6 +22,9 @@ pub struct Delta {
     pub manifest: Manifest,
     /// Files changed on both sides since the base: left as the VM has them.
     pub kept_vm_changes: Vec<String>,
+    /// SHA-256, offset and length of each file's content in `archive`: store it with
+    /// [`Base::put_pack`] once the VM has it.
+    pub pack_index: Vec<(String, u64, u64)>,
     /// Whether `manifest` differs from the stored base (else there is nothing to save).
     pub changed: bool,
     /// Entries in `archive` (directories included).
@@ -41,6 +44,35 @@ fn read_for_vm(root: &Path, rel: &str) -> Result<Vec<u8>, WorkspaceError> {
     Ok(data)
 }
 
+/// Content and SHA-256 of a file as it goes into the VM.
+type Read = Result<(Vec<u8>, String), WorkspaceError>;
+
+/// Read and hash `paths`, spread over the CPUs (a first sync reads the whole repo).
+fn read_all<'a>(root: &Path, paths: &[&'a str]) -> std::collections::HashMap<&'a str, Read> {
+    let read = |rel: &str| -> Read {
+        let d = read_for_vm(root, rel)?;
+        let sha = super::sha256(&d);
+        Ok((d, sha))
+    };
+    if paths.len() < 64 {
+        return paths.iter().map(|p| (*p, read(p))).collect();
+    }
+    let n = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .clamp(1, 8);
+    let chunk = paths.len().div_ceil(n);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = paths
+            .chunks(chunk)
+            .map(|c| s.spawn(move || c.iter().map(|p| (*p, read(p))).collect::<Vec<_>>()))
+            .collect();
+        hs.into_iter()
+            .flat_map(|h| h.join().unwrap_or_default())
+            .collect()
+    })
+}
+
 fn header(kind: tar::EntryType, mode: u32, size: u64, mtime_ns: i64) -> tar::Header {
     let mut h = tar::Header::new_gnu();
     h.set_entry_type(kind);
@@ -52,11 +84,15 @@ fn header(kind: tar::EntryType, mode: u32, size: u64, mtime_ns: i64) -> tar::Hea
     h
 }
 
-/// Compare the host scan with the base, read what changed, store it in the base's blob store
-/// and build the archive. A file whose stat (size, mtime, mode) is unchanged is not read.
+/// Compare the host scan with the base, read what changed and build the archive (the caller
+/// stores it as a pack of the base with [`Delta::pack_index`] once the VM has it). A file whose stat (size, mtime, mode) is unchanged is not read.
 #[cfg(test)]
-pub fn compute(root: &Path, scan: &Scan, base: &Base) -> Result<Delta, WorkspaceError> {
-    compute_keeping(root, scan, base, &base.load()?, &HashSet::new())
+pub fn compute(
+    root: &Path,
+    scan: &Scan,
+    base: &super::manifest::Base,
+) -> Result<Delta, WorkspaceError> {
+    compute_keeping(root, scan, &base.load()?, &HashSet::new(), &Skip::default())
 }
 
 /// Files of the base whose host stat changed: before overwriting them the caller checks
@@ -77,16 +113,24 @@ pub fn overwrite_candidates(scan: &Scan, old: &Manifest) -> Vec<String> {
 /// Like [`compute`], but files in `vm_changed` (changed in the VM since the base) are not
 /// overwritten when the host changed them too: their base stays, so diff shows the VM's
 /// change and apply merges both. They are listed in [`Delta::kept_vm_changes`].
+/// Paths of the base that `skip` matches stay as they are (not sent, not deleted); the scan
+/// is expected to have left them out.
 pub fn compute_keeping(
     root: &Path,
     scan: &Scan,
-    base: &Base,
     old: &Manifest,
     vm_changed: &HashSet<String>,
+    skip: &Skip,
 ) -> Result<Delta, WorkspaceError> {
     let mut kept_vm_changes = Vec::new();
+    let mut pack_index = Vec::new();
     let mut b = tar::Builder::new(Vec::new());
     let mut out = Manifest::default();
+    for (rel, e) in &old.entries {
+        if skip.skips(rel) {
+            out.entries.insert(rel.clone(), e.clone());
+        }
+    }
     let (mut files_sent, mut bytes_sent, mut unchanged, mut entries) = (0u64, 0u64, 0u64, 0u64);
     let tar_err = |rel: &str| {
         let rel = rel.to_owned();
@@ -96,7 +140,25 @@ pub fn compute_keeping(
             source: e,
         }
     };
+    let stale = |rel: &str, h: &super::rules::HostEntry| {
+        !old.entries.get(rel).is_some_and(|p| {
+            p.kind == h.kind
+                && p.mode == h.mode
+                && p.link == h.link
+                && (h.kind == Kind::Dir || (p.size == h.size && p.mtime_ns == h.mtime_ns))
+        })
+    };
+    let to_read: Vec<&str> = scan
+        .entries
+        .iter()
+        .filter(|(rel, h)| h.kind == Kind::File && !skip.skips(rel) && stale(rel, h))
+        .map(|(rel, _)| rel.as_str())
+        .collect();
+    let mut reads = read_all(root, &to_read);
     for (rel, h) in &scan.entries {
+        if skip.skips(rel) {
+            continue;
+        }
         let prev = old.entries.get(rel);
         let same_stat = prev.is_some_and(|p| {
             p.kind == h.kind
@@ -154,7 +216,10 @@ pub fn compute_keeping(
                 files_sent += 1;
             }
             Kind::File => {
-                let data = match read_for_vm(root, rel) {
+                let Some(read) = reads.remove(rel.as_str()) else {
+                    continue;
+                };
+                let (data, sha) = match read {
                     Ok(d) => d,
                     // Removed between the scan and now: the next sync deletes it.
                     Err(WorkspaceError::Io { source, .. })
@@ -164,7 +229,6 @@ pub fn compute_keeping(
                     }
                     Err(e) => return Err(e),
                 };
-                let sha = base.put_blob(&data)?;
                 let mut e = Entry::file(h.mode, h.size, h.mtime_ns, sha.clone());
                 e.guest_size = data.len() as u64;
                 if let Some(p) =
@@ -192,6 +256,10 @@ pub fn compute_keeping(
                 );
                 b.append_data(&mut hd, rel, data.as_slice())
                     .map_err(tar_err(rel))?;
+                // The content ends where the archive ends, before the padding to 512.
+                let end = b.get_ref().len() as u64;
+                let len = data.len() as u64;
+                pack_index.push((sha, end - len.div_ceil(512) * 512, len));
                 files_sent += 1;
                 entries += 1;
                 bytes_sent += data.len() as u64;
@@ -201,6 +269,9 @@ pub fn compute_keeping(
     }
     let mut delete: Vec<String> = Vec::new();
     for (rel, e) in &old.entries {
+        if skip.skips(rel) {
+            continue;
+        }
         let replaced = scan.entries.get(rel).is_some_and(|h| h.kind == e.kind);
         if replaced {
             continue;
@@ -216,6 +287,7 @@ pub fn compute_keeping(
     }
     let archive = b.into_inner().map_err(tar_err("(archive)"))?;
     Ok(Delta {
+        pack_index,
         kept_vm_changes,
         changed: out != *old,
         archive,
@@ -230,6 +302,7 @@ pub fn compute_keeping(
 
 #[cfg(test)]
 mod tests {
+    use super::super::manifest::Base;
     use super::super::rules::{Rules, scan};
     use super::*;
     use crate::config::SyncConfig;
@@ -262,6 +335,13 @@ mod tests {
         write(root, ".env", "SECRET=1");
         let first = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
         assert_eq!(first.files_sent, 21);
+        base.put_pack(&first.archive, &first.pack_index).unwrap();
+        for (rel, e) in &first.manifest.entries {
+            if e.kind == Kind::File {
+                let want = std::fs::read(root.join(rel)).unwrap();
+                assert_eq!(base.blob(&e.sha256).unwrap(), want, "{rel} from the pack");
+            }
+        }
         assert!(!names(&first.archive).iter().any(|n| n.contains(".env")));
         base.save(&first.manifest).unwrap();
 
@@ -282,6 +362,7 @@ mod tests {
         assert_eq!(d.files_sent, 1);
         assert_eq!(d.bytes_sent, 8);
         let sha = &d.manifest.entries["src/f3.txt"].sha256;
+        base.put_pack(&d.archive, &d.pack_index).unwrap();
         assert_eq!(base.blob(sha).unwrap(), b"changed!");
     }
 
@@ -304,10 +385,40 @@ mod tests {
             ["a.txt", "b.txt"]
         );
         let vm = HashSet::from(["a.txt".to_string()]);
-        let d = compute_keeping(root, &s, &base, &first.manifest, &vm).unwrap();
+        let d = compute_keeping(root, &s, &first.manifest, &vm, &Skip::default()).unwrap();
         assert_eq!(names(&d.archive), ["b.txt"]);
         assert_eq!(d.kept_vm_changes, ["a.txt"]);
         assert_eq!(d.manifest.entries["a.txt"], first.manifest.entries["a.txt"]);
+    }
+
+    #[test]
+    fn a_request_exclude_neither_sends_nor_deletes_its_paths() {
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let base = Base::new(data.path().join("ws"));
+        write(root, "big/a.bin", "a");
+        write(root, "src/x.txt", "x");
+        let first = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        base.save(&first.manifest).unwrap();
+        write(root, "big/a.bin", "changed");
+        write(root, "big/new.bin", "new");
+        write(root, "src/x.txt", "changed");
+        let skip = Skip::new(&["big".into()]).unwrap();
+        let scan_rules = rules.with_exclude(&["big".into()]).unwrap();
+        let s = scan(root, &scan_rules).unwrap();
+        let d = compute_keeping(root, &s, &first.manifest, &HashSet::new(), &skip).unwrap();
+        assert_eq!(names(&d.archive), ["src/x.txt"]);
+        assert!(d.delete.is_empty(), "{:?}", d.delete);
+        for p in ["big", "big/a.bin"] {
+            assert_eq!(d.manifest.entries[p], first.manifest.entries[p], "{p}");
+        }
+        assert!(!d.manifest.entries.contains_key("big/new.bin"));
+        // The next sync without the exclude sends what was skipped.
+        base.save(&d.manifest).unwrap();
+        let n = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        assert_eq!(names(&n.archive), ["big/a.bin", "big/new.bin"]);
     }
 
     #[test]

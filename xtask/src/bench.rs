@@ -261,7 +261,67 @@ pub fn run(reps: usize) -> Result<()> {
         sn.forks,
         sn.forks_rss_kib as f64 / 1024.0
     )?;
-    writeln!(md, "\n## Workspace sync (10,000 files, 100 MB)\n")?;
+    md.push('\n');
+    md.push_str(&ws_section(&ws)?);
+    println!("\n{md}");
+    let path = util::repo_root().join("BENCHMARKS.md");
+    std::fs::write(&path, md)?;
+    println!("wrote {}", path.display());
+    println!(
+        "(a) {}  (b) {}  ratio {ratio:.2}  (c) api {} cli {}",
+        fmt(a),
+        fmt(b),
+        fmt(c_api),
+        fmt(c_cli)
+    );
+    Ok(())
+}
+
+/// `--workspace-only`: the daemon, then only (e); replaces the workspace section of
+/// BENCHMARKS.md (everything from its heading on) and leaves the other rows as they were.
+pub fn run_workspace_only(reps: usize) -> Result<()> {
+    let reps = reps.max(5);
+    let bin = crate::dist::run()?;
+    crate::images::run(&bin, crate::images::Rebuild::default())?;
+    let out = util::out_dir();
+    let home = out.join("bench-home");
+    if home.exists() {
+        std::fs::remove_dir_all(&home)?;
+    }
+    let load_before = loadavg();
+    let config = format!("default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n");
+    let d = Daemon::start(&bin, &home, &out, &config)?;
+    println!("==> (e) workspace sync: 10,000 files / 100 MB vs rsync -a");
+    let ws = workspace_bench(&d.socket(), &home, reps)?;
+    d.stop()?;
+    let mut sec = ws_section(&ws)?;
+    writeln!(
+        sec,
+        "These rows: `cargo xtask bench --workspace-only` on {}; host load average at the start \
+         {load_before}, at the end {}.\n",
+        util::output(
+            Command::new("date").arg("-u").arg("+%Y-%m-%d %H:%M UTC"),
+            "date"
+        )?
+        .trim(),
+        loadavg()
+    )?;
+    println!("\n{sec}");
+    let path = util::repo_root().join("BENCHMARKS.md");
+    let old = std::fs::read_to_string(&path).unwrap_or_default();
+    let head = old
+        .find("## Workspace sync")
+        .map(|i| &old[..i])
+        .unwrap_or(&old);
+    std::fs::write(&path, format!("{head}{sec}"))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+/// The workspace section of BENCHMARKS.md.
+fn ws_section(ws: &WsRows) -> Result<String> {
+    let mut md = String::new();
+    writeln!(md, "## Workspace sync (10,000 files, 100 MB)\n")?;
     writeln!(md, "| what | reps | median | min | max | target |")?;
     writeln!(md, "|---|---|---|---|---|---|")?;
     row(
@@ -293,18 +353,7 @@ pub fn run(reps: usize) -> Result<()> {
         "\nFirst sync / rsync = **{:.2}** (target <= 2).\n",
         median(&ws.first).as_secs_f64() / median(&ws.rsync).as_secs_f64()
     )?;
-    println!("\n{md}");
-    let path = util::repo_root().join("BENCHMARKS.md");
-    std::fs::write(&path, md)?;
-    println!("wrote {}", path.display());
-    println!(
-        "(a) {}  (b) {}  ratio {ratio:.2}  (c) api {} cli {}",
-        fmt(a),
-        fmt(b),
-        fmt(c_api),
-        fmt(c_cli)
-    );
-    Ok(())
+    Ok(md)
 }
 
 struct WsRows {

@@ -62,6 +62,9 @@ enum Cmd {
         /// Repetitions per measurement (at least 5).
         #[arg(long, default_value_t = 7)]
         reps: usize,
+        /// Run only the workspace rows (e) and replace that section of BENCHMARKS.md.
+        #[arg(long)]
+        workspace_only: bool,
     },
 }
 
@@ -84,6 +87,13 @@ fn main() -> Result<()> {
         }
         Cmd::Ci => ci::run(),
         Cmd::Demo { repo } => demo::run(repo),
-        Cmd::Bench { reps } => bench::run(reps),
+        Cmd::Bench {
+            reps,
+            workspace_only: false,
+        } => bench::run(reps),
+        Cmd::Bench {
+            reps,
+            workspace_only: true,
+        } => bench::run_workspace_only(reps),
     }
 }

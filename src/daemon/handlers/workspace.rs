@@ -8,10 +8,14 @@ use crate::api;
 use crate::daemon::response::{self, ApiError, Body};
 use crate::service::Service;
 
-pub async fn sync(svc: &Arc<Service>, id: &str) -> Result<Response<Body>, ApiError> {
+pub async fn sync(
+    svc: &Arc<Service>,
+    id: &str,
+    req: api::SyncRequest,
+) -> Result<Response<Body>, ApiError> {
     Ok(response::json(
         StatusCode::OK,
-        &svc.sync_workspace(id).await?,
+        &svc.sync_workspace(id, req).await?,
     ))
 }
 
@@ -43,8 +47,12 @@ pub async fn pull(
     Ok(response::json(StatusCode::OK, &svc.pull(id, req).await?))
 }
 
-pub async fn undo(svc: &Arc<Service>, art: &str) -> Result<Response<Body>, ApiError> {
-    Ok(response::json(StatusCode::OK, &svc.undo(art).await?))
+pub async fn undo(
+    svc: &Arc<Service>,
+    art: &str,
+    req: api::UndoRequest,
+) -> Result<Response<Body>, ApiError> {
+    Ok(response::json(StatusCode::OK, &svc.undo(art, req).await?))
 }
 
 pub async fn read_file(

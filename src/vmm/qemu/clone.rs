@@ -39,6 +39,7 @@ impl QemuDriver {
         paths.disk = absolute(overlay)?;
         paths.ram = RamBacking::Borrowed(abs(ram)?);
         paths.clear_stale()?;
+        paths.ensure_transfer_disk()?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
         self.start_incoming(spec, &paths, &cp.state_file, true)
@@ -91,6 +92,7 @@ impl QemuDriver {
         paths.check_socket_lengths()?;
         paths.disk = cp.disk_layer.clone();
         paths.clear_stale()?;
+        paths.ensure_transfer_disk()?;
         match &cp.ram_file {
             Some(r) if r != paths.ram.path() => {
                 ramfile::copy_sparse(r, paths.ram.path())?;

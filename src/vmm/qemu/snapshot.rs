@@ -111,6 +111,7 @@ impl QemuDriver {
         paths.check_socket_lengths()?;
         paths.disk = absolute(overlay)?;
         paths.clear_stale()?;
+        paths.ensure_transfer_disk()?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
         // The restored VM gets its own copy of the frozen RAM (so later snapshots stay fast);

@@ -92,7 +92,7 @@ fn command_line_has_devices_sockets_and_accel() {
     assert_eq!(values_of(&a, "-initrd"), ["/k/initramfs.cpio.gz"]);
     let append = values_of(&a, "-append")[0];
     assert!(append.contains("console=ttyS0"));
-    assert!(append.contains("tryboxi.root=/dev/vda"));
+    assert!(append.contains("tryboxi.root=serial:tryboxi-root"));
     assert!(append.contains("tryboxi.hostname=sbx_1"));
     let drive = values_of(&a, "-drive")[0];
     assert!(drive.starts_with("file=/data/vms/sbx_1/disk.qcow2,format=qcow2,"));
@@ -103,7 +103,8 @@ fn command_line_has_devices_sockets_and_accel() {
     assert!(chardevs.contains(&"socket,id=qmp,path=/data/vms/sbx_1/qmp.sock,server=on,wait=off"));
     assert!(chardevs.contains(&"file,id=console,path=/data/vms/sbx_1/console.log"));
     let devices = values_of(&a, "-device");
-    assert!(devices.contains(&"virtio-blk-device,drive=root"));
+    assert!(devices.contains(&"virtio-blk-device,drive=root,serial=tryboxi-root"));
+    assert!(devices.contains(&"virtio-blk-device,drive=xfer,serial=tryboxi-xfer"));
     assert!(devices.contains(&"virtserialport,chardev=agent,name=tryboxi.agent"));
     assert!(devices.contains(&"virtio-rng-device"));
     assert_eq!(values_of(&a, "-pidfile"), ["/data/vms/sbx_1/qemu.pid"]);
