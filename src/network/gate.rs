@@ -74,8 +74,12 @@ pub enum InspectVerdict {
     /// Not enough bytes yet to decide; call again with more (the stack caps how much it buffers
     /// and treats a flow that exceeds the cap as `Deny`).
     NeedMore,
-    Allow { rule: String },
-    Deny { reason: String },
+    Allow {
+        rule: String,
+    },
+    Deny {
+        reason: String,
+    },
 }
 
 /// A flow's outcome, reported once per flow.

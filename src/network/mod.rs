@@ -10,3 +10,4 @@
 //! The design is written down in docs/NETWORK.md.
 
 pub mod gate;
+pub mod stack;
