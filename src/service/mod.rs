@@ -6,6 +6,7 @@
 //! anything except through `safefs`.
 
 mod exec;
+mod network;
 mod observe;
 mod sandboxes;
 mod snapshots;
@@ -68,6 +69,8 @@ pub struct Service {
     pub telemetry: Arc<Telemetry>,
     /// One lock per sandbox: its sync, diff, apply and pull never overlap.
     pub ws_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Each sandbox's userspace network stack (`network.rs`).
+    pub nets: network::Nets,
 }
 
 impl Service {
@@ -96,6 +99,7 @@ impl Service {
             vms,
             telemetry,
             ws_locks: Default::default(),
+            nets: Default::default(),
         }
     }
 

@@ -145,7 +145,12 @@ impl Service {
             accel,
         };
         let started = std::time::Instant::now();
-        match self.boot(&driver, &spec).await {
+        // The NIC's socket must be listening before QEMU starts.
+        let booted = match self.ensure_network(&id, &dir) {
+            Ok(()) => self.boot(&driver, &spec).await,
+            Err(e) => Err(e),
+        };
+        match booted {
             Ok(vm) => {
                 let boot_ms = started.elapsed().as_millis() as u64;
                 let vm = Arc::new(vm);
@@ -258,6 +263,7 @@ impl Service {
     /// Kill whatever runs in `dir`, delete it (fenced) and forget the record.
     async fn discard(&self, id: &str, dir: &Path) {
         self.kill_leftover(dir).await;
+        self.stop_network(id);
         if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
         }
@@ -339,6 +345,10 @@ impl Service {
                 return;
             }
         };
+        // QEMU keeps retrying its NIC's socket: listening again brings the network back.
+        if let Err(e) = self.ensure_network(id, dir) {
+            tracing::warn!(sandbox = %id, error = %e, "no network after the daemon restart");
+        }
         match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(20)).await {
             Ok(agent) => {
                 tracing::info!(sandbox = %id, pid = info.pid, "reattached to a running VM");
