@@ -47,7 +47,9 @@ const TIMED: &str = r#"t() { s=$(date +%s%N); "$@"; rc=$?; e=$(date +%s%N); echo
 
 /// The `ms=` of a `t` line that follows `marker`.
 fn ms_after(out: &str, marker: &str) -> u64 {
-    let rest = &out[out.find(marker).unwrap_or_else(|| panic!("no {marker} in {out}"))..];
+    let rest = &out[out
+        .find(marker)
+        .unwrap_or_else(|| panic!("no {marker} in {out}"))..];
     let ms = rest.split("ms=").nth(1).unwrap_or_else(|| panic!("{out}"));
     ms.split_whitespace().next().unwrap().parse().unwrap()
 }
@@ -85,7 +87,11 @@ fn sandbox_without_policy_has_a_network_that_refuses_everything_fast() {
     assert!(out.contains("inet 10.0.2.15/24"), "{out}");
     assert!(out.contains("default via 10.0.2.2 dev eth0"), "{out}");
     let v6 = &out[out.find("V6:").unwrap() + 3..out.find(":V6").unwrap()];
-    assert_eq!(v6.trim(), "", "the guest has IPv6 addresses or routes: {out}");
+    assert_eq!(
+        v6.trim(),
+        "",
+        "the guest has IPv6 addresses or routes: {out}"
+    );
     assert!(out.contains("nameserver 10.0.2.2"), "{out}");
 
     // Connections: refused at once, to the outside, to the gateway, over IPv6.
@@ -103,7 +109,11 @@ fn sandbox_without_policy_has_a_network_that_refuses_everything_fast() {
     assert!(ms_after(&out, "V6") < 3000, "{out}");
 
     // DNS: the sandbox resolver answers (REFUSED without a policy) at once.
-    let out = bash(&d, &id, &format!("{TIMED} echo DNS; t getent hosts example.com"));
+    let out = bash(
+        &d,
+        &id,
+        &format!("{TIMED} echo DNS; t getent hosts example.com"),
+    );
     assert!(out.contains("rc=2"), "getent should find nothing: {out}");
     assert!(ms_after(&out, "DNS") < 3000, "{out}");
 
@@ -131,7 +141,11 @@ fn sandbox_without_policy_has_a_network_that_refuses_everything_fast() {
     d.kill();
     d.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert_refused_fast(&d, &id, "192.0.2.10", 443);
-    let out = bash(&d, &id, &format!("{TIMED} echo DNS; t getent hosts example.com"));
+    let out = bash(
+        &d,
+        &id,
+        &format!("{TIMED} echo DNS; t getent hosts example.com"),
+    );
     assert!(ms_after(&out, "DNS") < 3000, "{out}");
 
     assert!(d.cli(&["rm", &id]).status.success());

@@ -82,7 +82,10 @@ mod tests {
             dst: "192.0.2.1:443".parse().unwrap(),
         };
         assert!(matches!(DenyAll.connect(&f), ConnectVerdict::Deny { .. }));
-        assert!(matches!(DenyAll.inspect(&f, b"x"), InspectVerdict::Deny { .. }));
+        assert!(matches!(
+            DenyAll.inspect(&f, b"x"),
+            InspectVerdict::Deny { .. }
+        ));
         let q = b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x07example\x03com\x00\x00\x01\x00\x01";
         let a = refused(q).unwrap();
         assert_eq!(&a[..2], &[0x12, 0x34]);

@@ -8,7 +8,9 @@
 //! (d) QEMU RSS of an idle sandbox and the daemon's RSS;
 //! (e) workspace: a generated repo of 10,000 files / 100 MB, `rsync -a` of it into a local
 //!     directory vs the first sync into a VM, a one-file delta sync, and a diff of one file
-//!     changed in the VM.
+//!     changed in the VM;
+//! (g) network (`bench_net.rs`): one TCP stream and connections per second from a guest through
+//!     its userspace stack to a local server, vs the same host-local.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -152,6 +154,7 @@ pub fn run(reps: usize) -> Result<()> {
     println!("==> (e) workspace sync: 10,000 files / 100 MB vs rsync -a");
     let ws = workspace_bench(&sock, &home, reps)?;
     d.stop()?;
+    let net = crate::bench_net::run(&bin, &home.join("net"), &out, &config)?;
 
     let (a, b, c_api, c_cli) = (median(&base), median(&create), median(&api), median(&cli));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
@@ -255,6 +258,33 @@ pub fn run(reps: usize) -> Result<()> {
         md,
         "\nFirst sync / rsync = **{:.2}** (target <= 2).\n",
         median(&ws.first).as_secs_f64() / median(&ws.rsync).as_secs_f64()
+    )?;
+    writeln!(
+        md,
+        "## Network (one sandbox, through its userspace stack)\n"
+    )?;
+    writeln!(
+        md,
+        "| what | through the stack | host-local | ratio |\n|---|---|---|---|"
+    )?;
+    writeln!(
+        md,
+        "| (g) one TCP stream, 64 MiB, bash `/dev/tcp` -> local server | {:.1} MB/s | {:.1} MB/s | {:.3} |",
+        net.stream_vm,
+        net.stream_host,
+        net.stream_vm / net.stream_host
+    )?;
+    writeln!(
+        md,
+        "| (g) connections per second, one after another (connect + close) | {:.0}/s | {:.0}/s | {:.3} |",
+        net.cps_vm,
+        net.cps_host,
+        net.cps_vm / net.cps_host
+    )?;
+    writeln!(
+        md,
+        "\nThe guest side runs under **{accel}**: with TCG the guest kernel's TCP and bash are \
+         emulated, so the ratio mostly measures the emulation, not the stack.\n"
     )?;
     println!("\n{md}");
     let path = util::repo_root().join("BENCHMARKS.md");

@@ -137,6 +137,10 @@ impl Engine {
     /// Serve one QEMU connection until it closes.
     pub async fn run(mut self, stream: UnixStream) {
         let mut reader = FrameReader::default();
+        // After a daemon restart or a restore the guest still knows the gateway's MAC and will
+        // not ARP for it, while this fresh interface does not know the guest's: ask at once, so
+        // the first answer (even a RST) does not wait for an ARP round trip.
+        self.announce();
         loop {
             self.step();
             if !self.dev.tx.is_empty() {
@@ -195,6 +199,28 @@ impl Engine {
                 Woke::Event(ev) => self.handle_event(ev),
             }
         }
+    }
+
+    /// Queue an ARP request for the guest's address (its reply fills smoltcp's neighbor cache).
+    fn announce(&mut self) {
+        use smoltcp::wire::{ArpOperation, ArpPacket, ArpRepr, EthernetFrame, EthernetProtocol};
+        let arp = ArpRepr::EthernetIpv4 {
+            operation: ArpOperation::Request,
+            source_hardware_addr: EthernetAddress(GATEWAY_MAC),
+            source_protocol_addr: GATEWAY_V4,
+            target_hardware_addr: EthernetAddress([0; 6]),
+            target_protocol_addr: crate::network::gate::GUEST_V4,
+        };
+        let mut frame = vec![0u8; 14 + arp.buffer_len()];
+        let mut eth = EthernetFrame::new_unchecked(&mut frame[..]);
+        eth.set_src_addr(EthernetAddress(GATEWAY_MAC));
+        eth.set_dst_addr(EthernetAddress::BROADCAST);
+        eth.set_ethertype(EthernetProtocol::Arp);
+        arp.emit(&mut ArpPacket::new_unchecked(eth.payload_mut()));
+        self.dev
+            .tx
+            .extend_from_slice(&(frame.len() as u32).to_be_bytes());
+        self.dev.tx.extend_from_slice(&frame);
     }
 
     /// Let smoltcp process input and timers, move bytes for every flow, let smoltcp send, and

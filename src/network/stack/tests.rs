@@ -594,3 +594,48 @@ fn guest_agent_qemu_and_stack_agree_on_addresses() {
     let mac: Vec<String> = GUEST_MAC.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(mac.join(":"), crate::vmm::qemu::NIC_MAC);
 }
+
+#[tokio::test]
+async fn slow_upstream_keeps_the_guest_waiting_then_resets() {
+    // A listener whose accept queue is full: the kernel drops further SYNs, so a connect hangs.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let l = sock.listen(0).unwrap();
+    let up = l.local_addr().unwrap();
+    let mut fillers = Vec::new();
+    for _ in 0..4 {
+        if let Ok(Ok(s)) = tokio::time::timeout(
+            Duration::from_millis(300),
+            tokio::net::TcpStream::connect(up),
+        )
+        .await
+        {
+            fillers.push(s);
+        }
+    }
+    let gate = Arc::new(TestGate::default());
+    gate.allow("198.51.100.7:80", up, Inspect::Nothing);
+    let cfg = StackConfig {
+        connect_timeout: Duration::from_millis(1500),
+        ..StackConfig::default()
+    };
+    let (mut g, _) = start(gate.clone(), cfg);
+    let t0 = std::time::Instant::now();
+    let h = g.tcp("198.51.100.7:80", 4096);
+    let mut seen_established = false;
+    g.until("the reset after the connect timeout", |g| {
+        seen_established |= g.t(h).state() == tcp::State::Established;
+        g.t(h).state() == tcp::State::Closed
+    })
+    .await;
+    assert!(!seen_established, "the guest saw an open connection");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1400),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert!(gate.events().iter().any(
+        |e| matches!(e, FlowEvent::UpstreamFailed { error, .. } if error.contains("no answer"))
+    ));
+    drop((l, fillers));
+}
