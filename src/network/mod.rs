@@ -10,3 +10,8 @@
 //! The design is written down in docs/NETWORK.md.
 
 pub mod gate;
+
+// The policy side (branch net-policy).
+pub mod dns;
+pub mod policy;
+pub mod sniff;
