@@ -10,6 +10,7 @@ mod install;
 mod logs;
 mod ls;
 mod mcp;
+mod net;
 mod pull;
 mod rm;
 mod snapshot;
@@ -90,6 +91,10 @@ pub enum Command {
         /// Snapshot id or name.
         snapshot: String,
     },
+    /// A sandbox's egress policy and the agent's access requests (show, allow, deny,
+    /// requests, approve, reject, setup).
+    #[command(subcommand)]
+    Net(net::Cmd),
     /// Print an exec's kept output (stdout and stderr).
     Logs(logs::Args),
     /// Check the host: QEMU, KVM or TCG, guest images, data root, daemon, memory, disk.
@@ -169,6 +174,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Snapshot(c) => runtime()?.block_on(snapshot::run(c)),
         Command::Restore { id, snapshot } => runtime()?.block_on(snapshot::restore(id, snapshot)),
         Command::Logs(a) => runtime()?.block_on(logs::run(a)),
+        Command::Net(c) => runtime()?.block_on(net::run(c)),
     }
 }
 

@@ -13,3 +13,8 @@
 pub mod deny;
 pub mod gate;
 pub mod stack;
+
+// The policy side (branch net-policy).
+pub mod dns;
+pub mod policy;
+pub mod sniff;

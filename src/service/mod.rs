@@ -6,6 +6,7 @@
 //! anything except through `safefs`.
 
 mod exec;
+pub mod netpolicy;
 mod network;
 mod observe;
 mod sandboxes;
@@ -38,6 +39,8 @@ pub enum ServiceError {
     #[error("{0}")]
     Conflict(String),
     #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
     Unavailable(String),
     #[error("{0}")]
     Internal(String),
@@ -68,6 +71,8 @@ pub struct Service {
     /// Events, traces, metrics and exec output logs.
     pub telemetry: Arc<Telemetry>,
     /// One lock per sandbox: its sync, diff, apply and pull never overlap.
+    /// Egress policy: live gates, settings, access requests.
+    pub networks: netpolicy::Networks,
     pub ws_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Each sandbox's userspace network stack (`network.rs`).
     pub nets: network::Nets,
@@ -91,7 +96,9 @@ impl Service {
             &config.qemu_binary,
             std::time::Duration::from_secs(config.boot_timeout_s),
         );
+        let networks = netpolicy::Networks::new(&config.network, telemetry.clone());
         Service {
+            networks,
             paths,
             config,
             store,

@@ -28,9 +28,15 @@ impl Nets {
 }
 
 impl Service {
-    /// The gate deciding `id`'s traffic. Without a policy engine wired in, nothing leaves.
-    fn gate_for(&self, _id: &str) -> SharedGate {
-        Arc::new(crate::network::deny::DenyAll)
+    /// The gate deciding `id`'s traffic: its policy gate, or (no policy record) nothing leaves.
+    fn gate_for(&self, id: &str) -> SharedGate {
+        match self.network_gate(id) {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!(sandbox = %id, error = %e, "no network policy; denying all egress");
+                Arc::new(crate::network::deny::DenyAll)
+            }
+        }
     }
 
     /// Make sure `id` has a stack listening on its VM's network socket (idempotent).

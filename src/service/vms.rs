@@ -109,6 +109,7 @@ impl Service {
     ) -> Result<api::Sandbox, ServiceError> {
         let t0 = std::time::Instant::now();
         let (vcpus, memory_mib, workspace) = self.validate_create(&req)?;
+        let net_policy = self.validate_network(req.network.as_ref())?;
         let images = self.images()?;
         let driver = self.driver()?;
         let accel = self.accel(&driver, &images).await;
@@ -133,6 +134,7 @@ impl Service {
             dir: dir.clone(),
         };
         self.store.put(SANDBOXES, &id, &rec)?;
+        self.init_network(&id, net_policy)?;
         self.telemetry.sandbox_created(&rec.api, t0);
         let spec = VmSpec {
             id: id.clone(),
@@ -269,6 +271,7 @@ impl Service {
         }
         let _ = self.store.delete(SANDBOXES, id);
         self.forget_snapshots(id);
+        self.forget_network(id);
         self.telemetry.sandbox_removed(id);
     }
 

@@ -33,6 +33,14 @@ pub const EVENTS: &str = "tryboxi_events_total";
 /// Workspace sync: bytes and files sent into VMs. Counters (recorded by the workspace code).
 pub const SYNC_BYTES: &str = "tryboxi_sync_bytes_total";
 pub const SYNC_FILES: &str = "tryboxi_sync_files_total";
+/// Guest network flows by `verdict` (allowed, denied, upstream_failed) and `proto`. Counter.
+pub const NET_FLOWS: &str = "tryboxi_network_flows_total";
+/// Bytes relayed for guests by `direction` (up, down). Counter.
+pub const NET_BYTES: &str = "tryboxi_network_bytes_total";
+/// Sandbox resolver queries by `outcome` (answered, denied, rebinding, nodata, servfail). Counter.
+pub const NET_DNS: &str = "tryboxi_network_dns_queries_total";
+/// Network events dropped by the per-sandbox rate limit (counted, not recorded). Counter.
+pub const NET_EVENTS_SUPPRESSED: &str = "tryboxi_network_events_suppressed_total";
 
 /// The Prometheus text exposition content type.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -99,6 +107,17 @@ fn describe() {
     describe_counter!(EVENTS, "Events recorded by type");
     describe_counter!(SYNC_BYTES, Unit::Bytes, "Bytes synced into sandboxes");
     describe_counter!(SYNC_FILES, "Files synced into sandboxes");
+    describe_counter!(NET_FLOWS, "Guest network flows by verdict and protocol");
+    describe_counter!(
+        NET_BYTES,
+        Unit::Bytes,
+        "Bytes relayed for guests by direction"
+    );
+    describe_counter!(NET_DNS, "Sandbox resolver queries by outcome");
+    describe_counter!(
+        NET_EVENTS_SUPPRESSED,
+        "Network events dropped by the per-sandbox rate limit"
+    );
 }
 
 /// What the service knows at scrape time.

@@ -6,6 +6,7 @@ mod exec;
 mod execs;
 mod health;
 mod metrics;
+mod network;
 mod sandboxes;
 mod snapshots;
 mod traces;
@@ -45,5 +46,16 @@ pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>
         Action::Undo(art) => workspace::undo(svc, &art).await,
         Action::ReadFile { id, path } => workspace::read_file(svc, &id, &path).await,
         Action::WriteFile { id, path, body } => workspace::write_file(svc, &id, &path, body).await,
+        Action::GetNetwork(id) => network::get(svc, &id),
+        Action::ChangeNetwork(id, req) => network::change(svc, &id, req).await,
+        Action::NetworkSetup(id, req) => network::setup(svc, &id, req).await,
+        Action::RequestAccess(id, req) => network::request(svc, &id, req).await,
+        Action::ListAccessRequests(id) => network::requests(svc, &id),
+        Action::DecideAccess {
+            id,
+            request,
+            approve,
+            face,
+        } => network::decide(svc, &id, &request, approve, face.as_deref()).await,
     }
 }
