@@ -7,9 +7,13 @@
 
 mod common;
 
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::os::unix::net::UnixStream;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{Daemon, artifacts};
+use serde_json::Value;
 
 fn daemon() -> Option<Daemon> {
     let art = artifacts()?;
@@ -30,6 +34,29 @@ fn create(d: &Daemon, ws: &std::path::Path) -> String {
     );
     let line = String::from_utf8(out.stdout).unwrap();
     line.split_whitespace().next().unwrap().to_owned()
+}
+
+/// Follow `/v1/events{query}` over raw HTTP; each `data:` line's JSON goes to the channel.
+fn follow_events(d: &Daemon, query: &str) -> mpsc::Receiver<Value> {
+    let mut s = UnixStream::connect(d.socket()).unwrap();
+    write!(
+        s,
+        "GET /v1/events{query} HTTP/1.1\r\nHost: localhost\r\nAccept: text/event-stream\r\n\r\n"
+    )
+    .unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(s).lines() {
+            let Ok(line) = line else { return };
+            if let Some(json) = line.strip_prefix("data: ") {
+                let v: Value = serde_json::from_str(json).expect("event JSON");
+                if tx.send(v).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    rx
 }
 
 /// Run a bash script in the sandbox; returns stdout + stderr.
@@ -103,7 +130,10 @@ fn sandbox_without_policy_has_a_network_that_refuses_everything_fast() {
         &format!("{TIMED} echo V6; t timeout 20 bash -c 'exec 3<>/dev/tcp/2001:db8::1/80' 2>&1"),
     );
     assert!(
-        out.contains("unreachable") || out.contains("not available"),
+        // IPv6 is off, so the guest has no source address for it (EADDRNOTAVAIL).
+        out.contains("unreachable")
+            || out.contains("not available")
+            || out.contains("Cannot assign requested address"),
         "{out}"
     );
     assert!(ms_after(&out, "V6") < 3000, "{out}");
@@ -118,7 +148,8 @@ fn sandbox_without_policy_has_a_network_that_refuses_everything_fast() {
     assert!(ms_after(&out, "DNS") < 3000, "{out}");
 
     // UDP other than DNS: port unreachable comes back (a connected socket sees it), and the
-    // stack reports QUIC as blocked.
+    // stack reports QUIC as blocked (a `network.denied` event for this sandbox).
+    let events = follow_events(&d, &format!("?sandbox={id}&since=now"));
     let out = bash(
         &d,
         &id,
@@ -128,9 +159,20 @@ fn sandbox_without_policy_has_a_network_that_refuses_everything_fast() {
     );
     assert!(out.contains("udp: refused"), "{out}");
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !d.log_text().contains("QUIC (UDP 443) is blocked") {
-        assert!(Instant::now() < deadline, "no QUIC denial in the log");
-        std::thread::sleep(Duration::from_millis(50));
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let e = events
+            .recv_timeout(left)
+            .unwrap_or_else(|e| panic!("no QUIC denial event ({e}); log:\n{}", d.log_text()));
+        if e["type"] == "network.denied"
+            && e["data"]["proto"] == "udp"
+            && e["data"]["port"] == 443
+            && e["data"]["ip"] == "192.0.2.1"
+        {
+            let reason = e["data"]["reason"].as_str().unwrap_or_default();
+            assert!(reason.contains("QUIC (UDP 443) is blocked"), "{e}");
+            break;
+        }
     }
 
     // A daemon restart: QEMU reconnects its NIC to the new daemon's stack.
@@ -147,6 +189,93 @@ fn sandbox_without_policy_has_a_network_that_refuses_everything_fast() {
         &format!("{TIMED} echo DNS; t getent hosts example.com"),
     );
     assert!(ms_after(&out, "DNS") < 3000, "{out}");
+
+    assert!(d.cli(&["rm", &id]).status.success());
+}
+
+/// A local HTTP server on 127.0.0.1: answers every request with a fixed body and hands over
+/// each request's `Host` header.
+fn local_http_server() -> (std::net::SocketAddr, mpsc::Receiver<String>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { return };
+            let mut r = BufReader::new(c.try_clone().unwrap());
+            let mut host = String::new();
+            let mut line = String::new();
+            while r.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                if let Some(h) = line.to_ascii_lowercase().strip_prefix("host:") {
+                    host = h.trim().to_owned();
+                }
+                line.clear();
+            }
+            let body = "hello-from-the-upstream-map\n";
+            let _ = write!(
+                c,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = tx.send(host);
+        }
+    });
+    (addr, rx)
+}
+
+#[test]
+fn an_allowed_name_reaches_its_upstream_and_everything_else_fails_fast() {
+    let Some(art) = artifacts() else { return };
+    let (server, hosts) = local_http_server();
+    let cfg = format!(
+        "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n\
+         [network]\ndefault_policy = []\nupstream_dns = \"127.0.0.1:9\"\n\
+         [network.test_hosts]\n\"allowed.test\" = [\"203.0.113.10\"]\n\
+         \"denied.test\" = [\"203.0.113.11\"]\n\
+         [network.test_upstream_map]\n\"203.0.113.10:80\" = \"{server}\"\n\
+         \"203.0.113.11:80\" = \"{server}\"\n"
+    );
+    let d = Daemon::start(Some(&cfg), &["--artifacts", art.to_str().unwrap()]);
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+    let o = d.cli(&["net", "allow", &id, "allowed.test"]);
+    assert!(
+        o.status.success(),
+        "net allow: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+
+    // The allowed name: resolved by the sandbox resolver, the connection relayed to the
+    // local server, which sees the guest's Host header.
+    let out = bash(
+        &d,
+        &id,
+        "getent hosts allowed.test; python3 -c \"\nimport urllib.request\n\
+         print(urllib.request.urlopen('http://allowed.test/x', timeout=30).read().decode())\n\"",
+    );
+    assert!(out.contains("203.0.113.10"), "{out}");
+    assert!(out.contains("hello-from-the-upstream-map"), "{out}");
+    let host = hosts
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the local server saw no request");
+    assert_eq!(host, "allowed.test");
+
+    // A name the policy does not allow: the resolver refuses it at once.
+    let out = bash(
+        &d,
+        &id,
+        &format!("{TIMED} echo DNS; t getent hosts denied.test"),
+    );
+    assert!(out.contains("rc=2"), "denied.test resolved: {out}");
+    assert!(ms_after(&out, "DNS") < 3000, "{out}");
+
+    // Hard-coded addresses, even one the upstream map would relay: refused at once.
+    assert_refused_fast(&d, &id, "203.0.113.11", 80);
+    assert_refused_fast(&d, &id, "192.0.2.10", 80);
+    assert!(
+        hosts.try_recv().is_err(),
+        "a denied connection reached the upstream"
+    );
 
     assert!(d.cli(&["rm", &id]).status.success());
 }
