@@ -95,12 +95,6 @@ pub fn normalize(input: &str) -> Result<Host, HostError> {
     if input.len() > 1024 {
         return Err(bad("too long"));
     }
-    if input
-        .chars()
-        .any(|c| c.is_control() || c.is_whitespace() || "/\\?#%[]<>\"'`|^{}".contains(c))
-    {
-        return Err(bad("forbidden character"));
-    }
     let unbracketed = input
         .strip_prefix('[')
         .and_then(|s| s.strip_suffix(']'))
@@ -108,7 +102,13 @@ pub fn normalize(input: &str) -> Result<Host, HostError> {
     if let Ok(ip) = unbracketed.parse::<IpAddr>() {
         return Ok(Host::Ip(canonical_ip(ip)));
     }
-    if unbracketed.contains(':') {
+    if input
+        .chars()
+        .any(|c| c.is_control() || c.is_whitespace() || "/\\?#%[]<>\"'`|^{}".contains(c))
+    {
+        return Err(bad("forbidden character"));
+    }
+    if input.contains(':') {
         // Not a valid IPv6 literal (e.g. with a zone `%eth0`, refused above) and not a name.
         return Err(bad("colon in a host name"));
     }
