@@ -50,6 +50,9 @@ pub struct CreateSandboxRequest {
     pub vcpus: Option<u32>,
     #[serde(default)]
     pub memory_mib: Option<u32>,
+    /// Egress policy; absent: the daemon's `[network] default_policy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkSpec>,
 }
 
 /// Lifecycle of a sandbox. `creating -> ready -> (removing) -> removed`; `ready <-> paused`
@@ -457,3 +460,109 @@ pub struct GcReport {
     /// Bytes deleted (or that would be, for a dry run).
     pub bytes: u64,
 }
+// ---- Network: egress policy and ask-to-allow (docs/NETWORK-POLICY.md) ----
+
+/// The `network` of a create request.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkSpec {
+    /// Preset names (`registries`, `github`, `none`) and `HOST|*.SUFFIX|CIDR[:PORTS]` allow
+    /// rules.
+    #[serde(default)]
+    pub policy: Vec<String>,
+}
+
+/// `GET /v1/sandboxes/{id}/network`: the policy in force.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NetworkPolicy {
+    pub sandbox_id: String,
+    pub presets: Vec<String>,
+    /// `allow TARGET[:PORTS]` / `deny TARGET[:PORTS]`, in order.
+    pub rules: Vec<String>,
+    /// What a setup command runs with on top of the rules while it runs (empty otherwise).
+    #[serde(default)]
+    pub setup_widening: Vec<String>,
+    /// Access requests waiting for the user.
+    pub pending_requests: usize,
+}
+
+/// `POST /v1/sandboxes/{id}/network/rules`: add an allow or deny rule (replaces an opposite
+/// rule for the same target and ports).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkRuleChange {
+    /// `allow` or `deny`.
+    pub verdict: String,
+    /// `HOST`, `*.SUFFIX`, `IP` or `CIDR`, optionally `:PORTS`.
+    pub target: String,
+}
+
+/// `POST /v1/sandboxes/{id}/network/setup`: run a command with a wider policy, then narrow it
+/// back (also when the command fails or the client goes away).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkSetupRequest {
+    /// Shell command line (`/bin/sh -c`), e.g. `npm ci`.
+    pub cmd: String,
+    /// Presets and allow rules added while it runs.
+    pub policy: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct NetworkSetupReport {
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub duration_ms: u64,
+    /// The last 8 KiB of each stream.
+    pub stdout_tail: String,
+    pub stderr_tail: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/network/requests` (the agent's "ask to allow").
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AccessRequestCreate {
+    /// `HOST`, `*.SUFFIX`, `IP` or `CIDR`, optionally `:PORTS`.
+    pub host: String,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum AccessRequestState {
+    Pending,
+    Approved,
+    Rejected,
+}
+
+/// An access request and what became of it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AccessRequest {
+    /// `req_...`.
+    pub id: String,
+    pub sandbox_id: String,
+    /// The rule it would add (`allow TARGET[:PORTS]`).
+    pub rule: String,
+    pub host: String,
+    #[serde(default)]
+    pub reason: Option<String>,
+    pub state: AccessRequestState,
+    pub created_at: String,
+    #[serde(default)]
+    pub decided_at: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AccessRequestList {
+    pub requests: Vec<AccessRequest>,
+}
+
+/// The header a client sets to say which face it is (`mcp` for the MCP server). The approve
+/// and reject routes refuse `mcp`: an agent's tools never decide its own requests.
+pub const CLIENT_FACE_HEADER: &str = "x-tryboxi-face";

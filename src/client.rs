@@ -34,13 +34,22 @@ pub enum ClientError {
 #[derive(Debug, Clone)]
 pub struct Client {
     socket: PathBuf,
+    /// Sent as `x-tryboxi-face` (`mcp` for the MCP server).
+    face: Option<&'static str>,
 }
 
 impl Client {
     pub fn new(socket: &Path) -> Client {
         Client {
             socket: socket.to_path_buf(),
+            face: None,
         }
+    }
+
+    /// Say which face this client is (the daemon refuses some routes to `mcp`).
+    pub fn with_face(mut self, face: &'static str) -> Client {
+        self.face = Some(face);
+        self
     }
 
     async fn request(
@@ -66,6 +75,9 @@ impl Client {
             .method(method)
             .uri(path)
             .header("host", "localhost");
+        if let Some(f) = self.face {
+            req = req.header(api::CLIENT_FACE_HEADER, f);
+        }
         if body.is_some() {
             req = req.header("content-type", "application/json");
         }

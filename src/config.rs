@@ -5,7 +5,8 @@
 //! Every key of `config.toml` is documented on [`Config`] with its default; an unknown key is an
 //! error (a typo must not be silently ignored).
 
-use std::net::SocketAddr;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -73,6 +74,8 @@ pub struct Config {
     pub idle_pause_secs: u64,
     /// Golden snapshots and the warm pool (`[pool]` table).
     pub pool: PoolConfig,
+    /// The sandboxes' egress network (`[network]` table).
+    pub network: NetworkConfig,
 }
 
 /// `[limits]`: what all sandboxes together may reserve on this host (the scheduler's ledger).
@@ -175,6 +178,38 @@ impl Default for PoolConfig {
     }
 }
 
+/// `[network]`: egress policy defaults and the sandbox resolver (docs/NETWORK-POLICY.md).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetworkConfig {
+    /// Policy of sandboxes created without `--network`: preset names (`registries`, `github`,
+    /// `none`) and `HOST|CIDR[:PORTS]` allow rules. Default: `["registries", "github"]`.
+    pub default_policy: Vec<String>,
+    /// The resolver allowed names are looked up with, `IP:PORT`. Default: the first
+    /// `nameserver` of the host's /etc/resolv.conf, port 53.
+    pub upstream_dns: Option<SocketAddr>,
+    /// TEST/OVERRIDE: names the sandbox resolver answers from this table instead of asking
+    /// the upstream resolver, e.g. `"allowed.test" = ["203.0.113.10"]`. The answers still go
+    /// through the policy and the blocked-range check. Default: none.
+    pub test_hosts: BTreeMap<String, Vec<IpAddr>>,
+    /// TEST/OVERRIDE: an allowed guest connection to the key really connects to the value,
+    /// e.g. `"203.0.113.10:443" = "127.0.0.1:8443"`. Applied after the policy allowed the flow,
+    /// so tests use local servers while the guest-visible address stays public (the guest can
+    /// still never reach loopback itself). Default: none.
+    pub test_upstream_map: BTreeMap<SocketAddr, SocketAddr>,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        NetworkConfig {
+            default_policy: vec!["registries".into(), "github".into()],
+            upstream_dns: None,
+            test_hosts: BTreeMap::new(),
+            test_upstream_map: BTreeMap::new(),
+        }
+    }
+}
+
 /// `[sync]`: what of the host repo goes into the VM, and limits on what comes back.
 ///
 /// Patterns are globs on the path relative to the repo root, `/`-separated. A pattern without
@@ -264,6 +299,7 @@ impl Default for Config {
             shutdown: ShutdownMode::Pause,
             idle_pause_secs: 0,
             pool: PoolConfig::default(),
+            network: NetworkConfig::default(),
         }
     }
 }
@@ -403,6 +439,27 @@ mod tests {
         assert_eq!(c.gc.backup_retention_days, 7);
         assert_eq!(c.gc.keep_snapshots_per_sandbox, 10);
         assert!(Config::parse("[limits]\nmax_mem = 1").is_err());
+    }
+
+    #[test]
+    fn network_table_parses_test_overrides_and_rejects_typos() {
+        let c = Config::parse(
+            "[network]\nupstream_dns = \"127.0.0.1:5353\"\n\
+             [network.test_hosts]\n\"allowed.test\" = [\"203.0.113.10\"]\n\
+             [network.test_upstream_map]\n\"203.0.113.10:443\" = \"127.0.0.1:8443\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.network.upstream_dns.unwrap().port(), 5353);
+        assert_eq!(c.network.test_hosts["allowed.test"].len(), 1);
+        assert_eq!(
+            c.network.test_upstream_map[&"203.0.113.10:443".parse().unwrap()],
+            "127.0.0.1:8443".parse().unwrap()
+        );
+        assert_eq!(
+            Config::parse("").unwrap().network.default_policy,
+            ["registries", "github"]
+        );
+        assert!(Config::parse("[network]\nupstream = \"x\"").is_err());
     }
 
     #[test]

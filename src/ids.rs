@@ -22,6 +22,8 @@ pub const EXEC: &str = "exe_";
 #[allow(dead_code)]
 pub const ARTIFACT: &str = "art_";
 pub const SNAPSHOT: &str = "snap_";
+/// Network access requests.
+pub const REQUEST: &str = "req_";
 
 #[cfg(test)]
 mod tests {

@@ -11,6 +11,8 @@
 //! - `artifacts`: artifact id -> backup record (apply/pull)
 //! - `events`: sequence number -> event
 //! - `snapshots`: snapshot id -> snapshot record
+//! - `network`: sandbox id -> egress policy and access requests (a new table needs no
+//!   migration: `init` creates missing tables)
 
 use std::path::{Path, PathBuf};
 
@@ -27,6 +29,7 @@ pub const EXECS: TableDefinition<&str, &[u8]> = TableDefinition::new("execs");
 pub const ARTIFACTS: TableDefinition<&str, &[u8]> = TableDefinition::new("artifacts");
 pub const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
 pub const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
+pub const NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("network");
 
 /// Migration from version `n` to `n + 1` is `MIGRATIONS[n - 1]`.
 type Migration = fn(&redb::WriteTransaction) -> Result<(), redb::Error>;
@@ -140,6 +143,7 @@ impl Store {
             txn.open_table(ARTIFACTS)?;
             txn.open_table(EVENTS)?;
             txn.open_table(SNAPSHOTS)?;
+            txn.open_table(NETWORK)?;
         }
         txn.commit()?;
         Ok(Store { db })

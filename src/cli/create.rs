@@ -22,6 +22,22 @@ pub struct Args {
     /// config, for this sandbox only). Repeatable.
     #[arg(long = "exclude", value_name = "PATTERN")]
     exclude: Vec<String>,
+    /// Egress policy: presets (`registries`, `github`, `none`) and `HOST|CIDR[:PORTS]` allow
+    /// rules, comma-separated. Default: the daemon's `[network] default_policy`.
+    #[arg(long, value_name = "POLICY")]
+    network: Option<String>,
+    /// Run this command once the sandbox is ready, with the policy widened by
+    /// `--setup-network`, then narrow it back (e.g. `--setup 'npm ci'`).
+    #[arg(long, value_name = "CMD")]
+    setup: Option<String>,
+    /// What the setup command may reach on top of `--network`.
+    #[arg(
+        long,
+        value_name = "POLICY",
+        default_value = "registries",
+        requires = "setup"
+    )]
+    setup_network: String,
     /// Print the sandbox as JSON.
     #[arg(long)]
     json: bool,
@@ -42,10 +58,39 @@ pub async fn run(a: Args) -> Result<(), TopError> {
         template: Some(a.template),
         vcpus: a.vcpus,
         memory_mib: a.memory_mib,
+        network: a.network.as_ref().map(|n| api::NetworkSpec {
+            policy: n.split(',').map(|s| s.trim().to_owned()).collect(),
+        }),
     };
-    let sbx: api::Sandbox = super::client()?
+    let client = super::client()?;
+    let sbx: api::Sandbox = client
         .send(hyper::Method::POST, "/v1/sandboxes", Some(&req))
         .await?;
+    if let Some(cmd) = a.setup {
+        let setup = api::NetworkSetupRequest {
+            cmd,
+            policy: a
+                .setup_network
+                .split(',')
+                .map(|s| s.trim().to_owned())
+                .collect(),
+            timeout_s: None,
+        };
+        let r: api::NetworkSetupReport = client
+            .send(
+                hyper::Method::POST,
+                &format!("/v1/sandboxes/{}/network/setup", sbx.id),
+                Some(&setup),
+            )
+            .await?;
+        eprint!("{}", r.stderr_tail);
+        eprintln!(
+            "setup: exit {} in {} ms{}; policy narrowed back",
+            r.exit_code.map_or("-".into(), |c| c.to_string()),
+            r.duration_ms,
+            r.error.map(|e| format!(" ({e})")).unwrap_or_default()
+        );
+    }
     if a.json {
         println!(
             "{}",

@@ -12,6 +12,7 @@ mod install;
 mod logs;
 mod ls;
 mod mcp;
+mod net;
 mod pause;
 mod pull;
 mod rm;
@@ -112,6 +113,10 @@ pub enum Command {
         /// Snapshot id or name.
         snapshot: String,
     },
+    /// A sandbox's egress policy and the agent's access requests (show, allow, deny,
+    /// requests, approve, reject, setup).
+    #[command(subcommand)]
+    Net(net::Cmd),
     /// Print an exec's kept output (stdout and stderr).
     Logs(logs::Args),
     /// List templates (`base` and the layers built by `cargo xtask images`).
@@ -201,6 +206,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Logs(a) => runtime()?.block_on(logs::run(a)),
         Command::Template(c) => runtime()?.block_on(template::run(c)),
         Command::Gc(a) => runtime()?.block_on(gc::run(a)),
+        Command::Net(c) => runtime()?.block_on(net::run(c)),
     }
 }
 

@@ -57,6 +57,18 @@ pub enum Action {
     ListTemplates,
     /// `POST /v1/gc`.
     Gc(api::GcRequest),
+    GetNetwork(String),
+    ChangeNetwork(String, api::NetworkRuleChange),
+    NetworkSetup(String, api::NetworkSetupRequest),
+    RequestAccess(String, api::AccessRequestCreate),
+    ListAccessRequests(String),
+    /// Approve (`true`) or reject a request; `face` is the caller's `x-tryboxi-face` header.
+    DecideAccess {
+        id: String,
+        request: String,
+        approve: bool,
+        face: Option<String>,
+    },
 }
 
 /// How a streamed response is framed: NDJSON by default, server-sent events when the client
@@ -106,6 +118,19 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("PUT", "/v1/sandboxes/{id}/files"),
     ("GET", "/v1/templates"),
     ("POST", "/v1/gc"),
+    ("GET", "/v1/sandboxes/{id}/network"),
+    ("POST", "/v1/sandboxes/{id}/network/rules"),
+    ("POST", "/v1/sandboxes/{id}/network/setup"),
+    ("GET", "/v1/sandboxes/{id}/network/requests"),
+    ("POST", "/v1/sandboxes/{id}/network/requests"),
+    (
+        "POST",
+        "/v1/sandboxes/{id}/network/requests/{req_id}/approve",
+    ),
+    (
+        "POST",
+        "/v1/sandboxes/{id}/network/requests/{req_id}/reject",
+    ),
 ];
 
 /// Turn a full request (path with query, headers, body) into an action.
@@ -184,6 +209,43 @@ pub fn parse_request(
             }
             Ok(Action::ExecOutput((*id).to_owned(), q))
         }
+        (
+            &Method::POST,
+            [
+                "v1",
+                "sandboxes",
+                id,
+                "network",
+                "requests",
+                req,
+                verb @ ("approve" | "reject"),
+            ],
+        ) => {
+            if !ids::is_valid(ids::REQUEST, req) {
+                return Err(ApiError::not_found(format!("no request `{req}`")));
+            }
+            Ok(Action::DecideAccess {
+                id: sandbox_id(id)?,
+                request: (*req).to_owned(),
+                approve: *verb == "approve",
+                face: headers
+                    .get(api::CLIENT_FACE_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned),
+            })
+        }
+        (
+            _,
+            [
+                "v1",
+                "sandboxes",
+                _,
+                "network",
+                "requests",
+                _,
+                "approve" | "reject",
+            ],
+        ) => Err(ApiError::method_not_allowed(method)),
         (_, ["v1", "events" | "traces"])
         | (_, ["metrics"])
         | (_, ["v1", "traces", _])
@@ -295,6 +357,32 @@ pub fn parse(
         }),
         (&Method::GET, ["v1", "templates"]) => Ok(Action::ListTemplates),
         (&Method::POST, ["v1", "gc"]) => Ok(Action::Gc(json_or_default(body)?)),
+        (&Method::GET, ["v1", "sandboxes", id, "network"]) => {
+            Ok(Action::GetNetwork(sandbox_id(id)?))
+        }
+        (&Method::POST, ["v1", "sandboxes", id, "network", "rules"]) => {
+            Ok(Action::ChangeNetwork(sandbox_id(id)?, json(body)?))
+        }
+        (&Method::POST, ["v1", "sandboxes", id, "network", "setup"]) => {
+            Ok(Action::NetworkSetup(sandbox_id(id)?, json(body)?))
+        }
+        (&Method::GET, ["v1", "sandboxes", id, "network", "requests"]) => {
+            Ok(Action::ListAccessRequests(sandbox_id(id)?))
+        }
+        (&Method::POST, ["v1", "sandboxes", id, "network", "requests"]) => {
+            Ok(Action::RequestAccess(sandbox_id(id)?, json(body)?))
+        }
+        (_, ["v1", "sandboxes", _, "network"])
+        | (
+            _,
+            [
+                "v1",
+                "sandboxes",
+                _,
+                "network",
+                "rules" | "setup" | "requests",
+            ],
+        ) => Err(ApiError::method_not_allowed(method)),
         (_, ["v1", "health" | "openapi.yaml" | "templates" | "gc"])
         | (_, ["v1", "sandboxes"])
         | (_, ["v1", "sandboxes", _])
@@ -458,7 +546,9 @@ mod tests {
             let mut path = if p.starts_with("/v1/execs/") {
                 p.replace("{id}", &crate::ids::new_id(crate::ids::EXEC))
             } else {
-                p.replace("{id}", &id).replace("{art_id}", &art)
+                p.replace("{id}", &id)
+                    .replace("{art_id}", &art)
+                    .replace("{req_id}", &crate::ids::new_id(crate::ids::REQUEST))
             };
             if p.ends_with("/files") {
                 path.push_str("?path=/workspace/a");
@@ -469,6 +559,13 @@ mod tests {
                 ("POST", p) if p.ends_with("/exec") => br#"{"cmd":"true"}"#,
                 ("POST", p) if p.ends_with("/pull") => br#"{"paths":["a"],"force":true}"#,
                 ("POST", p) if p.ends_with("/restore") => br#"{"snapshot":"base"}"#,
+                ("POST", p) if p.ends_with("/network/rules") => {
+                    br#"{"verdict":"allow","target":"example.com"}"#
+                }
+                ("POST", p) if p.ends_with("/network/setup") => {
+                    br#"{"cmd":"npm ci","policy":["registries"]}"#
+                }
+                ("POST", p) if p.ends_with("/network/requests") => br#"{"host":"example.com"}"#,
                 ("PUT", _) => br#"{"path":"/workspace/a","content":"x"}"#,
                 _ => b"",
             };

@@ -1,4 +1,5 @@
-//! PID 1 duties before the agent serves: mounts, switch_root, hostname, loopback, power off.
+//! PID 1 duties before the agent serves: mounts, switch_root, hostname, loopback, network
+//! (`net.rs`), power off.
 //!
 //! Owns the guest's early boot. Runs only as PID 1 inside a VM (never in tests, never on the
 //! host) and touches no disk before the `tryboxi.probe` check. Loads nothing from the network.
@@ -199,6 +200,10 @@ pub fn boot(cmd: &Cmdline) -> Result<(), InitError> {
     }
     if let Err(e) = loopback_up() {
         tracing::warn!(error = %e, "lo up");
+    }
+    if let Err(e) = super::net::configure() {
+        // The sandbox still works, just without network.
+        console(&format!("tryboxi: network setup failed: {e}"));
     }
     std::fs::create_dir_all("/workspace").map_err(|e| InitError::Sys("mkdir /workspace", e))?;
     Ok(())

@@ -2,7 +2,8 @@
 //!
 //! Owns everything that runs in the guest: early boot ([`init`]), the virtio-serial channel
 //! ([`port`]), child reaping ([`reaper`]), commands ([`exec`]), files ([`files`]), workspace
-//! sync and walks ([`tree`], [`watch`]) and the RPC server ([`server`]). It shares nothing with the host side but `crate::rpc`, has no network
+//! sync and walks ([`tree`], [`watch`]), the RPC server ([`server`]) and the static network
+//! setup ([`net`]). It shares nothing with the host side but `crate::rpc`, has no network
 //! access and loads nothing from the network.
 //!
 //! Outside a VM (argv[0] `init` but not PID 1) it serves one connection on stdin/stdout,
@@ -14,6 +15,7 @@
 pub mod exec;
 pub mod files;
 pub mod init;
+pub mod net;
 pub mod port;
 pub mod reaper;
 pub mod server;

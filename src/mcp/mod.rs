@@ -36,8 +36,8 @@ pub struct Options {
     pub template: String,
     pub vcpus: Option<u32>,
     pub memory_mib: Option<u32>,
-    /// Network policy preset. Kept and reported; the daemon's API has no network field yet
-    /// (the network milestone adds it), so it is not sent.
+    /// Network policy for new sandboxes (presets and allow rules, comma-separated); sent with
+    /// every create. `None`: the daemon's default.
     pub network: Option<String>,
     /// Whether the agent may change host files (`apply`, `pull`, `undo`). Off: those tools are
     /// not listed and refuse when called.

@@ -46,7 +46,7 @@ impl SandboxServer {
     pub fn new(opts: Options) -> SandboxServer {
         SandboxServer {
             inner: Arc::new(Inner {
-                client: Client::new(&opts.socket),
+                client: Client::new(&opts.socket).with_face("mcp"),
                 tools: tools::all(opts.allow_apply),
                 opts,
                 by_workspace: Mutex::new(HashMap::new()),
@@ -251,6 +251,41 @@ impl SandboxServer {
                     "sandbox_id": id,
                 })))
             }
+            "request_network_access" => {
+                let a: tools::NetworkAccessArgs = parse(name, args)?;
+                let id = self.target(a.sandbox_id).await?;
+                let req = api::AccessRequestCreate {
+                    host: a.host,
+                    reason: Some(a.reason),
+                };
+                let r: api::AccessRequest = me
+                    .client
+                    .send(
+                        hyper::Method::POST,
+                        &format!("/v1/sandboxes/{id}/network/requests"),
+                        Some(&req),
+                    )
+                    .await
+                    .map_err(|e| {
+                        ToolError::from_client(
+                            e,
+                            "request_network_access",
+                            "POST /v1/sandboxes/{id}/network/requests",
+                            Some(&id),
+                        )
+                    })?;
+                Ok(json_result(&serde_json::json!({
+                    "request_id": r.id,
+                    "rule": r.rule,
+                    "state": r.state,
+                    "message": format!(
+                        "Asked. The user decides with `tryboxi net approve {id} {}`; until then \
+                         connections to it stay blocked. Do not retry in a loop: carry on with \
+                         other work or tell the user what you need.",
+                        r.id
+                    ),
+                })))
+            }
             other => Err(ToolError::UnknownTool(other.to_owned())),
         }
     }
@@ -336,6 +371,9 @@ impl SandboxServer {
             template: Some(template.unwrap_or_else(|| o.template.clone())),
             vcpus: o.vcpus,
             memory_mib: o.memory_mib,
+            network: o.network.as_ref().map(|n| api::NetworkSpec {
+                policy: n.split(',').map(|s| s.trim().to_owned()).collect(),
+            }),
         };
         tracing::info!(workspace = %ws.display(), "creating a sandbox");
         let s = self

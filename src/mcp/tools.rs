@@ -145,6 +145,20 @@ pub struct WriteFileArgs {
     pub sandbox_id: Option<String>,
 }
 
+/// `request_network_access`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkAccessArgs {
+    /// Host to reach: `api.example.com`, `*.example.com`, an IP or CIDR, optionally `:PORT`
+    /// (names work on ports 80 and 443).
+    pub host: String,
+    /// Why it is needed (shown to the user).
+    pub reason: String,
+    /// Sandbox id. Default: this workspace's sandbox.
+    #[serde(default)]
+    pub sandbox_id: Option<String>,
+}
+
 /// `read_output`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -298,6 +312,18 @@ pub fn all(allow_apply: bool) -> Vec<Tool> {
                 "List sandboxes: id, state, workspace, resources; marks this workspace's one.",
             ),
             true,
+            false,
+        ),
+        annotated(
+            tool::<NetworkAccessArgs>(
+                "request_network_access",
+                "Ask the user to allow the sandbox to reach a host its network policy blocks \
+                 (connections fail fast and DNS says the name does not exist). This only \
+                 records a request: the user approves or rejects it outside this session, and \
+                 you cannot approve it yourself. `*`, bare TLDs and private or local addresses \
+                 are refused outright.",
+            ),
+            false,
             false,
         ),
         annotated(

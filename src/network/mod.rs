@@ -5,8 +5,16 @@
 //! without a [`gate::Gate`] decision.
 //!
 //! Files: `gate.rs` (the contract between the packet side and the policy side: what the
-//! stack asks, what the policy answers). The stack (`stack/`), the policy engine
+//! stack asks, what the policy answers), `deny.rs` (the gate of a sandbox without a policy),
+//! `stack/` (the per-VM userspace network stack). The stack (`stack/`), the policy engine
 //! (`policy/`), the DNS resolver (`dns/`) and the first-bytes sniffers (`sniff.rs`) build on it.
 //! The design is written down in docs/NETWORK.md.
 
+pub mod deny;
 pub mod gate;
+pub mod stack;
+
+// The policy side (branch net-policy).
+pub mod dns;
+pub mod policy;
+pub mod sniff;

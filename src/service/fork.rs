@@ -143,6 +143,8 @@ impl Service {
         self.telemetry.sandbox_created(&rec.api, started);
         let res = async {
             let spec = self.spec_of(&rec)?;
+            self.copy_network(&parent.api.id, &id)?;
+            self.ensure_network(&id, &dir)?;
             let vm = self.start_clone(&spec, cp, true).await?;
             if let Ok(m) = Base::new(saved_base.to_owned()).load() {
                 Base::new(dir.join("workspace")).save(&m).map_err(|e| {

@@ -302,6 +302,7 @@ impl Service {
         (vcpus, memory_mib, accel): (u32, u32, crate::vmm::Accel),
         workspace: &Path,
         exclude: &[String],
+        net_policy: &crate::network::policy::Policy,
     ) -> Option<Result<api::Sandbox, ServiceError>> {
         if !self.config.pool.golden || self.config.pool.size == 0 {
             return None;
@@ -348,6 +349,15 @@ impl Service {
         };
         if let Err(e) = self.store.put(SANDBOXES, &id, &rec) {
             return Some(Err(e.into()));
+        }
+        // Pool VMs wait without a network peer (QEMU's NIC keeps reconnecting): the stack starts
+        // now, with this sandbox's policy.
+        if let Err(e) = self
+            .init_network(&id, net_policy.clone())
+            .and_then(|()| self.ensure_network(&id, &rec.dir))
+        {
+            self.discard(&id, &rec.dir).await;
+            return Some(Err(e));
         }
         self.telemetry.sandbox_created(&rec.api, t0);
         let vm = Arc::new(pvm.vm);

@@ -9,6 +9,8 @@ mod exec;
 mod fork;
 mod gc;
 mod golden;
+pub mod netpolicy;
+mod network;
 mod observe;
 mod pause;
 pub mod pressure;
@@ -44,6 +46,8 @@ pub enum ServiceError {
     Unprocessable(String),
     #[error("{0}")]
     Conflict(String),
+    #[error("{0}")]
+    Forbidden(String),
     #[error("{0}")]
     Unavailable(String),
     /// The host is full and the request could not be queued or waited too long (429).
@@ -90,11 +94,15 @@ pub struct Service {
     /// vCPUs and memory reserved by sandboxes on this host (`scheduler.rs`).
     pub ledger: Arc<scheduler::Ledger>,
     /// One lock per sandbox: its sync, diff, apply and pull never overlap.
+    /// Egress policy: live gates, settings, access requests.
+    pub networks: netpolicy::Networks,
     pub ws_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Pause/resume, idle clock, golden snapshots and the warm pool.
     pub life: pause::Lifecycle,
     /// Per sandbox: the last workspace walk the agent sent and its cursor (see `WalkSince`).
     pub walks: workspace::WalkMirrors,
+    /// Each sandbox's userspace network stack (`network.rs`).
+    pub nets: network::Nets,
 }
 
 impl Service {
@@ -121,8 +129,10 @@ impl Service {
             std::time::Duration::from_secs(limits.queue_timeout_s),
             limits.max_queue,
         );
+        let networks = netpolicy::Networks::new(&config.network, telemetry.clone());
         Service {
             ledger,
+            networks,
             paths,
             config,
             store,
@@ -132,6 +142,7 @@ impl Service {
             ws_locks: Default::default(),
             life: Default::default(),
             walks: Default::default(),
+            nets: Default::default(),
         }
     }
 

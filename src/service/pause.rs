@@ -256,6 +256,7 @@ impl Service {
                 super::scheduler::Resources::new(rec.api.vcpus, rec.api.memory_mib as u64),
             )
             .await?;
+        self.ensure_network(id, &rec.dir)?;
         let t0 = Instant::now();
         let info = driver
             .resume_from_disk(&spec, &pr.checkpoint)

@@ -190,6 +190,8 @@ impl Service {
             memory_mib: rec.api.memory_mib,
             accel,
         };
+        // The stack outlives the old QEMU; the new one connects to the same socket.
+        self.ensure_network(id, &rec.dir)?;
         let overlay = rec.dir.join(format!("disk-{}.qcow2", ids::new_id("r")));
         let t0 = Instant::now();
         let restored = async {

@@ -111,6 +111,7 @@ impl Service {
         let t0 = std::time::Instant::now();
         let (vcpus, memory_mib, workspace) = self.validate_create(&req)?;
         self.check_exclude(&req.workspace.exclude)?;
+        let net_policy = self.validate_network(req.network.as_ref())?;
         let id = ids::new_id(ids::SANDBOX);
         // Waits in the host's queue when full; released on drop unless the create succeeds.
         let reservation = self
@@ -129,6 +130,7 @@ impl Service {
                 (vcpus, memory_mib, accel),
                 &workspace,
                 &req.workspace.exclude,
+                &net_policy,
             )
             .await
         {
@@ -161,6 +163,7 @@ impl Service {
             dir: dir.clone(),
         };
         self.store.put(SANDBOXES, &id, &rec)?;
+        self.init_network(&id, net_policy)?;
         self.telemetry.sandbox_created(&rec.api, t0);
         let spec = VmSpec {
             id: id.clone(),
@@ -173,7 +176,12 @@ impl Service {
             accel,
         };
         let started = std::time::Instant::now();
-        match self.boot_or_clone(&driver, &spec).await {
+        // The NIC's socket must be listening before QEMU starts.
+        let booted = match self.ensure_network(&id, &dir) {
+            Ok(()) => self.boot_or_clone(&driver, &spec).await,
+            Err(e) => Err(e),
+        };
+        match booted {
             Ok(vm) => {
                 let boot_ms = started.elapsed().as_millis() as u64;
                 let vm = Arc::new(vm);
@@ -293,6 +301,7 @@ impl Service {
     /// Kill whatever runs in `dir`, delete it (fenced) and forget the record.
     pub(super) async fn discard(&self, id: &str, dir: &Path) {
         self.kill_leftover(dir).await;
+        self.stop_network(id);
         if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
         }
@@ -300,6 +309,7 @@ impl Service {
         self.ledger.release(id);
         self.forget_snapshots(id);
         self.life.forget(id);
+        self.forget_network(id);
         self.telemetry.sandbox_removed(id);
     }
 
@@ -388,6 +398,10 @@ impl Service {
                 return;
             }
         };
+        // QEMU keeps retrying its NIC's socket: listening again brings the network back.
+        if let Err(e) = self.ensure_network(id, dir) {
+            tracing::warn!(sandbox = %id, error = %e, "no network after the daemon restart");
+        }
         match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(20)).await {
             Ok(agent) => {
                 tracing::info!(sandbox = %id, pid = info.pid, "reattached to a running VM");

@@ -37,6 +37,14 @@ pub const SYNC_FILES: &str = "tryboxi_sync_files_total";
 pub const HOST_LEDGER: &str = "tryboxi_host_ledger";
 /// Requests waiting in the scheduler's queue.
 pub const SCHED_QUEUED: &str = "tryboxi_scheduler_queued";
+/// Guest network flows by `verdict` (allowed, denied, upstream_failed) and `proto`. Counter.
+pub const NET_FLOWS: &str = "tryboxi_network_flows_total";
+/// Bytes relayed for guests by `direction` (up, down). Counter.
+pub const NET_BYTES: &str = "tryboxi_network_bytes_total";
+/// Sandbox resolver queries by `outcome` (answered, denied, rebinding, nodata, servfail). Counter.
+pub const NET_DNS: &str = "tryboxi_network_dns_queries_total";
+/// Network events dropped by the per-sandbox rate limit (counted, not recorded). Counter.
+pub const NET_EVENTS_SUPPRESSED: &str = "tryboxi_network_events_suppressed_total";
 
 /// The Prometheus text exposition content type.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -110,6 +118,17 @@ fn describe() {
     describe_gauge!(
         SCHED_QUEUED,
         "Create/restore/fork requests waiting for host capacity"
+    );
+    describe_counter!(NET_FLOWS, "Guest network flows by verdict and protocol");
+    describe_counter!(
+        NET_BYTES,
+        Unit::Bytes,
+        "Bytes relayed for guests by direction"
+    );
+    describe_counter!(NET_DNS, "Sandbox resolver queries by outcome");
+    describe_counter!(
+        NET_EVENTS_SUPPRESSED,
+        "Network events dropped by the per-sandbox rate limit"
     );
 }
 

@@ -28,6 +28,12 @@ pub const MIN_VERSION: QemuVersion = QemuVersion {
 };
 /// Name of the virtio-serial port the guest agent opens (`/sys/class/virtio-ports/*/name`).
 pub const AGENT_PORT_NAME: &str = "tryboxi.agent";
+/// MAC address of the guest's NIC (locally administered; the same in every VM, since each VM
+/// has its own private network).
+pub const NIC_MAC: &str = "52:54:00:0a:00:0f";
+/// How often QEMU retries connecting its NIC to the daemon's network socket (after a daemon
+/// restart the new daemon listens again and QEMU comes back on its own).
+const NET_RECONNECT_MS: u32 = 200;
 /// `sun_path` holds 108 bytes including the terminating NUL.
 const SUN_PATH_MAX: usize = 107;
 const BOOT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -77,6 +83,9 @@ pub struct VmPaths {
     pub disk: PathBuf,
     pub qmp: PathBuf,
     pub agent: PathBuf,
+    /// The VM's NIC: QEMU connects here (`-netdev stream`); the daemon's network stack listens
+    /// on it before QEMU starts. Never removed by the driver (the listener owns it).
+    pub net: PathBuf,
     /// Guest serial console (kernel messages, agent's early log).
     pub console: PathBuf,
     /// QEMU's own stdout/stderr.
@@ -120,6 +129,7 @@ impl VmPaths {
             disk: dir.join("disk.qcow2"),
             qmp: dir.join("qmp.sock"),
             agent: dir.join("agent.sock"),
+            net: dir.join("net.sock"),
             console: dir.join("console.log"),
             qemu_log: dir.join("qemu.log"),
             pidfile: dir.join("qemu.pid"),
@@ -174,7 +184,7 @@ impl VmPaths {
     /// Unix socket paths must fit `sun_path`; we refuse long ones rather than play tricks with
     /// symlinks or `/proc/self/fd` (both sides of each socket would need the trick).
     fn check_socket_lengths(&self) -> Result<(), VmmError> {
-        for p in [&self.qmp, &self.agent] {
+        for p in [&self.qmp, &self.agent, &self.net] {
             let n = p.as_os_str().len();
             if n > SUN_PATH_MAX {
                 return Err(VmmError::Other(format!(
@@ -338,6 +348,17 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
         format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}").as_ref(),
     ]);
     push(&["-device".as_ref(), "virtio-rng-device".as_ref()]);
+    // The NIC: Ethernet frames over a unix socket to the daemon's userspace network stack.
+    push(&[
+        "-netdev".as_ref(),
+        &opt(
+            "stream,id=net0,server=off,addr.type=unix,addr.path=",
+            &paths.net,
+            &format!(",reconnect-ms={NET_RECONNECT_MS}"),
+        ),
+        "-device".as_ref(),
+        format!("virtio-net-device,netdev=net0,mac={NIC_MAC}").as_ref(),
+    ]);
     push(&[
         "-chardev".as_ref(),
         &opt("socket,id=qmp,path=", &paths.qmp, ",server=on,wait=off"),

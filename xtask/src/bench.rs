@@ -11,6 +11,8 @@
 //!     changed in the VM;
 //! (f) snapshot and restore of a ready sandbox;
 //! (g)-(i) golden-snapshot create, fork of 10, memory of 10 idle forks (`bench_snap.rs`).
+//! (j) network (`bench_net.rs`): one TCP stream and connections per second from a guest through
+//!     its userspace stack to a local server, vs the same host-local.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -158,6 +160,7 @@ pub fn run(reps: usize) -> Result<()> {
     let ws = workspace_bench(&sock, &home, reps)?;
     d.stop()?;
     let sn = crate::bench_snap::run(&bin, &home.join("snap"), &out, MEM_MIB, VCPUS, reps)?;
+    let net = crate::bench_net::run(&bin, &home.join("net"), &out, &config)?;
 
     let (a, b, c_api, c_cli) = (median(&base), median(&create), median(&api), median(&cli));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
@@ -260,6 +263,33 @@ pub fn run(reps: usize) -> Result<()> {
         "| (i) the same {} forks: sum of RSS (shared pages counted in each) | {:.1} MiB | |",
         sn.forks,
         sn.forks_rss_kib as f64 / 1024.0
+    )?;
+    writeln!(
+        md,
+        "## Network (one sandbox, through its userspace stack)\n"
+    )?;
+    writeln!(
+        md,
+        "| what | through the stack | host-local | ratio |\n|---|---|---|---|"
+    )?;
+    writeln!(
+        md,
+        "| (j) one TCP stream, 64 MiB, bash `/dev/tcp` -> local server | {:.1} MB/s | {:.1} MB/s | {:.3} |",
+        net.stream_vm,
+        net.stream_host,
+        net.stream_vm / net.stream_host
+    )?;
+    writeln!(
+        md,
+        "| (j) connections per second, one after another (connect + close) | {:.0}/s | {:.0}/s | {:.3} |",
+        net.cps_vm,
+        net.cps_host,
+        net.cps_vm / net.cps_host
+    )?;
+    writeln!(
+        md,
+        "\nThe guest side runs under **{accel}**: with TCG the guest kernel's TCP and bash are \
+         emulated, so the ratio mostly measures the emulation, not the stack.\n"
     )?;
     md.push('\n');
     md.push_str(&ws_section(&ws)?);

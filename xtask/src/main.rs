@@ -6,6 +6,7 @@
 //! apt's sources and packages.
 
 mod bench;
+mod bench_net;
 mod bench_snap;
 mod ci;
 mod daemon;

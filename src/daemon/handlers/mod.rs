@@ -8,6 +8,7 @@ mod gc;
 mod health;
 mod lifecycle;
 mod metrics;
+mod network;
 mod sandboxes;
 mod snapshots;
 mod templates;
@@ -53,5 +54,16 @@ pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>
         Action::WriteFile { id, path, body } => workspace::write_file(svc, &id, &path, body).await,
         Action::ListTemplates => templates::list(svc),
         Action::Gc(req) => gc::gc(svc, req).await,
+        Action::GetNetwork(id) => network::get(svc, &id),
+        Action::ChangeNetwork(id, req) => network::change(svc, &id, req).await,
+        Action::NetworkSetup(id, req) => network::setup(svc, &id, req).await,
+        Action::RequestAccess(id, req) => network::request(svc, &id, req).await,
+        Action::ListAccessRequests(id) => network::requests(svc, &id),
+        Action::DecideAccess {
+            id,
+            request,
+            approve,
+            face,
+        } => network::decide(svc, &id, &request, approve, face.as_deref()).await,
     }
 }

@@ -107,6 +107,13 @@ fn command_line_has_devices_sockets_and_accel() {
     assert!(devices.contains(&"virtio-blk-device,drive=xfer,serial=tryboxi-xfer"));
     assert!(devices.contains(&"virtserialport,chardev=agent,name=tryboxi.agent"));
     assert!(devices.contains(&"virtio-rng-device"));
+    assert!(devices.contains(&"virtio-net-device,netdev=net0,mac=52:54:00:0a:00:0f"));
+    assert_eq!(
+        values_of(&a, "-netdev"),
+        [
+            "stream,id=net0,server=off,addr.type=unix,addr.path=/data/vms/sbx_1/net.sock,reconnect-ms=200"
+        ]
+    );
     assert_eq!(values_of(&a, "-pidfile"), ["/data/vms/sbx_1/qemu.pid"]);
 
     let kvm = VmSpec {

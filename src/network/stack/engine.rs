@@ -1,0 +1,651 @@
+//! The event loop of one VM's stack: reads guest frames from QEMU, classifies them, drives the
+//! smoltcp interface, moves bytes between smoltcp sockets and the flows' channels, and writes
+//! frames back. It sleeps until something happens: the socket is readable (or writable while
+//! frames wait), an upstream connect or DNS answer arrives, a flow task made progress, or
+//! smoltcp's own timer (`poll_delay`) fires. No fixed polling interval.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
+use smoltcp::socket::{tcp, udp};
+use smoltcp::time::Instant;
+use smoltcp::wire::{EthernetAddress, HardwareAddress, IpAddress, IpCidr, IpListenEndpoint};
+use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::{Notify, mpsc};
+
+use super::classify::{Class, classify};
+use super::flow::{CHUNK, Down, Phase, TcpFlow};
+use super::frames::{FrameDevice, FrameReader};
+use super::{AbortOnDrop, GATEWAY_MAC, StackConfig, StackStats};
+use crate::network::gate::{
+    ConnectVerdict, Flow, FlowEvent, GATEWAY_V4, Inspect, InspectVerdict, PREFIX_LEN_V4, Proto,
+    SharedGate,
+};
+
+pub(super) type Key = (SocketAddr, SocketAddr);
+
+/// How long a DNS answer may take before the query is dropped (the guest retries).
+const DNS_TIMEOUT: Duration = Duration::from_secs(5);
+pub(super) fn dns_timeout() -> Duration {
+    DNS_TIMEOUT
+}
+
+/// Largest DNS message over UDP we send back: one unfragmented datagram.
+pub(super) const DNS_UDP_MAX: usize = 1500 - 20 - 8;
+/// Distinct denied UDP flows remembered, so a flood records one event per flow, not per packet.
+const UDP_DENIED_MEMORY: usize = 1024;
+
+/// Results that tasks send back to the loop.
+pub(super) enum Event {
+    Connected {
+        key: Key,
+        id: u64,
+        result: Result<TcpStream, String>,
+    },
+    DnsUdp {
+        reply: Option<Vec<u8>>,
+        to: smoltcp::wire::IpEndpoint,
+    },
+    DnsTcp {
+        key: Key,
+        id: u64,
+        reply: Option<Vec<u8>>,
+    },
+}
+
+/// Why the loop woke up.
+enum Woke {
+    Readable(std::io::Result<()>),
+    Writable(std::io::Result<()>),
+    Event(Event),
+    Other,
+}
+
+pub(super) struct Engine {
+    pub(super) gate: SharedGate,
+    pub(super) cfg: StackConfig,
+    stats: Arc<StackStats>,
+    pub(super) dev: FrameDevice,
+    pub(super) iface: Interface,
+    pub(super) sockets: SocketSet<'static>,
+    pub(super) flows: HashMap<Key, TcpFlow>,
+    next_id: u64,
+    pub(super) dns_udp: SocketHandle,
+    pub(super) dns_inflight: usize,
+    pub(super) events_tx: mpsc::UnboundedSender<Event>,
+    events_rx: mpsc::UnboundedReceiver<Event>,
+    pub(super) wake: Arc<Notify>,
+    epoch: std::time::Instant,
+    udp_denied: HashSet<Flow>,
+}
+
+impl Engine {
+    pub fn new(gate: SharedGate, cfg: StackConfig, stats: Arc<StackStats>) -> Engine {
+        let mut dev = FrameDevice::default();
+        let mut config = Config::new(HardwareAddress::Ethernet(EthernetAddress(GATEWAY_MAC)));
+        let mut seed = [0u8; 8];
+        let _ = getrandom::fill(&mut seed);
+        config.random_seed = u64::from_le_bytes(seed);
+        let epoch = std::time::Instant::now();
+        let mut iface = Interface::new(config, &mut dev, Instant::from_micros(0));
+        iface.update_ip_addrs(|a| {
+            let _ = a.push(IpCidr::new(IpAddress::Ipv4(GATEWAY_V4), PREFIX_LEN_V4));
+        });
+        // Accept packets for every destination: the guest's "internet" is this interface.
+        iface.set_any_ip(true);
+        let _ = iface.routes_mut().add_default_ipv4_route(GATEWAY_V4);
+        let mut sockets = SocketSet::new(Vec::new());
+        let mut dns = udp::Socket::new(
+            udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 32], vec![0; 64 * 1024]),
+            udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 32], vec![0; 64 * 1024]),
+        );
+        dns.bind(IpListenEndpoint {
+            addr: Some(IpAddress::Ipv4(GATEWAY_V4)),
+            port: 53,
+        })
+        .expect("binding a fresh UDP socket to a fixed endpoint cannot fail");
+        let dns_udp = sockets.add(dns);
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        Engine {
+            gate,
+            cfg,
+            stats,
+            dev,
+            iface,
+            sockets,
+            flows: HashMap::new(),
+            next_id: 0,
+            dns_udp,
+            dns_inflight: 0,
+            events_tx,
+            events_rx,
+            wake: Arc::new(Notify::new()),
+            epoch,
+            udp_denied: HashSet::new(),
+        }
+    }
+
+    pub(super) fn now(&self) -> Instant {
+        Instant::from_micros(self.epoch.elapsed().as_micros() as i64)
+    }
+
+    /// Serve one QEMU connection until it closes.
+    pub async fn run(mut self, stream: UnixStream) {
+        let mut reader = FrameReader::default();
+        // After a daemon restart or a restore the guest still knows the gateway's MAC and will
+        // not ARP for it, while this fresh interface does not know the guest's: ask at once, so
+        // the first answer (even a RST) does not wait for an ARP round trip.
+        self.announce();
+        loop {
+            self.step();
+            if !self.dev.tx.is_empty() {
+                match stream.try_write(&self.dev.tx) {
+                    Ok(n) => self.dev.written(n),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "network socket write failed; detaching");
+                        return;
+                    }
+                }
+            }
+            let read_ok = self.dev.accepts_input();
+            let write_wait = !self.dev.tx.is_empty();
+            // While frames wait for the socket, smoltcp may want to send "now" forever; the
+            // writable wake-up covers that case.
+            let delay = if write_wait {
+                None
+            } else {
+                let now = self.now();
+                self.iface.poll_delay(now, &self.sockets)
+            }
+            .map(|d| Duration::from_micros(d.total_micros()))
+            .unwrap_or(Duration::from_secs(3600));
+            let woke = tokio::select! {
+                r = stream.readable(), if read_ok => Woke::Readable(r),
+                r = stream.writable(), if write_wait => Woke::Writable(r),
+                Some(ev) = self.events_rx.recv() => Woke::Event(ev),
+                _ = self.wake.notified() => Woke::Other,
+                _ = tokio::time::sleep(delay) => Woke::Other,
+            };
+            match woke {
+                Woke::Readable(Err(_)) | Woke::Writable(Err(_)) => return,
+                Woke::Readable(Ok(())) => match stream.try_read_buf(reader.spare(64 * 1024)) {
+                    Ok(0) => {
+                        tracing::debug!("QEMU closed the network socket");
+                        return;
+                    }
+                    Ok(_) => loop {
+                        match reader.next_frame() {
+                            Ok(Some(f)) => self.ingest(f),
+                            Ok(None) => break,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "detaching the network socket");
+                                return;
+                            }
+                        }
+                    },
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "network socket read failed; detaching");
+                        return;
+                    }
+                },
+                Woke::Writable(Ok(())) | Woke::Other => {}
+                Woke::Event(ev) => self.handle_event(ev),
+            }
+        }
+    }
+
+    /// Queue an ARP request for the guest's address (its reply fills smoltcp's neighbor cache).
+    fn announce(&mut self) {
+        use smoltcp::wire::{ArpOperation, ArpPacket, ArpRepr, EthernetFrame, EthernetProtocol};
+        let arp = ArpRepr::EthernetIpv4 {
+            operation: ArpOperation::Request,
+            source_hardware_addr: EthernetAddress(GATEWAY_MAC),
+            source_protocol_addr: GATEWAY_V4,
+            target_hardware_addr: EthernetAddress([0; 6]),
+            target_protocol_addr: crate::network::gate::GUEST_V4,
+        };
+        let mut frame = vec![0u8; 14 + arp.buffer_len()];
+        let mut eth = EthernetFrame::new_unchecked(&mut frame[..]);
+        eth.set_src_addr(EthernetAddress(GATEWAY_MAC));
+        eth.set_dst_addr(EthernetAddress::BROADCAST);
+        eth.set_ethertype(EthernetProtocol::Arp);
+        arp.emit(&mut ArpPacket::new_unchecked(eth.payload_mut()));
+        self.dev
+            .tx
+            .extend_from_slice(&(frame.len() as u32).to_be_bytes());
+        self.dev.tx.extend_from_slice(&frame);
+    }
+
+    /// Let smoltcp process input and timers, move bytes for every flow, let smoltcp send, and
+    /// forget finished flows.
+    pub(super) fn step(&mut self) {
+        let now = self.now();
+        self.iface.poll(now, &mut self.dev, &mut self.sockets);
+        self.service_dns_udp();
+        let keys: Vec<Key> = self.flows.keys().copied().collect();
+        for k in &keys {
+            self.service_flow(k);
+        }
+        let now = self.now();
+        self.iface.poll(now, &mut self.dev, &mut self.sockets);
+        self.reap();
+        self.stats.flows.store(self.flows.len(), Ordering::Relaxed);
+    }
+
+    /// One frame from the guest.
+    pub(super) fn ingest(&mut self, frame: Vec<u8>) {
+        match classify(&frame) {
+            Class::Drop(why) => tracing::trace!(why, "dropped a guest frame"),
+            Class::Arp => self.dev.rx.push_back(frame),
+            Class::Udp { src, dst } => {
+                if dst != dns_endpoint() {
+                    self.deny_udp(src, dst);
+                }
+                // To the resolver: its socket takes it. Anything else: no socket matches and
+                // smoltcp answers ICMP port unreachable, so the guest fails fast.
+                self.dev.rx.push_back(frame);
+            }
+            Class::Tcp {
+                src,
+                dst,
+                syn: true,
+            } => self.syn(src, dst, frame),
+            // Segments of existing flows; smoltcp resets anything it has no socket for.
+            Class::Tcp { syn: false, .. } => self.dev.rx.push_back(frame),
+        }
+    }
+
+    fn deny_udp(&mut self, src: SocketAddr, dst: SocketAddr) {
+        let flow = Flow {
+            proto: Proto::Udp,
+            src,
+            dst,
+        };
+        if self.udp_denied.len() >= UDP_DENIED_MEMORY {
+            self.udp_denied.clear();
+        }
+        if self.udp_denied.insert(flow) {
+            let reason = if dst.port() == 443 {
+                "QUIC (UDP 443) is blocked".to_owned()
+            } else {
+                format!("UDP is allowed only for DNS to {}", dns_endpoint())
+            };
+            self.gate.record(FlowEvent::Denied {
+                flow,
+                host: None,
+                reason,
+            });
+        }
+    }
+
+    /// A guest connection request: decide it before anything is answered.
+    fn syn(&mut self, src: SocketAddr, dst: SocketAddr, frame: Vec<u8>) {
+        let key = (src, dst);
+        if let Some(f) = self.flows.get(&key) {
+            let st = self.sockets.get::<tcp::Socket>(f.handle).state();
+            if !matches!(st, tcp::State::TimeWait | tcp::State::Closed) {
+                // A retransmitted SYN: smoltcp knows the connection (and stays quiet while
+                // the upstream connect runs).
+                self.dev.rx.push_back(frame);
+                return;
+            }
+            self.remove_flow(&key);
+        }
+        let flow = Flow {
+            proto: Proto::Tcp,
+            src,
+            dst,
+        };
+        let deny = |this: &mut Engine, reason: String, frame: Vec<u8>| {
+            this.gate.record(FlowEvent::Denied {
+                flow,
+                host: None,
+                reason,
+            });
+            // No socket listens for it: smoltcp answers the SYN with a RST.
+            this.dev.rx.push_back(frame);
+        };
+        if self.flows.len() >= self.cfg.max_flows {
+            let reason = format!("more than {} connections at once", self.cfg.max_flows);
+            return deny(self, reason, frame);
+        }
+        if dst.ip() == std::net::IpAddr::V4(GATEWAY_V4) {
+            if dst.port() == 53 {
+                self.open_socket(flow, frame, Phase::Dns);
+            } else {
+                let reason = format!("the gateway {GATEWAY_V4} only answers DNS on port 53");
+                deny(self, reason, frame);
+            }
+            return;
+        }
+        match self.gate.connect(&flow) {
+            ConnectVerdict::Deny { reason } => deny(self, reason, frame),
+            ConnectVerdict::Allow {
+                upstream,
+                inspect,
+                rule,
+            } => {
+                let Some(id) = self.open_socket(flow, frame, Phase::Connecting) else {
+                    return;
+                };
+                let tx = self.events_tx.clone();
+                let timeout = self.cfg.connect_timeout;
+                let task = tokio::spawn(async move {
+                    let result =
+                        match tokio::time::timeout(timeout, TcpStream::connect(upstream)).await {
+                            Ok(Ok(s)) => Ok(s),
+                            Ok(Err(e)) => Err(format!("connect {upstream}: {e}")),
+                            Err(_) => Err(format!("connect {upstream}: no answer in {timeout:?}")),
+                        };
+                    let _ = tx.send(Event::Connected { key, id, result });
+                });
+                if let Some(f) = self.flows.get_mut(&key) {
+                    f.inspect = inspect;
+                    f.rule = rule;
+                    f.tasks.push(AbortOnDrop(task));
+                }
+            }
+        }
+    }
+
+    /// Create the flow's smoltcp socket and hand it the SYN at once, while it is the only
+    /// listening socket for that endpoint (so it cannot take another flow's SYN).
+    fn open_socket(&mut self, flow: Flow, frame: Vec<u8>, phase: Phase) -> Option<u64> {
+        let n = self.cfg.tcp_buffer;
+        let mut s = tcp::Socket::new(
+            tcp::SocketBuffer::new(vec![0; n]),
+            tcp::SocketBuffer::new(vec![0; n]),
+        );
+        s.listen(IpListenEndpoint {
+            addr: Some(ip_of(flow.dst)),
+            port: flow.dst.port(),
+        })
+        .ok()?;
+        s.set_nagle_enabled(false);
+        // Connect-before-accept: no SYN-ACK until the upstream answered.
+        s.pause_synack(phase == Phase::Connecting);
+        let handle = self.sockets.add(s);
+        self.dev.rx.push_back(frame);
+        let now = self.now();
+        self.iface.poll(now, &mut self.dev, &mut self.sockets);
+        let s = self.sockets.get_mut::<tcp::Socket>(handle);
+        let remote = s.remote_endpoint().map(|e| (e.addr, e.port));
+        if s.state() != tcp::State::SynReceived
+            || remote != Some((ip_of(flow.src), flow.src.port()))
+        {
+            // The SYN did not land (bad checksum...): never leave a listening socket behind.
+            s.abort();
+            self.sockets.remove(handle);
+            return None;
+        }
+        self.next_id += 1;
+        let id = self.next_id;
+        self.flows
+            .insert((flow.src, flow.dst), TcpFlow::new(handle, flow, id, phase));
+        Some(id)
+    }
+
+    pub(super) fn handle_event(&mut self, ev: Event) {
+        match ev {
+            Event::Connected { key, id, result } => self.connected(key, id, result),
+            Event::DnsUdp { reply, to } => self.dns_udp_reply(reply, to),
+            Event::DnsTcp { key, id, reply } => self.dns_tcp_reply(key, id, reply),
+        }
+    }
+
+    fn connected(&mut self, key: Key, id: u64, result: Result<TcpStream, String>) {
+        let Some(f) = self.flows.get_mut(&key) else {
+            return;
+        };
+        if f.id != id || f.phase != Phase::Connecting {
+            return;
+        }
+        let s = self.sockets.get_mut::<tcp::Socket>(f.handle);
+        match result {
+            Ok(stream) if s.state() == tcp::State::SynReceived => {
+                f.attach(stream, self.wake.clone());
+                s.pause_synack(false);
+                if f.inspect == Inspect::Nothing {
+                    f.phase = Phase::Open;
+                    f.allowed = true;
+                    self.gate.record(FlowEvent::Allowed {
+                        flow: f.flow,
+                        host: None,
+                        rule: f.rule.clone(),
+                    });
+                } else {
+                    f.phase = Phase::Inspecting;
+                }
+            }
+            // The guest gave up meanwhile; the flow is reaped.
+            Ok(_) => {}
+            Err(error) => {
+                tracing::debug!(flow = ?f.flow, %error, "upstream connect failed");
+                s.abort();
+                self.gate.record(FlowEvent::UpstreamFailed {
+                    flow: f.flow,
+                    error,
+                });
+            }
+        }
+    }
+
+    fn service_flow(&mut self, key: &Key) {
+        let Some(f) = self.flows.get_mut(key) else {
+            return;
+        };
+        let s = self.sockets.get_mut::<tcp::Socket>(f.handle);
+        match f.phase {
+            Phase::Connecting => {}
+            Phase::Inspecting => inspect_step(f, s, &self.gate, self.cfg.inspect_cap),
+            Phase::Open => relay_step(f, s),
+            Phase::Dns => {
+                let (gate, tx) = (self.gate.clone(), self.events_tx.clone());
+                super::dns::tcp_step(
+                    f,
+                    s,
+                    &gate,
+                    &tx,
+                    &mut self.dns_inflight,
+                    self.cfg.max_dns_inflight,
+                );
+            }
+        }
+    }
+
+    /// Forget flows whose socket is closed (after the RST, if any, went out).
+    fn reap(&mut self) {
+        let mut done = Vec::new();
+        for (k, f) in self.flows.iter_mut() {
+            let s = self.sockets.get::<tcp::Socket>(f.handle);
+            let gone = match s.state() {
+                // An aborted socket forgets its peer once its RST went out; give it one more
+                // poll in case the device was full.
+                tcp::State::Closed => s.remote_endpoint().is_none() || f.closed_seen,
+                tcp::State::TimeWait => true,
+                _ => false,
+            };
+            if s.state() == tcp::State::Closed {
+                f.closed_seen = true;
+            }
+            if gone {
+                done.push(*k);
+            }
+        }
+        for k in done {
+            self.remove_flow(&k);
+        }
+    }
+
+    fn remove_flow(&mut self, key: &Key) {
+        if let Some(f) = self.flows.remove(key) {
+            self.sockets.remove(f.handle);
+            if f.allowed {
+                self.gate.record(FlowEvent::Closed {
+                    flow: f.flow,
+                    bytes_up: f.bytes_up,
+                    bytes_down: f.bytes_down,
+                });
+            }
+            // Dropping `f` aborts its upstream tasks and closes the upstream socket.
+        }
+    }
+}
+
+/// Collect the first bytes of an inspected flow and ask the gate; nothing goes upstream and
+/// nothing comes back until it allows.
+fn inspect_step(f: &mut TcpFlow, s: &mut tcp::Socket, gate: &SharedGate, cap: usize) {
+    let before = f.held.len();
+    while s.can_recv() && f.held.len() < cap {
+        let room = cap - f.held.len();
+        let _ = s.recv(|b| {
+            let n = b.len().min(room);
+            f.held.extend_from_slice(&b[..n]);
+            (n, ())
+        });
+    }
+    let guest_done = guest_finished(s);
+    if f.held.len() == before && !guest_done {
+        return;
+    }
+    let verdict = if f.held.is_empty() {
+        InspectVerdict::NeedMore
+    } else {
+        gate.inspect(&f.flow, &f.held)
+    };
+    let deny = |f: &mut TcpFlow, s: &mut tcp::Socket, reason: String| {
+        s.abort();
+        f.up = None;
+        f.down = None;
+        f.tasks.clear();
+        gate.record(FlowEvent::Denied {
+            flow: f.flow,
+            host: None,
+            reason,
+        });
+    };
+    match verdict {
+        InspectVerdict::NeedMore if f.held.len() >= cap => {
+            let reason = format!("the first {cap} bytes did not show an allowed host");
+            deny(f, s, reason)
+        }
+        InspectVerdict::NeedMore if guest_done => deny(
+            f,
+            s,
+            "the connection closed before its first bytes showed an allowed host".into(),
+        ),
+        InspectVerdict::NeedMore => {}
+        InspectVerdict::Deny { reason } => deny(f, s, reason),
+        InspectVerdict::Allow { rule } => {
+            f.rule = rule;
+            f.phase = Phase::Open;
+            f.allowed = true;
+            let first = Bytes::from(std::mem::take(&mut f.held));
+            f.bytes_up += first.len() as u64;
+            // The channel is new and empty: the first chunk always fits.
+            if let Some(up) = &f.up {
+                let _ = up.try_send(first);
+            }
+            gate.record(FlowEvent::Allowed {
+                flow: f.flow,
+                host: None,
+                rule: f.rule.clone(),
+            });
+            relay_step(f, s);
+        }
+    }
+}
+
+/// Move bytes both ways as far as the buffers allow.
+pub(super) fn relay_step(f: &mut TcpFlow, s: &mut tcp::Socket) {
+    // Guest -> upstream: only as much as the channel takes; the rest stays in smoltcp's
+    // receive buffer and the guest's window shrinks.
+    if let Some(up) = &f.up {
+        while s.can_recv() {
+            match up.try_reserve() {
+                Ok(permit) => {
+                    let chunk = s.recv(|b| {
+                        let n = b.len().min(CHUNK);
+                        (n, Bytes::copy_from_slice(&b[..n]))
+                    });
+                    if let Ok(chunk) = chunk {
+                        f.bytes_up += chunk.len() as u64;
+                        permit.send(chunk);
+                    }
+                }
+                Err(mpsc::error::TrySendError::Full(())) => break,
+                Err(mpsc::error::TrySendError::Closed(())) => {
+                    // The upstream write failed.
+                    s.abort();
+                    return;
+                }
+            }
+        }
+        if guest_finished(s) && s.recv_queue() == 0 {
+            // The guest closed its side: the writer shuts down the upstream's write side.
+            f.up = None;
+        }
+    }
+    // Upstream -> guest: only as much as smoltcp's send buffer takes.
+    loop {
+        if f.pending_down.is_none() {
+            let Some(down) = &mut f.down else { break };
+            match down.try_recv() {
+                Ok(Down::Data(b)) => f.pending_down = Some(b),
+                Ok(Down::Reset) => {
+                    s.abort();
+                    return;
+                }
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    f.down = None;
+                    f.down_eof = true;
+                    break;
+                }
+            }
+        }
+        let Some(b) = f.pending_down.take() else {
+            break;
+        };
+        if !s.can_send() {
+            f.pending_down = Some(b);
+            break;
+        }
+        let n = s.send_slice(&b).unwrap_or(0);
+        f.bytes_down += n as u64;
+        if n < b.len() {
+            f.pending_down = Some(b.slice(n..));
+            break;
+        }
+    }
+    if f.down_eof && f.pending_down.is_none() && !f.closing {
+        f.closing = true;
+        s.close();
+    }
+}
+
+/// The guest sent its FIN (or the connection is gone): it will send no more bytes.
+/// (`may_recv` is also false before the handshake completes, so it cannot be used here.)
+pub(super) fn guest_finished(s: &tcp::Socket) -> bool {
+    use tcp::State::*;
+    matches!(s.state(), CloseWait | LastAck | Closing | TimeWait | Closed)
+}
+
+fn ip_of(a: SocketAddr) -> IpAddress {
+    match a {
+        SocketAddr::V4(v4) => IpAddress::Ipv4(*v4.ip()),
+        // Guest flows are IPv4 only (the classifier drops IPv6).
+        SocketAddr::V6(_) => IpAddress::Ipv4(std::net::Ipv4Addr::UNSPECIFIED),
+    }
+}
+
+pub(super) fn dns_endpoint() -> SocketAddr {
+    SocketAddr::from((GATEWAY_V4, 53))
+}

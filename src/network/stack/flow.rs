@@ -1,0 +1,148 @@
+//! One guest TCP flow: its smoltcp socket handle, where it is in connect-before-accept, and the
+//! two upstream tasks with the bounded channels between them and the engine.
+//!
+//! Memory per flow is bounded: smoltcp's two socket buffers ([`super::StackConfig::tcp_buffer`])
+//! plus [`CHANNEL_CHUNKS`] chunks of at most [`CHUNK`] bytes each way. When a side stops
+//! reading, the channel fills, the engine stops moving bytes, and the other side's TCP window
+//! closes (smoltcp's toward the guest, the kernel's toward the upstream).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use smoltcp::iface::SocketHandle;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Notify, mpsc};
+
+use super::AbortOnDrop;
+use crate::network::gate::{Flow, Inspect};
+
+/// Largest piece moved through a channel.
+pub const CHUNK: usize = 16 * 1024;
+/// Chunks a channel holds in each direction.
+pub const CHANNEL_CHUNKS: usize = 4;
+
+/// What the upstream reader sends toward the guest.
+#[derive(Debug)]
+pub enum Down {
+    Data(Bytes),
+    /// The upstream connection failed (not a clean EOF): the guest gets a RST.
+    Reset,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// The guest's SYN is held (SYN-ACK paused) while the upstream connect runs.
+    Connecting,
+    /// Upstream connected; the guest's first bytes are being collected for the gate.
+    Inspecting,
+    /// Relaying both ways.
+    Open,
+    /// DNS over TCP to the gateway (no upstream).
+    Dns,
+}
+
+pub struct TcpFlow {
+    pub handle: SocketHandle,
+    pub flow: Flow,
+    /// Distinguishes this flow from an earlier one with the same addresses.
+    pub id: u64,
+    pub phase: Phase,
+    pub inspect: Inspect,
+    pub rule: String,
+    /// First bytes held for inspection, or DNS-over-TCP input.
+    pub held: Vec<u8>,
+    /// Guest -> upstream; `None` once the guest closed its side (the writer then shuts down).
+    pub up: Option<mpsc::Sender<Bytes>>,
+    pub down: Option<mpsc::Receiver<Down>>,
+    /// Part of a chunk smoltcp had no room for yet.
+    pub pending_down: Option<Bytes>,
+    /// The upstream closed cleanly and everything it sent was queued to the guest.
+    pub down_eof: bool,
+    /// `close()` was called on the socket.
+    pub closing: bool,
+    pub allowed: bool,
+    /// DNS over TCP: answers still being resolved.
+    pub dns_pending: usize,
+    /// The socket was seen closed at a previous reap.
+    pub closed_seen: bool,
+    pub bytes_up: u64,
+    pub bytes_down: u64,
+    pub tasks: Vec<AbortOnDrop>,
+}
+
+impl TcpFlow {
+    pub fn new(handle: SocketHandle, flow: Flow, id: u64, phase: Phase) -> TcpFlow {
+        TcpFlow {
+            handle,
+            flow,
+            id,
+            phase,
+            inspect: Inspect::Nothing,
+            rule: String::new(),
+            held: Vec::new(),
+            up: None,
+            down: None,
+            pending_down: None,
+            down_eof: false,
+            closing: false,
+            allowed: false,
+            closed_seen: false,
+            dns_pending: 0,
+            bytes_up: 0,
+            bytes_down: 0,
+            tasks: Vec::new(),
+        }
+    }
+
+    /// Start relaying over a connected upstream socket.
+    pub fn attach(&mut self, stream: tokio::net::TcpStream, wake: Arc<Notify>) {
+        let _ = stream.set_nodelay(true);
+        let (r, w) = stream.into_split();
+        let (up_tx, up_rx) = mpsc::channel(CHANNEL_CHUNKS);
+        let (down_tx, down_rx) = mpsc::channel(CHANNEL_CHUNKS);
+        self.up = Some(up_tx);
+        self.down = Some(down_rx);
+        self.tasks
+            .push(AbortOnDrop(tokio::spawn(writer(w, up_rx, wake.clone()))));
+        self.tasks
+            .push(AbortOnDrop(tokio::spawn(reader(r, down_tx, wake))));
+    }
+}
+
+/// Guest bytes to the upstream. Ends (shutting the upstream's write side) when the engine drops
+/// the sender (the guest closed its side); on a write error it just ends, and the engine sees
+/// the channel closed.
+async fn writer(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>, wake: Arc<Notify>) {
+    while let Some(b) = rx.recv().await {
+        // A chunk left the channel: the engine may move more.
+        wake.notify_one();
+        if w.write_all(&b).await.is_err() {
+            return;
+        }
+    }
+    let _ = w.shutdown().await;
+}
+
+/// Upstream bytes toward the guest. Reads only when the channel has room, so an upstream that
+/// floods a guest that never reads is throttled by TCP.
+async fn reader(mut r: OwnedReadHalf, tx: mpsc::Sender<Down>, wake: Arc<Notify>) {
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        let permit = match tx.reserve().await {
+            Ok(p) => p,
+            Err(_) => return,
+        };
+        match r.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => permit.send(Down::Data(Bytes::copy_from_slice(&buf[..n]))),
+            Err(_) => {
+                permit.send(Down::Reset);
+                break;
+            }
+        }
+        wake.notify_one();
+    }
+    drop(tx);
+    wake.notify_one();
+}
