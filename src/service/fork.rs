@@ -197,16 +197,7 @@ impl Service {
             driver.restore(spec, cp, &overlay).await
         }
         .map_err(|e| ServiceError::Internal(format!("cannot start the clone: {e}")))?;
-        let agent =
-            match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(30)).await {
-                Ok(a) => a,
-                Err(e) => {
-                    let _ = driver.kill(&info).await;
-                    return Err(ServiceError::Internal(format!(
-                        "the clone's guest agent did not answer: {e}"
-                    )));
-                }
-            };
+        let agent = super::snapshots::agent_or_kill(&driver, &info, "clone").await?;
         if let Err(e) = set_identity(&agent, &spec.id).await {
             let _ = driver.kill(&info).await;
             return Err(e);

@@ -17,7 +17,6 @@ use super::vms::LiveVm;
 use super::{SandboxRecord, Service, ServiceError};
 use crate::api::{self, SandboxState};
 use crate::config::ShutdownMode;
-use crate::rpc::AgentClient;
 use crate::store::SANDBOXES;
 use crate::vmm::qemu::Checkpoint;
 use crate::vmm::{Accel, VmSpec, VmmDriver};
@@ -262,16 +261,7 @@ impl Service {
             .resume_from_disk(&spec, &pr.checkpoint)
             .await
             .map_err(|e| ServiceError::Internal(format!("cannot resume sandbox `{id}`: {e}")))?;
-        let agent =
-            match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(30)).await {
-                Ok(a) => a,
-                Err(e) => {
-                    let _ = driver.kill(&info).await;
-                    return Err(ServiceError::Internal(format!(
-                        "the resumed guest agent did not answer: {e}"
-                    )));
-                }
-            };
+        let agent = super::snapshots::agent_or_kill(&driver, &info, "resumed").await?;
         let vm = Arc::new(LiveVm { info, agent });
         self.vms.insert(id, vm.clone());
         match self.life.service() {

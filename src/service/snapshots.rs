@@ -201,15 +201,8 @@ impl Service {
                 .map_err(|e| {
                     ServiceError::Internal(format!("cannot restore `{}`: {e}", snap.api.id))
                 })?;
-            match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(30)).await {
-                Ok(agent) => Ok(LiveVm { info, agent }),
-                Err(e) => {
-                    let _ = driver.kill(&info).await;
-                    Err(ServiceError::Internal(format!(
-                        "the restored guest agent did not answer: {e}"
-                    )))
-                }
-            }
+            let agent = agent_or_kill(&driver, &info, "restored").await?;
+            Ok::<_, ServiceError>(LiveVm { info, agent })
         }
         .await;
         match restored {
@@ -249,6 +242,24 @@ impl Service {
                 self.mark_failed(id, e.to_string());
                 Err(e)
             }
+        }
+    }
+}
+
+/// Connect to the agent of a VM started from a checkpoint (restore, clone, resume); a VM whose
+/// agent does not answer is killed, never left running unowned. `what` names it in the error.
+pub(super) async fn agent_or_kill(
+    driver: &crate::vmm::QemuDriver,
+    info: &crate::vmm::VmInfo,
+    what: &str,
+) -> Result<AgentClient, ServiceError> {
+    match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(30)).await {
+        Ok(agent) => Ok(agent),
+        Err(e) => {
+            let _ = driver.kill(info).await;
+            Err(ServiceError::Internal(format!(
+                "the {what} guest agent did not answer: {e}"
+            )))
         }
     }
 }
