@@ -8,12 +8,10 @@
 mod common;
 
 use std::io::{BufRead as _, BufReader, Write as _};
-use std::os::unix::net::UnixStream;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, artifacts};
-use serde_json::Value;
+use common::{Daemon, artifacts, follow_events};
 
 fn daemon() -> Option<Daemon> {
     let art = artifacts()?;
@@ -34,29 +32,6 @@ fn create(d: &Daemon, ws: &std::path::Path) -> String {
     );
     let line = String::from_utf8(out.stdout).unwrap();
     line.split_whitespace().next().unwrap().to_owned()
-}
-
-/// Follow `/v1/events{query}` over raw HTTP; each `data:` line's JSON goes to the channel.
-fn follow_events(d: &Daemon, query: &str) -> mpsc::Receiver<Value> {
-    let mut s = UnixStream::connect(d.socket()).unwrap();
-    write!(
-        s,
-        "GET /v1/events{query} HTTP/1.1\r\nHost: localhost\r\nAccept: text/event-stream\r\n\r\n"
-    )
-    .unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(s).lines() {
-            let Ok(line) = line else { return };
-            if let Some(json) = line.strip_prefix("data: ") {
-                let v: Value = serde_json::from_str(json).expect("event JSON");
-                if tx.send(v).is_err() {
-                    return;
-                }
-            }
-        }
-    });
-    rx
 }
 
 /// Run a bash script in the sandbox; returns stdout + stderr.

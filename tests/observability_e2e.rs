@@ -8,12 +8,11 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::{Daemon, artifacts};
+use common::{Daemon, artifacts, follow_events};
 use serde_json::Value;
 
 /// Samples of a `/metrics` body, as parsed by prometheus_client's parser.
@@ -90,29 +89,6 @@ fn unknown_traces_and_exec_outputs_are_404() {
     assert_eq!((r.status, r.error_code().as_str()), (404, "not_found"));
     let out = d.cli(&["trace", "sbx_0123456789abcdef"]);
     assert_eq!(out.status.code(), Some(1));
-}
-
-/// Follow `/v1/events` over raw HTTP; each `data:` line's JSON goes to the channel.
-fn follow_events(d: &Daemon, query: &str) -> mpsc::Receiver<Value> {
-    let mut s = UnixStream::connect(d.socket()).unwrap();
-    write!(
-        s,
-        "GET /v1/events{query} HTTP/1.1\r\nHost: localhost\r\nAccept: text/event-stream\r\n\r\n"
-    )
-    .unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(s).lines() {
-            let Ok(line) = line else { return };
-            if let Some(json) = line.strip_prefix("data: ") {
-                let v: Value = serde_json::from_str(json).expect("event JSON");
-                if tx.send(v).is_err() {
-                    return;
-                }
-            }
-        }
-    });
-    rx
 }
 
 fn next_event(rx: &mpsc::Receiver<Value>, d: &Daemon) -> Value {

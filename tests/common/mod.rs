@@ -278,3 +278,27 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// Follow `/v1/events{query}` over raw HTTP; each `data:` line's JSON goes to the channel.
+pub fn follow_events(d: &Daemon, query: &str) -> std::sync::mpsc::Receiver<serde_json::Value> {
+    use std::io::{BufRead as _, BufReader};
+    let mut s = UnixStream::connect(d.socket()).unwrap();
+    write!(
+        s,
+        "GET /v1/events{query} HTTP/1.1\r\nHost: localhost\r\nAccept: text/event-stream\r\n\r\n"
+    )
+    .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(s).lines() {
+            let Ok(line) = line else { return };
+            if let Some(json) = line.strip_prefix("data: ") {
+                let v: serde_json::Value = serde_json::from_str(json).expect("event JSON");
+                if tx.send(v).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    rx
+}
