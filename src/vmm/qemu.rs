@@ -139,6 +139,27 @@ impl VmPaths {
         }
     }
 
+    /// Paths of `spec`'s VM about to start from a checkpoint (restore, clone, resume): `disk`
+    /// is its active layer, `ram` replaces the VM's own RAM file when given; leftovers of an
+    /// earlier run are cleared and the transfer disk is made.
+    fn for_checkpoint_start(
+        spec: &VmSpec,
+        disk: PathBuf,
+        ram: Option<RamBacking>,
+    ) -> Result<VmPaths, VmmError> {
+        check_id(&spec.id)?;
+        let dir = abs(&spec.dir)?;
+        let mut paths = VmPaths::new(&dir);
+        paths.check_socket_lengths()?;
+        paths.disk = disk;
+        if let Some(ram) = ram {
+            paths.ram = ram;
+        }
+        paths.clear_stale()?;
+        paths.ensure_transfer_disk()?;
+        Ok(paths)
+    }
+
     /// Make the transfer disk (sparse, fixed size) unless it is there: the device set of a VM
     /// (and of every VM restored from its checkpoints) always includes it.
     fn ensure_transfer_disk(&self) -> Result<(), VmmError> {

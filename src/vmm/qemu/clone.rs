@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::snapshot::{Checkpoint, absolute, active_disk, owned_ram, save_state};
-use super::{QMP_TIMEOUT, QemuDriver, RamBacking, VmPaths, abs, check_id, our_process, ramfile};
+use super::{QMP_TIMEOUT, QemuDriver, RamBacking, VmPaths, abs, our_process, ramfile};
 use crate::vmm::qmp::QmpClient;
 use crate::vmm::{VmInfo, VmSpec, VmmError};
 
@@ -29,17 +29,14 @@ impl QemuDriver {
         cp: &Checkpoint,
         overlay: &Path,
     ) -> Result<VmInfo, VmmError> {
-        check_id(&spec.id)?;
         let ram = cp.ram_file.as_ref().ok_or_else(|| {
             VmmError::Other("this checkpoint has no RAM file: it cannot be cloned".into())
         })?;
-        let dir = abs(&spec.dir)?;
-        let mut paths = VmPaths::new(&dir);
-        paths.check_socket_lengths()?;
-        paths.disk = absolute(overlay)?;
-        paths.ram = RamBacking::Borrowed(abs(ram)?);
-        paths.clear_stale()?;
-        paths.ensure_transfer_disk()?;
+        let paths = VmPaths::for_checkpoint_start(
+            spec,
+            absolute(overlay)?,
+            Some(RamBacking::Borrowed(abs(ram)?)),
+        )?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
         self.start_incoming(spec, &paths, &cp.state_file, true)
@@ -86,13 +83,7 @@ impl QemuDriver {
         spec: &VmSpec,
         cp: &Checkpoint,
     ) -> Result<VmInfo, VmmError> {
-        check_id(&spec.id)?;
-        let dir = abs(&spec.dir)?;
-        let mut paths = VmPaths::new(&dir);
-        paths.check_socket_lengths()?;
-        paths.disk = cp.disk_layer.clone();
-        paths.clear_stale()?;
-        paths.ensure_transfer_disk()?;
+        let paths = VmPaths::for_checkpoint_start(spec, cp.disk_layer.clone(), None)?;
         match &cp.ram_file {
             Some(r) if r != paths.ram.path() => {
                 ramfile::copy_sparse(r, paths.ram.path())?;

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    LOG_TAIL, QMP_TIMEOUT, QemuDriver, RAM_OBJECT, VmPaths, abs, check_id, qemu_args, ramfile,
-    tail, write_vm_json,
+    LOG_TAIL, QMP_TIMEOUT, QemuDriver, RAM_OBJECT, VmPaths, abs, qemu_args, ramfile, tail,
+    write_vm_json,
 };
 use crate::vmm::qmp::QmpClient;
 use crate::vmm::{VmInfo, VmSpec, VmmError};
@@ -105,13 +105,7 @@ impl QemuDriver {
         cp: &Checkpoint,
         overlay: &Path,
     ) -> Result<VmInfo, VmmError> {
-        check_id(&spec.id)?;
-        let dir = abs(&spec.dir)?;
-        let mut paths = VmPaths::new(&dir);
-        paths.check_socket_lengths()?;
-        paths.disk = absolute(overlay)?;
-        paths.clear_stale()?;
-        paths.ensure_transfer_disk()?;
+        let paths = VmPaths::for_checkpoint_start(spec, absolute(overlay)?, None)?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
         // The restored VM gets its own copy of the frozen RAM (so later snapshots stay fast);
