@@ -278,6 +278,9 @@ pub struct ForkRequest {
 pub struct ForkResult {
     pub parent: String,
     pub sandboxes: Vec<Sandbox>,
+    /// Why each child that could not be started failed (the others in `sandboxes` run).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed: Vec<String>,
     /// From the request to every child answering.
     pub duration_ms: u64,
 }

@@ -20,5 +20,14 @@ pub async fn run(id: String, count: u32) -> Result<(), TopError> {
         r.parent,
         r.duration_ms
     );
+    for e in &r.failed {
+        eprintln!("error: a child could not be started: {e}");
+    }
+    if !r.failed.is_empty() {
+        return Err(TopError::Other(anyhow::anyhow!(
+            "{} of {count} children could not be started",
+            r.failed.len()
+        )));
+    }
     Ok(())
 }

@@ -66,6 +66,15 @@ impl Service {
             .vms
             .get(id)
             .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
+        // All children together must be able to fit next to the parent; otherwise refuse now
+        // (before the checkpoint) rather than queue children that can never start.
+        self.ledger
+            .group_ever_fits(
+                super::scheduler::Resources::new(parent.api.vcpus, parent.api.memory_mib as u64),
+                count,
+                &[id],
+            )
+            .map_err(|e| ServiceError::Unavailable(format!("a fork of {count} children: {e}")))?;
         let driver = self.driver()?;
         let base_id = ids::new_id("fork_");
         let base_dir = parent.dir.join("forks").join(&base_id);
@@ -108,6 +117,7 @@ impl Service {
         Ok(api::ForkResult {
             parent: id.to_owned(),
             sandboxes,
+            failed: errors,
             duration_ms,
         })
     }

@@ -201,6 +201,42 @@ impl Ledger {
         }
     }
 
+    /// `count` sandboxes of shape `one` could fit together once every sandbox but the ones in
+    /// `staying` (which keep their reservations) is gone; else [`SchedError::TooBig`] for the
+    /// whole group. Lets a fork of N refuse at once instead of queueing children that never fit.
+    pub fn group_ever_fits(
+        &self,
+        one: Resources,
+        count: u32,
+        staying: &[&str],
+    ) -> Result<(), SchedError> {
+        let s = self.lock();
+        let kept = staying
+            .iter()
+            .filter_map(|id| s.held.get(*id))
+            .fold(Resources::default(), |a, r| {
+                Resources::new(a.vcpus + r.vcpus, a.memory_mib + r.memory_mib)
+            });
+        let need = Resources::new(
+            one.vcpus.saturating_mul(count),
+            one.memory_mib.saturating_mul(u64::from(count)),
+        );
+        let room = Resources::new(
+            s.cap.vcpus.saturating_sub(kept.vcpus),
+            s.cap.memory_mib.saturating_sub(kept.memory_mib),
+        );
+        if need.fits_in(room) {
+            Ok(())
+        } else {
+            Err(SchedError::TooBig {
+                need_vcpus: need.vcpus,
+                need_mib: need.memory_mib,
+                cap_vcpus: room.vcpus,
+                cap_mib: room.memory_mib,
+            })
+        }
+    }
+
     /// Reserve `need` for sandbox `id`, waiting in the FIFO queue if the host is full.
     pub async fn reserve(
         self: &Arc<Self>,

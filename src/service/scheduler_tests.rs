@@ -182,3 +182,26 @@ async fn a_cancelled_waiter_leaves_the_queue_and_holds_nothing() {
     l.release("a");
     assert_eq!(l.view().used, r(0, 0), "nobody holds anything");
 }
+
+#[tokio::test]
+async fn a_group_that_never_fits_next_to_the_parent_is_refused_whole() {
+    let l = ledger(8, 8192, 50, 4);
+    l.reserve("parent", r(1, 512)).await.unwrap().keep();
+    l.reserve("other", r(2, 1024)).await.unwrap().keep();
+    // 7 more fit once `other` is gone (the parent stays): allowed, even if not right now.
+    l.group_ever_fits(r(1, 512), 7, &["parent"]).unwrap();
+    // 8 more never fit next to the parent.
+    let e = l.group_ever_fits(r(1, 512), 8, &["parent"]).unwrap_err();
+    assert_eq!(
+        e,
+        SchedError::TooBig {
+            need_vcpus: 8,
+            need_mib: 4096,
+            cap_vcpus: 7,
+            cap_mib: 7680
+        }
+    );
+    // Memory bound as well.
+    assert!(l.group_ever_fits(r(1, 4096), 2, &["parent"]).is_err());
+    assert_eq!(l.view().used, r(3, 1536), "a check reserves nothing");
+}

@@ -54,6 +54,7 @@ pub fn run(reps: usize) -> Result<()> {
         base.push(bare_boot(qemu, &images, &home)?);
     }
 
+    progress("(a) bare boot", &base);
     println!("==> starting the daemon");
     // Golden snapshots off: (b) measures a cold boot; (g) runs on a second daemon.
     let config = format!(
@@ -86,6 +87,7 @@ pub fn run(reps: usize) -> Result<()> {
         http::request(&sock, "DELETE", &format!("/v1/sandboxes/{id}"), None)?;
     }
 
+    progress("(b) create", &create);
     let exec_reps = reps * 4;
     println!("==> (c) exec `true` round trip ({exec_reps}x API, {reps}x CLI)");
     http::exec(&sock, &keep, r#"{"argv":["true"]}"#)?; // warm the page cache
@@ -111,6 +113,8 @@ pub fn run(reps: usize) -> Result<()> {
         }
     }
 
+    progress("(c) exec API", &api);
+    progress("(c) exec CLI", &cli);
     println!("==> (f) snapshot and restore of a ready sandbox ({reps}x each)");
     let mut snap = Vec::new();
     let mut restore = Vec::new();
@@ -140,6 +144,8 @@ pub fn run(reps: usize) -> Result<()> {
             bail!("restore failed: HTTP {st}: {out}");
         }
     }
+    progress("(f) snapshot", &snap);
+    progress("(f) restore", &restore);
     let after = http::exec(&sock, &keep, r#"{"argv":["true"]}"#)?;
     if !after.contains("\"exit_code\":0") {
         bail!("exec after restore failed: {after}");
@@ -520,6 +526,10 @@ fn workspace_bench(sock: &Path, home: &Path, reps: usize) -> Result<WsRows> {
         )?;
     }
     http::request(sock, "DELETE", &format!("/v1/sandboxes/{keep}"), None)?;
+    progress("(e) rsync", &rows.rsync);
+    progress("(e) first sync", &rows.first);
+    progress("(e) delta sync", &rows.delta);
+    progress("(e) diff", &rows.diff);
     Ok(rows)
 }
 
@@ -559,7 +569,23 @@ fn loadavg() -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-fn median(v: &[Duration]) -> Duration {
+/// Print a row as soon as it is measured, so a later failure does not lose it.
+pub(crate) fn progress(what: &str, v: &[Duration]) {
+    if v.is_empty() {
+        return;
+    }
+    let min = v.iter().min().copied().unwrap_or_default();
+    let max = v.iter().max().copied().unwrap_or_default();
+    println!(
+        "    {what}: median {} (min {}, max {}, {} reps)",
+        fmt(median(v)),
+        fmt(min),
+        fmt(max),
+        v.len()
+    );
+}
+
+pub(crate) fn median(v: &[Duration]) -> Duration {
     let mut s = v.to_vec();
     s.sort();
     s[s.len() / 2]

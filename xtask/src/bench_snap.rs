@@ -60,7 +60,9 @@ pub fn run(
     reps: usize,
 ) -> Result<SnapRows> {
     let config = format!(
-        "default_memory_mib = {mem_mib}\ndefault_vcpus = {vcpus}\n[pool]\ngolden = true\nsize = 0\n"
+        "default_memory_mib = {mem_mib}\ndefault_vcpus = {vcpus}\n[pool]\ngolden = true\nsize = 0\n\
+         [limits]\nmax_vcpus = {}\n",
+        vcpus * (FORKS as u32 + 4)
     );
     let d = Daemon::start(bin, home, artifacts, &config)?;
     let sock = d.socket();
@@ -101,6 +103,7 @@ pub fn run(
         http::request(&sock, "DELETE", &format!("/v1/sandboxes/{id}"), None)?;
     }
 
+    crate::bench::progress("(g) golden create", &golden_create);
     let fork_reps = reps.min(3);
     println!("==> (h) fork {FORKS} children to all exec-ready ({fork_reps}x)");
     exec_true(&sock, &keep)?;
@@ -140,6 +143,7 @@ pub fn run(
         }
     }
 
+    crate::bench::progress("(h) fork 10", &fork10);
     println!("==> (i) memory of {FORKS} idle forks");
     std::thread::sleep(Duration::from_secs(2));
     let (mut pss, mut rss) = (0u64, 0u64);
@@ -159,5 +163,11 @@ pub fn run(
         forks_pss_kib: pss,
         forks_rss_kib: rss,
         forks: last.len(),
+    })
+    .inspect(|r| {
+        println!(
+            "    (i) {} forks: PSS {} KiB, RSS {} KiB",
+            r.forks, r.forks_pss_kib, r.forks_rss_kib
+        )
     })
 }
