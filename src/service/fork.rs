@@ -201,17 +201,23 @@ impl Service {
     ) -> Result<LiveVm, ServiceError> {
         let driver = self.driver()?;
         let overlay = spec.dir.join("disk.qcow2");
+        let span = self.telemetry.traces.span(&spec.id, "vm.start_from_checkpoint");
         let info = if borrow && cp.ram_file.is_some() {
             driver.clone_vm(spec, cp, &overlay).await
         } else {
             driver.restore(spec, cp, &overlay).await
         }
         .map_err(|e| ServiceError::Internal(format!("cannot start the clone: {e}")))?;
+        drop(span);
+        let span = self.telemetry.traces.span(&spec.id, "guest.connect");
         let agent = super::snapshots::agent_or_kill(&driver, &info, "clone").await?;
+        drop(span);
+        let span = self.telemetry.traces.span(&spec.id, "guest.identity");
         if let Err(e) = set_identity(&agent, &spec.id).await {
             let _ = driver.kill(&info).await;
             return Err(e);
         }
+        drop(span);
         Ok(LiveVm { info, agent })
     }
 

@@ -55,6 +55,13 @@ impl Daemon {
 
     /// SIGTERM and wait (bounded).
     pub fn stop(mut self) -> Result<()> {
+        self.terminate()
+    }
+
+    fn terminate(&mut self) -> Result<()> {
+        if self.child.try_wait()?.is_some() {
+            return Ok(());
+        }
         // SAFETY: kill(2) on the pid of a child we spawned and have not reaped yet (so the pid
         // cannot have been reused); no memory is shared with the call.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
@@ -67,6 +74,16 @@ impl Daemon {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(())
+    }
+}
+
+/// A run that fails half way (`?` in demo or bench) must not leave a daemon and its VMs
+/// behind: SIGTERM makes the daemon end (pause) its sandboxes' QEMUs before it exits.
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Err(e) = self.terminate() {
+            eprintln!("warning: stopping the daemon: {e}");
+        }
     }
 }
 

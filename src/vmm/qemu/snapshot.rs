@@ -105,17 +105,21 @@ impl QemuDriver {
         cp: &Checkpoint,
         overlay: &Path,
     ) -> Result<VmInfo, VmmError> {
+        let t0 = Instant::now();
         let paths = VmPaths::for_checkpoint_start(spec, absolute(overlay)?, None)?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
+        let overlay_ms = t0.elapsed().as_millis() as u64;
         // The restored VM gets its own copy of the frozen RAM (so later snapshots stay fast);
         // a state file that carries the RAM fills a fresh file.
-        match &cp.ram_file {
-            Some(r) => {
-                ramfile::copy_sparse(r, paths.ram.path())?;
+        let copied = match &cp.ram_file {
+            Some(r) => ramfile::copy_sparse(r, paths.ram.path())?,
+            None => {
+                ramfile::remove(paths.ram.path())?;
+                0
             }
-            None => ramfile::remove(paths.ram.path())?,
-        }
+        };
+        tracing::debug!(vm = %spec.id, overlay_ms, ram_copy_ms = t0.elapsed().as_millis() as u64 - overlay_ms, ram_copied_mib = copied >> 20, "restore: disk and RAM in place");
         self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some())
             .await
     }
