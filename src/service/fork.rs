@@ -201,7 +201,10 @@ impl Service {
     ) -> Result<LiveVm, ServiceError> {
         let driver = self.driver()?;
         let overlay = spec.dir.join("disk.qcow2");
-        let span = self.telemetry.traces.span(&spec.id, "vm.start_from_checkpoint");
+        let span = self
+            .telemetry
+            .traces
+            .span(&spec.id, "vm.start_from_checkpoint");
         let info = if borrow && cp.ram_file.is_some() {
             driver.clone_vm(spec, cp, &overlay).await
         } else {
