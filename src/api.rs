@@ -308,7 +308,26 @@ pub struct SyncReport {
     /// them (diff shows them; apply merges both sides).
     #[serde(default)]
     pub kept_vm_changes: Vec<String>,
+    /// How the files went in.
+    #[serde(default)]
+    pub via: SyncVia,
     pub duration_ms: u64,
+}
+
+/// How a sync's files went into the VM.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SyncVia {
+    /// Nothing to send (deletions, if any, went over the channel).
+    #[default]
+    Nothing,
+    /// A tar archive over the agent channel.
+    Channel,
+    /// A tar archive written to the VM's transfer disk, unpacked by the agent.
+    TransferDisk,
+    /// An ext4 image built on the host on the VM's workspace base disk, mounted by the agent as
+    /// the lower layer of an overlayfs on `/workspace` (first big sync only).
+    BaseDisk,
 }
 
 /// Optional body of `POST /v1/sandboxes/{id}/sync`.

@@ -2,7 +2,7 @@
 //!
 //! Owns everything that runs in the guest: early boot ([`init`]), the virtio-serial channel
 //! ([`port`]), child reaping ([`reaper`]), commands ([`exec`]), files ([`files`]), workspace
-//! sync and walks ([`tree`], [`watch`]), the RPC server ([`server`]) and the static network
+//! sync and walks ([`tree`], [`watch`], [`wsbase`]), the RPC server ([`server`]) and the static network
 //! setup ([`net`]). It shares nothing with the host side but `crate::rpc`, has no network
 //! access and loads nothing from the network.
 //!
@@ -21,6 +21,7 @@ pub mod reaper;
 pub mod server;
 pub mod tree;
 pub mod watch;
+pub mod wsbase;
 
 #[cfg(test)]
 mod tests;

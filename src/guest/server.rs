@@ -375,6 +375,24 @@ async fn request(
                 reply(&ob, stream, r);
             });
         }
+        Request::MountBase { dir, serial } => {
+            lock(routes).insert(stream, Route::Busy);
+            let (ob, rt) = (outbox.clone(), routes.clone());
+            let cache = agent.walks.clone();
+            tokio::spawn(async move {
+                let r = tokio::task::spawn_blocking(move || {
+                    let r = super::wsbase::mount_base(&dir, &serial);
+                    // The walk's watches name the directory the overlay now hides.
+                    *cache.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                    r
+                })
+                .await
+                .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())))
+                .map(|()| Reply::Done);
+                lock(&rt).remove(&stream);
+                reply(&ob, stream, r);
+            });
+        }
         req @ (Request::Stat { .. }
         | Request::List { .. }
         | Request::Mkdir { .. }

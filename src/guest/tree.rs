@@ -124,7 +124,7 @@ pub async fn untar(
 nix::ioctl_none!(blkflsbuf, 0x12, 97);
 
 /// The block device whose virtio serial is `serial` (`/sys/block/*/serial`).
-fn disk_by_serial(serial: &str) -> Result<PathBuf, RemoteError> {
+pub(super) fn disk_by_serial(serial: &str) -> Result<PathBuf, RemoteError> {
     let rd =
         std::fs::read_dir("/sys/block").map_err(|e| RemoteError::from_io("list /sys/block", &e))?;
     for ent in rd.flatten() {

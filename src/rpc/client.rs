@@ -544,6 +544,16 @@ impl AgentClient {
         .await
     }
 
+    /// Mounts the file system the host wrote on the disk with serial `serial` as the read-only
+    /// lower layer of an overlayfs on `dir` (which must be empty).
+    pub async fn mount_base(&self, dir: &str, serial: &str) -> Result<(), RpcError> {
+        self.call_done(Request::MountBase {
+            dir: dir.into(),
+            serial: serial.into(),
+        })
+        .await
+    }
+
     /// Removes `delete` (relative to `dir`), then unpacks the tar archive `tar` into `dir`.
     pub async fn untar(&self, dir: &str, delete: Vec<String>, tar: &[u8]) -> Result<(), RpcError> {
         self.write_stream(

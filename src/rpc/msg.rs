@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this file.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
 pub const CONTROL_STREAM: u32 = 0;
@@ -113,6 +113,15 @@ pub enum Request {
         delete: Vec<String>,
         serial: String,
         len: u64,
+    },
+    /// First sync through the workspace base disk: the host wrote an ext4 file system holding
+    /// the synced tree onto the virtio-blk disk whose serial is `serial`. The agent drops the
+    /// device's page cache, mounts it read-only and mounts an overlayfs on `dir` with it as the
+    /// lower layer (upper and work directories on the root disk). Refused (`InvalidRequest`)
+    /// when `dir` is not empty or is already a mount. Answered with `Done`.
+    MountBase {
+        dir: String,
+        serial: String,
     },
 }
 

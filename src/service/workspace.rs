@@ -23,7 +23,7 @@ use crate::workspace::backup::{self, ArtifactRecord, ArtifactState};
 use crate::workspace::diff::{self, Change};
 use crate::workspace::manifest::{Base, Entry, Kind, Manifest};
 use crate::workspace::rules::{self, Ignores, Rules, Skip};
-use crate::workspace::{GUEST_ROOT, WorkspaceError, sync};
+use crate::workspace::{GUEST_ROOT, WorkspaceError, basedisk, sync};
 
 /// VM files fetched at once for a diff.
 const FETCH_CONCURRENCY: usize = 8;
@@ -187,15 +187,23 @@ impl Service {
         let scan_ms = started.elapsed().as_millis() as u64;
         let vm_changed = self.vm_changed(&rec.api.id, vm, &old, candidates).await?;
         let r2 = root.clone();
+        let first = old.entries.is_empty();
         let (mut delta, secrets) = blocking(move || {
             let d = sync::compute_keeping(&r2, &scan, &old, &vm_changed, &skip)?;
             Ok((d, scan.secrets_skipped))
         })
         .await?;
         let compute_ms = started.elapsed().as_millis() as u64;
-        let mut via_disk = false;
         let archive = Arc::new(std::mem::take(&mut delta.archive));
-        if delta.entries > 0 || !delta.delete.is_empty() {
+        let mut via = api::SyncVia::Nothing;
+        // The first big sync: an ext4 image of the tree on the base disk, mounted by the guest.
+        if first
+            && delta.delete.is_empty()
+            && archive.len() as u64 >= DISK_TRANSFER_MIN
+            && self.sync_via_base(vm, archive.clone()).await?
+        {
+            via = api::SyncVia::BaseDisk;
+        } else if delta.entries > 0 || !delta.delete.is_empty() {
             // A request frame is at most 1 MiB: long delete lists go in batches first.
             let mut batches = delete_batches(&delta.delete);
             let last = batches.pop().unwrap_or_default();
@@ -208,7 +216,7 @@ impl Service {
                     .await
                     .map_err(agent_err)?;
             }
-            via_disk = archive.len() as u64 >= DISK_TRANSFER_MIN
+            let via_disk = archive.len() as u64 >= DISK_TRANSFER_MIN
                 && self
                     .untar_via_disk(vm, last.clone(), archive.clone())
                     .await?;
@@ -217,6 +225,13 @@ impl Service {
                     .untar(GUEST_ROOT, last, &archive)
                     .await
                     .map_err(agent_err)?;
+            }
+            if delta.entries > 0 {
+                via = if via_disk {
+                    api::SyncVia::TransferDisk
+                } else {
+                    api::SyncVia::Channel
+                };
             }
         }
         let send_ms = started.elapsed().as_millis() as u64;
@@ -236,10 +251,11 @@ impl Service {
             unchanged: delta.unchanged,
             secrets_skipped: secrets,
             kept_vm_changes: delta.kept_vm_changes.clone(),
+            via,
             duration_ms: started.elapsed().as_millis() as u64,
         };
         tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
-            deleted = report.deleted, scan_ms, compute_ms, send_ms, save_ms, via_disk, ms = report.duration_ms, "workspace synced");
+            deleted = report.deleted, scan_ms, compute_ms, send_ms, save_ms, via = ?report.via, ms = report.duration_ms, "workspace synced");
         Ok(report)
     }
 
@@ -327,6 +343,61 @@ impl Service {
             // No such device in this VM: the channel still works.
             Err(RpcError::Remote(r)) if r.kind == crate::rpc::msg::ErrorKind::NotFound => {
                 tracing::warn!(sandbox = %vm.info.id, error = %r, "no transfer disk in the VM; syncing over the channel");
+                Ok(false)
+            }
+            Err(e) => Err(agent_err(e)),
+        }
+    }
+
+    /// Put the first sync's `archive` into the VM through its workspace base disk: stage it in
+    /// a temporary directory next to the disk, build an ext4 image of it in the disk
+    /// (`workspace::basedisk`), then have the agent mount it under an overlayfs on the workspace.
+    /// `Ok(false)` (with a log line saying why) when that cannot be done: the disk is missing or
+    /// already written (an older VM, a fork child), e2fsprogs is missing or failed, or the agent
+    /// refused (the workspace is not empty): the caller sends the archive as usual.
+    async fn sync_via_base(
+        &self,
+        vm: &LiveVm,
+        archive: Arc<Vec<u8>>,
+    ) -> Result<bool, ServiceError> {
+        let img = vm.info.dir.join(crate::vmm::WORKSPACE_DISK_FILE);
+        if !basedisk::is_blank(&img) {
+            tracing::info!(sandbox = %vm.info.id, "no blank workspace base disk; first sync by archive");
+            return Ok(false);
+        }
+        let t0 = Instant::now();
+        let dir = vm.info.dir.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            let staging = tempfile::Builder::new()
+                .prefix(".wsbase-staging")
+                .tempdir_in(&dir)
+                .map_err(|e| WorkspaceError::io("create a staging directory in", &dir)(e))?;
+            basedisk::stage(&archive, staging.path())?;
+            let staged_ms = t0.elapsed().as_millis() as u64;
+            basedisk::build(staging.path(), &img)?;
+            Ok::<_, basedisk::BaseDiskError>(staged_ms)
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(format!("workspace task failed: {e}")))?;
+        let staged_ms = match built {
+            Ok(ms) => ms,
+            Err(e) => {
+                tracing::warn!(sandbox = %vm.info.id, error = %e, "cannot build the workspace base disk; first sync by archive");
+                return Ok(false);
+            }
+        };
+        let built_ms = t0.elapsed().as_millis() as u64;
+        match vm
+            .agent
+            .mount_base(GUEST_ROOT, crate::vmm::WORKSPACE_DISK_SERIAL)
+            .await
+        {
+            Ok(()) => {
+                tracing::info!(sandbox = %vm.info.id, staged_ms, built_ms, ms = t0.elapsed().as_millis() as u64, "workspace base disk mounted");
+                Ok(true)
+            }
+            Err(RpcError::Remote(r)) => {
+                tracing::warn!(sandbox = %vm.info.id, error = %r, "the agent did not mount the workspace base disk; first sync by archive");
                 Ok(false)
             }
             Err(e) => Err(agent_err(e)),

@@ -70,6 +70,17 @@ pub const TRANSFER_DISK_SERIAL: &str = "tryboxi-xfer";
 /// Its fixed size: the largest archive one transfer can carry.
 pub const TRANSFER_DISK_BYTES: u64 = 4 << 30;
 
+/// The workspace base disk of every VM: a sparse raw file (`wsbase.img`) attached read-only as
+/// a third virtio-blk device with serial [`WORKSPACE_DISK_SERIAL`]. Empty until the first big
+/// sync, when the host writes an ext4 file system holding the synced tree into it (once: it is
+/// never written again) and the guest mounts it as the lower layer of an overlayfs on
+/// `/workspace`. Checkpoints reference it ([`qemu::Checkpoint::workspace_disk`]); fork children
+/// attach their parent's file (their `wsbase.img` is a symlink to it).
+pub const WORKSPACE_DISK_FILE: &str = "wsbase.img";
+pub const WORKSPACE_DISK_SERIAL: &str = "tryboxi-wsbase";
+/// Its fixed size (sparse: only the file system's blocks take space).
+pub const WORKSPACE_DISK_BYTES: u64 = 16 << 30;
+
 /// A running VM as the driver knows it; persisted as `vm.json` in the VM's directory.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct VmInfo {

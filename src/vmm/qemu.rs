@@ -97,6 +97,8 @@ pub struct VmPaths {
     pub ram: RamBacking,
     /// The transfer disk (see [`crate::vmm::TRANSFER_DISK_FILE`]).
     pub xfer: PathBuf,
+    /// The workspace base disk (see [`crate::vmm::WORKSPACE_DISK_FILE`]).
+    pub wsbase: PathBuf,
 }
 
 /// The file behind a VM's RAM (`-object memory-backend-file`). See docs/VMM.md, "Snapshots".
@@ -136,16 +138,19 @@ impl VmPaths {
             vm_json: dir.join("vm.json"),
             ram: RamBacking::Owned(dir.join("mem.ram")),
             xfer: dir.join(crate::vmm::TRANSFER_DISK_FILE),
+            wsbase: dir.join(crate::vmm::WORKSPACE_DISK_FILE),
         }
     }
 
     /// Paths of `spec`'s VM about to start from a checkpoint (restore, clone, resume): `disk`
     /// is its active layer, `ram` replaces the VM's own RAM file when given; leftovers of an
-    /// earlier run are cleared and the transfer disk is made.
+    /// earlier run are cleared and the transfer disk is made. `wsbase` is the workspace base
+    /// disk the checkpointed VM had (see [`VmPaths::ensure_workspace_disk`]).
     fn for_checkpoint_start(
         spec: &VmSpec,
         disk: PathBuf,
         ram: Option<RamBacking>,
+        wsbase: Option<&Path>,
     ) -> Result<VmPaths, VmmError> {
         check_id(&spec.id)?;
         let dir = abs(&spec.dir)?;
@@ -157,7 +162,39 @@ impl VmPaths {
         }
         paths.clear_stale()?;
         paths.ensure_transfer_disk()?;
+        paths.ensure_workspace_disk(wsbase)?;
         Ok(paths)
+    }
+
+    /// Give the VM its workspace base disk. `shared` is the file of the VM it is cloned from
+    /// (a checkpoint's [`super::Checkpoint::workspace_disk`]): when that is another VM's file
+    /// the VM's `wsbase.img` becomes a symlink to it (the guest's overlay lower layer lives
+    /// there, and the file is never written again). Otherwise the VM keeps the file it has, or
+    /// gets a new empty one (sparse, fixed size: the device's size is part of the VM state).
+    fn ensure_workspace_disk(&self, shared: Option<&Path>) -> Result<(), VmmError> {
+        let own = std::fs::canonicalize(&self.wsbase).ok();
+        if let Some(src) = shared
+            && own.as_deref() != Some(src)
+            && src.is_file()
+        {
+            match std::fs::remove_file(&self.wsbase) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(&self.wsbase)(e)),
+            }
+            return std::os::unix::fs::symlink(src, &self.wsbase).map_err(io_err(&self.wsbase));
+        }
+        if own.is_some() {
+            return Ok(());
+        }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.wsbase)
+            .map_err(io_err(&self.wsbase))?;
+        f.set_len(crate::vmm::WORKSPACE_DISK_BYTES)
+            .map_err(io_err(&self.wsbase))
     }
 
     /// Make the transfer disk (sparse, fixed size) unless it is there: the device set of a VM
@@ -357,6 +394,21 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
         format!(
             "virtio-blk-device,drive=xfer,serial={}",
             crate::vmm::TRANSFER_DISK_SERIAL
+        )
+        .as_ref(),
+    ]);
+    // The workspace base disk: written once by the host, mounted read-only by the guest.
+    push(&[
+        "-drive".as_ref(),
+        &opt(
+            "file=",
+            &paths.wsbase,
+            ",format=raw,if=none,id=wsbase,readonly=on",
+        ),
+        "-device".as_ref(),
+        format!(
+            "virtio-blk-device,drive=wsbase,serial={}",
+            crate::vmm::WORKSPACE_DISK_SERIAL
         )
         .as_ref(),
     ]);
@@ -707,6 +759,7 @@ impl VmmDriver for QemuDriver {
         // A cold boot starts from empty RAM (an old run's file would only take disk space).
         ramfile::remove(paths.ram.path())?;
         paths.ensure_transfer_disk()?;
+        paths.ensure_workspace_disk(None)?;
         self.create_overlay(&spec.rootfs, &paths.disk).await?;
 
         let args = qemu_args(&spec, &paths);

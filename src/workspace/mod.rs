@@ -4,13 +4,15 @@
 //! Owns: the rules of what is synced ([`rules`]: `.gitignore`, `sync.exclude`, secrets), the
 //! sync base of a sandbox ([`manifest`]: the manifest last synced plus content-addressed blobs
 //! of what was sent), `.git/config` sanitizing ([`gitconfig`]), the delta ([`sync`]), the diff of
-//! the VM against the base ([`diff`]), bringing changes back ([`apply`]) and backups ([`backup`]).
+//! the VM against the base ([`diff`]), bringing changes back ([`apply`]), backups ([`backup`])
+//! and the ext4 image of a first big sync ([`basedisk`]).
 //! Never: talks HTTP or to the VM itself (the service moves bytes), commits, switches branches,
 //! resets, cleans or touches a git index, writes under `.git/`, or deletes except through
 //! `crate::safefs`.
 
 pub mod apply;
 pub mod backup;
+pub mod basedisk;
 pub mod diff;
 pub mod gitconfig;
 pub mod manifest;

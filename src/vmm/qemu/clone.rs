@@ -36,6 +36,7 @@ impl QemuDriver {
             spec,
             absolute(overlay)?,
             Some(RamBacking::Borrowed(abs(ram)?)),
+            cp.workspace_disk.as_deref(),
         )?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
@@ -73,6 +74,7 @@ impl QemuDriver {
             disk_layer: disk,
             state_bytes,
             ram_file: ram,
+            workspace_disk: None,
         })
     }
 
@@ -83,7 +85,7 @@ impl QemuDriver {
         spec: &VmSpec,
         cp: &Checkpoint,
     ) -> Result<VmInfo, VmmError> {
-        let paths = VmPaths::for_checkpoint_start(spec, cp.disk_layer.clone(), None)?;
+        let paths = VmPaths::for_checkpoint_start(spec, cp.disk_layer.clone(), None, None)?;
         match &cp.ram_file {
             Some(r) if r != paths.ram.path() => {
                 ramfile::copy_sparse(r, paths.ram.path())?;

@@ -39,6 +39,12 @@ pub struct Checkpoint {
     /// `x-ignore-shared`); `None`: the state file carries the RAM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ram_file: Option<PathBuf>,
+    /// The checkpointed VM's workspace base disk (the real file, symlinks resolved): written
+    /// once, so the checkpoint references it instead of copying it. A VM started from the
+    /// checkpoint in another directory (a fork child) attaches this file. `None` for pause
+    /// checkpoints (the VM resumes with its own) and golden snapshots (clones get an empty one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_disk: Option<PathBuf>,
 }
 
 /// File name of a frozen RAM file inside a checkpoint directory.
@@ -89,11 +95,14 @@ impl QemuDriver {
         let state_bytes = std::fs::metadata(&state)
             .map_err(super::io_err(&state))?
             .len();
+        let workspace_disk =
+            std::fs::canonicalize(vm.dir.join(crate::vmm::WORKSPACE_DISK_FILE)).ok();
         Ok(Checkpoint {
             state_file: state,
             disk_layer: layer,
             state_bytes,
             ram_file: ram.map(|_| frozen_ram),
+            workspace_disk,
         })
     }
 
@@ -106,7 +115,12 @@ impl QemuDriver {
         overlay: &Path,
     ) -> Result<VmInfo, VmmError> {
         let t0 = Instant::now();
-        let paths = VmPaths::for_checkpoint_start(spec, absolute(overlay)?, None)?;
+        let paths = VmPaths::for_checkpoint_start(
+            spec,
+            absolute(overlay)?,
+            None,
+            cp.workspace_disk.as_deref(),
+        )?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
         let overlay_ms = t0.elapsed().as_millis() as u64;

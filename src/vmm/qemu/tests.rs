@@ -105,6 +105,11 @@ fn command_line_has_devices_sockets_and_accel() {
     let devices = values_of(&a, "-device");
     assert!(devices.contains(&"virtio-blk-device,drive=root,serial=tryboxi-root"));
     assert!(devices.contains(&"virtio-blk-device,drive=xfer,serial=tryboxi-xfer"));
+    assert!(devices.contains(&"virtio-blk-device,drive=wsbase,serial=tryboxi-wsbase"));
+    assert!(
+        values_of(&a, "-drive")
+            .contains(&"file=/data/vms/sbx_1/wsbase.img,format=raw,if=none,id=wsbase,readonly=on")
+    );
     assert!(devices.contains(&"virtserialport,chardev=agent,name=tryboxi.agent"));
     assert!(devices.contains(&"virtio-rng-device"));
     assert!(devices.contains(&"virtio-net-device,netdev=net0,mac=52:54:00:0a:00:0f"));

@@ -1,0 +1,107 @@
+//! The guest end of the workspace base disk (`MountBase`): the host wrote an ext4 file system
+//! holding the first sync's tree onto a read-only virtio-blk disk; the agent mounts it and puts
+//! an overlayfs on the workspace directory with it as the lower layer, so the guest kernel
+//! never creates those files one by one (slow under TCG).
+//!
+//! Owns the mount points [`LOWER`] (the disk, read-only) and [`STATE`] (`upper/` and `work/` of
+//! the overlay, on the root disk so that VM-side changes are kept by snapshots like any other
+//! file). Never touches a workspace that has content: it refuses, and the host falls back to
+//! unpacking an archive.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+
+use super::files::check_path;
+use crate::rpc::msg::{ErrorKind, RemoteError};
+
+/// Where the base disk is mounted (read-only).
+pub const LOWER: &str = "/run/tryboxi/wsbase";
+/// The overlay's upper and work directories live under this directory of the root disk.
+pub const STATE: &str = "/var/lib/tryboxi/workspace";
+
+fn refused(msg: String) -> RemoteError {
+    RemoteError::new(ErrorKind::InvalidRequest, msg)
+}
+
+fn sys(what: &str, e: nix::Error) -> RemoteError {
+    RemoteError::from_io(what, &std::io::Error::from(e))
+}
+
+/// Whether `dir` is a mount point (another device than its parent's).
+fn is_mount(dir: &Path) -> bool {
+    let parent = dir.parent().unwrap_or(Path::new("/"));
+    match (std::fs::metadata(dir), std::fs::metadata(parent)) {
+        (Ok(a), Ok(b)) => a.dev() != b.dev() || a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// `MountBase`: see the module doc and `rpc::msg::Request::MountBase`.
+pub fn mount_base(dir: &str, serial: &str) -> Result<(), RemoteError> {
+    let root = check_path(dir)?;
+    std::fs::create_dir_all(&root)
+        .map_err(|e| RemoteError::from_io(&format!("mkdir {}", root.display()), &e))?;
+    if is_mount(&root) {
+        return Err(refused(format!("{} is already a mount", root.display())));
+    }
+    let mut rd = std::fs::read_dir(&root)
+        .map_err(|e| RemoteError::from_io(&format!("list {}", root.display()), &e))?;
+    if rd.next().is_some() {
+        return Err(refused(format!(
+            "{} is not empty: its content would be hidden",
+            root.display()
+        )));
+    }
+    let dev = super::tree::disk_by_serial(serial)?;
+    {
+        let ctx = |e: std::io::Error| RemoteError::from_io(&format!("open {}", dev.display()), &e);
+        let f = std::fs::File::open(&dev).map_err(ctx)?;
+        // The kernel read the (then empty) disk at boot; the host has written it since.
+        // SAFETY: BLKFLSBUF takes no argument; `f` is an open block device for the whole call.
+        unsafe { super::tree::blkflsbuf(std::os::fd::AsRawFd::as_raw_fd(&f)) }
+            .map_err(|e| ctx(std::io::Error::from(e)))?;
+    }
+    let upper = Path::new(STATE).join("upper");
+    let work = Path::new(STATE).join("work");
+    for d in [Path::new(LOWER), &upper, &work] {
+        std::fs::create_dir_all(d)
+            .map_err(|e| RemoteError::from_io(&format!("mkdir {}", d.display()), &e))?;
+    }
+    if std::fs::read_dir(&upper).is_ok_and(|mut r| r.next().is_some()) {
+        return Err(refused(format!("{} is not empty", upper.display())));
+    }
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    mount(Some(&dev), LOWER, Some("ext4"), ro, None::<&str>)
+        .map_err(|e| sys(&format!("mount {} on {LOWER}", dev.display()), e))?;
+    let opts = format!(
+        "lowerdir={LOWER},upperdir={},workdir={}",
+        upper.display(),
+        work.display()
+    );
+    // redirect_dir lets the VM rename directories that came from the disk (else EXDEV, and
+    // `mv` falls back to copying).
+    let with_redirect = format!("{opts},redirect_dir=on");
+    let r = mount(
+        Some("overlay"),
+        &root,
+        Some("overlay"),
+        MsFlags::empty(),
+        Some(with_redirect.as_str()),
+    )
+    .or_else(|_| {
+        mount(
+            Some("overlay"),
+            &root,
+            Some("overlay"),
+            MsFlags::empty(),
+            Some(opts.as_str()),
+        )
+    });
+    if let Err(e) = r {
+        let _ = umount2(LOWER, MntFlags::MNT_DETACH);
+        return Err(sys(&format!("mount overlay on {}", root.display()), e));
+    }
+    Ok(())
+}

@@ -1,0 +1,247 @@
+//! The host side of the workspace base disk: the first big sync of a sandbox goes into the VM
+//! as an ext4 image built natively on the host (`mke2fs -d`), which the guest mounts read-only
+//! under an overlayfs on `/workspace`, instead of an archive the guest kernel unpacks file by
+//! file (slow when the guest runs under TCG).
+//!
+//! Owns: staging (the sync's archive — the exact bytes, modes, mtimes and symlinks the normal
+//! path would send, secrets and ignored paths already left out — unpacked into a temporary
+//! directory) and writing the image into the VM's `wsbase.img` in place (QEMU has it open).
+//! Never touches the host repo; the staging directory is a temporary directory the caller owns.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use super::WorkspaceError;
+
+/// Why the base disk cannot be used (the caller logs it and falls back to the archive).
+#[derive(Debug, thiserror::Error)]
+pub enum BaseDiskError {
+    #[error("the base disk {0} is missing, shared or already written")]
+    NotBlank(PathBuf),
+    #[error("`{0}` was not found (install e2fsprogs)")]
+    NoTool(&'static str),
+    #[error("{tool} failed ({status}): {stderr}")]
+    Tool {
+        tool: &'static str,
+        status: String,
+        stderr: String,
+    },
+    #[error(transparent)]
+    Workspace(#[from] WorkspaceError),
+}
+
+/// Whether `img` is a VM's own, never written base disk: a regular file (not a symlink to a
+/// parent's disk) with no block allocated.
+pub fn is_blank(img: &Path) -> bool {
+    std::fs::symlink_metadata(img).is_ok_and(|m| m.file_type().is_file() && m.blocks() == 0)
+}
+
+/// Unpack `archive` (a sync archive of `sync::compute_keeping`) into the empty directory `dir`
+/// with the modes and mtimes of its headers, as the guest agent would.
+pub fn stage(archive: &[u8], dir: &Path) -> Result<(), WorkspaceError> {
+    let mut ar = tar::Archive::new(archive);
+    ar.set_preserve_permissions(true);
+    ar.set_preserve_mtime(true);
+    ar.set_overwrite(true);
+    ar.unpack(dir)
+        .map_err(WorkspaceError::io("unpack the sync archive into", dir))
+}
+
+/// A tool of e2fsprogs: on `PATH`, else in the sbin directories (a user's `PATH` often lacks
+/// them).
+fn tool(name: &'static str) -> Result<PathBuf, BaseDiskError> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .ok_or(BaseDiskError::NoTool(name))
+}
+
+fn run(tool_name: &'static str, cmd: &mut Command) -> Result<(), BaseDiskError> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|_| BaseDiskError::NoTool(tool_name))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(BaseDiskError::Tool {
+        tool: tool_name,
+        status: out.status.to_string(),
+        stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+    })
+}
+
+/// Write an ext4 file system holding the tree under `staging` into `img` (a blank base disk,
+/// see [`is_blank`]), in place and at the file's size. The files are owned by root in the
+/// image (as the agent's unpack would make them): a daemon that is not root runs `mke2fs` in
+/// a user namespace where its uid is 0. No journal (the guest mounts it read-only) and no
+/// `lost+found` (it would show in the workspace).
+pub fn build(staging: &Path, img: &Path) -> Result<(), BaseDiskError> {
+    if !is_blank(img) {
+        return Err(BaseDiskError::NotBlank(img.to_owned()));
+    }
+    let mke2fs = tool("mke2fs")?;
+    let debugfs = tool("debugfs")?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut cmd = if root {
+        Command::new(&mke2fs)
+    } else {
+        let mut c = Command::new("unshare");
+        c.arg("--map-root-user").arg(&mke2fs);
+        c
+    };
+    cmd.args(["-q", "-F", "-t", "ext4", "-m", "0", "-L", "workspace"])
+        .args(["-O", "^has_journal,^resize_inode"])
+        .args(["-E", "nodiscard,lazy_itable_init=1,root_owner=0:0"])
+        .arg("-d")
+        .arg(staging)
+        .arg(img);
+    run("mke2fs", &mut cmd)?;
+    run(
+        "debugfs",
+        Command::new(&debugfs)
+            .args(["-w", "-R", "rmdir lost+found"])
+            .arg(img),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::SyncConfig;
+    use crate::workspace::manifest::Base;
+    use crate::workspace::rules::{Rules, scan};
+    use crate::workspace::sync;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn write(root: &Path, rel: &str, data: &[u8]) {
+        let p = root.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, data).unwrap();
+    }
+
+    /// A repo with a secret, an ignored file, an executable, a symlink and `.git/config`.
+    fn repo() -> tempfile::TempDir {
+        let repo = tempfile::tempdir().unwrap();
+        let r = repo.path();
+        write(r, "src/main.rs", b"fn main() {}\n");
+        write(r, "bin/run.sh", b"#!/bin/sh\necho hi\n");
+        std::fs::set_permissions(r.join("bin/run.sh"), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+        write(r, ".env", b"TOKEN=secret\n");
+        write(r, "keys/server.pem", b"-----BEGIN-----\n");
+        write(r, ".gitignore", b"target/\n");
+        write(r, "target/debug/app", b"binary");
+        write(
+            r,
+            ".git/config",
+            b"[core]\n\tbare = false\n[credential]\n\thelper = store\n",
+        );
+        std::os::unix::fs::symlink("src/main.rs", r.join("link")).unwrap();
+        repo
+    }
+
+    fn staged() -> (tempfile::TempDir, tempfile::TempDir, sync::Delta) {
+        let repo = repo();
+        let data = tempfile::tempdir().unwrap();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let s = scan(repo.path(), &rules).unwrap();
+        let d = sync::compute(repo.path(), &s, &Base::new(data.path().join("ws"))).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        stage(&d.archive, out.path()).unwrap();
+        (repo, out, d)
+    }
+
+    #[test]
+    fn staging_holds_exactly_what_the_sync_sends() {
+        let (repo, out, d) = staged();
+        let o = out.path();
+        assert_eq!(
+            std::fs::read(o.join("src/main.rs")).unwrap(),
+            b"fn main() {}\n"
+        );
+        // Secrets and ignored paths never reach the staging directory.
+        assert!(!o.join(".env").exists());
+        assert!(!o.join("keys/server.pem").exists());
+        assert!(!o.join("target").exists());
+        // Modes, symlinks and the sanitized .git/config, as the manifest records them.
+        let md = std::fs::metadata(o.join("bin/run.sh")).unwrap();
+        assert_eq!(md.mode() & 0o7777, 0o755);
+        assert_eq!(
+            std::fs::read_link(o.join("link")).unwrap(),
+            Path::new("src/main.rs")
+        );
+        let cfg = std::fs::read_to_string(o.join(".git/config")).unwrap();
+        assert!(cfg.contains("bare = false") && !cfg.contains("helper"));
+        // Every file of the manifest is there with the guest stat it records.
+        for (rel, e) in &d.manifest.entries {
+            let md = std::fs::symlink_metadata(o.join(rel)).unwrap();
+            assert_eq!(md.mode() & 0o7777, e.mode, "{rel}");
+            if e.kind == crate::workspace::manifest::Kind::File {
+                assert_eq!(md.len(), e.guest_size, "{rel}");
+                assert_eq!(md.mtime(), e.guest_mtime, "{rel}");
+                assert_eq!(md.mtime_nsec() as u32, e.guest_nsec, "{rel}");
+            }
+        }
+        drop(repo);
+    }
+
+    #[test]
+    fn only_an_own_unwritten_file_is_blank() {
+        let d = tempfile::tempdir().unwrap();
+        let img = d.path().join("wsbase.img");
+        assert!(!is_blank(&img));
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(1 << 30)
+            .unwrap();
+        assert!(is_blank(&img));
+        let link = d.path().join("child.img");
+        std::os::unix::fs::symlink(&img, &link).unwrap();
+        assert!(!is_blank(&link));
+        std::fs::write(&img, b"x").unwrap();
+        assert!(!is_blank(&img));
+    }
+
+    /// Builds a real image when e2fsprogs is installed and reads it back with `debugfs`.
+    #[test]
+    fn the_image_holds_the_staged_tree_owned_by_root() {
+        let (Ok(_), Ok(debugfs)) = (tool("mke2fs"), tool("debugfs")) else {
+            eprintln!("e2fsprogs not installed: skipped");
+            return;
+        };
+        let (_repo, out, _d) = staged();
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("wsbase.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        build(out.path(), &img).unwrap();
+        assert!(!is_blank(&img));
+        // Write-once: a second build is refused.
+        assert!(matches!(
+            build(out.path(), &img),
+            Err(BaseDiskError::NotBlank(_))
+        ));
+        let q = |req: &str| {
+            let o = Command::new(&debugfs)
+                .args(["-R", req])
+                .arg(&img)
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&o.stdout).into_owned()
+        };
+        let ls = q("ls -l /");
+        assert!(!ls.contains("lost+found"), "{ls}");
+        assert!(ls.contains("src") && ls.contains("link") && !ls.contains(".env"));
+        let st = q("stat /bin/run.sh");
+        assert!(st.contains("Mode:  0755"), "{st}");
+        assert!(st.contains("User:     0   Group:     0"), "{st}");
+        assert_eq!(q("cat /src/main.rs"), "fn main() {}\n");
+    }
+}
