@@ -586,3 +586,134 @@ fn excludes_per_sandbox_and_per_request_and_diff_sees_every_change() {
         .collect();
     assert_eq!(kept, ["my own later edit\n"]);
 }
+
+/// sha256 of every file and the target of every symlink under `root` (outside .git), as
+/// `sha256sum` prints them from inside `root`, sorted.
+fn sums(root: &Path) -> String {
+    use sha2::Digest;
+    let mut lines: Vec<String> = tree(root)
+        .into_iter()
+        .map(|(rel, (mode, data))| {
+            format!(
+                "{mode:o} {} ./{rel}",
+                hex::encode(sha2::Sha256::digest(&data))
+            )
+        })
+        .collect();
+    lines.sort();
+    lines.join("\n")
+}
+
+/// The same listing taken inside the VM (symlinks as mode 0 and the hash of their target).
+const VM_SUMS: &str = "cd /workspace && find . -path ./.git -prune -o -type f -printf '%m %p\\n' \
+    | while read m p; do echo \"$m $(sha256sum < \"$p\" | cut -d' ' -f1) $p\"; done; \
+    find . -path ./.git -prune -o -type l -print | while read p; do \
+    echo \"0 $(readlink \"$p\" | tr -d '\\n' | sha256sum | cut -d' ' -f1) $p\"; done";
+
+#[test]
+fn a_first_big_sync_goes_in_through_the_base_disk() {
+    let Some(d) = daemon() else { return };
+    let repo = tempfile::tempdir().unwrap();
+    let r = repo.path();
+    // An empty repo at create: the first sync with files is the one below.
+    let id = create(&d, r);
+    let _rm = Rm(&d, id.clone());
+    for i in 0..300 {
+        let line = format!("file {i} line of text for the base disk\n");
+        write(
+            r,
+            &format!("d{}/f{i}.txt", i % 10),
+            &line.repeat(4200 / line.len()),
+        );
+    }
+    write(r, "run.sh", "#!/bin/sh\necho ran\n");
+    std::fs::set_permissions(r.join("run.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::symlink("d1/f1.txt", r.join("link")).unwrap();
+    write(r, ".env", "SECRET=x\n");
+
+    let sync: serde_json::Value =
+        serde_json::from_str(&cli_ok(&d, &["sync", &id, "--json"])).unwrap();
+    assert_eq!(sync["via"], "base_disk", "{sync}\n{}", d.log_text());
+    assert_eq!(sync["files_sent"], 302, "{sync}");
+    assert!(sync["bytes_sent"].as_u64().unwrap() >= 1 << 20, "{sync}");
+    let mounts = sh_ok(&d, &id, "grep ' /workspace ' /proc/mounts");
+    assert!(mounts.starts_with("overlay /workspace overlay"), "{mounts}");
+
+    // Byte-exact, modes and symlinks included; the secret stayed out.
+    std::fs::remove_file(r.join(".env")).unwrap();
+    let mut vm: Vec<String> = sh_ok(&d, &id, VM_SUMS).lines().map(str::to_owned).collect();
+    vm.sort();
+    assert_eq!(vm.join("\n"), sums(r));
+    write(r, ".env", "SECRET=x\n");
+    assert_eq!(sh_ok(&d, &id, "/workspace/run.sh"), "ran\n");
+
+    // A host edit and a host delete go in with the next exec (over the overlay).
+    write(r, "d3/f3.txt", "edited on the host\n");
+    std::fs::remove_file(r.join("d4/f4.txt")).unwrap();
+    assert_eq!(
+        sh_ok(
+            &d,
+            &id,
+            "cat /workspace/d3/f3.txt; test -e /workspace/d4/f4.txt || echo gone"
+        ),
+        "edited on the host\ngone\n"
+    );
+
+    // A VM edit (a file from the base disk) shows in diff and applies back.
+    sh_ok(
+        &d,
+        &id,
+        "cd /workspace && echo 'vm line' >> d5/f5.txt && rm d6/f6.txt",
+    );
+    let diff = cli_ok(&d, &["diff", &id, "--stat"]);
+    assert!(
+        diff.contains("d5/f5.txt")
+            && diff.contains("d6/f6.txt")
+            && diff.contains(" 2 file(s) changed"),
+        "{diff}"
+    );
+    cli_ok(&d, &["apply", &id]);
+    assert!(
+        std::fs::read_to_string(r.join("d5/f5.txt"))
+            .unwrap()
+            .ends_with("vm line\n")
+    );
+    assert!(!r.join("d6/f6.txt").exists());
+
+    // A snapshot keeps /workspace (overlay and base disk): changes after it are undone by the
+    // restore, and the base disk's files read as before.
+    let o = cli_ok(&d, &["snapshot", "create", &id, "--name", "ws"]);
+    assert!(o.starts_with("snap_"), "{o}");
+    sh_ok(
+        &d,
+        &id,
+        "cd /workspace && echo later > d7/f7.txt && rm -r d8",
+    );
+    cli_ok(&d, &["restore", &id, "ws"]);
+    let f7 = sh_ok(
+        &d,
+        &id,
+        "head -c 10 /workspace/d7/f7.txt; ls /workspace/d8 | wc -l",
+    );
+    assert_eq!(f7, "file 7 lin30\n");
+    let mut vm: Vec<String> = sh_ok(&d, &id, VM_SUMS).lines().map(str::to_owned).collect();
+    vm.sort();
+    std::fs::remove_file(r.join(".env")).unwrap();
+    assert_eq!(vm.join("\n"), sums(r));
+
+    // A fork child reads the parent's base disk (its wsbase.img is a link to the parent's);
+    // the parent cannot be removed while the child uses it.
+    let kid = cli_ok(&d, &["fork", &id, "--count", "1"]).trim().to_owned();
+    assert!(kid.starts_with("sbx_"), "{kid}");
+    let _rm_kid = Rm(&d, kid.clone());
+    let mut vm: Vec<String> = sh_ok(&d, &kid, VM_SUMS)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    vm.sort();
+    assert_eq!(vm.join("\n"), sums(r));
+    assert!(
+        !d.cli(&["rm", &id]).status.success(),
+        "the parent's disk is in use"
+    );
+}
