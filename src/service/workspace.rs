@@ -368,10 +368,11 @@ impl Service {
         let t0 = Instant::now();
         let dir = vm.info.dir.clone();
         let built = tokio::task::spawn_blocking(move || {
+            let parent = basedisk::staging_parent(archive.len() as u64, &dir);
             let staging = tempfile::Builder::new()
-                .prefix(".wsbase-staging")
-                .tempdir_in(&dir)
-                .map_err(|e| WorkspaceError::io("create a staging directory in", &dir)(e))?;
+                .prefix(".tryboxi-wsbase-staging")
+                .tempdir_in(&parent)
+                .map_err(|e| WorkspaceError::io("create a staging directory in", &parent)(e))?;
             basedisk::stage(&archive, staging.path())?;
             let staged_ms = t0.elapsed().as_millis() as u64;
             basedisk::build(staging.path(), &img)?;
