@@ -47,8 +47,7 @@ pub fn staging_parent(len: u64, fallback: &Path) -> PathBuf {
     let roomy = nix::sys::statfs::statfs(shm).is_ok_and(|fs| {
         fs.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC
             && nix::sys::statvfs::statvfs(shm).is_ok_and(|v| {
-                (v.blocks_available() as u64).saturating_mul(v.fragment_size() as u64)
-                    >= len.saturating_mul(4)
+                v.blocks_available().saturating_mul(v.fragment_size()) >= len.saturating_mul(4)
             })
     });
     if roomy && len <= 2 << 30 {
