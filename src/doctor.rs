@@ -49,6 +49,7 @@ pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> 
         daemon(&paths).await,
         memory(),
         disk(&paths.root),
+        e2fsprogs(),
     ];
     checks.sort_by_key(|c| c.status == Status::Ok);
     let failed = checks.iter().filter(|c| c.status == Status::Fail).count();
@@ -276,6 +277,23 @@ fn memory() -> Check {
             format!("only {m} MiB available; a sandbox needs 1024 MiB by default"),
         ),
         None => Check::new("memory", Status::Warn, "cannot read /proc/meminfo"),
+    }
+}
+
+/// `mke2fs` + `debugfs` build the workspace base disk of a first big sync (without them that
+/// sync unpacks an archive in the guest: correct, much slower under TCG).
+fn e2fsprogs() -> Check {
+    match crate::workspace::basedisk::tools() {
+        Ok(()) => Check::new(
+            "e2fsprogs",
+            Status::Ok,
+            "mke2fs and debugfs found: first big syncs go through the workspace base disk",
+        ),
+        Err(e) => Check::new(
+            "e2fsprogs",
+            Status::Warn,
+            format!("{e}: first big syncs will unpack an archive in the guest (slower)"),
+        ),
     }
 }
 

@@ -79,6 +79,11 @@ fn tool(name: &'static str) -> Result<PathBuf, BaseDiskError> {
         .ok_or(BaseDiskError::NoTool(name))
 }
 
+/// Whether the tools [`build`] runs are installed.
+pub fn tools() -> Result<(), BaseDiskError> {
+    tool("mke2fs").and(tool("debugfs")).map(|_| ())
+}
+
 fn run(tool_name: &'static str, cmd: &mut Command) -> Result<(), BaseDiskError> {
     let out = cmd
         .stdin(Stdio::null())

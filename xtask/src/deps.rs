@@ -32,6 +32,7 @@ const PACKAGES: &[&str] = &[
     "libelf-dev",
     "libssl-dev",
     "mmdebstrap",
+    // mkfs.ext4 for the images; mke2fs + debugfs at run time for the workspace base disk.
     "e2fsprogs",
     "cpio",
     "xz-utils",
