@@ -75,7 +75,7 @@ impl QemuDriver {
             )
             .await?;
             if let Some(r) = &ram {
-                let bytes = ramfile::copy_sparse(r, &frozen_ram)?;
+                let bytes = ramfile::copy_sparse_async(r, &frozen_ram).await?;
                 tracing::debug!(vm = %vm.id, bytes, "RAM file frozen");
             }
             Ok::<(), VmmError>(())
@@ -113,7 +113,7 @@ impl QemuDriver {
         // The restored VM gets its own copy of the frozen RAM (so later snapshots stay fast);
         // a state file that carries the RAM fills a fresh file.
         let copied = match &cp.ram_file {
-            Some(r) => ramfile::copy_sparse(r, paths.ram.path())?,
+            Some(r) => ramfile::copy_sparse_async(r, paths.ram.path()).await?,
             None => {
                 ramfile::remove(paths.ram.path())?;
                 0
