@@ -13,337 +13,20 @@
 //! one test and each says what failed.
 
 mod common;
+#[path = "network_policy/upstreams.rs"]
+mod upstreams;
 
 use std::collections::HashMap;
-use std::io::{BufRead as _, BufReader, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::io::{BufRead as _, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{BIN, Daemon, artifacts, follow_events, raw_http, wait_bounded};
 use serde_json::{Value, json};
-
-// ---------------------------------------------------------------------------------------------
-// Local upstreams: every connection is counted and logged (bytes received, SNI, Host).
-
-#[derive(Debug, Clone)]
-struct Conn {
-    /// Accept order (0, 1, ...).
-    seq: usize,
-    bytes_in: usize,
-    sni: Option<String>,
-    host: Option<String>,
-}
-
-#[derive(Default)]
-struct Seen {
-    accepted: AtomicUsize,
-    conns: Mutex<Vec<Conn>>,
-}
-
-impl Seen {
-    fn mark(&self) -> usize {
-        self.accepted.load(Ordering::SeqCst)
-    }
-
-    /// The connections accepted from `mark` on, once every accepted one has ended (bounded).
-    fn since(&self, mark: usize) -> Vec<Conn> {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            {
-                let c = self.conns.lock().unwrap();
-                if c.len() == self.accepted.load(Ordering::SeqCst) {
-                    return c.iter().filter(|c| c.seq >= mark).cloned().collect();
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "an upstream connection stayed open for 15 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Serve each connection on its own thread; log it when it ends.
-    fn accept_loop(
-        self: &Arc<Self>,
-        l: TcpListener,
-        serve: fn(TcpStream, &mut Conn, &Ctx),
-        ctx: Ctx,
-    ) {
-        let me = self.clone();
-        let ctx = Arc::new(ctx);
-        std::thread::spawn(move || {
-            for s in l.incoming() {
-                let Ok(s) = s else { return };
-                let seq = me.accepted.fetch_add(1, Ordering::SeqCst);
-                let (me, ctx) = (me.clone(), ctx.clone());
-                std::thread::spawn(move || {
-                    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-                    let mut c = Conn {
-                        seq,
-                        bytes_in: 0,
-                        sni: None,
-                        host: None,
-                    };
-                    serve(s, &mut c, &ctx);
-                    me.conns.lock().unwrap().push(c);
-                });
-            }
-        });
-    }
-}
-
-#[derive(Default)]
-struct Ctx {
-    tls: Option<Arc<rustls::ServerConfig>>,
-    body: &'static str,
-}
-
-/// Counts the bytes read through it.
-struct Counting<'a> {
-    inner: TcpStream,
-    n: &'a mut usize,
-}
-
-impl Read for Counting<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        *self.n += n;
-        Ok(n)
-    }
-}
-
-impl Write for Counting<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.inner.write(buf)
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-}
-
-/// Read an HTTP/1 request head; its `Host`.
-fn read_head(r: &mut impl Read) -> Option<String> {
-    let mut head = Vec::new();
-    let mut b = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = r.read(&mut b).ok()?;
-        if n == 0 || head.len() > 16384 {
-            return None;
-        }
-        head.extend_from_slice(&b[..n]);
-    }
-    let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
-    text.lines()
-        .find_map(|l| l.strip_prefix("host:"))
-        .map(|h| h.trim().to_owned())
-}
-
-fn respond(w: &mut impl Write, body: &str) {
-    let _ = write!(
-        w,
-        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = w.flush();
-}
-
-fn serve_http(s: TcpStream, c: &mut Conn, ctx: &Ctx) {
-    let mut n = 0;
-    let mut io = Counting {
-        inner: s,
-        n: &mut n,
-    };
-    c.host = read_head(&mut io);
-    if c.host.is_some() {
-        respond(&mut io, ctx.body);
-    }
-    drop(io);
-    c.bytes_in = n;
-}
-
-fn serve_tls(s: TcpStream, c: &mut Conn, ctx: &Ctx) {
-    let cfg = ctx.tls.clone().expect("a TLS config");
-    let mut n = 0;
-    let conn = rustls::ServerConnection::new(cfg).expect("server connection");
-    let mut tls = rustls::StreamOwned::new(
-        conn,
-        Counting {
-            inner: s,
-            n: &mut n,
-        },
-    );
-    c.host = read_head(&mut tls);
-    c.sni = tls.conn.server_name().map(str::to_owned);
-    if c.host.is_some() {
-        respond(&mut tls, ctx.body);
-        tls.conn.send_close_notify();
-        let _ = tls.flush();
-    }
-    drop(tls);
-    c.bytes_in = n;
-}
-
-fn http_server(body: &'static str) -> (SocketAddr, Arc<Seen>) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let seen = Arc::new(Seen::default());
-    seen.accept_loop(l, serve_http, Ctx { tls: None, body });
-    (addr, seen)
-}
-
-fn tls_server(cfg: Arc<rustls::ServerConfig>, body: &'static str) -> (SocketAddr, Arc<Seen>) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let seen = Arc::new(Seen::default());
-    seen.accept_loop(
-        l,
-        serve_tls,
-        Ctx {
-            tls: Some(cfg),
-            body,
-        },
-    );
-    (addr, seen)
-}
-
-/// A listener on every host address (0.0.0.0) that only counts: what the guest must never
-/// reach through the gateway or the blocked ranges.
-fn host_listener() -> (u16, Arc<Seen>) {
-    let l = TcpListener::bind("0.0.0.0:0").unwrap();
-    let port = l.local_addr().unwrap().port();
-    let seen = Arc::new(Seen::default());
-    seen.accept_loop(l, |_, _, _| {}, Ctx::default());
-    (port, seen)
-}
-
-/// A test CA and a server config whose leaf covers allowed.test, other.test and denied.test.
-fn test_pki() -> (String, Arc<rustls::ServerConfig>) {
-    use rcgen::{
-        BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
-    };
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    ca.distinguished_name
-        .push(DnType::CommonName, "tryboxi e2e test CA");
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca, ca_key);
-    let leaf_key = KeyPair::generate().unwrap();
-    let leaf = CertificateParams::new(vec![
-        "allowed.test".to_owned(),
-        "other.test".to_owned(),
-        "denied.test".to_owned(),
-    ])
-    .unwrap()
-    .signed_by(&leaf_key, &issuer)
-    .unwrap();
-    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into());
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let cfg = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(vec![leaf.der().clone()], key)
-        .unwrap();
-    (ca_cert.pem(), Arc::new(cfg))
-}
-
-// ---------------------------------------------------------------------------------------------
-// The fake upstream resolver: answers with addresses in the always-blocked ranges.
-
-const BLOCKED_V4: [&str; 6] = [
-    "127.0.0.1",
-    "10.1.2.3",
-    "172.16.5.4",
-    "192.168.1.1",
-    "100.64.0.1",
-    "169.254.169.254",
-];
-const BLOCKED_V6: [&str; 4] = ["::1", "fc00::1", "fe80::1", "::ffff:127.0.0.1"];
-
-fn fake_answer(name: &str, aaaa: bool) -> Option<Vec<IpAddr>> {
-    let ips = |list: &[&str]| list.iter().map(|s| s.parse().unwrap()).collect::<Vec<_>>();
-    let blocked = if aaaa { ips(&BLOCKED_V6) } else { ips(&BLOCKED_V4) };
-    match name {
-        "all.rebind.test" => Some(blocked),
-        "mixed.rebind.test" => {
-            let public: IpAddr = if aaaa { "2001:db8::20" } else { "203.0.113.20" }
-                .parse()
-                .unwrap();
-            let mut v = blocked;
-            v.insert(2, public);
-            Some(v)
-        }
-        n if n.ends_with(".evil.test") => Some(if aaaa {
-            ips(&["::1"])
-        } else {
-            ips(&["127.0.0.1"])
-        }),
-        _ => None,
-    }
-}
-
-/// UDP on 127.0.0.1; logs every question as `name/TYPE`.
-fn fake_dns() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
-    use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
-    use hickory_proto::rr::rdata::{A, AAAA};
-    use hickory_proto::rr::{RData, Record, RecordType};
-    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let addr = sock.local_addr().unwrap();
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let seen = log.clone();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 4096];
-        loop {
-            let Ok((n, peer)) = sock.recv_from(&mut buf) else {
-                return;
-            };
-            let Ok(q) = Message::from_vec(&buf[..n]) else {
-                continue;
-            };
-            let [query] = q.queries() else { continue };
-            let name = query.name().to_ascii();
-            let name = name.trim_end_matches('.').to_ascii_lowercase();
-            let aaaa = query.query_type() == RecordType::AAAA;
-            seen.lock()
-                .unwrap()
-                .push(format!("{name}/{}", query.query_type()));
-            let answer = fake_answer(&name, aaaa);
-            let mut m = Message::new();
-            m.set_id(q.id())
-                .set_message_type(MessageType::Response)
-                .set_op_code(OpCode::Query)
-                .set_recursion_desired(true)
-                .set_recursion_available(true)
-                .set_response_code(match answer {
-                    Some(_) => ResponseCode::NoError,
-                    None => ResponseCode::NXDomain,
-                });
-            m.add_query(query.clone());
-            for ip in answer.unwrap_or_default() {
-                let data = match ip {
-                    IpAddr::V4(v4) if !aaaa => RData::A(A(v4)),
-                    IpAddr::V6(v6) if aaaa => RData::AAAA(AAAA(v6)),
-                    _ => continue,
-                };
-                m.add_answer(Record::from_rdata(query.name().clone(), 60, data));
-            }
-            let _ = sock.send_to(&m.to_vec().unwrap(), peer);
-        }
-    });
-    (addr, log)
-}
+use upstreams::{BLOCKED_V4, Seen, fake_dns, host_listener, http_server, test_pki, tls_server};
 
 // ---------------------------------------------------------------------------------------------
 // The guest, events and the MCP face.
@@ -382,7 +65,12 @@ fn attempts(d: &Daemon, id: &str, cmds: &[(&str, &str)]) -> HashMap<String, Atte
             .unwrap_or_else(|| panic!("{label}: no exit code in {out}"));
         let mut it = tail.split_whitespace();
         let rc = it.next().unwrap().parse().unwrap();
-        let ms = it.next().unwrap().trim_start_matches("ms=").parse().unwrap();
+        let ms = it
+            .next()
+            .unwrap()
+            .trim_start_matches("ms=")
+            .parse()
+            .unwrap();
         res.insert(
             label.to_owned(),
             Attempt {
@@ -419,9 +107,10 @@ impl Events {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let e = self.rx.recv_timeout(left).unwrap_or_else(|_| {
-                panic!("no event: {what}; seen:\n{}", pretty(&self.seen))
-            });
+            let e = self
+                .rx
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no event: {what}; seen:\n{}", pretty(&self.seen)));
             self.seen.push(e.clone());
             if pred(&e) {
                 return e;
@@ -437,6 +126,11 @@ fn pretty(v: &[Value]) -> String {
 /// A denied flow's event: type, ip, port.
 fn denied(e: &Value, ip: &str, port: u16) -> bool {
     e["type"] == "network.denied" && e["data"]["ip"] == ip && e["data"]["port"] == port
+}
+
+/// An event's `data.reason`.
+fn reason(e: Value) -> String {
+    e["data"]["reason"].as_str().unwrap_or_default().to_owned()
 }
 
 /// `tryboxi mcp` over stdio, as a harness runs it.
@@ -580,9 +274,34 @@ for arg in sys.argv[1:]:
 
 // ---------------------------------------------------------------------------------------------
 
+/// The daemon, the sandbox and the local upstreams the steps share.
+struct Env {
+    d: Daemon,
+    ws: tempfile::TempDir,
+    id: String,
+    ev: Events,
+    tls: Arc<Seen>,
+    web: Arc<Seen>,
+    web2: Arc<Seen>,
+    /// The counting listener on 0.0.0.0: its port, and what reached it.
+    port: u16,
+    host: Arc<Seen>,
+    dns_log: Arc<Mutex<Vec<String>>>,
+}
+
 #[test]
 fn network_policy_holds_against_a_real_guest() {
     let Some(art) = artifacts() else { return };
+    let mut env = setup(&art);
+    allowed_name_over_https_and_http(&mut env);
+    sni_and_host_tricks_fail_fast_and_never_reach_the_upstream(&mut env);
+    dns_rebinding_answers_never_reach_the_guest(&mut env);
+    gateway_host_loopback_and_blocked_ranges_are_unreachable(&mut env);
+    ask_to_allow_round_trip(&mut env);
+    assert!(env.d.cli(&["rm", &env.id]).status.success());
+}
+
+fn setup(art: &std::path::Path) -> Env {
     let (ca_pem, tls_cfg) = test_pki();
     let (tls_addr, tls) = tls_server(tls_cfg, "hello-over-tls\n");
     let (web_addr, web) = http_server("hello-over-http\n");
@@ -622,16 +341,38 @@ fn network_policy_holds_against_a_real_guest() {
     );
     let id = String::from_utf8(out.stdout).unwrap();
     let id = id.split_whitespace().next().unwrap().to_owned();
-    let mut ev = Events {
+    let ev = Events {
         rx: follow_events(&d, &format!("?sandbox={id}")),
         seen: Vec::new(),
     };
+    Env {
+        d,
+        ws,
+        id,
+        ev,
+        tls,
+        web,
+        web2,
+        port,
+        host,
+        dns_log,
+    }
+}
 
+fn allowed_name_over_https_and_http(env: &mut Env) {
+    let Env {
+        d,
+        id,
+        ev,
+        tls,
+        web,
+        ..
+    } = env;
     // 1. An allowed name over HTTPS (the guest checks the test CA) and over HTTP; other.test
     //    is resolved too, which pins 203.0.113.11 for it (used in step 2).
     let out = bash(
-        &d,
-        &id,
+        d,
+        id,
         "curl -sS --max-time 30 --cacert /workspace/ca.crt https://allowed.test/tls; \
          curl -sS --max-time 30 http://allowed.test/plain; getent hosts other.test",
     );
@@ -655,15 +396,25 @@ fn network_policy_holds_against_a_real_guest() {
             && e["data"]["port"] == 443
     });
     assert_eq!(e["data"]["host"], "allowed.test", "{e}");
+}
 
+fn sni_and_host_tricks_fail_fast_and_never_reach_the_upstream(env: &mut Env) {
+    let Env {
+        d,
+        id,
+        ev,
+        tls,
+        web,
+        ..
+    } = env;
     // 2. An allowed SNI sent to another IP fails fast, and the upstream never sees a byte:
     //    to an address the resolver never answered (refused at SYN, no upstream connect at
     //    all), and to one it answered for another allowed name (refused on the ClientHello).
     let (t0, w0) = (tls.mark(), web.mark());
     let ca = "--cacert /workspace/ca.crt";
     let a = attempts(
-        &d,
-        &id,
+        d,
+        id,
         &[
             (
                 "sni-unpinned",
@@ -720,7 +471,6 @@ fn network_policy_holds_against_a_real_guest() {
         c.iter().all(|c| c.bytes_in == 0 && c.host.is_none()),
         "a denied HTTP flow reached the upstream: {c:?}"
     );
-    let reason = |e: Value| e["data"]["reason"].as_str().unwrap_or_default().to_owned();
     let r = reason(ev.wait("deny: unpinned 203.0.113.13", |e| {
         denied(e, "203.0.113.13", 443)
     }));
@@ -733,20 +483,21 @@ fn network_policy_holds_against_a_real_guest() {
         denied(e, "203.0.113.11", 80)
     }));
     assert!(r.contains("allowed.test is allowed but"), "{r}");
-    let r = reason(ev.wait("deny: Host denied.test", |e| {
-        denied(e, "203.0.113.10", 80)
-    }));
+    let r = reason(ev.wait("deny: Host denied.test", |e| denied(e, "203.0.113.10", 80)));
     assert!(r.contains("denied.test"), "{r}");
-    let r = reason(ev.wait("deny: SNI denied.test", |e| {
-        denied(e, "203.0.113.10", 443)
-    }));
+    let r = reason(ev.wait("deny: SNI denied.test", |e| denied(e, "203.0.113.10", 443)));
     assert!(r.contains("denied.test"), "{r}");
+}
 
+fn dns_rebinding_answers_never_reach_the_guest(env: &mut Env) {
+    let Env {
+        d, id, ev, dns_log, ..
+    } = env;
     // 4. DNS rebinding: upstream answers in every blocked range never reach the guest; a mixed
     //    answer keeps only its public address; denied names never leave the sandbox.
     let out = bash(
-        &d,
-        &id,
+        d,
+        id,
         "python3 /workspace/dnsq.py all.rebind.test/A all.rebind.test/AAAA \
          mixed.rebind.test/A mixed.rebind.test/AAAA exfil.denied.test/A exfil.denied.test/AAAA; \
          echo GETENT-ALL; getent ahostsv4 all.rebind.test; echo rc=$?; \
@@ -776,11 +527,14 @@ fn network_policy_holds_against_a_real_guest() {
         assert!(!out.contains(ip), "{ip} reached the guest: {out}");
     }
     for qtype in ["A", "AAAA"] {
-        let e = ev.wait(&format!("rebinding event for all.rebind.test {qtype}"), |e| {
-            e["type"] == "network.dns_denied"
-                && e["data"]["host"] == "all.rebind.test"
-                && e["data"]["qtype"] == qtype
-        });
+        let e = ev.wait(
+            &format!("rebinding event for all.rebind.test {qtype}"),
+            |e| {
+                e["type"] == "network.dns_denied"
+                    && e["data"]["host"] == "all.rebind.test"
+                    && e["data"]["qtype"] == qtype
+            },
+        );
         let r = reason(e);
         assert!(r.contains("rebinding"), "{r}");
         let (_, list) = r.split_once("(rebinding): ").expect("a list of addresses");
@@ -793,7 +547,10 @@ fn network_policy_holds_against_a_real_guest() {
         };
         assert_eq!(dropped.len(), expected.len(), "{r}");
         for (d, ip) in dropped.iter().zip(&expected) {
-            assert!(d.starts_with(&format!("{ip} is ")), "{d} (expected {ip}): {r}");
+            assert!(
+                d.starts_with(&format!("{ip} is ")),
+                "{d} (expected {ip}): {r}"
+            );
         }
     }
     ev.wait("network.dns_denied for exfil.denied.test", |e| {
@@ -808,11 +565,22 @@ fn network_policy_holds_against_a_real_guest() {
         !asked.iter().any(|q| q.contains("denied.test")),
         "a denied name left the sandbox as a DNS query: {asked:?}"
     );
+}
 
+fn gateway_host_loopback_and_blocked_ranges_are_unreachable(env: &mut Env) {
+    let Env {
+        d,
+        id,
+        ev,
+        port,
+        host,
+        ..
+    } = env;
+    let port = *port;
     // 5. The gateway and the host's loopback are unreachable, and no rule opens the blocked
     //    ranges: even with explicit allow rules for them, every connect is refused at once.
     for target in ["169.254.169.254:80", "10.0.0.0/8", "192.168.1.1"] {
-        let o = d.cli(&["net", "allow", &id, target]);
+        let o = d.cli(&["net", "allow", id, target]);
         assert!(
             o.status.success(),
             "net allow {target}: {}",
@@ -821,8 +589,8 @@ fn network_policy_holds_against_a_real_guest() {
     }
     let tcp = |ip: &str, p: u16| format!("timeout 20 bash -c 'exec 3<>/dev/tcp/{ip}/{p}'");
     let a = attempts(
-        &d,
-        &id,
+        d,
+        id,
         &[
             ("gateway", &tcp("10.0.2.2", port)),
             ("guest-lo", &tcp("127.0.0.1", port)),
@@ -850,12 +618,22 @@ fn network_policy_holds_against_a_real_guest() {
         let r = reason(ev.wait(&format!("deny: {ip}:{p}"), |e| denied(e, ip, p)));
         assert!(r.contains("always blocked"), "{ip}: {r}");
     }
+}
 
+fn ask_to_allow_round_trip(env: &mut Env) {
+    let Env {
+        d,
+        ws,
+        id,
+        ev,
+        web2,
+        ..
+    } = env;
     // 6. Ask to allow. allowed2.test is blocked: its name does not resolve and a hard-coded
     //    connect is refused; both leave an event.
     let a = attempts(
-        &d,
-        &id,
+        d,
+        id,
         &[
             ("lookup", "getent hosts allowed2.test"),
             (
@@ -879,10 +657,14 @@ fn network_policy_holds_against_a_real_guest() {
             .is_some_and(|h| h.contains("request_network_access")),
         "{e}"
     );
-    assert_eq!(web2.mark(), 0, "a blocked flow reached allowed2.test's server");
+    assert_eq!(
+        web2.mark(),
+        0,
+        "a blocked flow reached allowed2.test's server"
+    );
 
     // The agent asks through the MCP face. It has no tool to decide.
-    let mut mcp = Mcp::start(&d, ws.path());
+    let mut mcp = Mcp::start(d, ws.path());
     let tools = mcp.request("tools/list", json!({}));
     let names: Vec<&str> = tools["result"]["tools"]
         .as_array()
@@ -907,7 +689,14 @@ fn network_policy_holds_against_a_real_guest() {
     assert_eq!(again["request_id"], req.as_str(), "asking twice: {again}");
     // Refused outright: everything, a bare TLD, a public suffix, a blocked IP, and a name that
     // resolves into a blocked range (the fake resolver answers 127.0.0.1 for it).
-    for host in ["*", "test", "*.test", "com", "169.254.169.254", "metadata.evil.test"] {
+    for host in [
+        "*",
+        "test",
+        "*.test",
+        "com",
+        "169.254.169.254",
+        "metadata.evil.test",
+    ] {
         let (err, text, _) = mcp.call(
             "request_network_access",
             json!({"host": host, "reason": "e2e", "sandbox_id": id}),
@@ -939,14 +728,17 @@ fn network_policy_holds_against_a_real_guest() {
     .unwrap();
     assert_eq!(r.status, 403, "{}", r.text());
     assert_eq!(r.error_code(), "forbidden");
-    let o = d.cli(&["net", "requests", &id, "--json"]);
+    let o = d.cli(&["net", "requests", id, "--json"]);
     let l: Value = serde_json::from_slice(&o.stdout).expect("requests JSON");
     assert_eq!(l["requests"][0]["state"], "pending", "{l}");
-    let out = bash(&d, &id, "getent hosts allowed2.test; echo rc=$?");
-    assert!(out.contains("rc=2"), "allowed2.test resolves before approval: {out}");
+    let out = bash(d, id, "getent hosts allowed2.test; echo rc=$?");
+    assert!(
+        out.contains("rc=2"),
+        "allowed2.test resolves before approval: {out}"
+    );
 
     // The user approves from the CLI; the guest reaches allowed2.test's server.
-    let o = d.cli(&["net", "approve", &id, &req]);
+    let o = d.cli(&["net", "approve", id, &req]);
     let said = String::from_utf8_lossy(&o.stdout);
     assert!(
         o.status.success() && said.contains("approved"),
@@ -956,13 +748,11 @@ fn network_policy_holds_against_a_real_guest() {
     ev.wait("network.access_decided", |e| {
         e["type"] == "network.access_decided" && e["data"]["state"] == "approved"
     });
-    let out = bash(&d, &id, "curl -sS --max-time 30 http://allowed2.test/after");
+    let out = bash(d, id, "curl -sS --max-time 30 http://allowed2.test/after");
     assert!(out.contains("hello-from-allowed2"), "after approval: {out}");
     let c = web2.since(0);
     assert!(
         c.len() == 1 && c[0].host.as_deref() == Some("allowed2.test"),
         "{c:?}"
     );
-
-    assert!(d.cli(&["rm", &id]).status.success());
 }
