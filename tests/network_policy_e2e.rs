@@ -471,22 +471,49 @@ fn sni_and_host_tricks_fail_fast_and_never_reach_the_upstream(env: &mut Env) {
         c.iter().all(|c| c.bytes_in == 0 && c.host.is_none()),
         "a denied HTTP flow reached the upstream: {c:?}"
     );
-    let r = reason(ev.wait("deny: unpinned 203.0.113.13", |e| {
-        denied(e, "203.0.113.13", 443)
-    }));
-    assert!(r.contains("not answered by the sandbox resolver"), "{r}");
-    let r = reason(ev.wait("deny: allowed SNI to other.test's IP", |e| {
-        denied(e, "203.0.113.11", 443)
-    }));
-    assert!(r.contains("allowed.test is allowed but"), "{r}");
-    let r = reason(ev.wait("deny: Host allowed.test to other.test's IP", |e| {
-        denied(e, "203.0.113.11", 80)
-    }));
-    assert!(r.contains("allowed.test is allowed but"), "{r}");
-    let r = reason(ev.wait("deny: Host denied.test", |e| denied(e, "203.0.113.10", 80)));
-    assert!(r.contains("denied.test"), "{r}");
-    let r = reason(ev.wait("deny: SNI denied.test", |e| denied(e, "203.0.113.10", 443)));
-    assert!(r.contains("denied.test"), "{r}");
+    // Each denial is an event whose `host` is the name the guest sent (the one to ask for),
+    // not whatever else the resolver pinned to that address.
+    for (what, ip, port, host, why) in [
+        (
+            "unpinned 203.0.113.13",
+            "203.0.113.13",
+            443,
+            None,
+            "not answered by the sandbox resolver",
+        ),
+        (
+            "allowed SNI to other.test's IP",
+            "203.0.113.11",
+            443,
+            Some("allowed.test"),
+            "allowed.test is allowed but",
+        ),
+        (
+            "allowed Host to other.test's IP",
+            "203.0.113.11",
+            80,
+            Some("allowed.test"),
+            "allowed.test is allowed but",
+        ),
+        (
+            "Host denied.test",
+            "203.0.113.10",
+            80,
+            Some("denied.test"),
+            "no rule allows denied.test:80",
+        ),
+        (
+            "SNI denied.test",
+            "203.0.113.10",
+            443,
+            Some("denied.test"),
+            "no rule allows denied.test:443",
+        ),
+    ] {
+        let e = ev.wait(&format!("deny: {what}"), |e| denied(e, ip, port));
+        assert_eq!(e["data"]["host"].as_str(), host, "{what}: {e}");
+        assert!(reason(e.clone()).contains(why), "{what}: {e}");
+    }
 }
 
 fn dns_rebinding_answers_never_reach_the_guest(env: &mut Env) {
