@@ -418,6 +418,36 @@ impl Ledger {
         }
     }
 
+    /// Host memory pressure: evict pool VMs (by id) until at least `want_mib` of their memory
+    /// is freed or none is left; returns the MiB freed. They go before any sandbox is paused.
+    /// Nothing without a reader of [`Ledger::evictions`].
+    pub fn evict_pool_memory(&self, want_mib: u64) -> u64 {
+        let mut s = self.lock();
+        let tx = self.evict_tx.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(tx) = tx.as_ref().filter(|t| !t.is_closed()) else {
+            return 0;
+        };
+        let mut pool: Vec<(String, u64)> = s
+            .held
+            .iter()
+            .filter(|(_, (_, who))| *who == Holder::Pool)
+            .map(|(id, (r, _))| (id.clone(), r.memory_mib))
+            .collect();
+        pool.sort();
+        let mut freed = 0;
+        for (id, mib) in pool {
+            if freed >= want_mib {
+                break;
+            }
+            s.give_back(&id);
+            freed += mib;
+            tracing::info!(pool_vm = %id, memory_mib = mib, "evicting a warm-pool VM: host memory pressure");
+            let _ = tx.send(id);
+        }
+        s.grant_waiters();
+        freed
+    }
+
     /// Who holds `id`'s reservation, if anyone.
     pub fn holder(&self, id: &str) -> Option<Holder> {
         self.lock().held.get(id).map(|(_, who)| *who)

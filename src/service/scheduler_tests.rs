@@ -389,3 +389,23 @@ async fn background_vms_are_never_pause_candidates() {
     assert_eq!(ids, ["a"]);
     assert_eq!(l.view().used, r(3, 1536));
 }
+
+#[tokio::test]
+async fn memory_pressure_evicts_pool_vms_first_and_only_as_many_as_needed() {
+    let l = ledger(8, 8192, 50, 4);
+    l.reserve("s", r(1, 1024)).await.unwrap().keep();
+    l.try_reserve("p1", r(1, 512), Holder::Pool).unwrap().keep();
+    l.try_reserve("p2", r(1, 512), Holder::Pool).unwrap().keep();
+    l.try_reserve("g", r(1, 512), Holder::Golden)
+        .unwrap()
+        .keep();
+    assert_eq!(l.evict_pool_memory(100), 0, "no reader: nothing evicted");
+    let mut rx = l.evictions();
+    assert_eq!(l.evict_pool_memory(100), 512);
+    assert_eq!(drain(&mut rx), ["p1"]);
+    // More than the pool holds: all of it, never a sandbox or a golden build.
+    assert_eq!(l.evict_pool_memory(4096), 512);
+    assert_eq!(drain(&mut rx), ["p2"]);
+    assert_eq!(l.evict_pool_memory(4096), 0);
+    assert_eq!(l.view().used, r(2, 1536));
+}
