@@ -342,6 +342,8 @@ pub fn run(reps: usize) -> Result<()> {
     md.push_str(&ws_section(&ws)?);
     println!("\n{md}");
     let path = util::repo_root().join("BENCHMARKS.md");
+    let old = std::fs::read_to_string(&path).unwrap_or_default();
+    md.push_str(hand_section(&old));
     std::fs::write(&path, md)?;
     println!("wrote {}", path.display());
     println!(
@@ -390,9 +392,29 @@ pub fn run_workspace_only(reps: usize) -> Result<()> {
         .find("## Workspace sync")
         .map(|i| &old[..i])
         .unwrap_or(&old);
-    std::fs::write(&path, format!("{head}{sec}"))?;
+    let hand = if head.contains(HAND_HEADING) {
+        ""
+    } else {
+        hand_section(&old)
+    };
+    std::fs::write(&path, format!("{head}{sec}{hand}"))?;
     println!("wrote {}", path.display());
     Ok(())
+}
+
+/// The section of BENCHMARKS.md measured by hand (templates, scheduler, gc): kept as it is
+/// when the bench rewrites the file.
+const HAND_HEADING: &str = "## Templates, scheduler, gc (measured by hand";
+
+fn hand_section(old: &str) -> &str {
+    let Some(start) = old.find(HAND_HEADING) else {
+        return "";
+    };
+    let rest = &old[start..];
+    let end = rest[HAND_HEADING.len()..]
+        .find("\n## ")
+        .map_or(rest.len(), |i| HAND_HEADING.len() + i + 1);
+    &rest[..end]
 }
 
 /// The workspace section of BENCHMARKS.md.
@@ -663,4 +685,19 @@ fn cpu_model() -> String {
                 .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
         })
         .unwrap_or_else(|| "unknown CPU".into())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_hand_measured_section_survives_a_rewrite() {
+        let old = "# B\n## Boot\nx\n## Templates, scheduler, gc (measured by hand, 2026)\n| a |\n\n## Later\ny\n";
+        assert_eq!(
+            super::hand_section(old),
+            "## Templates, scheduler, gc (measured by hand, 2026)\n| a |\n\n"
+        );
+        assert_eq!(super::hand_section("# B\n## Boot\n"), "");
+        let last = "## Templates, scheduler, gc (measured by hand)\n| a |\n";
+        assert_eq!(super::hand_section(last), last);
+    }
 }
