@@ -27,6 +27,32 @@ pub struct Health {
     /// `kvm` or `tcg` once known (resolved at the first boot), else `null`.
     pub accel: Option<String>,
     pub sandboxes: usize,
+    /// The scheduler's ledger (absent from daemons that predate it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<Capacity>,
+}
+
+/// The host's vCPU and memory ledger, in `GET /v1/health`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Capacity {
+    pub max_vcpus: u32,
+    pub max_memory_mib: u64,
+    pub reserved_vcpus: u32,
+    pub reserved_memory_mib: u64,
+    /// Requests waiting for room.
+    pub queued: usize,
+    pub reservations: Vec<LedgerEntry>,
+}
+
+/// One reservation in the ledger.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LedgerEntry {
+    /// A sandbox id (pool VMs have theirs already), or `golden-<key>`.
+    pub id: String,
+    /// `sandbox`, `pool` (a warm-pool VM) or `golden` (building a golden snapshot).
+    pub holder: String,
+    pub vcpus: u32,
+    pub memory_mib: u64,
 }
 
 /// The workspace of a sandbox: a directory on the host.

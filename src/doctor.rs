@@ -246,16 +246,30 @@ fn data_root(paths: &Paths) -> Check {
 async fn daemon(paths: &Paths) -> Check {
     let client = Client::new(&paths.socket());
     match client.get::<crate::api::Health>("/v1/health").await {
-        Ok(h) => Check::new(
-            "daemon",
-            Status::Ok,
-            format!(
-                "reachable at {} (pid {}, version {})",
-                paths.socket().display(),
-                h.pid,
-                h.version
-            ),
-        ),
+        Ok(h) => {
+            let cap = h.capacity.map(|c| {
+                let pool = c.reservations.iter().filter(|r| r.holder == "pool").count();
+                format!(
+                    "; reserved {}/{} vCPUs, {}/{} MiB ({pool} warm-pool VMs), {} queued",
+                    c.reserved_vcpus,
+                    c.max_vcpus,
+                    c.reserved_memory_mib,
+                    c.max_memory_mib,
+                    c.queued
+                )
+            });
+            Check::new(
+                "daemon",
+                Status::Ok,
+                format!(
+                    "reachable at {} (pid {}, version {}){}",
+                    paths.socket().display(),
+                    h.pid,
+                    h.version,
+                    cap.unwrap_or_default()
+                ),
+            )
+        }
         Err(e) => Check::new("daemon", Status::Warn, e.to_string()),
     }
 }

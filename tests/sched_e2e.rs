@@ -256,6 +256,8 @@ fn exec(d: &Daemon, id: &str, script: &str) -> (Option<i32>, String) {
     )
 }
 
+/// Node comes from the node template only: `node` runs in a node sandbox (explicit and auto)
+/// and is missing in a base one (the base rootfs carries python3, not node).
 #[test]
 fn templates_node_explicit_and_auto_by_package_json() {
     let Some(art) = artifacts() else { return };
@@ -299,8 +301,37 @@ fn templates_node_explicit_and_auto_by_package_json() {
     let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(sb["template"], "node", "{sb}");
     let id = sb["id"].as_str().unwrap().to_owned();
-    let (code, text) = exec(&d, &id, "cat /etc/tryboxi-template");
-    assert_eq!((code, text.as_str()), (Some(0), "node\n"));
+    let (code, text) = exec(&d, &id, "cat /etc/tryboxi-template; node --version");
+    assert_eq!(code, Some(0), "{text}");
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("node"), "{text}");
+    assert!(lines.next().unwrap_or("").starts_with('v'), "{text}");
+    assert!(d.cli(&["rm", &id]).status.success());
+
+    // base (auto on an empty repo): no node, no npm; python3 is there.
+    let o = create(&d, ws.path(), &["--json"]);
+    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+    let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(sb["template"], "base", "{sb}");
+    let id = sb["id"].as_str().unwrap().to_owned();
+    let o = d.cli(&["exec", &id, "--", "sh", "-c", "node --version"]);
+    assert_eq!(
+        o.status.code(),
+        Some(127),
+        "node in a base sandbox: {}",
+        out(&o)
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("not found"),
+        "{}",
+        out(&o)
+    );
+    let (code, text) = exec(
+        &d,
+        &id,
+        "cat /etc/tryboxi-template 2>/dev/null || echo none; command -v npm || echo no-npm; python3 -c 'print(6*7)'",
+    );
+    assert_eq!((code, text.as_str()), (Some(0), "none\nno-npm\n42\n"));
     assert!(d.cli(&["rm", &id]).status.success());
 
     // An unknown template is a clear 400.
@@ -339,4 +370,161 @@ fn python_template_has_a_working_venv() {
     );
     assert_eq!((code, text.as_str()), (Some(0), "python\n42\n"));
     assert!(d.cli(&["rm", &id]).status.success());
+}
+
+/// The scheduler's ledger as `GET /v1/health` shows it: (reserved vCPUs, reserved MiB,
+/// [(id, holder)]). Checks the totals add up (nothing counted twice or left out).
+fn ledger(d: &Daemon) -> (u64, u64, Vec<(String, String)>) {
+    let h = d.request("GET", "/v1/health", None).json();
+    let c = &h["capacity"];
+    let entries = c["reservations"].as_array().unwrap();
+    let sum = |k: &str| entries.iter().map(|e| e[k].as_u64().unwrap()).sum::<u64>();
+    let (v, m) = (
+        c["reserved_vcpus"].as_u64().unwrap(),
+        c["reserved_memory_mib"].as_u64().unwrap(),
+    );
+    assert_eq!((v, m), (sum("vcpus"), sum("memory_mib")), "{c}");
+    assert!(v <= c["max_vcpus"].as_u64().unwrap(), "{c}");
+    let held = entries
+        .iter()
+        .map(|e| {
+            (
+                e["id"].as_str().unwrap().to_owned(),
+                e["holder"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    (v, m, held)
+}
+
+fn wait_until(d: &Daemon, limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}; ledger {:?}\n{}",
+            ledger(d),
+            d.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Warm-pool VMs are in the ledger: a pool VM reserves when it starts, a create that takes it
+/// turns that reservation into the sandbox's (no double count), a refill never takes room the
+/// host does not have, and a create that would have to wait evicts a pool VM.
+#[test]
+fn pool_vms_are_counted_handed_over_and_evicted() {
+    let Some(art) = artifacts() else { return };
+    // Room for three 1-vCPU sandboxes; a pool of one per golden snapshot.
+    let cfg = "default_vcpus = 1\ndefault_memory_mib = 256\n[limits]\nmax_vcpus = 3\n\
+               max_memory_mib = 1024\nqueue_timeout_s = 5\npressure_check_s = 0\n\
+               [pool]\ngolden = true\nsize = 1\n";
+    let d = Daemon::start(Some(cfg), &["--artifacts", art.to_str().unwrap()]);
+    let ws = tempfile::tempdir().unwrap();
+    let mut o = create(&d, ws.path(), &[]);
+    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+    let a = first_word(&o);
+    // The golden snapshot is built in the background, then one pool VM starts from it.
+    let pool_of = |held: &[(String, String)]| -> Vec<String> {
+        held.iter()
+            .filter(|(_, h)| h == "pool")
+            .map(|(id, _)| id.clone())
+            .collect()
+    };
+    let mut p = String::new();
+    wait_until(&d, Duration::from_secs(300), "a ready pool VM", || {
+        let (_, _, held) = ledger(&d);
+        match pool_of(&held).as_slice() {
+            [id] if d
+                .log_text()
+                .lines()
+                .any(|l| l.contains("pool VM ready") && l.contains(id.as_str())) =>
+            {
+                p = id.clone();
+                true
+            }
+            _ => false,
+        }
+    });
+    let (v, m, held) = ledger(&d);
+    assert_eq!((v, m), (2, 512), "{held:?}");
+    assert!(held.contains(&(a.clone(), "sandbox".into())), "{held:?}");
+
+    // Taking the pool VM: the sandbox is that VM, its reservation is the sandbox's now.
+    o = create(&d, ws.path(), &[]);
+    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+    let b = first_word(&o);
+    assert_eq!(b, p, "the create took the pool VM");
+    assert!(d.log_text().contains("created from the warm pool"));
+    let (v, _, held) = ledger(&d);
+    assert!(held.contains(&(b.clone(), "sandbox".into())), "{held:?}");
+    assert!(!held.contains(&(b.clone(), "pool".into())), "{held:?}");
+    // A refill starts right away (there is room for one more): 3 VMs, 3 vCPUs, not 4.
+    let others: Vec<&(String, String)> =
+        held.iter().filter(|(id, _)| *id != a && *id != b).collect();
+    assert_eq!(v as usize, held.len(), "{held:?}");
+    assert!(others.iter().all(|(_, h)| h == "pool"), "{held:?}");
+    let mut p2 = String::new();
+    wait_until(&d, Duration::from_secs(300), "the pool refill", || {
+        let (_, _, held) = ledger(&d);
+        match pool_of(&held).as_slice() {
+            [id] if d
+                .log_text()
+                .lines()
+                .any(|l| l.contains("pool VM ready") && l.contains(id.as_str())) =>
+            {
+                p2 = id.clone();
+                true
+            }
+            _ => false,
+        }
+    });
+    assert_eq!(ledger(&d).0, 3, "host full: a, b and the pool VM");
+    let p2_dir = d.root().join("sandboxes").join(&p2);
+    assert!(p2_dir.exists());
+
+    // Another shape (no pool VM for it) would have to wait: the pool VM is evicted instead.
+    let t = std::time::Instant::now();
+    o = create(&d, ws.path(), &["--memory", "384"]);
+    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+    let c = first_word(&o);
+    assert!(
+        d.log_text()
+            .lines()
+            .any(|l| l.contains("evicting a warm-pool VM") && l.contains(&p2)),
+        "{}",
+        d.log_text()
+    );
+    assert!(
+        !d.log_text().contains("host full; waiting in the queue"),
+        "the create did not wait: {:?}",
+        t.elapsed()
+    );
+    wait_until(
+        &d,
+        Duration::from_secs(30),
+        "the evicted pool VM's directory to go",
+        || !p2_dir.exists(),
+    );
+    let (v, m, mut held) = ledger(&d);
+    held.sort();
+    let mut want = vec![
+        (a.clone(), "sandbox".to_string()),
+        (b.clone(), "sandbox".to_string()),
+        (c.clone(), "sandbox".to_string()),
+    ];
+    want.sort();
+    assert_eq!((v, m, held), (3, 896, want));
+    // No room for the new shape's golden snapshot build either: skipped, not queued.
+    assert!(
+        d.log_text()
+            .contains("no room on the host to build the golden snapshot now"),
+        "{}",
+        d.log_text()
+    );
+    for id in [&a, &b, &c] {
+        assert!(d.cli(&["rm", id]).status.success());
+    }
+    assert_eq!(ledger(&d).0, 0);
 }

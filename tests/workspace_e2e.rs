@@ -717,3 +717,107 @@ fn a_first_big_sync_goes_in_through_the_base_disk() {
         "the parent's disk is in use"
     );
 }
+
+/// Incompressible bytes (xorshift) so the archive really is as big as the file.
+fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v = Vec::with_capacity(len + 8);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(b))
+}
+
+/// How many syncs went through the transfer disk so far (the daemon logs `via=TransferDisk`).
+fn disk_syncs(d: &Daemon) -> usize {
+    let log = d.log_text();
+    // Strip ANSI colour codes, if any, before matching the field.
+    let mut plain = String::with_capacity(log.len());
+    let mut esc = false;
+    for c in log.chars() {
+        match (esc, c) {
+            (false, '\u{1b}') => esc = true,
+            (true, 'm') => esc = false,
+            (true, _) => {}
+            (false, c) => plain.push(c),
+        }
+    }
+    plain
+        .lines()
+        .filter(|l| l.contains("workspace synced") && l.contains("via=TransferDisk"))
+        .count()
+}
+
+#[test]
+fn big_changes_go_through_the_transfer_disk_and_a_second_one_is_not_read_stale() {
+    let Some(d) = daemon() else { return };
+    let ws = tempfile::tempdir().unwrap();
+    write(ws.path(), "small.txt", "small\n");
+    write(ws.path(), "gone.txt", "deleted by the second sync\n");
+    let id = create(&d, ws.path());
+    let _rm = Rm(&d, id.clone());
+    let before = disk_syncs(&d);
+
+    // 1: one 2 MiB file (an archive >= 1 MiB) goes in through the disk.
+    let v1 = noise(1, 2 << 20);
+    std::fs::write(ws.path().join("big.bin"), &v1).unwrap();
+    let out = sh_ok(
+        &d,
+        &id,
+        "sha256sum /workspace/big.bin; cat /workspace/small.txt",
+    );
+    assert!(out.contains(&sha256_hex(&v1)), "first big sync: {out}");
+    assert!(out.contains("small"), "{out}");
+    assert_eq!(
+        disk_syncs(&d),
+        before + 1,
+        "the first big sync did not use the disk"
+    );
+
+    // 2: the same file rewritten (same size, so the same disk blocks), a second big file and a
+    // delete in one sync: the guest must read the new archive, not its cached copy of the old.
+    let v2 = noise(2, 2 << 20);
+    let v3 = noise(3, 1536 << 10);
+    std::fs::write(ws.path().join("big.bin"), &v2).unwrap();
+    std::fs::create_dir_all(ws.path().join("sub")).unwrap();
+    std::fs::write(ws.path().join("sub/big2.bin"), &v3).unwrap();
+    std::fs::remove_file(ws.path().join("gone.txt")).unwrap();
+    let out = sh_ok(
+        &d,
+        &id,
+        "sha256sum /workspace/big.bin /workspace/sub/big2.bin; \
+         test -e /workspace/gone.txt && echo STILL-THERE || echo GONE",
+    );
+    assert!(
+        out.contains(&sha256_hex(&v2)),
+        "stale or wrong big.bin: {out}"
+    );
+    assert!(
+        !out.contains(&sha256_hex(&v1)),
+        "the old content came back: {out}"
+    );
+    assert!(out.contains(&sha256_hex(&v3)), "big2.bin: {out}");
+    assert!(out.contains("GONE"), "{out}");
+    assert_eq!(
+        disk_syncs(&d),
+        before + 2,
+        "the second big sync did not use the disk"
+    );
+
+    // Nothing of this came back to the host, and the VM sees no leftovers of the transfer.
+    assert_eq!(std::fs::read(ws.path().join("big.bin")).unwrap(), v2);
+    let stat = cli_ok(&d, &["diff", &id, "--stat"]);
+    assert!(
+        !stat.contains("big.bin") && !stat.contains("big2.bin"),
+        "the VM's copy differs from the sync base: {stat}"
+    );
+}

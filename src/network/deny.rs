@@ -21,6 +21,7 @@ impl Gate for DenyAll {
     fn inspect(&self, _: &Flow, _: &[u8]) -> InspectVerdict {
         InspectVerdict::Deny {
             reason: REASON.into(),
+            host: None,
         }
     }
 

@@ -76,9 +76,14 @@ pub enum InspectVerdict {
     NeedMore,
     Allow {
         rule: String,
+        /// The name the first bytes showed (SNI or Host), for events.
+        host: Option<String>,
     },
     Deny {
         reason: String,
+        /// The name the first bytes showed, if any: the one the guest tried to reach (the
+        /// destination's pinned names may be others).
+        host: Option<String>,
     },
 }
 

@@ -1,4 +1,4 @@
-//! Golden snapshots and the warm pool.
+//! Golden snapshots (the warm pool built on them is `pool.rs`).
 //!
 //! A golden snapshot is a VM booted once until its agent answered, then paused to disk, kept
 //! in `<data root>/golden/<key>/`: `vm/` (the VM's directory: `mem.ram`, `disk.qcow2`, logs),
@@ -13,7 +13,9 @@
 //! snapshot, with their own id and directory, waiting without a record), else starts one from
 //! the golden snapshot, else boots. A missing snapshot is built in the background after the
 //! first boot of its kind; a broken one (its clone fails) is marked `broken` and not used
-//! again (event `golden.broken`). The pool is refilled in the background.
+//! again (event `golden.broken`). The VM booted to build a snapshot is in the scheduler's
+//! ledger ([`Holder::Golden`]) while it runs; the build is skipped (retried at the next cold
+//! boot of its kind) when the host has no room for it right now.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -23,42 +25,35 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::pool::PoolVm;
+use super::scheduler::{Holder, Resources};
 use super::vms::LiveVm;
-use super::{SandboxRecord, Service, ServiceError};
-use crate::api::{self, SandboxState};
-use crate::ids;
-use crate::store::SANDBOXES;
+use super::{Service, ServiceError};
 use crate::vmm::qemu::{Checkpoint, VmPaths, qemu_args};
-use crate::vmm::{Images, VmSpec, VmmDriver};
+use crate::vmm::{Images, VmSpec};
 
 const GOLDEN_FILE: &str = "golden.json";
 const BROKEN_FILE: &str = "broken";
 
-/// A VM started from a golden snapshot ahead of time.
-pub(super) struct PoolVm {
-    id: String,
-    dir: PathBuf,
-    vm: LiveVm,
-}
-
 #[derive(Default)]
 pub struct GoldenState {
     /// Keys whose snapshot is being built right now.
-    building: Mutex<std::collections::HashSet<String>>,
+    pub(super) building: Mutex<std::collections::HashSet<String>>,
     /// Keys whose pool is being refilled right now.
-    filling: Mutex<std::collections::HashSet<String>>,
-    pool: Mutex<HashMap<String, Vec<PoolVm>>>,
+    pub(super) filling: Mutex<std::collections::HashSet<String>>,
+    /// The warm pool: idle VMs by golden key (see `pool.rs`).
+    pub(super) pool: Mutex<HashMap<String, Vec<PoolVm>>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Golden {
+pub(super) struct Golden {
     key: String,
-    checkpoint: Checkpoint,
+    pub(super) checkpoint: Checkpoint,
     built_at: String,
     boot_ms: u64,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -91,13 +86,13 @@ pub fn golden_key(spec: &VmSpec, images: &Images, qemu_version: &str) -> String 
 }
 
 impl Service {
-    fn golden_dir(&self, key: &str) -> PathBuf {
+    pub(super) fn golden_dir(&self, key: &str) -> PathBuf {
         self.paths.root.join("golden").join(key)
     }
 
     /// `<images key>-<shape key>`: the first half is `gc::golden_key` of the kernel, initramfs
     /// and this VM's rootfs/template image, which is how `tryboxi gc` tells stale snapshots.
-    fn key_of(&self, spec: &VmSpec) -> Option<String> {
+    pub(super) fn key_of(&self, spec: &VmSpec) -> Option<String> {
         let images = self.images().ok()?;
         let driver = self.driver().ok()?;
         let sha = |pred: &dyn Fn(&crate::vmm::images::Artifact) -> bool| {
@@ -119,7 +114,7 @@ impl Service {
     }
 
     /// The complete, not broken golden snapshot of `key`, if any.
-    fn golden(&self, key: &str) -> Option<Golden> {
+    pub(super) fn golden(&self, key: &str) -> Option<Golden> {
         let dir = self.golden_dir(key);
         if dir.join(BROKEN_FILE).exists() {
             return None;
@@ -167,7 +162,7 @@ impl Service {
         Ok(vm)
     }
 
-    fn mark_broken(&self, key: &str, why: &str) {
+    pub(super) fn mark_broken(&self, key: &str, why: &str) {
         tracing::warn!(golden = %key, error = %why, "golden snapshot broken: falling back to a cold boot");
         let _ = std::fs::write(self.golden_dir(key).join(BROKEN_FILE), why);
         self.telemetry.events.publish(
@@ -178,15 +173,28 @@ impl Service {
         );
     }
 
-    /// Build `key`'s golden snapshot in the background (once at a time per key).
+    /// Build `key`'s golden snapshot in the background (once at a time per key), if the host
+    /// has room for one more VM right now (it never waits in the scheduler's queue).
     fn build_golden(self: &Arc<Self>, key: String, spec: VmSpec) {
         if self.life.shutting_down() || !lock(&self.life.golden.building).insert(key.clone()) {
             return;
         }
+        let need = Resources::new(spec.vcpus, u64::from(spec.memory_mib));
+        let Some(reservation) =
+            self.ledger
+                .try_reserve(&format!("golden-{key}"), need, Holder::Golden)
+        else {
+            tracing::info!(golden = %key, "no room on the host to build the golden snapshot now; the next cold boot of its kind tries again");
+            lock(&self.life.golden.building).remove(&key);
+            return;
+        };
         let svc = self.clone();
         tokio::spawn(async move {
             let t0 = Instant::now();
-            match svc.build_golden_now(&key, &spec).await {
+            let built = svc.build_golden_now(&key, &spec).await;
+            // The build's VM is gone (paused to disk, or failed): its room is free again.
+            drop(reservation);
+            match built {
                 Ok(()) => {
                     tracing::info!(golden = %key, ms = t0.elapsed().as_millis() as u64, "golden snapshot built");
                     svc.fill_pool(&key, &spec);
@@ -246,140 +254,6 @@ impl Service {
         Ok(())
     }
 
-    /// Refill `key`'s warm pool up to `pool.size` in the background.
-    fn fill_pool(self: &Arc<Self>, key: &str, spec: &VmSpec) {
-        let want = self.config.pool.size as usize;
-        if want == 0 || !lock(&self.life.golden.filling).insert(key.to_owned()) {
-            return;
-        }
-        let svc = self.clone();
-        let key = key.to_owned();
-        let spec = spec.clone();
-        tokio::spawn(async move {
-            loop {
-                let have = lock(&svc.life.golden.pool).get(&key).map_or(0, Vec::len);
-                if have >= want || svc.life.shutting_down() {
-                    break;
-                }
-                let Some(g) = svc.golden(&key) else { break };
-                // Scheduler hook: a pool VM holds `spec.memory_mib` of the host's memory.
-                let id = ids::new_id(ids::SANDBOX);
-                let dir = svc.paths.sandbox_dir(&id);
-                if let Err(e) = std::fs::create_dir_all(&dir) {
-                    tracing::warn!(error = %e, "cannot create a pool VM directory");
-                    break;
-                }
-                let pspec = VmSpec {
-                    id: id.clone(),
-                    dir: dir.clone(),
-                    ..spec.clone()
-                };
-                match svc.start_clone(&pspec, &g.checkpoint, false).await {
-                    Ok(vm) => {
-                        tracing::debug!(golden = %key, sandbox = %id, "pool VM ready");
-                        lock(&svc.life.golden.pool)
-                            .entry(key.clone())
-                            .or_default()
-                            .push(PoolVm { id, dir, vm });
-                    }
-                    Err(e) => {
-                        svc.mark_broken(&key, &e.to_string());
-                        svc.discard(&id, &dir).await;
-                        break;
-                    }
-                }
-            }
-            lock(&svc.life.golden.filling).remove(&key);
-        });
-    }
-
-    /// `create` from the warm pool: a ready sandbox if a pool VM of this shape is waiting.
-    /// The one call site `create` uses before anything else.
-    pub(super) async fn create_from_pool(
-        self: &Arc<Self>,
-        (template, rootfs): (&str, &Path),
-        images: &Images,
-        (vcpus, memory_mib, accel): (u32, u32, crate::vmm::Accel),
-        workspace: &Path,
-        exclude: &[String],
-        net_policy: &crate::network::policy::Policy,
-    ) -> Option<Result<api::Sandbox, ServiceError>> {
-        if !self.config.pool.golden || self.config.pool.size == 0 {
-            return None;
-        }
-        let spec_like = VmSpec {
-            id: "pool".into(),
-            dir: self.paths.sandboxes_dir(),
-            kernel: images.kernel.clone(),
-            initramfs: images.initramfs.clone(),
-            rootfs: rootfs.to_path_buf(),
-            vcpus,
-            memory_mib,
-            accel,
-        };
-        let spec_like = &spec_like;
-        let key = self.key_of(spec_like)?;
-        let t0 = Instant::now();
-        let pvm = loop {
-            let p = lock(&self.life.golden.pool).get_mut(&key)?.pop()?;
-            let driver = self.driver().ok()?;
-            if !p.vm.agent.is_closed() && driver.is_alive(&p.vm.info) {
-                break p;
-            }
-            tracing::warn!(sandbox = %p.id, "a pool VM died while waiting; dropping it");
-            self.discard(&p.id, &p.dir).await;
-        };
-        let id = pvm.id.clone();
-        let mut rec = SandboxRecord {
-            api: api::Sandbox {
-                id: id.clone(),
-                state: SandboxState::Creating,
-                workspace: api::WorkspaceSpec {
-                    host_path: workspace.display().to_string(),
-                    exclude: exclude.to_vec(),
-                },
-                template: template.to_owned(),
-                vcpus,
-                memory_mib,
-                accel: Some(accel.to_string()),
-                created_at: super::now_rfc3339(),
-                error: None,
-            },
-            dir: pvm.dir.clone(),
-        };
-        if let Err(e) = self.store.put(SANDBOXES, &id, &rec) {
-            return Some(Err(e.into()));
-        }
-        // Pool VMs wait without a network peer (QEMU's NIC keeps reconnecting): the stack starts
-        // now, with this sandbox's policy.
-        if let Err(e) = self
-            .init_network(&id, net_policy.clone())
-            .and_then(|()| self.ensure_network(&id, &rec.dir))
-        {
-            self.discard(&id, &rec.dir).await;
-            return Some(Err(e));
-        }
-        self.telemetry.sandbox_created(&rec.api, t0);
-        let vm = Arc::new(pvm.vm);
-        self.vms.insert(&id, vm.clone());
-        self.watch(id.clone(), vm.clone());
-        if let Err(e) = self.sync_locked(&rec, &vm, &[]).await {
-            self.vms.take(&id);
-            self.telemetry.sandbox_create_failed(&id, &e.to_string());
-            self.discard(&id, &rec.dir).await;
-            return Some(Err(e));
-        }
-        rec.api.state = SandboxState::Ready;
-        if let Err(e) = self.store.put(SANDBOXES, &id, &rec) {
-            return Some(Err(e.into()));
-        }
-        self.life.touch(&id);
-        self.telemetry.sandbox_ready(&rec.api, t0);
-        tracing::info!(sandbox = %id, golden = %key, ms = t0.elapsed().as_millis() as u64, "created from the warm pool");
-        self.fill_pool(&key, spec_like);
-        Some(Ok(rec.api))
-    }
-
     /// Daemon start: a golden snapshot left incomplete (no `golden.json`) by a daemon that
     /// died while building it is ended and deleted.
     pub(super) async fn clean_incomplete_golden(&self) {
@@ -396,30 +270,6 @@ impl Service {
             if let Err(e) = crate::safefs::remove_under(&self.paths.root, &dir) {
                 tracing::warn!(error = %e, "cannot remove an incomplete golden snapshot");
             }
-        }
-    }
-
-    /// Shutdown: let golden builds and pool fills in flight finish (bounded: their QEMUs must
-    /// not outlive us), then end the pool VMs.
-    pub(super) async fn drain_pool(&self) {
-        self.life.set_shutting_down();
-        let deadline = Instant::now() + std::time::Duration::from_secs(self.config.boot_timeout_s);
-        while (!lock(&self.life.golden.building).is_empty()
-            || !lock(&self.life.golden.filling).is_empty())
-            && Instant::now() < deadline
-        {
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-        let all: Vec<PoolVm> = lock(&self.life.golden.pool)
-            .drain()
-            .flat_map(|(_, v)| v)
-            .collect();
-        for p in all {
-            self.discard(&p.id, &p.dir).await;
-        }
-        let building: Vec<String> = lock(&self.life.golden.building).iter().cloned().collect();
-        for key in building {
-            self.kill_leftover(&self.golden_dir(&key).join("vm")).await;
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod netpolicy;
 mod network;
 mod observe;
 mod pause;
+mod pool;
 pub mod pressure;
 mod sandboxes;
 pub mod scheduler;
@@ -157,7 +158,30 @@ impl Service {
                 .store
                 .list::<SandboxRecord>(crate::store::SANDBOXES)?
                 .len(),
+            capacity: Some(self.capacity()),
         })
+    }
+
+    /// The scheduler's ledger, for `GET /v1/health`.
+    pub fn capacity(&self) -> api::Capacity {
+        let v = self.ledger.view();
+        api::Capacity {
+            max_vcpus: v.cap.vcpus,
+            max_memory_mib: v.cap.memory_mib,
+            reserved_vcpus: v.used.vcpus,
+            reserved_memory_mib: v.used.memory_mib,
+            queued: v.queued,
+            reservations: v
+                .held
+                .into_iter()
+                .map(|(id, r, who)| api::LedgerEntry {
+                    id,
+                    holder: who.as_str().to_owned(),
+                    vcpus: r.vcpus,
+                    memory_mib: r.memory_mib,
+                })
+                .collect(),
+        }
     }
 
     /// Graceful shutdown: the warm pool ends; with `shutdown = "pause"` running sandboxes are

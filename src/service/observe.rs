@@ -102,6 +102,7 @@ impl Service {
                     v.queued,
                 ))
             },
+            pool_ready: self.pool_ready(),
             ..Default::default()
         };
         for r in recs.iter().filter(|r| r.api.state == SandboxState::Ready) {

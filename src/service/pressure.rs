@@ -1,5 +1,6 @@
 //! Host memory pressure: a background task that reads PSI (`/proc/pressure/memory`) and
-//! `MemAvailable`, and before the host swaps asks the [`Pauser`] to pause the idlest sandboxes.
+//! `MemAvailable`, and before the host swaps evicts warm-pool VMs (through the ledger), then
+//! asks the [`Pauser`] to pause the idlest sandboxes for the rest.
 //!
 //! Owns: parsing the two proc files, the decision "under pressure?" and how much to free.
 //! Never: pauses anything itself (the `Pauser` does), or acts on sandboxes running a command.
@@ -106,12 +107,14 @@ pub fn spawn(svc: &Arc<Service>, pauser: Arc<dyn Pauser>) {
                 continue;
             }
             last_report = Some(std::time::Instant::now());
+            // Warm-pool VMs only hold memory ahead of time: they go before any sandbox.
+            let from_pool = svc.ledger.evict_pool_memory(want);
             let pick = pick_to_free(
                 &svc.ledger.idle_candidates(),
-                want,
+                want.saturating_sub(from_pool),
                 Duration::from_secs(limits.pressure_min_idle_s),
             );
-            tracing::warn!(psi = ?reading.psi_some_avg10, available_mib = ?reading.available_mib, want_mib = want, pausing = ?pick, "host memory pressure");
+            tracing::warn!(psi = ?reading.psi_some_avg10, available_mib = ?reading.available_mib, want_mib = want, pool_evicted_mib = from_pool, pausing = ?pick, "host memory pressure");
             svc.telemetry.events.publish(
                 "host.memory_pressure",
                 "",
@@ -120,6 +123,7 @@ pub fn spawn(svc: &Arc<Service>, pauser: Arc<dyn Pauser>) {
                     "psi_some_avg10": reading.psi_some_avg10,
                     "available_mib": reading.available_mib,
                     "want_free_mib": want,
+                    "pool_evicted_mib": from_pool,
                     "pausing": pick,
                 }),
             );

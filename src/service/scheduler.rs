@@ -15,12 +15,44 @@
 //! A [`Reservation`] is an RAII guard: dropped without [`Reservation::keep`] it gives the
 //! resources back (a failed create, restore or fork). Kept, they belong to the sandbox until
 //! [`Ledger::release`] (rm, pause).
+//!
+//! Background VMs (a warm-pool VM, a golden snapshot being built) are in the ledger too, as
+//! [`Holder::Pool`] / [`Holder::Golden`], but they never wait: [`Ledger::try_reserve`] grants
+//! only when the request fits right now and nobody is queued, so a background VM can neither
+//! wait in nor overtake the queue. A create that takes a pool VM moves its reservation to the
+//! sandbox ([`Ledger::claim_pool`]: one step under the lock, no double count, no gap). A
+//! request that would have to wait first evicts pool VMs (in the same step, under the lock):
+//! just enough for everything queued plus itself, or all of them when even that is not
+//! enough; their reservations end at once and their ids go to [`Ledger::evictions`], whose
+//! reader (the service) stops those VMs. Without a reader nothing is evicted.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
+
+/// Who holds a reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Holder {
+    /// A sandbox (creating, ready; a fork child, a restore, a resume).
+    #[default]
+    Sandbox,
+    /// A warm-pool VM waiting to be taken by a create; may be evicted to make room.
+    Pool,
+    /// A VM booted to build a golden snapshot (gone once the snapshot is written).
+    Golden,
+}
+
+impl Holder {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Holder::Sandbox => "sandbox",
+            Holder::Pool => "pool",
+            Holder::Golden => "golden",
+        }
+    }
+}
 
 /// vCPUs and MiB of memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -35,6 +67,12 @@ impl Resources {
     }
     fn fits_in(&self, free: Resources) -> bool {
         self.vcpus <= free.vcpus && self.memory_mib <= free.memory_mib
+    }
+    fn plus(self, o: Resources) -> Resources {
+        Resources::new(
+            self.vcpus.saturating_add(o.vcpus),
+            self.memory_mib.saturating_add(o.memory_mib),
+        )
     }
 }
 
@@ -89,7 +127,7 @@ struct Waiter {
 struct State {
     cap: Resources,
     used: Resources,
-    held: HashMap<String, Resources>,
+    held: HashMap<String, (Resources, Holder)>,
     queue: VecDeque<Waiter>,
     next_ticket: u64,
 }
@@ -101,16 +139,37 @@ impl State {
             memory_mib: self.cap.memory_mib.saturating_sub(self.used.memory_mib),
         }
     }
-    fn take(&mut self, id: &str, r: Resources) {
+    fn take(&mut self, id: &str, r: Resources, who: Holder) {
         self.used.vcpus += r.vcpus;
         self.used.memory_mib += r.memory_mib;
-        self.held.insert(id.to_owned(), r);
+        self.held.insert(id.to_owned(), (r, who));
     }
     fn give_back(&mut self, id: &str) -> Option<Resources> {
-        let r = self.held.remove(id)?;
+        let (r, _) = self.held.remove(id)?;
         self.used.vcpus = self.used.vcpus.saturating_sub(r.vcpus);
         self.used.memory_mib = self.used.memory_mib.saturating_sub(r.memory_mib);
         Some(r)
+    }
+    /// Pool reservations to end so that everything queued plus `need` fits (all of them when
+    /// even that is not enough); by id, so the choice is stable. Releases them.
+    fn evict_pool_for(&mut self, need: Resources) -> Vec<String> {
+        let want = self.queue.iter().fold(need, |a, w| a.plus(w.need));
+        let mut pool: Vec<String> = self
+            .held
+            .iter()
+            .filter(|(_, (_, who))| *who == Holder::Pool)
+            .map(|(id, _)| id.clone())
+            .collect();
+        pool.sort();
+        let mut out = Vec::new();
+        for id in pool {
+            if want.fits_in(self.free()) {
+                break;
+            }
+            self.give_back(&id);
+            out.push(id);
+        }
+        out
     }
     /// Grant queued requests from the head while the head fits (strict FIFO).
     fn grant_waiters(&mut self) {
@@ -119,7 +178,7 @@ impl State {
                 break;
             }
             let w = self.queue.pop_front().expect("front exists");
-            self.take(&w.id, w.need);
+            self.take(&w.id, w.need, Holder::Sandbox);
             if w.tx.send(()).is_err() {
                 // The waiter gave up between its timeout and now: undo.
                 self.give_back(&w.id);
@@ -158,7 +217,8 @@ pub struct LedgerView {
     pub cap: Resources,
     pub used: Resources,
     pub queued: usize,
-    pub held: Vec<(String, Resources)>,
+    /// Every reservation, by id.
+    pub held: Vec<(String, Resources, Holder)>,
 }
 
 /// The host ledger. Cheap to share (`Arc`).
@@ -167,6 +227,8 @@ pub struct Ledger {
     queue_timeout: Duration,
     max_queue: usize,
     activity: Mutex<HashMap<String, Activity>>,
+    /// Where evicted pool VM ids go (see [`Ledger::evictions`]).
+    evict_tx: Mutex<Option<tokio::sync::mpsc::UnboundedSender<String>>>,
 }
 
 impl Ledger {
@@ -182,6 +244,7 @@ impl Ledger {
             queue_timeout,
             max_queue,
             activity: Mutex::new(HashMap::new()),
+            evict_tx: Mutex::new(None),
         })
     }
 
@@ -191,7 +254,7 @@ impl Ledger {
 
     pub fn view(&self) -> LedgerView {
         let s = self.lock();
-        let mut held: Vec<_> = s.held.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let mut held: Vec<_> = s.held.iter().map(|(k, v)| (k.clone(), v.0, v.1)).collect();
         held.sort_by(|a, b| a.0.cmp(&b.0));
         LedgerView {
             cap: s.cap,
@@ -214,9 +277,7 @@ impl Ledger {
         let kept = staying
             .iter()
             .filter_map(|id| s.held.get(*id))
-            .fold(Resources::default(), |a, r| {
-                Resources::new(a.vcpus + r.vcpus, a.memory_mib + r.memory_mib)
-            });
+            .fold(Resources::default(), |a, (r, _)| a.plus(*r));
         let need = Resources::new(
             one.vcpus.saturating_mul(count),
             one.memory_mib.saturating_mul(u64::from(count)),
@@ -257,8 +318,12 @@ impl Ledger {
                     cap_mib: s.cap.memory_mib,
                 });
             }
+            if !(s.queue.is_empty() && need.fits_in(s.free())) {
+                // It would wait: pool VMs make room first (they only hold room ahead of time).
+                self.evict(&mut s, need);
+            }
             if s.queue.is_empty() && need.fits_in(s.free()) {
-                s.take(id, need);
+                s.take(id, need, Holder::Sandbox);
                 return Ok(self.guard(id));
             }
             if s.queue.len() >= self.max_queue {
@@ -328,6 +393,112 @@ impl Ledger {
         }
     }
 
+    /// Evicted pool VM ids, from now on (one reader: a second call replaces the first). The
+    /// reader must stop each VM; its reservation has already ended.
+    pub fn evictions(&self) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        *self.evict_tx.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+        rx
+    }
+
+    fn evict(&self, s: &mut State, need: Resources) {
+        let tx = self.evict_tx.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(tx) = tx.as_ref().filter(|t| !t.is_closed()) else {
+            return;
+        };
+        let ids = s.evict_pool_for(need);
+        if ids.is_empty() {
+            return;
+        }
+        // Freed room goes to the queue first (FIFO), then to this request.
+        s.grant_waiters();
+        for id in ids {
+            tracing::info!(pool_vm = %id, vcpus = need.vcpus, memory_mib = need.memory_mib, "evicting a warm-pool VM to make room");
+            let _ = tx.send(id);
+        }
+    }
+
+    /// Host memory pressure: evict pool VMs (by id) until at least `want_mib` of their memory
+    /// is freed or none is left; returns the MiB freed. They go before any sandbox is paused.
+    /// Nothing without a reader of [`Ledger::evictions`].
+    pub fn evict_pool_memory(&self, want_mib: u64) -> u64 {
+        let mut s = self.lock();
+        let tx = self.evict_tx.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(tx) = tx.as_ref().filter(|t| !t.is_closed()) else {
+            return 0;
+        };
+        let mut pool: Vec<(String, u64)> = s
+            .held
+            .iter()
+            .filter(|(_, (_, who))| *who == Holder::Pool)
+            .map(|(id, (r, _))| (id.clone(), r.memory_mib))
+            .collect();
+        pool.sort();
+        let mut freed = 0;
+        for (id, mib) in pool {
+            if freed >= want_mib {
+                break;
+            }
+            s.give_back(&id);
+            freed += mib;
+            tracing::info!(pool_vm = %id, memory_mib = mib, "evicting a warm-pool VM: host memory pressure");
+            let _ = tx.send(id);
+        }
+        s.grant_waiters();
+        freed
+    }
+
+    /// Who holds `id`'s reservation, if anyone.
+    pub fn holder(&self, id: &str) -> Option<Holder> {
+        self.lock().held.get(id).map(|(_, who)| *who)
+    }
+
+    /// Reserve `need` for a background VM only if it fits right now and nobody waits in the
+    /// queue; never queues. `None`: the host has no room to spare (the caller skips the VM).
+    pub fn try_reserve(
+        self: &Arc<Self>,
+        id: &str,
+        need: Resources,
+        who: Holder,
+    ) -> Option<Reservation> {
+        let mut s = self.lock();
+        if s.held.contains_key(id) || !s.queue.is_empty() || !need.fits_in(s.free()) {
+            return None;
+        }
+        s.take(id, need, who);
+        drop(s);
+        Some(Reservation {
+            ledger: self.clone(),
+            id: id.to_owned(),
+            kept: false,
+        })
+    }
+
+    /// A create takes pool VM `pool_id` as sandbox `sandbox_id` (the same id when the sandbox
+    /// keeps the pool VM's id): its reservation moves over in one step (no double count, no
+    /// moment where the VM is not counted). `None` (nothing changed) if `pool_id` holds no pool
+    /// reservation or `sandbox_id` already holds one of its own.
+    pub fn claim_pool(&self, pool_id: &str, sandbox_id: &str) -> Option<Resources> {
+        let mut s = self.lock();
+        match s.held.get(pool_id) {
+            Some((_, Holder::Pool)) => {}
+            _ => return None,
+        }
+        if pool_id != sandbox_id && s.held.contains_key(sandbox_id) {
+            return None;
+        }
+        let (r, _) = s.held.remove(pool_id)?;
+        s.held.insert(sandbox_id.to_owned(), (r, Holder::Sandbox));
+        drop(s);
+        self.touch(sandbox_id);
+        Some(r)
+    }
+
+    /// Someone waits in the queue (a background VM that just started should give way).
+    pub fn has_waiters(&self) -> bool {
+        !self.lock().queue.is_empty()
+    }
+
     /// Whether sandbox `id` holds a reservation.
     pub fn holds(&self, id: &str) -> bool {
         self.lock().held.contains_key(id)
@@ -357,7 +528,7 @@ impl Ledger {
         if s.held.contains_key(id) {
             return;
         }
-        s.take(id, r);
+        s.take(id, r, Holder::Sandbox);
         if s.used.vcpus > s.cap.vcpus || s.used.memory_mib > s.cap.memory_mib {
             tracing::warn!(sandbox = %id, used_vcpus = s.used.vcpus, used_mib = s.used.memory_mib, "recovered sandboxes hold more than the host limit");
         }
@@ -381,7 +552,14 @@ impl Ledger {
 
     /// Candidates for pausing under memory pressure, idlest first (see [`rank_idle`]).
     pub fn idle_candidates(&self) -> Vec<Candidate> {
-        let held = self.lock().held.clone();
+        // Only sandboxes can be paused; background VMs are not the Pauser's to touch.
+        let held: Vec<(String, Resources)> = self
+            .lock()
+            .held
+            .iter()
+            .filter(|(_, (_, who))| *who == Holder::Sandbox)
+            .map(|(id, (r, _))| (id.clone(), *r))
+            .collect();
         let a = self.activity.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         let c: Vec<Candidate> = held

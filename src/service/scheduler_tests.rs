@@ -61,7 +61,10 @@ async fn queue_full_refuses_at_once() {
     assert!(matches!(e, SchedError::QueueFull { .. }), "{e}");
     l.release("a");
     waiting.await.unwrap().unwrap();
-    assert_eq!(l.view().held, vec![("b".to_string(), r(1, 1024))]);
+    assert_eq!(
+        l.view().held,
+        vec![("b".to_string(), r(1, 1024), Holder::Sandbox)]
+    );
 }
 
 #[tokio::test]
@@ -204,4 +207,205 @@ async fn a_group_that_never_fits_next_to_the_parent_is_refused_whole() {
     // Memory bound as well.
     assert!(l.group_ever_fits(r(1, 4096), 2, &["parent"]).is_err());
     assert_eq!(l.view().used, r(3, 1536), "a check reserves nothing");
+}
+
+#[tokio::test]
+async fn a_pool_vm_reserves_only_when_it_fits_now_and_nobody_waits() {
+    let l = ledger(2, 2048, 5_000, 4);
+    let p = l.try_reserve("pool1", r(1, 512), Holder::Pool).unwrap();
+    p.keep();
+    assert_eq!(l.view().used, r(1, 512), "a pool VM is counted");
+    assert_eq!(
+        l.view().held,
+        vec![("pool1".to_string(), r(1, 512), Holder::Pool)]
+    );
+    // Does not fit right now: refused at once, never queued.
+    assert!(l.try_reserve("pool2", r(2, 512), Holder::Pool).is_none());
+    assert_eq!(l.view().queued, 0);
+    // Someone waits: a pool VM does not overtake the queue even if it would fit.
+    l.reserve("a", r(1, 1024)).await.unwrap().keep();
+    let l2 = l.clone();
+    let waiting =
+        tokio::spawn(async move { l2.reserve("big", r(1, 1024)).await.map(|g| g.keep()) });
+    while !l.has_waiters() {
+        tokio::task::yield_now().await;
+    }
+    assert!(l.try_reserve("pool3", r(0, 1), Holder::Pool).is_none());
+    // A dropped (not kept) background reservation gives back and wakes the queue.
+    l.release("pool1");
+    waiting.await.unwrap().unwrap();
+    assert!(!l.has_waiters());
+    let g = l.try_reserve("golden-x", r(0, 0), Holder::Golden).unwrap();
+    assert!(l.holds("golden-x"));
+    drop(g);
+    assert!(!l.holds("golden-x"));
+    assert_eq!(l.view().used, r(2, 2048));
+}
+
+#[tokio::test]
+async fn claiming_a_pool_vm_moves_its_reservation_without_double_count() {
+    let l = ledger(2, 1024, 50, 4);
+    l.try_reserve("sbx_p", r(1, 512), Holder::Pool)
+        .unwrap()
+        .keep();
+    l.reserve("other", r(1, 512)).await.unwrap().keep();
+    assert_eq!(l.view().used, r(2, 1024), "host full: pool VM + other");
+    // Taken by a create under its own id: same resources, now a sandbox's.
+    assert_eq!(l.claim_pool("sbx_p", "sbx_p"), Some(r(1, 512)));
+    assert_eq!(l.view().used, r(2, 1024), "no double count");
+    assert_eq!(
+        l.view().held,
+        vec![
+            ("other".to_string(), r(1, 512), Holder::Sandbox),
+            ("sbx_p".to_string(), r(1, 512), Holder::Sandbox),
+        ]
+    );
+    // Only pool reservations can be claimed, and only once.
+    assert_eq!(l.claim_pool("sbx_p", "sbx_p"), None);
+    assert_eq!(l.claim_pool("other", "x"), None);
+    // Under another id: moved, the old key is gone.
+    l.release("other");
+    l.try_reserve("sbx_q", r(1, 512), Holder::Pool)
+        .unwrap()
+        .keep();
+    assert_eq!(l.claim_pool("sbx_q", "sbx_p"), None, "target holds already");
+    assert_eq!(l.claim_pool("sbx_q", "sbx_new"), Some(r(1, 512)));
+    assert!(!l.holds("sbx_q") && l.holds("sbx_new"));
+    assert_eq!(l.view().used, r(2, 1024));
+    // The sandbox now gives back like any other.
+    l.release("sbx_new");
+    l.release("sbx_p");
+    assert_eq!(l.view().used, r(0, 0));
+}
+
+fn drain(rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> Vec<String> {
+    let mut v = Vec::new();
+    while let Ok(id) = rx.try_recv() {
+        v.push(id);
+    }
+    v
+}
+
+#[tokio::test]
+async fn a_request_that_would_wait_evicts_just_enough_pool_vms() {
+    let l = ledger(3, 3072, 100, 4);
+    // Without a reader of evictions nothing is evicted: the request waits and times out.
+    l.reserve("s", r(1, 1024)).await.unwrap().keep();
+    l.try_reserve("p1", r(1, 1024), Holder::Pool)
+        .unwrap()
+        .keep();
+    l.try_reserve("p2", r(1, 1024), Holder::Pool)
+        .unwrap()
+        .keep();
+    assert!(matches!(
+        l.reserve("x", r(1, 1024)).await.err().unwrap(),
+        SchedError::Timeout { .. }
+    ));
+    let mut rx = l.evictions();
+    // Nothing free: one pool VM (the first by id) makes room, and the request is granted
+    // at once instead of waiting.
+    let t = Instant::now();
+    l.reserve("a", r(1, 1024)).await.unwrap().keep();
+    assert!(t.elapsed() < Duration::from_millis(100));
+    assert_eq!(drain(&mut rx), ["p1"]);
+    assert_eq!(l.holder("p1"), None);
+    assert_eq!(l.holder("p2"), Some(Holder::Pool));
+    assert_eq!(l.view().used, r(3, 3072), "p1's room went to `a`");
+    // A request that fits evicts nobody.
+    l.release("a");
+    l.reserve("b", r(1, 1024)).await.unwrap().keep();
+    assert!(drain(&mut rx).is_empty());
+    // Never enough (2 vCPUs needed, only p2's 1 can be freed): every pool VM goes, and the
+    // request waits for a sandbox to leave.
+    let l2 = l.clone();
+    let waiting = tokio::spawn(async move {
+        let l3 = l2.clone();
+        let res = l2.reserve("big", r(2, 2048)).await;
+        res.map(|g| {
+            g.keep();
+            l3.view().used
+        })
+    });
+    while !l.has_waiters() {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(drain(&mut rx), ["p2"]);
+    assert_eq!(l.view().used, r(2, 2048), "s and b; p2's room is free");
+    l.release("b");
+    assert_eq!(waiting.await.unwrap().unwrap(), r(3, 3072));
+    // A pool VM of a closed reader is not evicted either.
+    drop(rx);
+    l.release("big");
+    l.try_reserve("p3", r(2, 2048), Holder::Pool)
+        .unwrap()
+        .keep();
+    assert!(l.reserve("c", r(1, 1024)).await.is_err());
+    assert_eq!(l.holder("p3"), Some(Holder::Pool));
+}
+
+#[tokio::test]
+async fn eviction_serves_the_queue_first() {
+    let l = ledger(2, 2048, 5_000, 4);
+    l.reserve("s", r(1, 1024)).await.unwrap().keep();
+    l.try_reserve("p", r(1, 1024), Holder::Pool).unwrap().keep();
+    // No reader yet: `w` waits next to the pool VM.
+    let l2 = l.clone();
+    let w = tokio::spawn(async move { l2.reserve("w", r(1, 1024)).await.map(|g| g.keep()) });
+    while !l.has_waiters() {
+        tokio::task::yield_now().await;
+    }
+    // A pool VM cannot start while someone waits, even if it would fit.
+    assert!(l.try_reserve("p2", r(0, 0), Holder::Pool).is_none());
+    let mut rx = l.evictions();
+    // `x` would wait: p is evicted, its room goes to `w` (queued first), `x` queues behind.
+    let l3 = l.clone();
+    let x = tokio::spawn(async move { l3.reserve("x", r(1, 1024)).await.map(|g| g.keep()) });
+    w.await.unwrap().unwrap();
+    assert_eq!(drain(&mut rx), ["p"]);
+    while !l.has_waiters() {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(l.view().used, r(2, 2048), "s and w");
+    l.release("s");
+    x.await.unwrap().unwrap();
+    assert_eq!(
+        l.view().held,
+        vec![
+            ("w".to_string(), r(1, 1024), Holder::Sandbox),
+            ("x".to_string(), r(1, 1024), Holder::Sandbox),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn background_vms_are_never_pause_candidates() {
+    let l = ledger(4, 4096, 50, 4);
+    l.reserve("a", r(1, 512)).await.unwrap().keep();
+    l.try_reserve("p", r(1, 512), Holder::Pool).unwrap().keep();
+    l.try_reserve("g", r(1, 512), Holder::Golden)
+        .unwrap()
+        .keep();
+    let ids: Vec<String> = l.idle_candidates().into_iter().map(|c| c.id).collect();
+    assert_eq!(ids, ["a"]);
+    assert_eq!(l.view().used, r(3, 1536));
+}
+
+#[tokio::test]
+async fn memory_pressure_evicts_pool_vms_first_and_only_as_many_as_needed() {
+    let l = ledger(8, 8192, 50, 4);
+    l.reserve("s", r(1, 1024)).await.unwrap().keep();
+    l.try_reserve("p1", r(1, 512), Holder::Pool).unwrap().keep();
+    l.try_reserve("p2", r(1, 512), Holder::Pool).unwrap().keep();
+    l.try_reserve("g", r(1, 512), Holder::Golden)
+        .unwrap()
+        .keep();
+    assert_eq!(l.evict_pool_memory(100), 0, "no reader: nothing evicted");
+    let mut rx = l.evictions();
+    assert_eq!(l.evict_pool_memory(100), 512);
+    assert_eq!(drain(&mut rx), ["p1"]);
+    // More than the pool holds: all of it, never a sandbox or a golden build.
+    assert_eq!(l.evict_pool_memory(4096), 512);
+    assert_eq!(drain(&mut rx), ["p2"]);
+    assert_eq!(l.evict_pool_memory(4096), 0);
+    assert_eq!(l.view().used, r(2, 1536));
 }

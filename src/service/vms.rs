@@ -112,17 +112,16 @@ impl Service {
         let (vcpus, memory_mib, workspace) = self.validate_create(&req)?;
         self.check_exclude(&req.workspace.exclude)?;
         let net_policy = self.validate_network(req.network.as_ref())?;
-        let id = ids::new_id(ids::SANDBOX);
-        // Waits in the host's queue when full; released on drop unless the create succeeds.
-        let reservation = self
-            .ledger
-            .reserve(&id, Resources::new(vcpus, memory_mib as u64))
-            .await?;
+        let need = Resources::new(vcpus, memory_mib as u64);
+        // Bigger than the host: refused before any work (503).
+        self.ledger.group_ever_fits(need, 1, &[])?;
         let images = self.images()?;
         let driver = self.driver()?;
         let accel = self.accel(&driver, &images).await;
         let (template, rootfs) =
             super::templates::resolve(&images, req.template.as_deref(), &workspace)?;
+        // A waiting pool VM of this shape already holds its vCPUs and memory in the ledger: the
+        // sandbox takes the VM and its reservation, without reserving or queueing again.
         if let Some(done) = self
             .create_from_pool(
                 (&template, &rootfs),
@@ -134,14 +133,12 @@ impl Service {
             )
             .await
         {
-            // The pool VM has its own id: the ledger counts it under that id from now on.
-            drop(reservation);
-            if let Ok(sb) = &done {
-                self.ledger
-                    .adopt(&sb.id, Resources::new(vcpus, memory_mib as u64));
-            }
             return done;
         }
+        let id = ids::new_id(ids::SANDBOX);
+        // Waits in the host's queue when full (pool VMs are evicted first to make room);
+        // released on drop unless the create succeeds.
+        let reservation = self.ledger.reserve(&id, need).await?;
         let dir = self.paths.sandbox_dir(&id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("cannot create {}: {e}", dir.display())))?;

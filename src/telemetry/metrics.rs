@@ -43,6 +43,8 @@ pub const NET_FLOWS: &str = "tryboxi_network_flows_total";
 pub const NET_BYTES: &str = "tryboxi_network_bytes_total";
 /// Sandbox resolver queries by `outcome` (answered, denied, rebinding, nodata, servfail). Counter.
 pub const NET_DNS: &str = "tryboxi_network_dns_queries_total";
+/// Warm-pool VMs (started from a golden snapshot) waiting to be taken by a create. Gauge.
+pub const POOL_READY: &str = "tryboxi_pool_ready";
 /// Network events dropped by the per-sandbox rate limit (counted, not recorded). Counter.
 pub const NET_EVENTS_SUPPRESSED: &str = "tryboxi_network_events_suppressed_total";
 
@@ -119,6 +121,7 @@ fn describe() {
         SCHED_QUEUED,
         "Create/restore/fork requests waiting for host capacity"
     );
+    describe_gauge!(POOL_READY, "Warm-pool VMs waiting to be taken by a create");
     describe_counter!(NET_FLOWS, "Guest network flows by verdict and protocol");
     describe_counter!(
         NET_BYTES,
@@ -143,6 +146,8 @@ pub struct Snapshot {
     pub vm_pids: Vec<u32>,
     /// Scheduler ledger: (reserved vCPUs, capacity vCPUs, reserved MiB, capacity MiB, queued).
     pub ledger: Option<(u32, u32, u64, u64, usize)>,
+    /// Warm-pool VMs waiting, all templates and shapes together.
+    pub pool_ready: usize,
 }
 
 /// Set the scrape-time gauges, then render the text exposition.
@@ -169,6 +174,7 @@ pub fn render(snap: &Snapshot) -> Option<String> {
         }
         metrics::gauge!(SCHED_QUEUED).set(q as f64);
     }
+    metrics::gauge!(POOL_READY).set(snap.pool_ready as f64);
     if let Some(own) = rss_bytes("self") {
         metrics::gauge!(DAEMON_RSS).set(own as f64);
     }
@@ -221,6 +227,7 @@ mod tests {
             vm_configured_bytes: 512 << 20,
             vm_pids: vec![std::process::id()],
             ledger: Some((2, 8, 1024, 4096, 1)),
+            pool_ready: 3,
         };
         install().expect("recorder installed");
         error("unit_test_kind");
@@ -230,6 +237,7 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("tryboxi_scheduler_queued 1"), "{text}");
+        assert!(text.contains("tryboxi_pool_ready 3"), "{text}");
         assert!(
             text.contains("tryboxi_sandboxes{state=\"ready\"} 2"),
             "{text}"

@@ -2,8 +2,10 @@
 //! daemon with golden snapshots on (the first daemon keeps them off, so its create row stays a
 //! cold boot):
 //!
-//! (g) create from the golden snapshot to exec-ready (`POST /v1/sandboxes` + one exec `true`),
-//!     pool size 0 so every create restores;
+//! (g) create to exec-ready (`POST /v1/sandboxes` + one exec `true`) two ways: taking a VM of a
+//!     warm pool of one (restored from the golden snapshot ahead of time, on a third daemon;
+//!     refilled, untimed, before each create), and restoring the golden snapshot on demand
+//!     (pool size 0);
 //! (h) fork of 10 children to all exec-ready (`POST /fork {count:10}` + one exec per child);
 //! (i) memory of the 10 idle forks: sum of PSS (shared pages counted once, split between
 //!     sharers; `/proc/PID/smaps_rollup`) next to the sum of RSS.
@@ -17,6 +19,9 @@ use crate::daemon::{Daemon, rss_kib};
 use crate::http;
 
 pub struct SnapRows {
+    /// (g) create taking a warm-pool VM (restored from the golden snapshot ahead of time).
+    pub pool_create: Vec<Duration>,
+    /// (g) create restoring the golden snapshot on demand (pool empty).
     pub golden_create: Vec<Duration>,
     pub fork10: Vec<Duration>,
     pub forks_pss_kib: u64,
@@ -78,18 +83,8 @@ pub fn run(
         bail!("create failed: HTTP {st}: {first}");
     }
     let keep = http::json_str(&first, "id").context("no id")?;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let golden = home.join("golden");
-    while !std::fs::read_dir(&golden)
-        .map(|mut r| r.any(|e| e.is_ok_and(|e| e.path().join("golden.json").exists())))
-        .unwrap_or(false)
-    {
-        if Instant::now() > deadline {
-            bail!("no golden snapshot after 300 s");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    println!("==> (g) create from the golden snapshot to exec-ready ({reps}x)");
+    wait_golden(home)?;
+    println!("==> (g) create restoring the golden snapshot on demand, to exec-ready ({reps}x)");
     let mut golden_create = Vec::new();
     for _ in 0..reps {
         let t = Instant::now();
@@ -103,7 +98,7 @@ pub fn run(
         http::request(&sock, "DELETE", &format!("/v1/sandboxes/{id}"), None)?;
     }
 
-    crate::bench::progress("(g) golden create", &golden_create);
+    crate::bench::progress("(g) golden create, on demand", &golden_create);
     let fork_reps = reps.min(3);
     println!("==> (h) fork {FORKS} children to all exec-ready ({fork_reps}x)");
     exec_true(&sock, &keep)?;
@@ -157,7 +152,9 @@ pub fn run(
     }
     http::request(&sock, "DELETE", &format!("/v1/sandboxes/{keep}"), None)?;
     d.stop()?;
+    let pool_create = pool_rows(bin, &home.join("pool"), artifacts, mem_mib, vcpus, reps)?;
     Ok(SnapRows {
+        pool_create,
         golden_create,
         fork10,
         forks_pss_kib: pss,
@@ -170,4 +167,87 @@ pub fn run(
             r.forks, r.forks_pss_kib, r.forks_rss_kib
         )
     })
+}
+
+/// Wait until a golden snapshot of `home` is complete (`golden.json` written).
+fn wait_golden(home: &Path) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let golden = home.join("golden");
+    while !std::fs::read_dir(&golden)
+        .map(|mut r| r.any(|e| e.is_ok_and(|e| e.path().join("golden.json").exists())))
+        .unwrap_or(false)
+    {
+        if Instant::now() > deadline {
+            bail!("no golden snapshot after 300 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// `tryboxi_pool_ready` from `GET /metrics`.
+fn pool_ready(sock: &Path) -> Result<u64> {
+    let (st, text) = http::request(sock, "GET", "/metrics", None)?;
+    if st != 200 {
+        bail!("GET /metrics: HTTP {st}");
+    }
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix("tryboxi_pool_ready "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0) as u64)
+}
+
+/// (g) with a warm pool of one: every create takes the pool VM (restored from the golden
+/// snapshot in the background, agent connected, identity set); the pool is refilled (untimed)
+/// before the next one.
+fn pool_rows(
+    bin: &Path,
+    home: &Path,
+    artifacts: &Path,
+    mem_mib: u32,
+    vcpus: u32,
+    reps: usize,
+) -> Result<Vec<Duration>> {
+    let config = format!(
+        "default_memory_mib = {mem_mib}\ndefault_vcpus = {vcpus}\n[pool]\ngolden = true\nsize = 1\n"
+    );
+    let d = Daemon::start(bin, home, artifacts, &config)?;
+    let sock = d.socket();
+    let ws = home.join("ws-pool");
+    std::fs::create_dir_all(&ws)?;
+    let create_body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
+    println!(
+        "==> (g) warm pool of 1: first create boots, then the golden snapshot and the pool VM"
+    );
+    let (st, first) = http::request(&sock, "POST", "/v1/sandboxes", Some(&create_body))?;
+    if st != 201 {
+        bail!("create failed: HTTP {st}: {first}");
+    }
+    let first = http::json_str(&first, "id").context("no id")?;
+    wait_golden(home)?;
+    println!("==> (g) create taking the warm-pool VM, to exec-ready ({reps}x)");
+    let mut out = Vec::new();
+    for _ in 0..reps {
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while pool_ready(&sock)? < 1 {
+            if Instant::now() > deadline {
+                bail!("the warm pool was not refilled within 300 s");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let t = Instant::now();
+        let (st, body) = http::request(&sock, "POST", "/v1/sandboxes", Some(&create_body))?;
+        if st != 201 {
+            bail!("create failed: HTTP {st}: {body}");
+        }
+        let id = http::json_str(&body, "id").context("no id")?;
+        exec_true(&sock, &id)?;
+        out.push(t.elapsed());
+        http::request(&sock, "DELETE", &format!("/v1/sandboxes/{id}"), None)?;
+    }
+    crate::bench::progress("(g) create from the warm pool", &out);
+    http::request(&sock, "DELETE", &format!("/v1/sandboxes/{first}"), None)?;
+    d.stop()?;
+    Ok(out)
 }

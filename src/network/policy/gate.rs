@@ -236,18 +236,20 @@ impl Inner {
             p => {
                 return InspectVerdict::Deny {
                     reason: format!("no inspection is defined for port {p}"),
+                    host: None,
                 };
             }
         };
         let name = match sniffed {
             Sniffed::NeedMore => return InspectVerdict::NeedMore,
-            Sniffed::Refused(reason) => return InspectVerdict::Deny { reason },
+            Sniffed::Refused(reason) => return InspectVerdict::Deny { reason, host: None },
             Sniffed::Host(n) => n,
         };
         // Re-checked now: the rule may have changed and the pin may have expired since connect.
         match self.policy().decide_name(&name, port) {
             Decision::Deny(r) => InspectVerdict::Deny {
                 reason: format!("{name}: {r}"),
+                host: Some(name),
             },
             Decision::Allow(rule) => {
                 let pinned = self.pins.lock().unwrap_or_else(|e| e.into_inner()).has(
@@ -256,13 +258,17 @@ impl Inner {
                     Instant::now(),
                 );
                 if pinned {
-                    InspectVerdict::Allow { rule }
+                    InspectVerdict::Allow {
+                        rule,
+                        host: Some(name),
+                    }
                 } else {
                     InspectVerdict::Deny {
                         reason: format!(
                             "{name} is allowed but the sandbox resolver never answered {ip} for \
                              it (SNI/Host sent to another address)"
                         ),
+                        host: Some(name),
                     }
                 }
             }

@@ -268,11 +268,14 @@ async fn allowed_sni_to_another_address_is_denied() {
         t.gate.connect(&flow),
         ConnectVerdict::Allow { .. }
     ));
-    let InspectVerdict::Deny { reason } = t.gate.inspect(&flow, &client_hello("allowed.test"))
+    let InspectVerdict::Deny { reason, host } =
+        t.gate.inspect(&flow, &client_hello("allowed.test"))
     else {
         panic!("allowed")
     };
     assert!(reason.contains("never answered"), "{reason}");
+    // The event names the name the guest sent, not the one pinned to the address.
+    assert_eq!(host.as_deref(), Some("allowed.test"));
     // Same with a Host header on :80.
     let v = t.gate.inspect(
         &tcp("203.0.113.20:80"),
@@ -303,6 +306,11 @@ async fn sni_of_a_denied_name_on_an_allowed_address_is_denied() {
             "{sni}"
         );
     }
+    // The denial names the SNI, not allowed.test (the name pinned to the address).
+    assert!(matches!(
+        t.gate.inspect(&flow, &client_hello("evil.test")),
+        InspectVerdict::Deny { host: Some(h), .. } if h == "evil.test"
+    ));
 }
 
 #[tokio::test]

@@ -520,30 +520,31 @@ fn inspect_step(f: &mut TcpFlow, s: &mut tcp::Socket, gate: &SharedGate, cap: us
     } else {
         gate.inspect(&f.flow, &f.held)
     };
-    let deny = |f: &mut TcpFlow, s: &mut tcp::Socket, reason: String| {
+    let deny = |f: &mut TcpFlow, s: &mut tcp::Socket, reason: String, host: Option<String>| {
         s.abort();
         f.up = None;
         f.down = None;
         f.tasks.clear();
         gate.record(FlowEvent::Denied {
             flow: f.flow,
-            host: None,
+            host,
             reason,
         });
     };
     match verdict {
         InspectVerdict::NeedMore if f.held.len() >= cap => {
             let reason = format!("the first {cap} bytes did not show an allowed host");
-            deny(f, s, reason)
+            deny(f, s, reason, None)
         }
         InspectVerdict::NeedMore if guest_done => deny(
             f,
             s,
             "the connection closed before its first bytes showed an allowed host".into(),
+            None,
         ),
         InspectVerdict::NeedMore => {}
-        InspectVerdict::Deny { reason } => deny(f, s, reason),
-        InspectVerdict::Allow { rule } => {
+        InspectVerdict::Deny { reason, host } => deny(f, s, reason, host),
+        InspectVerdict::Allow { rule, host } => {
             f.rule = rule;
             f.phase = Phase::Open;
             f.allowed = true;
@@ -555,7 +556,7 @@ fn inspect_step(f: &mut TcpFlow, s: &mut tcp::Socket, gate: &SharedGate, cap: us
             }
             gate.record(FlowEvent::Allowed {
                 flow: f.flow,
-                host: None,
+                host,
                 rule: f.rule.clone(),
             });
             relay_step(f, s);

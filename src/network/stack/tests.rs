@@ -60,10 +60,12 @@ impl Gate for TestGate {
         } else if first.starts_with(b"GOOD") {
             InspectVerdict::Allow {
                 rule: "good".into(),
+                host: Some("good.test".into()),
             }
         } else {
             InspectVerdict::Deny {
                 reason: "bad first bytes".into(),
+                host: Some("bad.test".into()),
             }
         }
     }
@@ -331,7 +333,8 @@ async fn inspected_flow_forwards_nothing_until_allowed() {
     assert!(
         gate.events()
             .iter()
-            .any(|e| matches!(e, FlowEvent::Denied { reason, .. } if reason == "bad first bytes"))
+            .any(|e| matches!(e, FlowEvent::Denied { reason, host, .. }
+                if reason == "bad first bytes" && host.as_deref() == Some("bad.test")))
     );
     // Allowed by its first bytes: relayed from the first byte on.
     let good = g.tcp("198.51.100.3:443", 4096);
@@ -354,6 +357,10 @@ async fn inspected_flow_forwards_nothing_until_allowed() {
     })
     .await;
     assert_eq!(back, b"GOOD hello");
+    // The events name what the first bytes showed.
+    assert!(gate.events().iter().any(
+        |e| matches!(e, FlowEvent::Allowed { host, .. } if host.as_deref() == Some("good.test"))
+    ));
 }
 
 #[tokio::test]

@@ -88,7 +88,7 @@ impl QemuDriver {
         let paths = VmPaths::for_checkpoint_start(spec, cp.disk_layer.clone(), None, None)?;
         match &cp.ram_file {
             Some(r) if r != paths.ram.path() => {
-                ramfile::copy_sparse(r, paths.ram.path())?;
+                ramfile::copy_sparse_async(r, paths.ram.path()).await?;
             }
             Some(_) => {}
             None => ramfile::remove(paths.ram.path())?,

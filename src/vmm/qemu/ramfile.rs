@@ -86,6 +86,18 @@ pub fn copy_sparse(src: &Path, dst: &Path) -> Result<u64, VmmError> {
     Ok(copied)
 }
 
+/// [`copy_sparse`] on a blocking thread: copying a RAM file takes tens of milliseconds and must
+/// not hold up the runtime thread other sandboxes' requests run on.
+pub async fn copy_sparse_async(src: &Path, dst: &Path) -> Result<u64, VmmError> {
+    let (s, d) = (src.to_path_buf(), dst.to_path_buf());
+    tokio::task::spawn_blocking(move || copy_sparse(&s, &d))
+        .await
+        .map_err(|e| VmmError::Io {
+            path: dst.to_path_buf(),
+            source: std::io::Error::other(e),
+        })?
+}
+
 /// Remove a RAM file if it exists.
 pub fn remove(path: &Path) -> Result<(), VmmError> {
     match std::fs::remove_file(path) {

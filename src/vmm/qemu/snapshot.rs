@@ -81,7 +81,7 @@ impl QemuDriver {
             )
             .await?;
             if let Some(r) = &ram {
-                let bytes = ramfile::copy_sparse(r, &frozen_ram)?;
+                let bytes = ramfile::copy_sparse_async(r, &frozen_ram).await?;
                 tracing::debug!(vm = %vm.id, bytes, "RAM file frozen");
             }
             Ok::<(), VmmError>(())
@@ -121,19 +121,19 @@ impl QemuDriver {
             None,
             cp.workspace_disk.as_deref(),
         )?;
-        self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
-            .await?;
-        let overlay_ms = t0.elapsed().as_millis() as u64;
-        // The restored VM gets its own copy of the frozen RAM (so later snapshots stay fast);
-        // a state file that carries the RAM fills a fresh file.
-        let copied = match &cp.ram_file {
-            Some(r) => ramfile::copy_sparse(r, paths.ram.path())?,
-            None => {
-                ramfile::remove(paths.ram.path())?;
-                0
+        // The new overlay and the VM's own copy of the frozen RAM (so later snapshots stay
+        // fast; a state file that carries the RAM fills a fresh file) are made side by side.
+        let ram = async {
+            match &cp.ram_file {
+                Some(r) => ramfile::copy_sparse_async(r, paths.ram.path()).await,
+                None => ramfile::remove(paths.ram.path()).map(|()| 0),
             }
         };
-        tracing::debug!(vm = %spec.id, overlay_ms, ram_copy_ms = t0.elapsed().as_millis() as u64 - overlay_ms, ram_copied_mib = copied >> 20, "restore: disk and RAM in place");
+        let (disk, copied) =
+            tokio::join!(self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk), ram);
+        disk?;
+        let copied = copied?;
+        tracing::debug!(vm = %spec.id, ms = t0.elapsed().as_millis() as u64, ram_copied_mib = copied >> 20, "restore: disk overlay and RAM in place");
         self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some())
             .await
     }

@@ -157,11 +157,19 @@ mod tests {
             "bash",
             "git",
             "python3",
-            "nodejs",
             "build-essential",
+            "curl",
             "iproute2",
         ] {
             assert!(p.iter().any(|x| x == want), "missing {want}");
+        }
+        // Node comes from the `node` template only (tests/sched_e2e.rs checks a base sandbox
+        // has no `node`).
+        for unwanted in ["nodejs", "npm"] {
+            assert!(
+                !p.iter().any(|x| x == unwanted),
+                "{unwanted} is in the base"
+            );
         }
     }
 }

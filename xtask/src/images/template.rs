@@ -4,7 +4,8 @@
 //! directory).
 //!
 //! How (root): copy the base image (sparse), loop-mount it, `apt-get install` the packages in a
-//! chroot (host DNS, `/dev` and `/proc` bound in, no services started), run `customize.sh`,
+//! chroot (host DNS, `/dev` and `/proc` bound in, apt's lists and caches and `/tmp` on tmpfs so
+//! the build's throwaway files never touch the image, no services started), run `customize.sh`,
 //! write `/etc/tryboxi-template`, unmount; then `qemu-img rebase` (safe mode) of a qcow2 over the
 //! modified copy onto the base keeps only the clusters that differ. Modifying a copy of the
 //! base (rather than a fresh mmdebstrap + mkfs) keeps the base's block layout, which is what
@@ -22,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Bump when the build procedure below changes in a way that changes the output.
-const RECIPE_VERSION: &str = "template-1";
+const RECIPE_VERSION: &str = "template-3";
 const KIND: &str = "template";
 
 pub fn recipes_dir() -> PathBuf {
@@ -155,6 +156,19 @@ pub fn build(cache: &Cache, base: &Entry, r: &Recipe) -> Result<Entry> {
         m.mount(&log, &["-o", "loop,noatime"], &work, &mnt)?;
         m.mount(&log, &["--bind"], Path::new("/dev"), &mnt.join("dev"))?;
         m.mount(&log, &["-t", "proc"], Path::new("proc"), &mnt.join("proc"))?;
+        // What the build writes and throws away (package lists, downloaded .debs, apt's caches,
+        // customize.sh's temp files) goes to tmpfs, not into the image: blocks written and
+        // freed again would still differ from the base and land in the layer (the node layer
+        // was 497 MiB with them). Lists are re-fetched by `apt-get update` in a sandbox.
+        for (dir, mode, sub) in [
+            ("var/lib/apt/lists", "mode=0755", "partial"),
+            ("var/cache/apt", "mode=0755", "archives/partial"),
+            ("tmp", "mode=1777", ""),
+        ] {
+            let at = mnt.join(dir);
+            m.mount(&log, &["-t", "tmpfs", "-o", mode], Path::new("tmpfs"), &at)?;
+            std::fs::create_dir_all(at.join(sub))?;
+        }
         install(&mnt, r, &packages, &log)?;
         m.unmount_all()?;
     }
@@ -277,23 +291,6 @@ fn install(root: &Path, r: &Recipe, packages: &[String], log: &Path) -> Result<(
     std::fs::remove_file(&policy)?;
     res?;
     std::fs::write(root.join("etc/tryboxi-template"), format!("{}\n", r.name))?;
-    // Package lists are re-fetched by `apt-get update` inside a sandbox (as in the base).
-    let lists = root.join("var/lib/apt/lists");
-    if lists.exists() {
-        for e in std::fs::read_dir(&lists)? {
-            let p = e?.path();
-            if p.file_name().is_some_and(|n| n != "partial") {
-                if p.is_dir() {
-                    std::fs::remove_dir_all(&p)?;
-                } else {
-                    std::fs::remove_file(&p)?;
-                }
-            }
-        }
-    }
-    for f in ["pkgcache.bin", "srcpkgcache.bin"] {
-        let _ = std::fs::remove_file(root.join("var/cache/apt").join(f));
-    }
     Ok(())
 }
 

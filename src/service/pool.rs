@@ -1,0 +1,268 @@
+//! The warm pool: VMs started from a golden snapshot ahead of time (`[pool] size` per golden
+//! key), each with its own sandbox id and directory but no record until a create takes it.
+//!
+//! Owns: refilling the pool, handing a pool VM to a create, stopping pool VMs the scheduler
+//! evicted, ending the pool at shutdown.
+//!
+//! Ledger rules (see `scheduler.rs`): a pool VM reserves its vCPUs and memory
+//! ([`Holder::Pool`]) before it is started, and only when that fits right now with nobody
+//! queued ([`Ledger::try_reserve`](super::scheduler::Ledger::try_reserve)), so a refill never
+//! waits in, nor blocks, the create queue; one that finds waiters when it is ready gives its
+//! room back at once. A create that takes a pool VM moves the reservation to the sandbox
+//! ([`Ledger::claim_pool`](super::scheduler::Ledger::claim_pool)). A request that would have to
+//! wait makes the ledger evict pool VMs; [`Service::start_pool_evictions`] stops them.
+//!
+//! Whoever removes a [`PoolVm`] from the pool list (under its lock) owns it: it either claims
+//! its reservation or stops it. A pool VM whose reservation was evicted while it was out of
+//! the list (starting, or being taken) is stopped by the one holding it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::golden::lock;
+use super::scheduler::{Holder, Resources};
+use super::vms::LiveVm;
+use super::{SandboxRecord, Service, ServiceError};
+use crate::api::{self, SandboxState};
+use crate::ids;
+use crate::store::SANDBOXES;
+use crate::vmm::{Images, VmSpec, VmmDriver};
+
+/// A VM started from a golden snapshot ahead of time.
+pub(super) struct PoolVm {
+    id: String,
+    dir: PathBuf,
+    vm: LiveVm,
+}
+
+impl Service {
+    /// Refill `key`'s warm pool up to `pool.size` in the background, while the host has room.
+    pub(super) fn fill_pool(self: &Arc<Self>, key: &str, spec: &VmSpec) {
+        let want = self.config.pool.size as usize;
+        if want == 0 || !lock(&self.life.golden.filling).insert(key.to_owned()) {
+            return;
+        }
+        let svc = self.clone();
+        let key = key.to_owned();
+        let spec = spec.clone();
+        tokio::spawn(async move {
+            loop {
+                let have = lock(&svc.life.golden.pool).get(&key).map_or(0, Vec::len);
+                if have >= want || svc.life.shutting_down() {
+                    break;
+                }
+                let Some(g) = svc.golden(&key) else { break };
+                let id = ids::new_id(ids::SANDBOX);
+                let need = Resources::new(spec.vcpus, u64::from(spec.memory_mib));
+                let Some(reservation) = svc.ledger.try_reserve(&id, need, Holder::Pool) else {
+                    tracing::info!(golden = %key, have, want, "no room on the host for a pool VM now; not refilling");
+                    break;
+                };
+                let dir = svc.paths.sandbox_dir(&id);
+                if let Err(e) = std::fs::create_dir_all(&dir) {
+                    tracing::warn!(error = %e, "cannot create a pool VM directory");
+                    break;
+                }
+                let pspec = VmSpec {
+                    id: id.clone(),
+                    dir: dir.clone(),
+                    ..spec.clone()
+                };
+                match svc.start_clone(&pspec, &g.checkpoint, false).await {
+                    Ok(vm) => {
+                        reservation.keep();
+                        let p = PoolVm { id, dir, vm };
+                        if let Some(p) = svc.park(&key, p) {
+                            tracing::info!(sandbox = %p.id, golden = %key, "a pool VM gives way: evicted while starting, or requests wait");
+                            svc.drop_pool_vm(&p.id, &p.dir).await;
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        svc.mark_broken(&key, &e.to_string());
+                        svc.drop_pool_vm(&id, &dir).await;
+                        break;
+                    }
+                }
+            }
+            lock(&svc.life.golden.filling).remove(&key);
+        });
+    }
+
+    /// Put a started pool VM in the pool if it still holds its pool reservation and nobody
+    /// waits for room; else hand it back (`Some`) to be stopped.
+    fn park(&self, key: &str, p: PoolVm) -> Option<PoolVm> {
+        let mut pool = lock(&self.life.golden.pool);
+        // Checked under the pool lock: an eviction after this finds the VM in the list.
+        if self.ledger.holder(&p.id) != Some(Holder::Pool)
+            || self.ledger.has_waiters()
+            || self.life.shutting_down()
+        {
+            return Some(p);
+        }
+        tracing::info!(golden = %key, sandbox = %p.id, "pool VM ready");
+        pool.entry(key.to_owned()).or_default().push(p);
+        None
+    }
+
+    /// Stop a pool VM that no create took: kill it, delete its directory, end its reservation.
+    async fn drop_pool_vm(&self, id: &str, dir: &Path) {
+        self.kill_leftover(dir).await;
+        self.stop_network(id);
+        if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {
+            tracing::error!(sandbox = %id, error = %e, "cannot delete a pool VM's directory");
+        }
+        self.ledger.release(id);
+    }
+
+    /// Stop the pool VMs the scheduler evicts (a request needed their room). Started once, by
+    /// `start_lifecycle`; until then nothing is evicted.
+    pub(super) fn start_pool_evictions(self: &Arc<Self>) {
+        let mut rx = self.ledger.evictions();
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Some(id) = rx.recv().await {
+                let Some(svc) = weak.upgrade() else { return };
+                let found = {
+                    let mut pool = lock(&svc.life.golden.pool);
+                    pool.values_mut().find_map(|v| {
+                        let i = v.iter().position(|p| p.id == id)?;
+                        Some(v.swap_remove(i))
+                    })
+                };
+                // Not in the list: starting or being taken; its holder sees the eviction.
+                if let Some(p) = found {
+                    svc.drop_pool_vm(&p.id, &p.dir).await;
+                    svc.telemetry.events.publish(
+                        "pool.evicted",
+                        "",
+                        None,
+                        serde_json::json!({"pool_vm": p.id}),
+                    );
+                }
+            }
+        });
+    }
+
+    /// `create` from the warm pool: a ready sandbox if a pool VM of this shape is waiting.
+    /// Its reservation becomes the sandbox's: the create does not reserve (nor wait) again.
+    pub(super) async fn create_from_pool(
+        self: &Arc<Self>,
+        (template, rootfs): (&str, &Path),
+        images: &Images,
+        (vcpus, memory_mib, accel): (u32, u32, crate::vmm::Accel),
+        workspace: &Path,
+        exclude: &[String],
+        net_policy: &crate::network::policy::Policy,
+    ) -> Option<Result<api::Sandbox, ServiceError>> {
+        if !self.config.pool.golden || self.config.pool.size == 0 {
+            return None;
+        }
+        let spec_like = VmSpec {
+            id: "pool".into(),
+            dir: self.paths.sandboxes_dir(),
+            kernel: images.kernel.clone(),
+            initramfs: images.initramfs.clone(),
+            rootfs: rootfs.to_path_buf(),
+            vcpus,
+            memory_mib,
+            accel,
+        };
+        let spec_like = &spec_like;
+        let key = self.key_of(spec_like)?;
+        let t0 = Instant::now();
+        let pvm = loop {
+            let p = lock(&self.life.golden.pool).get_mut(&key)?.pop()?;
+            let driver = self.driver().ok()?;
+            if p.vm.agent.is_closed() || !driver.is_alive(&p.vm.info) {
+                tracing::warn!(sandbox = %p.id, "a pool VM died while waiting; dropping it");
+            } else if self.ledger.claim_pool(&p.id, &p.id).is_some() {
+                break p;
+            } else {
+                tracing::info!(sandbox = %p.id, "a pool VM was evicted as it was taken; dropping it");
+            }
+            self.drop_pool_vm(&p.id, &p.dir).await;
+        };
+        let id = pvm.id.clone();
+        let mut rec = SandboxRecord {
+            api: api::Sandbox {
+                id: id.clone(),
+                state: SandboxState::Creating,
+                workspace: api::WorkspaceSpec {
+                    host_path: workspace.display().to_string(),
+                    exclude: exclude.to_vec(),
+                },
+                template: template.to_owned(),
+                vcpus,
+                memory_mib,
+                accel: Some(accel.to_string()),
+                created_at: super::now_rfc3339(),
+                error: None,
+            },
+            dir: pvm.dir.clone(),
+        };
+        // From here on the VM is a sandbox: a failure discards it (which releases).
+        if let Err(e) = self.store.put(SANDBOXES, &id, &rec) {
+            self.discard(&id, &rec.dir).await;
+            return Some(Err(e.into()));
+        }
+        // Pool VMs wait without a network peer (QEMU's NIC keeps reconnecting): the stack starts
+        // now, with this sandbox's policy.
+        if let Err(e) = self
+            .init_network(&id, net_policy.clone())
+            .and_then(|()| self.ensure_network(&id, &rec.dir))
+        {
+            self.discard(&id, &rec.dir).await;
+            return Some(Err(e));
+        }
+        self.telemetry.sandbox_created(&rec.api, t0);
+        let vm = Arc::new(pvm.vm);
+        self.vms.insert(&id, vm.clone());
+        self.watch(id.clone(), vm.clone());
+        if let Err(e) = self.sync_locked(&rec, &vm, &[]).await {
+            self.vms.take(&id);
+            self.telemetry.sandbox_create_failed(&id, &e.to_string());
+            self.discard(&id, &rec.dir).await;
+            return Some(Err(e));
+        }
+        rec.api.state = SandboxState::Ready;
+        if let Err(e) = self.store.put(SANDBOXES, &id, &rec) {
+            return Some(Err(e.into()));
+        }
+        self.life.touch(&id);
+        self.telemetry.sandbox_ready(&rec.api, t0);
+        tracing::info!(sandbox = %id, golden = %key, ms = t0.elapsed().as_millis() as u64, "created from the warm pool");
+        self.fill_pool(&key, spec_like);
+        Some(Ok(rec.api))
+    }
+
+    /// Shutdown: let golden builds and pool fills in flight finish (bounded: their QEMUs must
+    /// not outlive us), then end the pool VMs.
+    pub(super) async fn drain_pool(&self) {
+        self.life.set_shutting_down();
+        let deadline = Instant::now() + std::time::Duration::from_secs(self.config.boot_timeout_s);
+        while (!lock(&self.life.golden.building).is_empty()
+            || !lock(&self.life.golden.filling).is_empty())
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let all: Vec<PoolVm> = lock(&self.life.golden.pool)
+            .drain()
+            .flat_map(|(_, v)| v)
+            .collect();
+        for p in all {
+            self.drop_pool_vm(&p.id, &p.dir).await;
+        }
+        let building: Vec<String> = lock(&self.life.golden.building).iter().cloned().collect();
+        for key in building {
+            self.kill_leftover(&self.golden_dir(&key).join("vm")).await;
+        }
+    }
+
+    /// Warm-pool VMs waiting, every key together (the `tryboxi_pool_ready` gauge).
+    pub(super) fn pool_ready(&self) -> usize {
+        lock(&self.life.golden.pool).values().map(Vec::len).sum()
+    }
+}
