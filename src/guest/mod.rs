@@ -23,6 +23,8 @@ pub mod tree;
 pub mod watch;
 
 #[cfg(test)]
+mod reconnect_tests;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod vm_tests;
