@@ -329,10 +329,17 @@ impl AgentClient {
                 |f| matches!(f.body, Body::HelloAck { nonce: n, .. } if n == nonce),
             )
             .await?;
-            let Some((frame, rest)) = found else {
+            let Some(found) = found else {
                 return Err(RpcError::Disconnected);
             };
-            let (protocol, version) = match frame.body {
+            if found.skipped > 0 {
+                tracing::info!(
+                    bytes = found.skipped,
+                    "skipped what an earlier connection left on the agent channel"
+                );
+            }
+            let rest = found.rest;
+            let (protocol, version) = match found.frame.body {
                 Body::HelloAck {
                     protocol, version, ..
                 } => (protocol, version),

@@ -104,8 +104,18 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Frame>
     decode_payload(&payload).map(Some)
 }
 
+/// What [`seek_frame`] found.
+#[derive(Debug)]
+pub struct Found {
+    pub frame: Frame,
+    /// Bytes read after the frame: the start of the rest of the stream.
+    pub rest: Vec<u8>,
+    /// Bytes skipped before the frame.
+    pub skipped: u64,
+}
+
 /// Reads `r` until a frame that `want` accepts appears anywhere in the byte stream, and returns
-/// it with the bytes that followed it (the start of the rest of the stream).
+/// it with the bytes that followed it.
 ///
 /// Unlike [`read_frame`] it does not trust the stream to start at a frame boundary: every byte
 /// offset is tried, so half a frame left over from an earlier connection (or any other junk)
@@ -117,7 +127,7 @@ pub async fn seek_frame<R, F>(
     r: &mut R,
     max_len: usize,
     mut want: F,
-) -> Result<Option<(Frame, Vec<u8>)>, FrameError>
+) -> Result<Option<Found>, FrameError>
 where
     R: AsyncRead + Unpin,
     F: FnMut(&Frame) -> bool,
@@ -127,6 +137,8 @@ where
     let mut buf: Vec<u8> = Vec::new();
     // Offsets below `from` have been tried with all the bytes a frame there could need.
     let mut from = 0usize;
+    // Bytes dropped from the front of `buf`.
+    let mut dropped = 0u64;
     let mut chunk = vec![0u8; 8192];
     loop {
         let n = r.read(&mut chunk).await?;
@@ -143,7 +155,11 @@ where
                 && let Ok(frame) = decode_payload(&buf[off + 4..end])
                 && want(&frame)
             {
-                return Ok(Some((frame, buf[end..].to_vec())));
+                return Ok(Some(Found {
+                    frame,
+                    rest: buf[end..].to_vec(),
+                    skipped: dropped + off as u64,
+                }));
             }
             off += 1;
         }
@@ -151,6 +167,7 @@ where
         from = buf.len().saturating_sub(4 + max_len);
         if from > KEEP {
             buf.drain(..from);
+            dropped += from as u64;
             from = 0;
         }
     }
@@ -250,8 +267,13 @@ mod tests {
         let next = encode(&sample()).unwrap();
         wire.extend(&next);
         let mut r = &wire[..];
-        let (f, rest) = seek_frame(&mut r, 4096, is_ack(2)).await.unwrap().unwrap();
-        assert_eq!(f, hello_ack(2));
+        let found = seek_frame(&mut r, 4096, is_ack(2)).await.unwrap().unwrap();
+        assert_eq!(found.frame, hello_ack(2));
+        assert_eq!(
+            found.skipped as usize,
+            wire.len() - next.len() - encode(&hello_ack(2)).unwrap().len()
+        );
+        let rest = found.rest;
         // Whatever was read past the frame is handed back: the stream goes on from there.
         let mut all = rest;
         all.extend_from_slice(r);
@@ -273,7 +295,7 @@ mod tests {
         .await
         .expect("stalled behind a junk length")
         .unwrap();
-        assert_eq!(found.unwrap().0, hello_ack(9));
+        assert_eq!(found.unwrap().frame, hello_ack(9));
         drop(w);
         let mut r: &[u8] = &[1, 2, 3];
         assert!(seek_frame(&mut r, 4096, is_ack(9)).await.unwrap().is_none());
@@ -294,7 +316,9 @@ mod tests {
             .unwrap()
             .unwrap()
             .unwrap();
-        assert_eq!(found.unwrap().0, hello_ack(3));
+        let found = found.unwrap();
+        assert_eq!(found.frame, hello_ack(3));
+        assert_eq!(found.skipped, 128 << 16);
     }
 
     fn arb_body() -> impl Strategy<Value = Body> {
@@ -367,7 +391,7 @@ mod tests {
             let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
             let mut r = &wire[..];
             let found = rt.block_on(seek_frame(&mut r, 4096, is_ack(nonce))).unwrap();
-            prop_assert_eq!(found.map(|(f, _)| f), Some(hello_ack(nonce)));
+            prop_assert_eq!(found.map(|f| f.frame), Some(hello_ack(nonce)));
         }
 
         #[test]
