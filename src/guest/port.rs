@@ -10,7 +10,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 
 /// `/dev/vportNpM` whose `/sys/class/virtio-ports/*/name` is `name`.
 pub fn find(name: &str) -> Option<PathBuf> {
@@ -74,10 +74,10 @@ pub fn wait_for_host(fd: &OwnedFd) {
 /// descriptor afresh and tries again.
 pub fn stream(fd: &OwnedFd) -> std::io::Result<PortStream> {
     let base = fd.as_fd().try_clone_to_owned()?;
-    let fd = register(&base)?;
     Ok(PortStream {
+        rd: register(&base, Interest::READABLE)?,
+        wr: register(&base, Interest::WRITABLE)?,
         base,
-        fd,
         rd_wait: None,
         wr_wait: None,
     })
@@ -86,28 +86,23 @@ pub fn stream(fd: &OwnedFd) -> std::io::Result<PortStream> {
 /// How often a stream without a host looks again.
 const NO_HOST_RETRY: Duration = Duration::from_millis(50);
 
-fn register(base: &OwnedFd) -> std::io::Result<AsyncFd<OwnedFd>> {
+/// One registration per direction, so renewing one never drops the other's waiting task.
+fn register(base: &OwnedFd, interest: Interest) -> std::io::Result<AsyncFd<OwnedFd>> {
     let dup = base.as_fd().try_clone_to_owned()?;
     // SAFETY: `dup` is a valid descriptor owned by the AsyncFd for its whole life, and an
     // OwnedFd always reports the same raw descriptor.
-    Ok(unsafe { AsyncFd::register(dup) }?)
+    Ok(unsafe { AsyncFd::register_with_interest(dup, interest) }?)
 }
 
 pub struct PortStream {
     /// A descriptor of the port kept to register afresh from.
     base: OwnedFd,
-    fd: AsyncFd<OwnedFd>,
+    /// Registered for reading only, and for writing only.
+    rd: AsyncFd<OwnedFd>,
+    wr: AsyncFd<OwnedFd>,
     /// Set while reading (writing) waits for a host to come back.
     rd_wait: Option<Pin<Box<tokio::time::Sleep>>>,
     wr_wait: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl PortStream {
-    fn reregister(&mut self) -> std::io::Result<()> {
-        // Dropping the old registration wakes whoever waits on it; they retry on the new one.
-        self.fd = register(&self.base)?;
-        Ok(())
-    }
 }
 
 fn cvt(n: isize) -> std::io::Result<usize> {
@@ -138,12 +133,12 @@ impl AsyncRead for PortStream {
             if let Some(w) = this.rd_wait.as_mut() {
                 ready!(w.as_mut().poll(cx));
                 this.rd_wait = None;
-                this.reregister()?;
+                this.rd = register(&this.base, Interest::READABLE)?;
             }
             let unfilled = buf.initialize_unfilled();
             let want = unfilled.len();
             let attempt = {
-                let mut guard = ready!(this.fd.poll_read_ready(cx))?;
+                let mut guard = ready!(this.rd.poll_read_ready(cx))?;
                 let stale = guard.ready().is_read_closed();
                 match guard.try_io(|fd| {
                     // SAFETY: reads into the initialized, exclusively borrowed `unfilled` slice.
@@ -167,7 +162,9 @@ impl AsyncRead for PortStream {
                 Attempt::Done(Err(e)) => return Poll::Ready(Err(e)),
                 // A host is connected (else the read would have returned 0), but this
                 // registration saw it away: register again and wait for data properly.
-                Attempt::WouldBlock { stale: true } => this.reregister()?,
+                Attempt::WouldBlock { stale: true } => {
+                    this.rd = register(&this.base, Interest::READABLE)?;
+                }
                 Attempt::WouldBlock { stale: false } => {}
             }
         }
@@ -185,10 +182,10 @@ impl AsyncWrite for PortStream {
             if let Some(w) = this.wr_wait.as_mut() {
                 ready!(w.as_mut().poll(cx));
                 this.wr_wait = None;
-                this.reregister()?;
+                this.wr = register(&this.base, Interest::WRITABLE)?;
             }
             let attempt = {
-                let mut guard = ready!(this.fd.poll_write_ready(cx))?;
+                let mut guard = ready!(this.wr.poll_write_ready(cx))?;
                 let stale = guard.ready().is_write_closed();
                 // SAFETY: writes from the borrowed `data` slice.
                 match guard.try_io(|fd| {
