@@ -314,14 +314,52 @@ fn daemon_restart_finds_running_vms_again() {
     assert_eq!(
         stdout(&o),
         "kept\n",
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
+        "{}\n--- daemon log ---\n{}\n--- console ---\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_text(),
+        std::fs::read_to_string(sandbox_dir(&d, &id).join("console.log")).unwrap_or_default()
     );
     assert_eq!(qemu_pid(&d, &id), pid);
     // A daemon killed outright (no cleanup) is recovered from too.
     d.kill();
     d.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert_eq!(stdout(&sh(&d, &id, "cat /root/state")), "kept\n");
+    // Even when it dies while the agent is streaming output (frames of the old connection, maybe
+    // half of one, are still on the port when the next daemon connects).
+    for round in 0..2 {
+        let mut cat = Command::new(BIN)
+            .args(["exec", &id, "--", "sh", "-c", "exec cat /dev/urandom"])
+            .env("TRYBOXI_HOME", d.root())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut out = cat.stdout.take().unwrap();
+        let mut got = vec![0u8; 256 * 1024];
+        std::io::Read::read_exact(&mut out, &mut got).unwrap();
+        d.kill();
+        drop(out);
+        common::wait_bounded(&mut cat, Duration::from_secs(60));
+        d.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let o = sh(&d, &id, "cat /root/state");
+        assert_eq!(
+            stdout(&o),
+            "kept\n",
+            "round {round}: {}\n--- daemon log ---\n{}\n--- console ---\n{}",
+            String::from_utf8_lossy(&o.stderr),
+            d.log_text(),
+            std::fs::read_to_string(sandbox_dir(&d, &id).join("console.log")).unwrap_or_default()
+        );
+    }
+    // What the reconnects found on the channel (informational; see docs/RPC.md, Handshake).
+    for l in d
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("earlier connection left"))
+    {
+        eprintln!("{l}");
+    }
     assert!(d.cli(&["rm", &id]).status.success());
     assert!(!alive(pid), "the VM still runs after rm");
 }

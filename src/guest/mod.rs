@@ -24,6 +24,8 @@ pub mod watch;
 pub mod wsbase;
 
 #[cfg(test)]
+mod reconnect_tests;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod vm_tests;

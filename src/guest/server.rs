@@ -109,11 +109,11 @@ where
     let (mut rd, wr) = tokio::io::split(io);
     let outbox = Arc::new(Outbox::new());
     let w = outbox.clone();
-    let writer = AbortOnDrop(tokio::spawn(async move { w.run_writer(wr).await }));
+    let mut writer = AbortOnDrop(tokio::spawn(async move { w.run_writer(wr).await }));
     let routes: Routes = Arc::default();
     let res = serve_inner(&agent, &mut rd, &outbox, &routes, hello).await;
     if !matches!(res, Ok(ServeEnd::Rehello(_))) {
-        let _ = tokio::time::timeout(Duration::from_secs(2), outbox.wait_idle()).await;
+        let _ = tokio::time::timeout(WRITER_STOP, outbox.wait_idle()).await;
     }
     outbox.close();
     for (_, r) in lock(&routes).drain() {
@@ -121,12 +121,34 @@ where
             sem.close();
         }
     }
-    drop(writer);
+    writer.stop().await;
     res
 }
 
+/// How long a finished connection's writer may take to complete the frame it is writing.
+const WRITER_STOP: Duration = Duration::from_secs(2);
+
 /// Aborts the task when dropped, so a cancelled `serve` drops the transport too.
 struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> AbortOnDrop<T> {
+    /// Waits for the writer of a closed outbox to stop. It stops between two frames: on a virtio
+    /// port the byte stream goes on into the next host connection, and a frame cut in the middle
+    /// would leave that host's reader out of step. Only a writer stuck on a host that no longer
+    /// reads is aborted (mid-frame, possibly; the host's handshake skips such a remnant).
+    async fn stop(&mut self) {
+        if tokio::time::timeout(WRITER_STOP, &mut self.0)
+            .await
+            .is_err()
+        {
+            tracing::warn!("the connection's writer is stuck; aborting it");
+            self.0.abort();
+            // Wait until it is really gone: an aborted task can still be inside a write, which
+            // must not interleave with the next connection's writer.
+            let _ = (&mut self.0).await;
+        }
+    }
+}
 
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
@@ -148,13 +170,19 @@ async fn serve_inner<R: AsyncRead + Unpin>(
     match first {
         None => return Ok(ServeEnd::Eof),
         Some(Frame {
-            body: Body::Hello { protocol, version },
+            body:
+                Body::Hello {
+                    protocol,
+                    version,
+                    nonce,
+                },
             ..
         }) => {
             tracing::info!(host_version = %version, protocol, "host connected");
             let ack = Body::HelloAck {
                 protocol: PROTOCOL_VERSION,
                 version: AGENT_VERSION.into(),
+                nonce,
             };
             let _ = outbox.send_control(Frame {
                 stream: CONTROL_STREAM,

@@ -5,7 +5,7 @@
 //! request on its own and never outlives its connection: when the link dies every pending call
 //! and every stream ends with [`RpcError::Disconnected`].
 
-use super::frame::{CHUNK, read_frame};
+use super::frame::{CHUNK, read_frame, seek_frame};
 use super::msg::{
     Body, CONTROL_STREAM, DirEntry, ExecSpec, FileStat, Frame, PROTOCOL_VERSION, PtySize, Reply,
     Request, WalkCursor, WalkDelta, WalkEntry, WireExecEvent,
@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::sync::{Semaphore, mpsc};
 
 /// How long the agent may take to report that it spawned a command.
@@ -58,6 +58,27 @@ pub enum ExecEvent {
 
 /// How long one connection attempt waits for the handshake before trying a new connection.
 const HANDSHAKE_ATTEMPT: Duration = Duration::from_secs(5);
+
+/// Largest `HelloAck` payload looked for (it holds two numbers and a short version string).
+const MAX_HELLO_ACK: usize = 4096;
+
+/// A fresh random nonce for one connection attempt. Unpredictability is not needed, only that
+/// two attempts (of this daemon or an earlier one) practically never share a value, so a weak
+/// fallback is fine if the OS has no entropy to give.
+fn hello_nonce() -> u64 {
+    getrandom::u64().unwrap_or_else(|_| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos(),
+        );
+        h.write_u32(std::process::id());
+        h.finish()
+    })
+}
 
 type StreamTx = mpsc::UnboundedSender<Body>;
 
@@ -286,46 +307,56 @@ impl AgentClient {
         // If the handshake fails or this future is dropped (a timeout), close the connection:
         // the writer task holds half of `io`, and a QEMU chardev accepts one client at a time.
         let mut guard = CloseOnDrop(Some((shared.clone(), abort_writer.clone())));
+        let nonce = hello_nonce();
         let hello = Frame {
             stream: CONTROL_STREAM,
             body: Body::Hello {
                 protocol: PROTOCOL_VERSION,
                 version: env!("CARGO_PKG_VERSION").to_string(),
+                nonce,
             },
         };
+        // On a virtio port the byte stream outlives host connections: before the answer to this
+        // Hello there can be frames the agent wrote for an earlier connection, a HelloAck for an
+        // earlier (abandoned) attempt, even the tail of a half-written frame. Skip all of it, at
+        // any byte offset, up to the HelloAck that echoes this connection's nonce; everything
+        // after it belongs to this connection.
         let handshake = async {
             shared.outbox.send_control(hello)?;
-            loop {
-                match read_frame(&mut rd).await? {
-                    None => return Err(RpcError::Disconnected),
-                    Some(Frame {
-                        body: Body::HelloAck { protocol, version },
-                        ..
-                    }) => {
-                        if protocol != PROTOCOL_VERSION {
-                            return Err(RpcError::VersionMismatch {
-                                ours: PROTOCOL_VERSION,
-                                theirs: protocol,
-                                agent_version: version,
-                            });
-                        }
-                        return Ok(version);
-                    }
-                    Some(Frame {
-                        body: Body::Error(e),
-                        ..
-                    }) => return Err(RpcError::Remote(e)),
-                    // On a virtio port, frames the agent wrote for an earlier host connection can
-                    // still be in the pipe when a new host connects: skip them.
-                    Some(f) if f.stream != CONTROL_STREAM => {
-                        tracing::debug!(stream = f.stream, "skipping a stale frame before HelloAck")
-                    }
-                    Some(f) => return Err(unexpected(&f.body)),
-                }
+            let found = seek_frame(
+                &mut rd,
+                MAX_HELLO_ACK,
+                |f| matches!(f.body, Body::HelloAck { nonce: n, .. } if n == nonce),
+            )
+            .await?;
+            let Some(found) = found else {
+                return Err(RpcError::Disconnected);
+            };
+            if found.skipped > 0 {
+                tracing::info!(
+                    bytes = found.skipped,
+                    "skipped what an earlier connection left on the agent channel"
+                );
             }
+            let rest = found.rest;
+            let (protocol, version) = match found.frame.body {
+                Body::HelloAck {
+                    protocol, version, ..
+                } => (protocol, version),
+                other => return Err(unexpected(&other)),
+            };
+            if protocol != PROTOCOL_VERSION {
+                return Err(RpcError::VersionMismatch {
+                    ours: PROTOCOL_VERSION,
+                    theirs: protocol,
+                    agent_version: version,
+                });
+            }
+            Ok((version, rest))
         };
-        let agent_version = handshake.await?;
+        let (agent_version, rest) = handshake.await?;
         guard.0 = None;
+        let mut rd = std::io::Cursor::new(rest).chain(rd);
         let r = shared.clone();
         let reader = tokio::spawn(async move {
             let res = loop {

@@ -104,11 +104,81 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Frame>
     decode_payload(&payload).map(Some)
 }
 
+/// What [`seek_frame`] found.
+#[derive(Debug)]
+pub struct Found {
+    pub frame: Frame,
+    /// Bytes read after the frame: the start of the rest of the stream.
+    pub rest: Vec<u8>,
+    /// Bytes skipped before the frame.
+    pub skipped: u64,
+}
+
+/// Reads `r` until a frame that `want` accepts appears anywhere in the byte stream, and returns
+/// it with the bytes that followed it.
+///
+/// Unlike [`read_frame`] it does not trust the stream to start at a frame boundary: every byte
+/// offset is tried, so half a frame left over from an earlier connection (or any other junk)
+/// is skipped instead of putting the reader out of step. Only frames whose payload is at most
+/// `max_len` bytes can be found; `want` must be specific enough (e.g. check a random nonce) that
+/// junk cannot pass it. `Ok(None)` if the stream ends first. Memory stays bounded by about
+/// 64 KiB + `max_len` however much junk arrives.
+pub async fn seek_frame<R, F>(
+    r: &mut R,
+    max_len: usize,
+    mut want: F,
+) -> Result<Option<Found>, FrameError>
+where
+    R: AsyncRead + Unpin,
+    F: FnMut(&Frame) -> bool,
+{
+    const KEEP: usize = 64 * 1024;
+    let max_len = max_len.min(MAX_FRAME);
+    let mut buf: Vec<u8> = Vec::new();
+    // Offsets below `from` have been tried with all the bytes a frame there could need.
+    let mut from = 0usize;
+    // Bytes dropped from the front of `buf`.
+    let mut dropped = 0u64;
+    let mut chunk = vec![0u8; 8192];
+    loop {
+        let n = r.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let mut off = from;
+        while off + 4 <= buf.len() {
+            let len = u32::from_le_bytes([buf[off], buf[off + 1], buf[off + 2], buf[off + 3]]);
+            let end = off + 4 + len as usize;
+            if len as usize <= max_len
+                && end <= buf.len()
+                && let Ok(frame) = decode_payload(&buf[off + 4..end])
+                && want(&frame)
+            {
+                return Ok(Some(Found {
+                    frame,
+                    rest: buf[end..].to_vec(),
+                    skipped: dropped + off as u64,
+                }));
+            }
+            off += 1;
+        }
+        // A wanted frame could still start at any of the last `4 + max_len` offsets.
+        from = buf.len().saturating_sub(4 + max_len);
+        if from > KEEP {
+            buf.drain(..from);
+            dropped += from as u64;
+            from = 0;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::rpc::msg::{Body, ExecSpec, Request, WireExecEvent};
     use proptest::prelude::*;
+    use tokio::io::AsyncWriteExt;
 
     fn sample() -> Frame {
         Frame {
@@ -171,10 +241,95 @@ mod tests {
         assert!(read_frame(&mut r).await.unwrap().is_none());
     }
 
+    fn hello_ack(nonce: u64) -> Frame {
+        Frame {
+            stream: 0,
+            body: Body::HelloAck {
+                protocol: 4,
+                version: "v".into(),
+                nonce,
+            },
+        }
+    }
+
+    fn is_ack(nonce: u64) -> impl FnMut(&Frame) -> bool {
+        move |f| matches!(f.body, Body::HelloAck { nonce: n, .. } if n == nonce)
+    }
+
+    #[tokio::test]
+    async fn seek_frame_skips_half_frames_and_other_frames() {
+        // The tail of a frame cut in the middle, whole frames of an earlier connection, a stale
+        // HelloAck, then the one wanted and the start of what follows it.
+        let mut wire = encode(&sample()).unwrap()[9..].to_vec();
+        wire.extend(encode(&sample()).unwrap());
+        wire.extend(encode(&hello_ack(1)).unwrap());
+        wire.extend(encode(&hello_ack(2)).unwrap());
+        let next = encode(&sample()).unwrap();
+        wire.extend(&next);
+        let mut r = &wire[..];
+        let found = seek_frame(&mut r, 4096, is_ack(2)).await.unwrap().unwrap();
+        assert_eq!(found.frame, hello_ack(2));
+        assert_eq!(
+            found.skipped as usize,
+            wire.len() - next.len() - encode(&hello_ack(2)).unwrap().len()
+        );
+        let rest = found.rest;
+        // Whatever was read past the frame is handed back: the stream goes on from there.
+        let mut all = rest;
+        all.extend_from_slice(r);
+        assert_eq!(all, next);
+    }
+
+    #[tokio::test]
+    async fn seek_frame_is_not_stalled_by_a_junk_length() {
+        // A junk prefix claiming a 1 MiB frame that never comes: plain `read_frame` would wait
+        // for it forever; the wanted frame right behind it is found at once.
+        let (mut w, mut r) = tokio::io::duplex(1 << 16);
+        let mut wire = (MAX_FRAME as u32).to_le_bytes().to_vec();
+        wire.extend(encode(&hello_ack(9)).unwrap());
+        w.write_all(&wire).await.unwrap();
+        let found = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            seek_frame(&mut r, 4096, is_ack(9)),
+        )
+        .await
+        .expect("stalled behind a junk length")
+        .unwrap();
+        assert_eq!(found.unwrap().frame, hello_ack(9));
+        drop(w);
+        let mut r: &[u8] = &[1, 2, 3];
+        assert!(seek_frame(&mut r, 4096, is_ack(9)).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn seek_frame_keeps_memory_bounded_on_endless_junk() {
+        let (mut w, mut r) = tokio::io::duplex(1 << 16);
+        let seek = tokio::spawn(async move { seek_frame(&mut r, 4096, is_ack(3)).await });
+        // 8 MiB of junk, then the wanted frame.
+        let junk = vec![0x5a; 1 << 16];
+        for _ in 0..128 {
+            w.write_all(&junk).await.unwrap();
+        }
+        w.write_all(&encode(&hello_ack(3)).unwrap()).await.unwrap();
+        let found = tokio::time::timeout(std::time::Duration::from_secs(60), seek)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let found = found.unwrap();
+        assert_eq!(found.frame, hello_ack(3));
+        assert_eq!(found.skipped, 128 << 16);
+    }
+
     fn arb_body() -> impl Strategy<Value = Body> {
         prop_oneof![
-            (any::<u32>(), ".{0,20}")
-                .prop_map(|(protocol, version)| Body::Hello { protocol, version }),
+            (any::<u32>(), ".{0,20}", any::<u64>()).prop_map(|(protocol, version, nonce)| {
+                Body::Hello {
+                    protocol,
+                    version,
+                    nonce,
+                }
+            }),
             proptest::collection::vec(any::<u8>(), 0..4096).prop_map(Body::Data),
             any::<u32>().prop_map(Body::Credit),
             any::<i32>().prop_map(Body::Kill),
@@ -226,6 +381,17 @@ mod tests {
             let (back, used) = decode_frame(&bytes).unwrap().unwrap();
             prop_assert_eq!(back, f);
             prop_assert_eq!(used, bytes.len());
+        }
+
+        #[test]
+        fn seek_frame_finds_a_frame_behind_any_junk(junk in proptest::collection::vec(any::<u8>(), 0..2048),
+                                                    nonce in any::<u64>()) {
+            let mut wire = junk;
+            wire.extend(encode(&hello_ack(nonce)).unwrap());
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let mut r = &wire[..];
+            let found = rt.block_on(seek_frame(&mut r, 4096, is_ack(nonce))).unwrap();
+            prop_assert_eq!(found.map(|f| f.frame), Some(hello_ack(nonce)));
         }
 
         #[test]

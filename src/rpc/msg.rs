@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this file.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
 pub const CONTROL_STREAM: u32 = 0;
@@ -22,10 +22,19 @@ pub struct Frame {
 /// What a frame says. Direction is noted per variant (H = host, G = guest).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Body {
-    /// H->G, stream 0: first frame of every connection.
-    Hello { protocol: u32, version: String },
-    /// G->H, stream 0: the answer to `Hello`.
-    HelloAck { protocol: u32, version: String },
+    /// H->G, stream 0: first frame of every connection. `nonce` is random per connection
+    /// attempt, so the host can tell its own `HelloAck` from one written for an earlier attempt.
+    Hello {
+        protocol: u32,
+        version: String,
+        nonce: u64,
+    },
+    /// G->H, stream 0: the answer to `Hello`, echoing its `nonce`.
+    HelloAck {
+        protocol: u32,
+        version: String,
+        nonce: u64,
+    },
     /// H->G: opens the stream with a request.
     Request(Request),
     /// Bulk bytes in the sender's direction: exec stdin and write_file content (H->G),
