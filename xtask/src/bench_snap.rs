@@ -48,6 +48,15 @@ fn qemu_pid(home: &Path, id: &str) -> Result<u32> {
     Ok(vm["pid"].as_u64().context("vm.json pid")? as u32)
 }
 
+/// `POST /v1/sandboxes`; the new sandbox's id.
+fn create(sock: &Path, body: &str) -> Result<String> {
+    let (st, out) = http::request(sock, "POST", "/v1/sandboxes", Some(body))?;
+    if st != 201 {
+        bail!("create failed: HTTP {st}: {out}");
+    }
+    http::json_str(&out, "id").context("no id")
+}
+
 fn exec_true(sock: &Path, id: &str) -> Result<()> {
     let line = http::exec(sock, id, r#"{"argv":["true"]}"#)?;
     if !line.contains("\"exit_code\":0") {
@@ -78,21 +87,13 @@ pub fn run(
     println!(
         "==> (g) golden snapshot: first create boots, the snapshot is built in the background"
     );
-    let (st, first) = http::request(&sock, "POST", "/v1/sandboxes", Some(&create_body))?;
-    if st != 201 {
-        bail!("create failed: HTTP {st}: {first}");
-    }
-    let keep = http::json_str(&first, "id").context("no id")?;
+    let keep = create(&sock, &create_body)?;
     wait_golden(home)?;
     println!("==> (g) create restoring the golden snapshot on demand, to exec-ready ({reps}x)");
     let mut golden_create = Vec::new();
     for _ in 0..reps {
         let t = Instant::now();
-        let (st, body) = http::request(&sock, "POST", "/v1/sandboxes", Some(&create_body))?;
-        if st != 201 {
-            bail!("create failed: HTTP {st}: {body}");
-        }
-        let id = http::json_str(&body, "id").context("no id")?;
+        let id = create(&sock, &create_body)?;
         exec_true(&sock, &id)?;
         golden_create.push(t.elapsed());
         http::request(&sock, "DELETE", &format!("/v1/sandboxes/{id}"), None)?;
@@ -220,11 +221,7 @@ fn pool_rows(
     println!(
         "==> (g) warm pool of 1: first create boots, then the golden snapshot and the pool VM"
     );
-    let (st, first) = http::request(&sock, "POST", "/v1/sandboxes", Some(&create_body))?;
-    if st != 201 {
-        bail!("create failed: HTTP {st}: {first}");
-    }
-    let first = http::json_str(&first, "id").context("no id")?;
+    let first = create(&sock, &create_body)?;
     wait_golden(home)?;
     println!("==> (g) create taking the warm-pool VM, to exec-ready ({reps}x)");
     let mut out = Vec::new();
@@ -237,11 +234,7 @@ fn pool_rows(
             std::thread::sleep(Duration::from_millis(100));
         }
         let t = Instant::now();
-        let (st, body) = http::request(&sock, "POST", "/v1/sandboxes", Some(&create_body))?;
-        if st != 201 {
-            bail!("create failed: HTTP {st}: {body}");
-        }
-        let id = http::json_str(&body, "id").context("no id")?;
+        let id = create(&sock, &create_body)?;
         exec_true(&sock, &id)?;
         out.push(t.elapsed());
         http::request(&sock, "DELETE", &format!("/v1/sandboxes/{id}"), None)?;
