@@ -78,17 +78,11 @@ pub fn run(
          [limits]\nmax_vcpus = {}\n",
         vcpus * (FORKS as u32 + 4)
     );
-    let d = Daemon::start(bin, home, artifacts, &config)?;
-    let sock = d.socket();
-    let ws = home.join("ws-snap");
-    std::fs::create_dir_all(&ws)?;
-    let create_body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
-
     println!(
         "==> (g) golden snapshot: first create boots, the snapshot is built in the background"
     );
-    let keep = create(&sock, &create_body)?;
-    wait_golden(home)?;
+    let (d, create_body, keep) = start_golden(bin, home, artifacts, &config)?;
+    let sock = d.socket();
     println!("==> (g) create restoring the golden snapshot on demand, to exec-ready ({reps}x)");
     let mut golden_create = Vec::new();
     for _ in 0..reps {
@@ -170,6 +164,23 @@ pub fn run(
     })
 }
 
+/// A daemon on `home` with `config`, its first sandbox (a cold boot on an empty workspace) and
+/// the golden snapshot that boot leads to, complete. Returns the create body for more of them.
+fn start_golden(
+    bin: &Path,
+    home: &Path,
+    artifacts: &Path,
+    config: &str,
+) -> Result<(Daemon, String, String)> {
+    let d = Daemon::start(bin, home, artifacts, config)?;
+    let ws = home.join("ws");
+    std::fs::create_dir_all(&ws)?;
+    let body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
+    let first = create(&d.socket(), &body)?;
+    wait_golden(home)?;
+    Ok((d, body, first))
+}
+
 /// Wait until a golden snapshot of `home` is complete (`golden.json` written).
 fn wait_golden(home: &Path) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(300);
@@ -213,16 +224,11 @@ fn pool_rows(
     let config = format!(
         "default_memory_mib = {mem_mib}\ndefault_vcpus = {vcpus}\n[pool]\ngolden = true\nsize = 1\n"
     );
-    let d = Daemon::start(bin, home, artifacts, &config)?;
-    let sock = d.socket();
-    let ws = home.join("ws-pool");
-    std::fs::create_dir_all(&ws)?;
-    let create_body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
     println!(
         "==> (g) warm pool of 1: first create boots, then the golden snapshot and the pool VM"
     );
-    let first = create(&sock, &create_body)?;
-    wait_golden(home)?;
+    let (d, create_body, first) = start_golden(bin, home, artifacts, &config)?;
+    let sock = d.socket();
     println!("==> (g) create taking the warm-pool VM, to exec-ready ({reps}x)");
     let mut out = Vec::new();
     for _ in 0..reps {
