@@ -410,6 +410,31 @@ fn wait_until(d: &Daemon, limit: Duration, what: &str, mut cond: impl FnMut() ->
     }
 }
 
+/// Waits until exactly one pool VM holds a reservation and has logged "pool VM ready"; its id.
+fn ready_pool_vm(d: &Daemon, what: &str) -> String {
+    let mut p = String::new();
+    wait_until(d, Duration::from_secs(300), what, || {
+        let (_, _, held) = ledger(d);
+        let pool: Vec<&String> = held
+            .iter()
+            .filter(|(_, h)| h == "pool")
+            .map(|(id, _)| id)
+            .collect();
+        match pool.as_slice() {
+            [id] if d
+                .log_text()
+                .lines()
+                .any(|l| l.contains("pool VM ready") && l.contains(id.as_str())) =>
+            {
+                p = (*id).clone();
+                true
+            }
+            _ => false,
+        }
+    });
+    p
+}
+
 /// Warm-pool VMs are in the ledger: a pool VM reserves when it starts, a create that takes it
 /// turns that reservation into the sandbox's (no double count), a refill never takes room the
 /// host does not have, and a create that would have to wait evicts a pool VM.
@@ -426,27 +451,7 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let a = first_word(&o);
     // The golden snapshot is built in the background, then one pool VM starts from it.
-    let pool_of = |held: &[(String, String)]| -> Vec<String> {
-        held.iter()
-            .filter(|(_, h)| h == "pool")
-            .map(|(id, _)| id.clone())
-            .collect()
-    };
-    let mut p = String::new();
-    wait_until(&d, Duration::from_secs(300), "a ready pool VM", || {
-        let (_, _, held) = ledger(&d);
-        match pool_of(&held).as_slice() {
-            [id] if d
-                .log_text()
-                .lines()
-                .any(|l| l.contains("pool VM ready") && l.contains(id.as_str())) =>
-            {
-                p = id.clone();
-                true
-            }
-            _ => false,
-        }
-    });
+    let p = ready_pool_vm(&d, "a ready pool VM");
     let (v, m, held) = ledger(&d);
     assert_eq!((v, m), (2, 512), "{held:?}");
     assert!(held.contains(&(a.clone(), "sandbox".into())), "{held:?}");
@@ -465,21 +470,7 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
         held.iter().filter(|(id, _)| *id != a && *id != b).collect();
     assert_eq!(v as usize, held.len(), "{held:?}");
     assert!(others.iter().all(|(_, h)| h == "pool"), "{held:?}");
-    let mut p2 = String::new();
-    wait_until(&d, Duration::from_secs(300), "the pool refill", || {
-        let (_, _, held) = ledger(&d);
-        match pool_of(&held).as_slice() {
-            [id] if d
-                .log_text()
-                .lines()
-                .any(|l| l.contains("pool VM ready") && l.contains(id.as_str())) =>
-            {
-                p2 = id.clone();
-                true
-            }
-            _ => false,
-        }
-    });
+    let p2 = ready_pool_vm(&d, "the pool refill");
     assert_eq!(ledger(&d).0, 3, "host full: a, b and the pool VM");
     let p2_dir = d.root().join("sandboxes").join(&p2);
     assert!(p2_dir.exists());
