@@ -437,7 +437,8 @@ fn ready_pool_vm(d: &Daemon, what: &str) -> String {
 
 /// Warm-pool VMs are in the ledger: a pool VM reserves when it starts, a create that takes it
 /// turns that reservation into the sandbox's (no double count), a refill never takes room the
-/// host does not have, and a create that would have to wait evicts a pool VM.
+/// host does not have, a create that would have to wait evicts a pool VM, and an rm that
+/// frees room refills the pool.
 #[test]
 fn pool_vms_are_counted_handed_over_and_evicted() {
     let Some(art) = artifacts() else { return };
@@ -514,8 +515,29 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
         "{}",
         d.log_text()
     );
-    for id in [&a, &b, &c] {
+
+    // rm of `c` gives its room back, and the pool is below its size since the eviction: it
+    // is refilled in the background (no create needed).
+    assert!(d.cli(&["rm", &c]).status.success());
+    let p3 = ready_pool_vm(&d, "the pool refill after rm");
+    assert_ne!(p3, p2, "a new pool VM");
+    let metrics = d.request("GET", "/metrics", None).text();
+    assert!(
+        metrics.lines().any(|l| l == "tryboxi_pool_ready 1"),
+        "{metrics}"
+    );
+    let (v, m, mut held) = ledger(&d);
+    held.sort();
+    let mut want = vec![
+        (a.clone(), "sandbox".to_string()),
+        (b.clone(), "sandbox".to_string()),
+        (p3.clone(), "pool".to_string()),
+    ];
+    want.sort();
+    assert_eq!((v, m, held), (3, 768, want));
+    // The pool is full: more room freed starts nothing more.
+    for id in [&a, &b] {
         assert!(d.cli(&["rm", id]).status.success());
     }
-    assert_eq!(ledger(&d).0, 0);
+    assert_eq!(ledger(&d), (1, 256, vec![(p3, "pool".to_string())]));
 }
