@@ -373,7 +373,7 @@ fn python_template_has_a_working_venv() {
 }
 
 /// The scheduler's ledger as `GET /v1/health` shows it: (reserved vCPUs, reserved MiB,
-/// [(id, holder)]). Checks the totals add up (nothing counted twice or left out).
+/// [(id, holder)] sorted). Checks the totals add up (nothing counted twice or left out).
 fn ledger(d: &Daemon) -> (u64, u64, Vec<(String, String)>) {
     let h = d.request("GET", "/v1/health", None).json();
     let c = &h["capacity"];
@@ -385,16 +385,21 @@ fn ledger(d: &Daemon) -> (u64, u64, Vec<(String, String)>) {
     );
     assert_eq!((v, m), (sum("vcpus"), sum("memory_mib")), "{c}");
     assert!(v <= c["max_vcpus"].as_u64().unwrap(), "{c}");
-    let held = entries
+    let held: Vec<(&str, &str)> = entries
         .iter()
-        .map(|e| {
-            (
-                e["id"].as_str().unwrap().to_owned(),
-                e["holder"].as_str().unwrap().to_owned(),
-            )
-        })
+        .map(|e| (e["id"].as_str().unwrap(), e["holder"].as_str().unwrap()))
         .collect();
-    (v, m, held)
+    (v, m, holders(&held))
+}
+
+/// `[(id, holder)]` as [`ledger`] returns it (sorted).
+fn holders(held: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = held
+        .iter()
+        .map(|(id, h)| (id.to_string(), h.to_string()))
+        .collect();
+    v.sort();
+    v
 }
 
 fn wait_until(d: &Daemon, limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
@@ -499,15 +504,8 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
         "the evicted pool VM's directory to go",
         || !p2_dir.exists(),
     );
-    let (v, m, mut held) = ledger(&d);
-    held.sort();
-    let mut want = vec![
-        (a.clone(), "sandbox".to_string()),
-        (b.clone(), "sandbox".to_string()),
-        (c.clone(), "sandbox".to_string()),
-    ];
-    want.sort();
-    assert_eq!((v, m, held), (3, 896, want));
+    let all = [(a.as_str(), "sandbox"), (&b, "sandbox"), (&c, "sandbox")];
+    assert_eq!(ledger(&d), (3, 896, holders(&all)));
     // No room for the new shape's golden snapshot build either: skipped, not queued.
     assert!(
         d.log_text()
@@ -526,18 +524,11 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
         metrics.lines().any(|l| l == "tryboxi_pool_ready 1"),
         "{metrics}"
     );
-    let (v, m, mut held) = ledger(&d);
-    held.sort();
-    let mut want = vec![
-        (a.clone(), "sandbox".to_string()),
-        (b.clone(), "sandbox".to_string()),
-        (p3.clone(), "pool".to_string()),
-    ];
-    want.sort();
-    assert_eq!((v, m, held), (3, 768, want));
+    let all = [(a.as_str(), "sandbox"), (&b, "sandbox"), (&p3, "pool")];
+    assert_eq!(ledger(&d), (3, 768, holders(&all)));
     // The pool is full: more room freed starts nothing more.
     for id in [&a, &b] {
         assert!(d.cli(&["rm", id]).status.success());
     }
-    assert_eq!(ledger(&d), (1, 256, vec![(p3, "pool".to_string())]));
+    assert_eq!(ledger(&d), (1, 256, holders(&[(&p3, "pool")])));
 }

@@ -38,6 +38,17 @@ impl std::fmt::Debug for AgentClient {
     }
 }
 
+/// A walk answer: exactly one bincode value, nothing after it.
+fn decode_walk<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, RpcError> {
+    let cfg = bincode::config::standard();
+    let (v, n): (T, usize) = bincode::serde::decode_from_slice(bytes, cfg)
+        .map_err(|e| RpcError::Protocol(format!("bad walk answer: {e}")))?;
+    if n != bytes.len() {
+        return Err(RpcError::Protocol("trailing bytes in a walk answer".into()));
+    }
+    Ok(v)
+}
+
 fn unexpected(body: &Body) -> RpcError {
     let name = format!("{body:?}");
     RpcError::Protocol(name.chars().take(80).collect())
@@ -109,13 +120,7 @@ impl AgentClient {
                 skip: skip.to_vec(),
             })
             .await?;
-        let cfg = bincode::config::standard();
-        let (v, n): (Vec<WalkEntry>, usize) = bincode::serde::decode_from_slice(&bytes, cfg)
-            .map_err(|e| RpcError::Protocol(format!("bad walk answer: {e}")))?;
-        if n != bytes.len() {
-            return Err(RpcError::Protocol("trailing bytes in a walk answer".into()));
-        }
-        Ok(v)
+        decode_walk(&bytes)
     }
 
     /// Like [`Self::walk`], from the agent's inotify-kept walk: everything, or only what
@@ -133,13 +138,7 @@ impl AgentClient {
                 since,
             })
             .await?;
-        let cfg = bincode::config::standard();
-        let (v, n): (WalkDelta, usize) = bincode::serde::decode_from_slice(&bytes, cfg)
-            .map_err(|e| RpcError::Protocol(format!("bad walk answer: {e}")))?;
-        if n != bytes.len() {
-            return Err(RpcError::Protocol("trailing bytes in a walk answer".into()));
-        }
-        Ok(v)
+        decode_walk(&bytes)
     }
 
     /// Removes `delete` (relative to `dir`), then unpacks the `len`-byte tar archive the host
