@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::{Daemon, artifacts, follow_events};
+use common::{Daemon, SMALL_VMS, artifacts, create, follow_events};
 use serde_json::Value;
 
 /// Samples of a `/metrics` body, as parsed by prometheus_client's parser.
@@ -148,7 +148,7 @@ fn a_sandbox_whole_life_is_observable() {
     let Some(art) = artifacts() else { return };
     let (collector, exported) = fake_collector();
     let d = Daemon::start(
-        Some("default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n"),
+        Some(SMALL_VMS),
         &[
             "--artifacts",
             art.to_str().unwrap(),
@@ -162,18 +162,7 @@ fn a_sandbox_whole_life_is_observable() {
     assert_eq!(d.request("GET", "/v1/health", None).status, 200);
     let ws = tempfile::tempdir().unwrap();
 
-    let out = d.cli(&["create", "-w", ws.path().to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let id = String::from_utf8(out.stdout)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_owned();
+    let id = create(&d, ws.path());
     let script = "echo hello; echo world; printf '\\033[31mred\\033[0m\\n' >&2; exit 3";
     let out = d.cli(&["exec", &id, "--", "sh", "-c", script]);
     assert_eq!(

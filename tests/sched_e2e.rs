@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, Daemon, artifacts, wait_bounded};
+use common::{BIN, Daemon, artifacts, sh_out, wait_bounded};
 
 fn out(o: &std::process::Output) -> String {
     format!(
@@ -96,7 +96,7 @@ fn scheduler_refuses_past_the_limit_with_a_clear_error() {
     )
     .unwrap();
     let queued_before = d.log_text().matches("waiting in the queue").count();
-    d.spawn(&["--artifacts", art.to_str().unwrap()]);
+    d.respawn();
     let mut waiting = Command::new(BIN)
         .args(["create", "-w", ws.path().to_str().unwrap()])
         .env("TRYBOXI_HOME", d.root())
@@ -248,14 +248,6 @@ fn gc_dry_run_lists_and_deletes_nothing_then_gc_deletes_exactly_that() {
     assert_eq!(paths_of(&gc_json(&d, true)), vec![]);
 }
 
-fn exec(d: &Daemon, id: &str, script: &str) -> (Option<i32>, String) {
-    let o = d.cli(&["exec", id, "--", "sh", "-c", script]);
-    (
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-    )
-}
-
 /// Node comes from the node template only: `node` runs in a node sandbox (explicit and auto)
 /// and is missing in a base one (the base rootfs carries python3, not node).
 #[test]
@@ -281,7 +273,7 @@ fn templates_node_explicit_and_auto_by_package_json() {
     let o = create(&d, ws.path(), &["--template", "node"]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let id = first_word(&o);
-    let (code, text) = exec(&d, &id, "cat /etc/tryboxi-template; node --version");
+    let (code, text) = sh_out(&d, &id, "cat /etc/tryboxi-template; node --version");
     assert_eq!(code, Some(0), "{text}");
     let mut lines = text.lines();
     assert_eq!(lines.next(), Some("node"));
@@ -301,7 +293,7 @@ fn templates_node_explicit_and_auto_by_package_json() {
     let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(sb["template"], "node", "{sb}");
     let id = sb["id"].as_str().unwrap().to_owned();
-    let (code, text) = exec(&d, &id, "cat /etc/tryboxi-template; node --version");
+    let (code, text) = sh_out(&d, &id, "cat /etc/tryboxi-template; node --version");
     assert_eq!(code, Some(0), "{text}");
     let mut lines = text.lines();
     assert_eq!(lines.next(), Some("node"), "{text}");
@@ -326,7 +318,7 @@ fn templates_node_explicit_and_auto_by_package_json() {
         "{}",
         out(&o)
     );
-    let (code, text) = exec(
+    let (code, text) = sh_out(
         &d,
         &id,
         "cat /etc/tryboxi-template 2>/dev/null || echo none; command -v npm || echo no-npm; python3 -c 'print(6*7)'",
@@ -363,7 +355,7 @@ fn python_template_has_a_working_venv() {
         "{}",
         out(&o)
     );
-    let (code, text) = exec(
+    let (code, text) = sh_out(
         &d,
         &id,
         "cat /etc/tryboxi-template && python3 -m venv /tmp/v && /tmp/v/bin/python -c 'print(42)'",
