@@ -253,23 +253,13 @@ impl Service {
             self.drop_pool_vm(&p.id, &p.dir).await;
         };
         let id = pvm.id.clone();
-        let mut rec = SandboxRecord {
-            api: api::Sandbox {
-                id: id.clone(),
-                state: SandboxState::Creating,
-                workspace: api::WorkspaceSpec {
-                    host_path: workspace.display().to_string(),
-                    exclude: exclude.to_vec(),
-                },
-                template: template.to_owned(),
-                vcpus,
-                memory_mib,
-                accel: Some(accel.to_string()),
-                created_at: super::now_rfc3339(),
-                error: None,
-            },
-            dir: pvm.dir.clone(),
-        };
+        let mut rec = SandboxRecord::creating(
+            &id,
+            pvm.dir.clone(),
+            (workspace, exclude.to_vec()),
+            template.to_owned(),
+            (vcpus, memory_mib, accel),
+        );
         // From here on the VM is a sandbox: a failure discards it (which releases).
         if let Err(e) = self.store.put(SANDBOXES, &id, &rec) {
             self.discard(&id, &rec.dir).await;
