@@ -143,6 +143,16 @@ fn fake_collector() -> (String, mpsc::Receiver<(String, Vec<u8>)>) {
     (url, rx)
 }
 
+/// The names of a trace's spans, in order.
+fn span_names(trace: &Value) -> Vec<&str> {
+    trace["spans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect()
+}
+
 #[test]
 fn a_sandbox_whole_life_is_observable() {
     let Some(art) = artifacts() else { return };
@@ -222,13 +232,11 @@ fn a_sandbox_whole_life_is_observable() {
 
     // Trace of the exec: its phases in order, each with a non-zero duration.
     let t = d.request("GET", &format!("/v1/traces/{exe}"), None).json();
-    let names: Vec<&str> = t["spans"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(names, ["exec.spawn", "exec", "output.flush"], "{t}");
+    assert_eq!(
+        span_names(&t),
+        ["exec.spawn", "exec", "output.flush"],
+        "{t}"
+    );
     assert!(t["finished"].as_bool().unwrap());
     let spans = t["spans"].as_array().unwrap();
     for w in spans.windows(2) {
@@ -243,14 +251,8 @@ fn a_sandbox_whole_life_is_observable() {
     );
     assert_eq!(spans[1]["attrs"]["exit_code"], "3");
     let t = d.request("GET", &format!("/v1/traces/{id}"), None).json();
-    let names: Vec<&str> = t["spans"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap())
-        .collect();
     assert_eq!(
-        names,
+        span_names(&t),
         ["scheduler.reserve", "vm.boot", "guest.connect"],
         "{t}"
     );
