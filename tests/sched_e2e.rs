@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, Daemon, artifacts, sh_out, wait_bounded};
+use common::{BIN, Daemon, artifacts, create_out, first_word, sh_out, wait_bounded};
 
 fn out(o: &std::process::Output) -> String {
     format!(
@@ -15,20 +15,6 @@ fn out(o: &std::process::Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
-}
-
-fn create(d: &Daemon, ws: &Path, extra: &[&str]) -> std::process::Output {
-    let mut args = vec!["create", "-w", ws.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    d.cli(&args)
-}
-
-fn first_word(o: &std::process::Output) -> String {
-    String::from_utf8_lossy(&o.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_owned()
 }
 
 /// Room for exactly one 1-vCPU sandbox.
@@ -58,12 +44,12 @@ fn scheduler_refuses_past_the_limit_with_a_clear_error() {
         "{msg}"
     );
     assert!(t.elapsed() < Duration::from_secs(5));
-    let o = create(&d, ws.path(), &["--memory", "2048"]);
+    let o = create_out(&d, ws.path(), &["--memory", "2048"]);
     assert!(!o.status.success());
     assert!(out(&o).contains("host limit"), "{}", out(&o));
 
     // One small VM fits; the second waits in the queue (2 s) and is refused with 429.
-    let o = create(&d, ws.path(), &[]);
+    let o = create_out(&d, ws.path(), &[]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let first = first_word(&o);
     let t = std::time::Instant::now();
@@ -83,7 +69,7 @@ fn scheduler_refuses_past_the_limit_with_a_clear_error() {
         t.elapsed() >= Duration::from_secs(2),
         "it waited in the queue first"
     );
-    let o = create(&d, ws.path(), &[]);
+    let o = create_out(&d, ws.path(), &[]);
     assert!(!o.status.success());
     assert!(out(&o).contains("stayed full"), "{}", out(&o));
 
@@ -270,7 +256,7 @@ fn templates_node_explicit_and_auto_by_package_json() {
     }
 
     let ws = tempfile::tempdir().unwrap();
-    let o = create(&d, ws.path(), &["--template", "node"]);
+    let o = create_out(&d, ws.path(), &["--template", "node"]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let id = first_word(&o);
     let (code, text) = sh_out(&d, &id, "cat /etc/tryboxi-template; node --version");
@@ -288,7 +274,7 @@ fn templates_node_explicit_and_auto_by_package_json() {
     // auto: package.json -> node.
     let repo = tempfile::tempdir().unwrap();
     std::fs::write(repo.path().join("package.json"), "{\"name\":\"x\"}").unwrap();
-    let o = create(&d, repo.path(), &["--json"]);
+    let o = create_out(&d, repo.path(), &["--json"]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(sb["template"], "node", "{sb}");
@@ -301,7 +287,7 @@ fn templates_node_explicit_and_auto_by_package_json() {
     assert!(d.cli(&["rm", &id]).status.success());
 
     // base (auto on an empty repo): no node, no npm; python3 is there.
-    let o = create(&d, ws.path(), &["--json"]);
+    let o = create_out(&d, ws.path(), &["--json"]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(sb["template"], "base", "{sb}");
@@ -327,7 +313,7 @@ fn templates_node_explicit_and_auto_by_package_json() {
     assert!(d.cli(&["rm", &id]).status.success());
 
     // An unknown template is a clear 400.
-    let o = create(&d, ws.path(), &["--template", "cobol"]);
+    let o = create_out(&d, ws.path(), &["--template", "cobol"]);
     assert!(!o.status.success());
     assert!(out(&o).contains("available: auto, base"), "{}", out(&o));
 }
@@ -347,7 +333,7 @@ fn python_template_has_a_working_venv() {
     );
     let repo = tempfile::tempdir().unwrap();
     std::fs::write(repo.path().join("requirements.txt"), "").unwrap();
-    let o = create(&d, repo.path(), &[]);
+    let o = create_out(&d, repo.path(), &[]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let id = first_word(&o);
     assert!(
@@ -445,7 +431,7 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
                [pool]\ngolden = true\nsize = 1\n";
     let d = Daemon::start(Some(cfg), &["--artifacts", art.to_str().unwrap()]);
     let ws = tempfile::tempdir().unwrap();
-    let mut o = create(&d, ws.path(), &[]);
+    let mut o = create_out(&d, ws.path(), &[]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let a = first_word(&o);
     // The golden snapshot is built in the background, then one pool VM starts from it.
@@ -455,7 +441,7 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
     assert!(held.contains(&(a.clone(), "sandbox".into())), "{held:?}");
 
     // Taking the pool VM: the sandbox is that VM, its reservation is the sandbox's now.
-    o = create(&d, ws.path(), &[]);
+    o = create_out(&d, ws.path(), &[]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let b = first_word(&o);
     assert_eq!(b, p, "the create took the pool VM");
@@ -475,7 +461,7 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
 
     // Another shape (no pool VM for it) would have to wait: the pool VM is evicted instead.
     let t = std::time::Instant::now();
-    o = create(&d, ws.path(), &["--memory", "384"]);
+    o = create_out(&d, ws.path(), &["--memory", "384"]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let c = first_word(&o);
     assert!(

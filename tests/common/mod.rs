@@ -345,23 +345,36 @@ pub fn create(d: &Daemon, ws: &Path) -> String {
 
 /// `tryboxi create -w <ws> <extra>`, which must succeed; the new sandbox's id.
 pub fn create_with(d: &Daemon, ws: &Path, extra: &[&str]) -> String {
-    let mut args = vec!["create", "-w", ws.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let out = d.cli(&args);
+    let out = create_out(d, ws, extra);
     assert!(
         out.status.success(),
         "create failed: {}\n{}",
         String::from_utf8_lossy(&out.stderr),
         d.log_text()
     );
-    let line = String::from_utf8(out.stdout).unwrap();
-    let id = line
+    let id = first_word(&out);
+    assert!(
+        id.starts_with("sbx_"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    id
+}
+
+/// `tryboxi create -w <ws> <extra>`, whatever comes of it.
+pub fn create_out(d: &Daemon, ws: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["create", "-w", ws.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    d.cli(&args)
+}
+
+/// The first word of a command's stdout (an id, for `create`), or "".
+pub fn first_word(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout)
         .split_whitespace()
         .next()
         .unwrap_or_default()
-        .to_owned();
-    assert!(id.starts_with("sbx_"), "{line}");
-    id
+        .to_owned()
 }
 
 /// `sh -c <script>` in the sandbox through the CLI.
