@@ -76,8 +76,6 @@ impl Service {
             )
             .map_err(|e| ServiceError::Unavailable(format!("a fork of {count} children: {e}")))?;
         let driver = self.driver()?;
-        // The sync base the children get is the one of the last sync.
-        self.settle_workspace(id).await;
         let base_id = ids::new_id("fork_");
         let base_dir = parent.dir.join("forks").join(&base_id);
         let next = parent.dir.join(format!("disk-{base_id}.qcow2"));

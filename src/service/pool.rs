@@ -220,8 +220,7 @@ impl Service {
         let vm = Arc::new(pvm.vm);
         self.vms.insert(&id, vm.clone());
         self.watch(id.clone(), vm.clone());
-        let guard = self.ws_guard(&id).await;
-        if let Err(e) = self.sync_locked(&rec, &vm, &[], guard).await {
+        if let Err(e) = self.sync_locked(&rec, &vm, &[]).await {
             self.vms.take(&id);
             self.telemetry.sandbox_create_failed(&id, &e.to_string());
             self.discard(&id, &rec.dir).await;

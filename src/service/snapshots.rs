@@ -68,8 +68,6 @@ impl Service {
             .get(id)
             .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
         let driver = self.driver()?;
-        // The sync base saved with the snapshot is the one of the last sync.
-        self.settle_workspace(id).await;
         let snap_id = ids::new_id(ids::SNAPSHOT);
         let dir = rec.dir.join("snapshots").join(&snap_id);
         let next = rec.dir.join(format!("disk-{snap_id}.qcow2"));
@@ -176,8 +174,6 @@ impl Service {
             Some("kvm") => Accel::Kvm,
             _ => Accel::Tcg,
         };
-        // A sync base still being written would land over the snapshot's.
-        self.settle_workspace(id).await;
         // Take the old VM out first, so its watcher does not mark the sandbox failed.
         if let Some(old) = self.vms.take(id) {
             let _ = driver.kill(&old.info).await;

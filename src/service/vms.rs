@@ -185,8 +185,7 @@ impl Service {
                 self.vms.insert(&id, vm.clone());
                 self.watch(id.clone(), vm.clone());
                 // The workspace goes in before anyone can exec.
-                let guard = self.ws_guard(&id).await;
-                if let Err(e) = self.sync_locked(&rec, &vm, &[], guard).await {
+                if let Err(e) = self.sync_locked(&rec, &vm, &[]).await {
                     tracing::warn!(sandbox = %id, error = %e, "first workspace sync failed; cleaning up");
                     self.vms.take(&id);
                     self.telemetry.sandbox_create_failed(&id, &e.to_string());
@@ -298,7 +297,6 @@ impl Service {
 
     /// Kill whatever runs in `dir`, delete it (fenced) and forget the record.
     pub(super) async fn discard(&self, id: &str, dir: &Path) {
-        self.settle_workspace(id).await;
         self.kill_leftover(dir).await;
         self.stop_network(id);
         if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {

@@ -25,9 +25,6 @@ use crate::workspace::manifest::{Base, Entry, Kind, Manifest};
 use crate::workspace::rules::{self, Ignores, Rules, Skip};
 use crate::workspace::{GUEST_ROOT, WorkspaceError, basedisk, sync};
 
-/// A sandbox's workspace lock, held.
-pub(super) type WsGuard = tokio::sync::OwnedMutexGuard<()>;
-
 /// VM files fetched at once for a diff.
 const FETCH_CONCURRENCY: usize = 8;
 
@@ -42,9 +39,9 @@ impl From<WorkspaceError> for ServiceError {
                 ServiceError::Conflict(e.to_string())
             }
             WorkspaceError::Refused(_) => ServiceError::BadRequest(e.to_string()),
-            WorkspaceError::CorruptBase(..)
-            | WorkspaceError::Store(_)
-            | WorkspaceError::BaseNotSaved(_) => ServiceError::Internal(e.to_string()),
+            WorkspaceError::CorruptBase(..) | WorkspaceError::Store(_) => {
+                ServiceError::Internal(e.to_string())
+            }
             WorkspaceError::Io { .. } | WorkspaceError::Pattern { .. } => {
                 ServiceError::Unprocessable(e.to_string())
             }
@@ -160,37 +157,19 @@ impl Service {
     ) -> Result<api::SyncReport, ServiceError> {
         self.check_exclude(&req.exclude)?;
         let (rec, vm) = self.ready_vm(id).await?;
-        let guard = self.ws_lock(id).lock_owned().await;
-        self.sync_locked(&rec, &vm, &req.exclude, guard).await
+        let lock = self.ws_lock(id);
+        let _g = lock.lock().await;
+        self.sync_locked(&rec, &vm, &req.exclude).await
     }
 
-    /// The sandbox's workspace lock, held (see [`Self::sync_locked`]).
-    pub(super) async fn ws_guard(&self, id: &str) -> WsGuard {
-        self.ws_lock(id).lock_owned().await
-    }
-
-    /// Wait until no sync of the sandbox is still writing its base: call before reading,
-    /// copying, replacing or deleting the sandbox's `workspace/` directory anywhere else.
-    pub(super) async fn settle_workspace(&self, id: &str) {
-        drop(self.ws_guard(id).await);
-    }
-
-    /// Send what changed on the host since the base; record the new base. `guard` is the
-    /// sandbox's workspace lock. Paths that `exclude` (this request's patterns) matches are
-    /// left as they are in the VM and base.
-    ///
-    /// The new base is written behind the reply: the VM has the files already (a crash before
-    /// the base is on disk is no different from a crash just before the reply), and a task
-    /// keeps `guard` until the base is written, so whatever reads or replaces it next (sync,
-    /// diff, apply, snapshot, fork, restore, remove: all take the lock) waits for it. A save
-    /// that fails is reported by the next use of the base
-    /// ([`crate::workspace::manifest::ManifestCache::load`]).
+    /// Send what changed on the host since the base; record the new base. The caller holds
+    /// the sandbox's workspace lock (or owns the sandbox exclusively, at create). Paths that
+    /// `exclude` (this request's patterns) matches are left as they are in the VM and base.
     pub(super) async fn sync_locked(
         &self,
         rec: &SandboxRecord,
         vm: &LiveVm,
         exclude: &[String],
-        guard: WsGuard,
     ) -> Result<api::SyncReport, ServiceError> {
         let started = Instant::now();
         let root = Self::host_root(rec)?;
@@ -259,35 +238,15 @@ impl Service {
         }
         let send_ms = started.elapsed().as_millis() as u64;
         if delta.changed {
-            let (m, idx) = (delta.manifest, delta.pack_index);
-            let (cache, failed) = (self.manifests.clone(), self.manifests.clone());
-            let sandbox = rec.api.id.clone();
-            tokio::spawn(async move {
-                let t = Instant::now();
-                let b2 = base.clone();
-                let saved = tokio::task::spawn_blocking(move || {
-                    b2.put_pack(&archive, &idx)?;
-                    cache.save(&b2, Arc::new(m))
-                })
-                .await;
-                match saved {
-                    Ok(Ok(())) => {
-                        tracing::debug!(%sandbox, ms = t.elapsed().as_millis() as u64, "sync base saved");
-                    }
-                    Ok(Err(e)) => {
-                        tracing::error!(%sandbox, error = %e, "cannot save the sync base");
-                        failed.failed(&base, e.to_string());
-                    }
-                    Err(e) => {
-                        tracing::error!(%sandbox, error = %e, "the sync base save task failed");
-                        failed.failed(&base, e.to_string());
-                    }
-                }
-                drop(guard);
-            });
-        } else {
-            drop(guard);
+            let (b2, m, idx) = (base.clone(), delta.manifest, delta.pack_index);
+            let cache = self.manifests.clone();
+            blocking(move || {
+                b2.put_pack(&archive, &idx)?;
+                cache.save(&b2, Arc::new(m))
+            })
+            .await?;
         }
+        let save_ms = started.elapsed().as_millis() as u64;
         let report = api::SyncReport {
             files_sent: delta.files_sent,
             bytes_sent: delta.bytes_sent,
@@ -299,7 +258,7 @@ impl Service {
             duration_ms: started.elapsed().as_millis() as u64,
         };
         tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
-            deleted = report.deleted, scan_ms, load_ms, compute_ms, send_ms, via = ?report.via, ms = report.duration_ms, "workspace synced");
+            deleted = report.deleted, scan_ms, load_ms, compute_ms, send_ms, save_ms, via = ?report.via, ms = report.duration_ms, "workspace synced");
         Ok(report)
     }
 
@@ -506,8 +465,9 @@ impl Service {
         vm: &LiveVm,
         exclude: &[String],
     ) -> Result<(), ServiceError> {
-        let guard = self.ws_guard(&rec.api.id).await;
-        self.sync_locked(rec, vm, exclude, guard).await.map(|_| ())
+        let lock = self.ws_lock(&rec.api.id);
+        let _g = lock.lock().await;
+        self.sync_locked(rec, vm, exclude).await.map(|_| ())
     }
 
     async fn changes(

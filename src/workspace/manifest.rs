@@ -271,39 +271,17 @@ const CACHED_MANIFESTS: usize = 32;
 /// used only while the manifest file is still the very file it was read from or written to
 /// (same device, inode, size and mtime), so a base replaced by anyone else (a restore, a fork,
 /// another process) is read again.
-///
-/// It also remembers a save made behind a reply that failed ([`ManifestCache::failed`]): the
-/// next load of that base reports it once.
 #[derive(Default)]
-pub struct ManifestCache {
-    entries: Mutex<HashMap<PathBuf, (FileId, Arc<Manifest>)>>,
-    failed: Mutex<HashMap<PathBuf, String>>,
-}
+pub struct ManifestCache(Mutex<HashMap<PathBuf, (FileId, Arc<Manifest>)>>);
 
 impl ManifestCache {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, (FileId, Arc<Manifest>)>> {
-        self.entries.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// A save of `base` nobody waited for failed with `error`: the base on disk is the one
-    /// before. The next [`ManifestCache::load`] of it says so (once).
-    pub fn failed(&self, base: &Base, error: String) {
-        let p = base.manifest_path();
-        self.lock().remove(&p);
-        let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
-        f.insert(p, error);
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// [`Base::load`], from memory while the file is unchanged.
     pub fn load(&self, base: &Base) -> Result<Arc<Manifest>, WorkspaceError> {
         let p = base.manifest_path();
-        let failed = {
-            let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
-            f.remove(&p)
-        };
-        if let Some(e) = failed {
-            return Err(WorkspaceError::BaseNotSaved(e));
-        }
         let id = match std::fs::metadata(&p) {
             Ok(md) => FileId::of(&md),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -428,21 +406,6 @@ mod tests {
         assert_eq!(*got, other);
         assert!(Arc::ptr_eq(&cache.load(&b).unwrap(), &got), "then cached");
         std::fs::remove_file(d.path().join("workspace/manifest.json")).unwrap();
-        assert_eq!(*cache.load(&b).unwrap(), Manifest::default());
-    }
-
-    #[test]
-    fn a_failed_save_behind_is_reported_once_by_the_next_load() {
-        let d = tempfile::tempdir().unwrap();
-        let b = Base::new(d.path().join("workspace"));
-        let cache = ManifestCache::default();
-        cache.save(&b, Arc::new(Manifest::default())).unwrap();
-        cache.failed(&b, "disk full".into());
-        let e = cache.load(&b).unwrap_err();
-        assert!(
-            matches!(&e, WorkspaceError::BaseNotSaved(m) if m == "disk full"),
-            "{e}"
-        );
         assert_eq!(*cache.load(&b).unwrap(), Manifest::default());
     }
 

@@ -48,12 +48,6 @@ pub enum WorkspaceError {
     HostEdited(String),
     #[error("cannot record the backup: {0}")]
     Store(String),
-    /// Saving the sync base after the last sync failed: the base is the one before it.
-    #[error(
-        "the sync base could not be saved after the last sync ({0}); it is the one before, so \
-         files synced then may show as changed in the VM"
-    )]
-    BaseNotSaved(String),
 }
 
 impl WorkspaceError {
