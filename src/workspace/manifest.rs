@@ -265,6 +265,8 @@ impl FileId {
 
 /// Sync bases kept at most by a [`ManifestCache`].
 const CACHED_MANIFESTS: usize = 32;
+/// Entries kept at most by a [`ManifestCache`], all bases together (~250 bytes each in memory).
+const CACHED_ENTRIES: usize = 400_000;
 
 /// The manifests this process last read or wrote, by file: a sync of a big tree does not parse
 /// (nor a no-change sync re-serialize) tens of thousands of entries each time. An entry is
@@ -319,15 +321,38 @@ impl ManifestCache {
     }
 
     fn insert(&self, p: PathBuf, id: FileId, m: Arc<Manifest>) {
+        self.insert_within(p, id, m, CACHED_MANIFESTS, CACHED_ENTRIES);
+    }
+
+    /// Keep `m`, dropping others so that at most `bases` manifests of at most `entries`
+    /// entries in all stay.
+    fn insert_within(
+        &self,
+        p: PathBuf,
+        id: FileId,
+        m: Arc<Manifest>,
+        bases: usize,
+        entries: usize,
+    ) {
         let mut c = self.lock();
-        if c.len() >= CACHED_MANIFESTS && !c.contains_key(&p) {
-            // Bases of removed sandboxes first, else any.
+        c.remove(&p);
+        if m.entries.len() > entries {
+            return;
+        }
+        let over = |c: &HashMap<PathBuf, (FileId, Arc<Manifest>)>| {
+            c.len() >= bases
+                || c.values().map(|(_, m)| m.entries.len()).sum::<usize>() + m.entries.len()
+                    > entries
+        };
+        if over(&c) {
+            // Bases of removed sandboxes first, then any.
             c.retain(|k, _| k.exists());
-            if c.len() >= CACHED_MANIFESTS
-                && let Some(k) = c.keys().next().cloned()
-            {
-                c.remove(&k);
-            }
+        }
+        while over(&c) {
+            let Some(k) = c.keys().next().cloned() else {
+                break;
+            };
+            c.remove(&k);
         }
         c.insert(p, (id, m));
     }
@@ -418,6 +443,33 @@ mod tests {
             cache.save(&b, Arc::new(Manifest::default())).unwrap();
         }
         assert_eq!(cache.lock().len(), CACHED_MANIFESTS);
+        // By entries too: at most 10 here, so a base of 6 leaves room for no other such.
+        let small = ManifestCache::default();
+        let mut six = Manifest::default();
+        for i in 0..6 {
+            six.entries
+                .insert(format!("f{i}"), Entry::file(0o644, 0, 0, String::new()));
+        }
+        let six = Arc::new(six);
+        let id = FileId::of(&std::fs::metadata(d.path()).unwrap());
+        for i in 0..3 {
+            small.insert_within(format!("m{i}").into(), id, six.clone(), 8, 10);
+        }
+        small.insert_within("empty".into(), id, Arc::new(Manifest::default()), 8, 10);
+        let c = small.lock();
+        let mut kept: Vec<_> = c.keys().map(|k| k.display().to_string()).collect();
+        kept.sort();
+        assert_eq!(kept, ["empty", "m2"]);
+        drop(c);
+        // A base over the limit by itself is not kept at all.
+        let mut eleven = (*six).clone();
+        for i in 6..11 {
+            eleven
+                .entries
+                .insert(format!("f{i}"), Entry::file(0o644, 0, 0, String::new()));
+        }
+        small.insert_within("m2".into(), id, Arc::new(eleven), 8, 10);
+        assert!(!small.lock().contains_key(Path::new("m2")));
     }
 
     #[test]
