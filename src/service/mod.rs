@@ -131,6 +131,8 @@ pub struct Service {
     pub life: pause::Lifecycle,
     /// Per sandbox: the last workspace walk the agent sent and its cursor (see `WalkSince`).
     pub walks: workspace::WalkMirrors,
+    /// The sync bases (manifests) last read or written, so big ones are not parsed each sync.
+    pub manifests: Arc<crate::workspace::manifest::ManifestCache>,
     /// Each sandbox's userspace network stack (`network.rs`).
     pub nets: network::Nets,
 }
@@ -172,6 +174,7 @@ impl Service {
             ws_locks: Default::default(),
             life: Default::default(),
             walks: Default::default(),
+            manifests: Default::default(),
             nets: Default::default(),
         }
     }

@@ -84,7 +84,7 @@ pub struct WalkMirrors(std::sync::Mutex<HashMap<String, WalkMirror>>);
 /// The changes of a VM against its base, plus what diff/apply need around them.
 struct Changes {
     base: Base,
-    manifest: Manifest,
+    manifest: Arc<Manifest>,
     changes: Vec<Change>,
     special: Vec<String>,
 }
@@ -176,12 +176,14 @@ impl Service {
         let skip = Skip::new(exclude).map_err(|e| ServiceError::BadRequest(e.to_string()))?;
         let rules = self.rules(rec)?.with_exclude(exclude)?;
         let base = Base::new(rec.dir.join("workspace"));
-        let (r2, b2) = (root.clone(), base.clone());
-        let (scan, old, candidates) = blocking(move || {
+        let (r2, b2, cache) = (root.clone(), base.clone(), self.manifests.clone());
+        let (scan, old, candidates, load_ms) = blocking(move || {
             let scan = rules::scan(&r2, &rules)?;
-            let old = b2.load()?;
+            let t = Instant::now();
+            let old = cache.load(&b2)?;
+            let load_ms = t.elapsed().as_millis() as u64;
             let c = sync::overwrite_candidates(&scan, &old);
-            Ok((scan, old, c))
+            Ok((scan, old, c, load_ms))
         })
         .await?;
         let scan_ms = started.elapsed().as_millis() as u64;
@@ -237,9 +239,10 @@ impl Service {
         let send_ms = started.elapsed().as_millis() as u64;
         if delta.changed {
             let (b2, m, idx) = (base.clone(), delta.manifest, delta.pack_index);
+            let cache = self.manifests.clone();
             blocking(move || {
                 b2.put_pack(&archive, &idx)?;
-                b2.save(&m)
+                cache.save(&b2, Arc::new(m))
             })
             .await?;
         }
@@ -255,7 +258,7 @@ impl Service {
             duration_ms: started.elapsed().as_millis() as u64,
         };
         tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
-            deleted = report.deleted, scan_ms, compute_ms, send_ms, save_ms, via = ?report.via, ms = report.duration_ms, "workspace synced");
+            deleted = report.deleted, scan_ms, load_ms, compute_ms, send_ms, save_ms, via = ?report.via, ms = report.duration_ms, "workspace synced");
         Ok(report)
     }
 
@@ -475,7 +478,8 @@ impl Service {
     ) -> Result<Changes, ServiceError> {
         let rules = self.rules(rec)?;
         let base = Base::new(rec.dir.join("workspace"));
-        let manifest = base.load()?;
+        let (b2, cache) = (base.clone(), self.manifests.clone());
+        let manifest = blocking(move || cache.load(&b2)).await?;
         let walk = self.vm_walk(&rec.api.id, vm).await?;
         let ignores = Ignores::from_base(&manifest, |p| {
             manifest
@@ -625,8 +629,9 @@ impl Service {
             report.artifact_id = Some(art_id);
         }
         // The VM's version becomes the base of what was taken.
-        let (base, mut manifest) = (ch.base, ch.manifest);
+        let (base, mut manifest) = (ch.base, Arc::unwrap_or_clone(ch.manifest));
         let updates = plan.base_updates;
+        let cache = self.manifests.clone();
         blocking(move || {
             for (path, vm_item) in updates {
                 let Some(v) = vm_item else {
@@ -667,7 +672,7 @@ impl Service {
                 e.guest_nsec = v.walk.mtime_nsec;
                 manifest.entries.insert(path, e);
             }
-            base.save(&manifest)
+            cache.save(&base, Arc::new(manifest))
         })
         .await?;
         Ok(report)

@@ -5,9 +5,11 @@
 //! `workspace/blobs/<aa>/<sha256>` (content-addressed copies of every synced file, written once,
 //! never changed). Owns that directory; never touches the host repo.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -102,10 +104,15 @@ impl Base {
     /// Replace the manifest atomically (temp file, fsync, rename). Every blob and pack it names
     /// is already durable (they are fsynced when written).
     pub fn save(&self, m: &Manifest) -> Result<(), WorkspaceError> {
+        self.save_identified(m).map(|_| ())
+    }
+
+    /// [`Base::save`], returning the identity of the file written.
+    fn save_identified(&self, m: &Manifest) -> Result<FileId, WorkspaceError> {
         let p = self.manifest_path();
         let json = serde_json::to_vec(m)
             .map_err(|e| WorkspaceError::CorruptBase(p.clone(), e.to_string()))?;
-        write_atomic(&p, &json, 0o600)
+        write_file(&p, &json, 0o600, true)
     }
 
     /// Store `data` under its hash (no-op when present), durably. Returns the hash.
@@ -194,11 +201,17 @@ impl Base {
 /// Write `data` to `path` atomically: a temp file in the same directory, exact mode, fsync,
 /// rename. A crash leaves the old content or the new one, never a mix.
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<(), WorkspaceError> {
-    write_file(path, data, mode, true)
+    write_file(path, data, mode, true).map(|_| ())
 }
 
-/// Temp file + rename; `durable` also fsyncs the file before the rename.
-fn write_file(path: &Path, data: &[u8], mode: u32, durable: bool) -> Result<(), WorkspaceError> {
+/// Temp file + rename; `durable` also fsyncs the file before the rename. Returns the identity
+/// of the file written (taken before the rename, so it is this file's whatever happens next).
+fn write_file(
+    path: &Path,
+    data: &[u8],
+    mode: u32,
+    durable: bool,
+) -> Result<FileId, WorkspaceError> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(WorkspaceError::io("create", dir))?;
@@ -220,12 +233,129 @@ fn write_file(path: &Path, data: &[u8], mode: u32, durable: bool) -> Result<(), 
         if durable {
             f.sync_all()?;
         }
-        std::fs::rename(&tmp, path)
+        let id = FileId::of(&f.metadata()?);
+        std::fs::rename(&tmp, path).map(|()| id)
     })();
     if res.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     res.map_err(WorkspaceError::io("write", path))
+}
+
+/// What tells one version of the manifest file from another: every save writes a new file
+/// (a new inode) and renames it over the old one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime_ns: i128,
+}
+
+impl FileId {
+    fn of(md: &std::fs::Metadata) -> FileId {
+        FileId {
+            dev: md.dev(),
+            ino: md.ino(),
+            len: md.len(),
+            mtime_ns: i128::from(md.mtime()) * 1_000_000_000 + i128::from(md.mtime_nsec()),
+        }
+    }
+}
+
+/// Sync bases kept at most by a [`ManifestCache`].
+const CACHED_MANIFESTS: usize = 32;
+/// Entries kept at most by a [`ManifestCache`], all bases together (~250 bytes each in memory).
+const CACHED_ENTRIES: usize = 400_000;
+
+/// The manifests this process last read or wrote, by file: a sync of a big tree does not parse
+/// (nor a no-change sync re-serialize) tens of thousands of entries each time. An entry is
+/// used only while the manifest file is still the very file it was read from or written to
+/// (same device, inode, size and mtime), so a base replaced by anyone else (a restore, a fork,
+/// another process) is read again.
+#[derive(Default)]
+pub struct ManifestCache(Mutex<HashMap<PathBuf, (FileId, Arc<Manifest>)>>);
+
+impl ManifestCache {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, (FileId, Arc<Manifest>)>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// [`Base::load`], from memory while the file is unchanged.
+    pub fn load(&self, base: &Base) -> Result<Arc<Manifest>, WorkspaceError> {
+        let p = base.manifest_path();
+        let id = match std::fs::metadata(&p) {
+            Ok(md) => FileId::of(&md),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.lock().remove(&p);
+                return Ok(Arc::new(Manifest::default()));
+            }
+            Err(e) => return Err(WorkspaceError::io("read", p)(e)),
+        };
+        if let Some((cached, m)) = self.lock().get(&p)
+            && *cached == id
+        {
+            return Ok(m.clone());
+        }
+        let m = Arc::new(base.load()?);
+        // Cached only if the file read is still the one stat'ed (not replaced meanwhile).
+        if std::fs::metadata(&p).is_ok_and(|md| FileId::of(&md) == id) {
+            self.insert(p, id, m.clone());
+        }
+        Ok(m)
+    }
+
+    /// [`Base::save`], keeping `m` as the cached manifest of `base`.
+    pub fn save(&self, base: &Base, m: Arc<Manifest>) -> Result<(), WorkspaceError> {
+        let p = base.manifest_path();
+        match base.save_identified(&m) {
+            Ok(id) => {
+                self.insert(p, id, m);
+                Ok(())
+            }
+            Err(e) => {
+                self.lock().remove(&p);
+                Err(e)
+            }
+        }
+    }
+
+    fn insert(&self, p: PathBuf, id: FileId, m: Arc<Manifest>) {
+        self.insert_within(p, id, m, CACHED_MANIFESTS, CACHED_ENTRIES);
+    }
+
+    /// Keep `m`, dropping others so that at most `bases` manifests of at most `entries`
+    /// entries in all stay.
+    fn insert_within(
+        &self,
+        p: PathBuf,
+        id: FileId,
+        m: Arc<Manifest>,
+        bases: usize,
+        entries: usize,
+    ) {
+        let mut c = self.lock();
+        c.remove(&p);
+        if m.entries.len() > entries {
+            return;
+        }
+        let over = |c: &HashMap<PathBuf, (FileId, Arc<Manifest>)>| {
+            c.len() >= bases
+                || c.values().map(|(_, m)| m.entries.len()).sum::<usize>() + m.entries.len()
+                    > entries
+        };
+        if over(&c) {
+            // Bases of removed sandboxes first, then any.
+            c.retain(|k, _| k.exists());
+        }
+        while over(&c) {
+            let Some(k) = c.keys().next().cloned() else {
+                break;
+            };
+            c.remove(&k);
+        }
+        c.insert(p, (id, m));
+    }
 }
 
 /// Replace `path` with a symlink to `target` atomically.
@@ -276,6 +406,70 @@ mod tests {
         assert!(b.blob(&super::super::sha256(b"nope")).is_err());
         let loose = b.put_blob(b"loose").unwrap();
         assert_eq!(b.blob(&loose).unwrap(), b"loose");
+    }
+
+    #[test]
+    fn cache_serves_the_saved_manifest_until_the_file_is_replaced() {
+        let d = tempfile::tempdir().unwrap();
+        let b = Base::new(d.path().join("workspace"));
+        let cache = ManifestCache::default();
+        assert_eq!(*cache.load(&b).unwrap(), Manifest::default());
+        let mut m = Manifest::default();
+        m.entries
+            .insert("a".into(), Entry::file(0o644, 1, 1, "x".into()));
+        let m = Arc::new(m);
+        cache.save(&b, m.clone()).unwrap();
+        assert!(Arc::ptr_eq(&cache.load(&b).unwrap(), &m), "from memory");
+        assert_eq!(b.load().unwrap(), *m, "and on disk");
+        // Someone else (a restore, a fork) replaces the file: read again.
+        let mut other = Manifest::default();
+        other
+            .entries
+            .insert("b".into(), Entry::file(0o600, 2, 2, "y".into()));
+        b.save(&other).unwrap();
+        let got = cache.load(&b).unwrap();
+        assert_eq!(*got, other);
+        assert!(Arc::ptr_eq(&cache.load(&b).unwrap(), &got), "then cached");
+        std::fs::remove_file(d.path().join("workspace/manifest.json")).unwrap();
+        assert_eq!(*cache.load(&b).unwrap(), Manifest::default());
+    }
+
+    #[test]
+    fn cache_stays_bounded() {
+        let d = tempfile::tempdir().unwrap();
+        let cache = ManifestCache::default();
+        for i in 0..CACHED_MANIFESTS + 5 {
+            let b = Base::new(d.path().join(format!("w{i}")));
+            cache.save(&b, Arc::new(Manifest::default())).unwrap();
+        }
+        assert_eq!(cache.lock().len(), CACHED_MANIFESTS);
+        // By entries too: at most 10 here, so a base of 6 leaves room for no other such.
+        let small = ManifestCache::default();
+        let mut six = Manifest::default();
+        for i in 0..6 {
+            six.entries
+                .insert(format!("f{i}"), Entry::file(0o644, 0, 0, String::new()));
+        }
+        let six = Arc::new(six);
+        let id = FileId::of(&std::fs::metadata(d.path()).unwrap());
+        for i in 0..3 {
+            small.insert_within(format!("m{i}").into(), id, six.clone(), 8, 10);
+        }
+        small.insert_within("empty".into(), id, Arc::new(Manifest::default()), 8, 10);
+        let c = small.lock();
+        let mut kept: Vec<_> = c.keys().map(|k| k.display().to_string()).collect();
+        kept.sort();
+        assert_eq!(kept, ["empty", "m2"]);
+        drop(c);
+        // A base over the limit by itself is not kept at all.
+        let mut eleven = (*six).clone();
+        for i in 6..11 {
+            eleven
+                .entries
+                .insert(format!("f{i}"), Entry::file(0o644, 0, 0, String::new()));
+        }
+        small.insert_within("m2".into(), id, Arc::new(eleven), 8, 10);
+        assert!(!small.lock().contains_key(Path::new("m2")));
     }
 
     #[test]

@@ -201,6 +201,25 @@ impl HostEntry {
     }
 }
 
+impl HostEntry {
+    /// [`HostEntry::from_metadata`] from an `lstat` result.
+    fn from_stat(st: &nix::sys::stat::FileStat, link: Option<String>) -> Option<HostEntry> {
+        let kind = match st.st_mode & libc::S_IFMT {
+            libc::S_IFLNK => Kind::Symlink,
+            libc::S_IFDIR => Kind::Dir,
+            libc::S_IFREG => Kind::File,
+            _ => return None,
+        };
+        Some(HostEntry {
+            kind,
+            mode: st.st_mode & 0o7777,
+            size: st.st_size as u64,
+            mtime_ns: st.st_mtime * 1_000_000_000 + st.st_mtime_nsec,
+            link,
+        })
+    }
+}
+
 /// What a scan of the host repo found.
 #[derive(Debug, Default)]
 pub struct Scan {
@@ -224,6 +243,7 @@ pub fn scan(root: &Path, rules: &Rules) -> Result<Scan, WorkspaceError> {
         .follow_links(false)
         .build();
     let mut skip_dirs: Vec<String> = Vec::new();
+    let mut at = AtDir::default();
     for ent in walker {
         let ent = ent.map_err(|e| WorkspaceError::Io {
             what: "scan",
@@ -243,32 +263,68 @@ pub fn scan(root: &Path, rules: &Rules) -> Result<Scan, WorkspaceError> {
         if skip_dirs.iter().any(|d| rel.starts_with(&format!("{d}/"))) {
             continue;
         }
-        let md = match std::fs::symlink_metadata(ent.path()) {
-            Ok(m) => m,
-            Err(_) => continue, // removed while scanning
+        let Some(st) = at.lstat(ent.path()) else {
+            continue; // removed while scanning
         };
+        let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
         let secret = rules.is_secret(rel);
         if secret || rules.is_excluded(rel) {
             if secret {
                 out.secrets_skipped.push(rel.to_owned());
             }
-            if md.is_dir() {
+            if is_dir {
                 skip_dirs.push(rel.to_owned());
             }
             continue;
         }
-        let link = if md.file_type().is_symlink() {
-            std::fs::read_link(ent.path())
-                .ok()
-                .map(|t| t.to_string_lossy().into_owned())
+        let link = if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
+            at.readlink(ent.path())
         } else {
             None
         };
-        if let Some(h) = HostEntry::from_metadata(&md, link) {
+        if let Some(h) = HostEntry::from_stat(&st, link) {
             out.entries.insert(rel.to_owned(), h);
         }
     }
     Ok(out)
+}
+
+/// `lstat` and `readlink` of walked paths relative to an open descriptor of their directory
+/// (the last one kept open): the kernel does not walk every path from the root again, which
+/// is a good part of a scan of a big tree.
+#[derive(Default)]
+struct AtDir {
+    dir: std::path::PathBuf,
+    fd: Option<std::os::fd::OwnedFd>,
+}
+
+impl AtDir {
+    /// The open directory of `path` and its file name; `None` if it cannot be opened.
+    fn split<'p>(
+        &mut self,
+        path: &'p Path,
+    ) -> Option<(&std::os::fd::OwnedFd, &'p std::ffi::OsStr)> {
+        use nix::fcntl::OFlag;
+        let (parent, name) = (path.parent()?, path.file_name()?);
+        if self.fd.is_none() || self.dir != parent {
+            let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+            self.fd = Some(nix::fcntl::open(parent, flags, nix::sys::stat::Mode::empty()).ok()?);
+            self.dir = parent.to_path_buf();
+        }
+        Some((self.fd.as_ref()?, name))
+    }
+
+    fn lstat(&mut self, path: &Path) -> Option<nix::sys::stat::FileStat> {
+        let (fd, name) = self.split(path)?;
+        nix::sys::stat::fstatat(fd, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW).ok()
+    }
+
+    fn readlink(&mut self, path: &Path) -> Option<String> {
+        let (fd, name) = self.split(path)?;
+        nix::fcntl::readlinkat(fd, name)
+            .ok()
+            .map(|t| t.to_string_lossy().into_owned())
+    }
 }
 
 #[cfg(test)]
@@ -377,6 +433,25 @@ mod tests {
         );
         assert_eq!(s.secrets_skipped, [".env", ".ssh"]);
         assert_eq!(s.entries["link"].link.as_deref(), Some("src/main.rs"));
+        // Stat'ed relative to their directory: the same as a plain lstat of the whole path.
+        std::fs::set_permissions(
+            root.join("sub/keep.txt"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o751),
+        )
+        .unwrap();
+        let s = scan(root, &rules(&["vendor"], &[])).unwrap();
+        for (rel, h) in &s.entries {
+            let md = std::fs::symlink_metadata(root.join(rel)).unwrap();
+            let link = h.link.clone();
+            assert_eq!(
+                Some(h),
+                HostEntry::from_metadata(&md, link).as_ref(),
+                "{rel}"
+            );
+        }
+        assert_eq!(s.entries["sub/keep.txt"].mode, 0o751);
+        assert_eq!(s.entries["src"].kind, Kind::Dir);
+        assert_eq!(s.entries["link"].kind, Kind::Symlink);
     }
 
     #[test]

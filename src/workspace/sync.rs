@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use super::manifest::{Entry, Kind, Manifest};
-use super::rules::{Scan, Skip};
+use super::rules::{HostEntry, Scan, Skip};
 use super::{WorkspaceError, gitconfig};
 
 /// A computed sync, ready to send.
@@ -95,18 +95,49 @@ pub fn compute(
     compute_keeping(root, scan, &base.load()?, &HashSet::new(), &Skip::default())
 }
 
+/// Every path of the host scan and of the base once, in order, with what each side has there
+/// (both are sorted maps: one pass, no lookups).
+fn merged<'a>(
+    scan: &'a Scan,
+    old: &'a Manifest,
+) -> impl Iterator<Item = (&'a String, Option<&'a HostEntry>, Option<&'a Entry>)> {
+    let mut h = scan.entries.iter().peekable();
+    let mut o = old.entries.iter().peekable();
+    std::iter::from_fn(move || match (h.peek(), o.peek()) {
+        (Some((hk, _)), Some((ok, _))) => match hk.cmp(ok) {
+            std::cmp::Ordering::Less => h.next().map(|(k, v)| (k, Some(v), None)),
+            std::cmp::Ordering::Greater => o.next().map(|(k, v)| (k, None, Some(v))),
+            std::cmp::Ordering::Equal => {
+                let (k, hv) = h.next()?;
+                let (_, ov) = o.next()?;
+                Some((k, Some(hv), Some(ov)))
+            }
+        },
+        (Some(_), None) => h.next().map(|(k, v)| (k, Some(v), None)),
+        (None, Some(_)) => o.next().map(|(k, v)| (k, None, Some(v))),
+        (None, None) => None,
+    })
+}
+
+/// The base entry still describes the host path: same kind, mode and link, and for files
+/// the same size and mtime (content unchanged without reading it).
+fn same_stat(h: &HostEntry, p: &Entry) -> bool {
+    p.kind == h.kind
+        && p.mode == h.mode
+        && p.link == h.link
+        && (h.kind == Kind::Dir || (p.size == h.size && p.mtime_ns == h.mtime_ns))
+}
+
 /// Files of the base whose host stat changed: before overwriting them the caller checks
 /// whether the VM changed them too (see [`compute_keeping`]).
 pub fn overwrite_candidates(scan: &Scan, old: &Manifest) -> Vec<String> {
-    scan.entries
-        .iter()
-        .filter(|(rel, h)| {
-            h.kind == Kind::File
-                && old.entries.get(*rel).is_some_and(|p| {
-                    p.kind == Kind::File && (p.size != h.size || p.mtime_ns != h.mtime_ns)
-                })
+    merged(scan, old)
+        .filter(|(_, h, p)| {
+            matches!((h, p), (Some(h), Some(p)) if h.kind == Kind::File
+                && p.kind == Kind::File
+                && (p.size != h.size || p.mtime_ns != h.mtime_ns))
         })
-        .map(|(rel, _)| rel.clone())
+        .map(|(rel, _, _)| rel.clone())
         .collect()
 }
 
@@ -125,12 +156,8 @@ pub fn compute_keeping(
     let mut kept_vm_changes = Vec::new();
     let mut pack_index = Vec::new();
     let mut b = tar::Builder::new(Vec::new());
-    let mut out = Manifest::default();
-    for (rel, e) in &old.entries {
-        if skip.skips(rel) {
-            out.entries.insert(rel.clone(), e.clone());
-        }
-    }
+    // Built in path order, so the map is bulk-built at the end.
+    let mut out: Vec<(String, Entry)> = Vec::with_capacity(scan.entries.len());
     let (mut files_sent, mut bytes_sent, mut unchanged, mut entries) = (0u64, 0u64, 0u64, 0u64);
     let tar_err = |rel: &str| {
         let rel = rel.to_owned();
@@ -140,36 +167,37 @@ pub fn compute_keeping(
             source: e,
         }
     };
-    let stale = |rel: &str, h: &super::rules::HostEntry| {
-        !old.entries.get(rel).is_some_and(|p| {
-            p.kind == h.kind
-                && p.mode == h.mode
-                && p.link == h.link
-                && (h.kind == Kind::Dir || (p.size == h.size && p.mtime_ns == h.mtime_ns))
+    let to_read: Vec<&str> = merged(scan, old)
+        .filter(|(rel, h, p)| {
+            h.is_some_and(|h| h.kind == Kind::File && !p.is_some_and(|p| same_stat(h, p)))
+                && !skip.skips(rel)
         })
-    };
-    let to_read: Vec<&str> = scan
-        .entries
-        .iter()
-        .filter(|(rel, h)| h.kind == Kind::File && !skip.skips(rel) && stale(rel, h))
-        .map(|(rel, _)| rel.as_str())
+        .map(|(rel, _, _)| rel.as_str())
         .collect();
     let mut reads = read_all(root, &to_read);
-    for (rel, h) in &scan.entries {
+    let mut delete: Vec<String> = Vec::new();
+    let mut deleted: HashSet<&str> = HashSet::new();
+    for (rel, h, prev) in merged(scan, old) {
         if skip.skips(rel) {
+            // Left as they are: the base keeps what it had.
+            if let Some(p) = prev {
+                out.push((rel.clone(), p.clone()));
+            }
             continue;
         }
-        let prev = old.entries.get(rel);
-        let same_stat = prev.is_some_and(|p| {
-            p.kind == h.kind
-                && p.mode == h.mode
-                && p.link == h.link
-                && (h.kind == Kind::Dir || (p.size == h.size && p.mtime_ns == h.mtime_ns))
-        });
-        if same_stat {
-            if let Some(p) = prev {
-                out.entries.insert(rel.clone(), p.clone());
+        if let Some(e) = prev {
+            // Gone from the host, or a directory that became something else (the guest
+            // replaces a file of another kind while unpacking). A directory's content goes
+            // with it: one entry.
+            let gone = h.is_none_or(|h| h.kind != e.kind && e.kind == Kind::Dir);
+            if gone && !super::ancestors(rel).any(|a| deleted.contains(a)) {
+                delete.push(rel.clone());
+                deleted.insert(rel.as_str());
             }
+        }
+        let Some(h) = h else { continue };
+        if let Some(p) = prev.filter(|p| same_stat(h, p)) {
+            out.push((rel.clone(), p.clone()));
             unchanged += 1;
             continue;
         }
@@ -179,7 +207,7 @@ pub fn compute_keeping(
                 b.append_data(&mut hd.clone(), rel, std::io::empty())
                     .map_err(tar_err(rel))?;
                 entries += 1;
-                out.entries.insert(
+                out.push((
                     rel.clone(),
                     Entry {
                         kind: Kind::Dir,
@@ -192,14 +220,14 @@ pub fn compute_keeping(
                         guest_mtime: 0,
                         guest_nsec: 0,
                     },
-                );
+                ));
             }
             Kind::Symlink => {
                 let target = h.link.clone().unwrap_or_default();
                 let mut hd = header(tar::EntryType::Symlink, h.mode, 0, h.mtime_ns);
                 b.append_link(&mut hd, rel, &target).map_err(tar_err(rel))?;
                 entries += 1;
-                out.entries.insert(
+                out.push((
                     rel.clone(),
                     Entry {
                         kind: Kind::Symlink,
@@ -212,7 +240,7 @@ pub fn compute_keeping(
                         guest_mtime: 0,
                         guest_nsec: 0,
                     },
-                );
+                ));
                 files_sent += 1;
             }
             Kind::File => {
@@ -238,13 +266,13 @@ pub fn compute_keeping(
                     e.guest_size = p.guest_size;
                     e.guest_mtime = p.guest_mtime;
                     e.guest_nsec = p.guest_nsec;
-                    out.entries.insert(rel.clone(), e);
+                    out.push((rel.clone(), e));
                     unchanged += 1;
                     continue;
                 }
                 if let Some(p) = prev.filter(|p| p.kind == Kind::File && vm_changed.contains(rel)) {
                     // Both changed: keep the VM's version and the old base.
-                    out.entries.insert(rel.clone(), p.clone());
+                    out.push((rel.clone(), p.clone()));
                     kept_vm_changes.push(rel.clone());
                     continue;
                 }
@@ -263,29 +291,14 @@ pub fn compute_keeping(
                 files_sent += 1;
                 entries += 1;
                 bytes_sent += data.len() as u64;
-                out.entries.insert(rel.clone(), e);
+                out.push((rel.clone(), e));
             }
         }
     }
-    let mut delete: Vec<String> = Vec::new();
-    for (rel, e) in &old.entries {
-        if skip.skips(rel) {
-            continue;
-        }
-        let replaced = scan.entries.get(rel).is_some_and(|h| h.kind == e.kind);
-        if replaced {
-            continue;
-        }
-        if scan.entries.contains_key(rel) && e.kind != Kind::Dir {
-            // Kind changed (file -> dir ...): the guest replaces it while unpacking.
-            continue;
-        }
-        if delete.iter().any(|d| rel.starts_with(&format!("{d}/"))) {
-            continue;
-        }
-        delete.push(rel.clone());
-    }
     let archive = b.into_inner().map_err(tar_err("(archive)"))?;
+    let out = Manifest {
+        entries: out.into_iter().collect(),
+    };
     Ok(Delta {
         pack_index,
         kept_vm_changes,
@@ -364,6 +377,36 @@ mod tests {
         let sha = &d.manifest.entries["src/f3.txt"].sha256;
         base.put_pack(&d.archive, &d.pack_index).unwrap();
         assert_eq!(base.blob(sha).unwrap(), b"changed!");
+    }
+
+    #[test]
+    fn deletions_name_each_gone_tree_once_and_kind_changes_replace() {
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let base = Base::new(data.path().join("ws"));
+        // "a-b" sorts between "a" and "a/x": it is not under "a".
+        for p in ["a/x", "a/y/z", "a-b", "c/1", "c/2", "d/e", "f", "keep/k"] {
+            write(root, p, p);
+        }
+        let first = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        base.save(&first.manifest).unwrap();
+        std::fs::remove_dir_all(root.join("a")).unwrap();
+        std::fs::remove_file(root.join("c/1")).unwrap();
+        std::fs::remove_file(root.join("c/2")).unwrap();
+        // A directory becomes a file, a file becomes a directory.
+        std::fs::remove_dir_all(root.join("d")).unwrap();
+        write(root, "d", "now a file");
+        std::fs::remove_file(root.join("f")).unwrap();
+        write(root, "f/g", "now a dir");
+        let d = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        assert_eq!(d.delete, ["a", "c/1", "c/2", "d"]);
+        assert_eq!(names(&d.archive), ["d", "f", "f/g"]);
+        let paths: Vec<&str> = d.manifest.entries.keys().map(|k| k.as_str()).collect();
+        assert_eq!(paths, ["a-b", "c", "d", "f", "f/g", "keep", "keep/k"]);
+        assert_eq!(d.manifest.entries["d"].kind, Kind::File);
+        assert_eq!(d.manifest.entries["f"].kind, Kind::Dir);
     }
 
     #[test]

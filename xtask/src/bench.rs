@@ -508,6 +508,12 @@ fn ws_sync(sock: &Path, id: &str) -> Result<(Duration, String)> {
 fn workspace_bench(sock: &Path, home: &Path, reps: usize) -> Result<WsRows> {
     let gen_dir = home.join("ws-gen");
     ws_generate(&gen_dir)?;
+    // The 100 MB just written would otherwise be written back by the kernel's flusher during
+    // the rows below (rsync, first syncs, delta syncs), measuring the bench's own set-up.
+    let st = Command::new("sync").status().context("sync")?;
+    if !st.success() {
+        bail!("sync failed");
+    }
     let first_reps = 3;
     let mut rows = WsRows {
         rsync: vec![],
