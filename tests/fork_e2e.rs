@@ -5,32 +5,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Daemon, artifacts};
+use common::{Daemon, create, sh_out, vm_daemon};
 
 const LIGHT: &str = "default_memory_mib = 256\ndefault_vcpus = 1\n";
-
-fn sh(d: &Daemon, id: &str, script: &str) -> (Option<i32>, String) {
-    let o = d.cli(&["exec", id, "--", "sh", "-c", script]);
-    (
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-    )
-}
-
-fn create(d: &Daemon, ws: &std::path::Path) -> String {
-    let o = d.cli(&["create", "-w", ws.to_str().unwrap()]);
-    assert!(
-        o.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stderr),
-        d.log_text()
-    );
-    String::from_utf8_lossy(&o.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_owned()
-}
 
 fn state(d: &Daemon, id: &str) -> String {
     d.request("GET", &format!("/v1/sandboxes/{id}"), None)
@@ -51,13 +28,12 @@ fn wait_for(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
 
 #[test]
 fn fork_children_share_the_past_not_the_future() {
-    let Some(art) = artifacts() else { return };
     let cfg = format!("{LIGHT}[pool]\ngolden = false\nsize = 0\n");
-    let d = Daemon::start(Some(&cfg), &["--artifacts", art.to_str().unwrap()]);
+    let Some(d) = vm_daemon(&cfg) else { return };
     let ws = tempfile::tempdir().unwrap();
     std::fs::write(ws.path().join("w.txt"), "host\n").unwrap();
     let parent = create(&d, ws.path());
-    assert_eq!(sh(&d, &parent, "echo parent > /root/pf").0, Some(0));
+    assert_eq!(sh_out(&d, &parent, "echo parent > /root/pf").0, Some(0));
 
     let o = d.cli(&["fork", &parent, "--count", "3"]);
     assert!(
@@ -74,31 +50,35 @@ fn fork_children_share_the_past_not_the_future() {
     for k in &kids {
         assert_ne!(k, &parent);
         assert_eq!(state(&d, k), "ready");
-        assert_eq!(sh(&d, k, "cat /root/pf").1, "parent\n", "child {k}");
-        assert_eq!(sh(&d, k, "cat /workspace/w.txt").1, "host\n");
-        assert_eq!(sh(&d, k, "hostname").1, format!("{k}\n"), "own hostname");
+        assert_eq!(sh_out(&d, k, "cat /root/pf").1, "parent\n", "child {k}");
+        assert_eq!(sh_out(&d, k, "cat /workspace/w.txt").1, "host\n");
+        assert_eq!(
+            sh_out(&d, k, "hostname").1,
+            format!("{k}\n"),
+            "own hostname"
+        );
     }
     // Each child writes its own file: nobody else sees it.
     for (i, k) in kids.iter().enumerate() {
-        assert_eq!(sh(&d, k, &format!("echo {i} > /root/mine")).0, Some(0));
+        assert_eq!(sh_out(&d, k, &format!("echo {i} > /root/mine")).0, Some(0));
     }
     for (i, k) in kids.iter().enumerate() {
-        assert_eq!(sh(&d, k, "cat /root/mine").1, format!("{i}\n"));
+        assert_eq!(sh_out(&d, k, "cat /root/mine").1, format!("{i}\n"));
     }
     assert_eq!(
-        sh(&d, &parent, "test -e /root/mine && echo yes || echo no").1,
+        sh_out(&d, &parent, "test -e /root/mine && echo yes || echo no").1,
         "no\n"
     );
     // The parent goes on, and its later writes do not reach the children.
-    assert_eq!(sh(&d, &parent, "echo later > /root/pf").0, Some(0));
-    assert_eq!(sh(&d, &kids[0], "cat /root/pf").1, "parent\n");
+    assert_eq!(sh_out(&d, &parent, "echo later > /root/pf").0, Some(0));
+    assert_eq!(sh_out(&d, &kids[0], "cat /root/pf").1, "parent\n");
     // Memory is private too: a child's page change is invisible to a sibling.
     assert_eq!(
-        sh(&d, &kids[1], "echo x > /dev/shm/m; cat /dev/shm/m").1,
+        sh_out(&d, &kids[1], "echo x > /dev/shm/m; cat /dev/shm/m").1,
         "x\n"
     );
     assert_eq!(
-        sh(&d, &kids[2], "test -e /dev/shm/m && echo yes || echo no").1,
+        sh_out(&d, &kids[2], "test -e /dev/shm/m && echo yes || echo no").1,
         "no\n"
     );
 
@@ -113,9 +93,8 @@ fn fork_children_share_the_past_not_the_future() {
 
 #[test]
 fn golden_create_matches_a_cold_boot() {
-    let Some(art) = artifacts() else { return };
     let cfg = format!("{LIGHT}[pool]\ngolden = true\nsize = 0\n");
-    let d = Daemon::start(Some(&cfg), &["--artifacts", art.to_str().unwrap()]);
+    let Some(d) = vm_daemon(&cfg) else { return };
     let ws = tempfile::tempdir().unwrap();
     std::fs::write(ws.path().join("w.txt"), "host\n").unwrap();
     let cold = create(&d, ws.path());
@@ -139,15 +118,15 @@ fn golden_create_matches_a_cold_boot() {
     );
     let probe = "uname -r; cat /etc/os-release | head -1; cat /workspace/w.txt; nproc; \
                  awk '/MemTotal/ {print $2}' /proc/meminfo";
-    let (c1, a) = sh(&d, &cold, probe);
-    let (c2, b) = sh(&d, &warm, probe);
+    let (c1, a) = sh_out(&d, &cold, probe);
+    let (c2, b) = sh_out(&d, &warm, probe);
     assert_eq!((c1, c2), (Some(0), Some(0)));
     assert_eq!(a, b, "cold and golden sandboxes differ");
-    assert_eq!(sh(&d, &warm, "hostname").1, format!("{warm}\n"));
+    assert_eq!(sh_out(&d, &warm, "hostname").1, format!("{warm}\n"));
     // Both are independent machines.
-    assert_eq!(sh(&d, &warm, "echo w > /root/only-warm").0, Some(0));
+    assert_eq!(sh_out(&d, &warm, "echo w > /root/only-warm").0, Some(0));
     assert_eq!(
-        sh(&d, &cold, "test -e /root/only-warm && echo yes || echo no").1,
+        sh_out(&d, &cold, "test -e /root/only-warm && echo yes || echo no").1,
         "no\n"
     );
     // And the golden sandbox can be snapshotted and restored like any other.
@@ -156,20 +135,18 @@ fn golden_create_matches_a_cold_boot() {
             .status
             .success()
     );
-    assert_eq!(sh(&d, &warm, "rm /root/only-warm").0, Some(0));
+    assert_eq!(sh_out(&d, &warm, "rm /root/only-warm").0, Some(0));
     assert!(d.cli(&["restore", &warm, "s"]).status.success());
-    assert_eq!(sh(&d, &warm, "cat /root/only-warm").1, "w\n");
+    assert_eq!(sh_out(&d, &warm, "cat /root/only-warm").1, "w\n");
 }
 
 #[test]
 fn pause_and_resume_across_a_daemon_restart() {
-    let Some(art) = artifacts() else { return };
     let cfg = format!("{LIGHT}[pool]\ngolden = false\nsize = 0\n");
-    let args = ["--artifacts", art.to_str().unwrap()];
-    let mut d = Daemon::start(Some(&cfg), &args);
+    let Some(mut d) = vm_daemon(&cfg) else { return };
     let ws = tempfile::tempdir().unwrap();
     let id = create(&d, ws.path());
-    let (code, _) = sh(
+    let (code, _) = sh_out(
         &d,
         &id,
         "echo kept > /root/f; setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/tick; sleep 1; done' \
@@ -182,7 +159,7 @@ fn pause_and_resume_across_a_daemon_restart() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(state(&d, &id), "paused");
     assert!(d.root().join("sandboxes").join(&id).join("paused").exists());
-    assert_eq!(sh(&d, &id, "cat /root/f").1, "kept\n");
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "kept\n");
     assert_eq!(state(&d, &id), "ready");
     assert!(!d.root().join("sandboxes").join(&id).join("paused").exists());
 
@@ -194,16 +171,16 @@ fn pause_and_resume_across_a_daemon_restart() {
         .join(&id)
         .join("paused/pause.json");
     assert!(pause_file.exists(), "{}", d.log_text());
-    d.spawn(&args);
+    d.respawn();
     wait_for(Duration::from_secs(60), "the resume after restart", || {
         state(&d, &id) == "ready"
     });
-    assert_eq!(sh(&d, &id, "cat /root/f").1, "kept\n");
-    let alive = sh(&d, &id, "kill -0 $(cat /root/pid) && echo alive").1;
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "kept\n");
+    let alive = sh_out(&d, &id, "kill -0 $(cat /root/pid) && echo alive").1;
     assert_eq!(alive, "alive\n", "the background process survived");
-    let t1: u64 = sh(&d, &id, "cat /root/tick").1.trim().parse().unwrap();
+    let t1: u64 = sh_out(&d, &id, "cat /root/tick").1.trim().parse().unwrap();
     wait_for(Duration::from_secs(20), "the process to go on", || {
-        sh(&d, &id, "cat /root/tick")
+        sh_out(&d, &id, "cat /root/tick")
             .1
             .trim()
             .parse::<u64>()
@@ -216,15 +193,14 @@ fn pause_and_resume_across_a_daemon_restart() {
 
 #[test]
 fn idle_sandboxes_pause_and_wake_on_use() {
-    let Some(art) = artifacts() else { return };
     let cfg = format!("{LIGHT}idle_pause_secs = 2\n[pool]\ngolden = false\nsize = 0\n");
-    let d = Daemon::start(Some(&cfg), &["--artifacts", art.to_str().unwrap()]);
+    let Some(d) = vm_daemon(&cfg) else { return };
     let ws = tempfile::tempdir().unwrap();
     let id = create(&d, ws.path());
-    assert_eq!(sh(&d, &id, "echo z > /root/z").0, Some(0));
+    assert_eq!(sh_out(&d, &id, "echo z > /root/z").0, Some(0));
     wait_for(Duration::from_secs(30), "the idle pause", || {
         state(&d, &id) == "paused"
     });
-    assert_eq!(sh(&d, &id, "cat /root/z").1, "z\n");
+    assert_eq!(sh_out(&d, &id, "cat /root/z").1, "z\n");
     assert!(d.cli(&["rm", &id]).status.success());
 }

@@ -12,7 +12,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::{BIN, Daemon, artifacts};
+use common::{BIN, Daemon, SMALL_VMS, artifacts};
 
 /// The Python with the MCP SDK: `$TRYBOXI_MCP_PYTHON`, else the venv `cargo xtask deps` makes
 /// (`_out/mcp-venv`, or next to `TRYBOXI_ARTIFACTS`), else `python3` on PATH.
@@ -47,8 +47,7 @@ fn python_sdk() -> Option<PathBuf> {
 fn python_sdk_drives_the_mcp_server_against_real_vms() {
     let Some(python) = python_sdk() else { return };
     let Some(art) = artifacts() else { return };
-    let cfg = "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n";
-    let d = Daemon::start(Some(cfg), &["--artifacts", art.to_str().unwrap()]);
+    let d = Daemon::start(Some(SMALL_VMS), &["--artifacts", art.to_str().unwrap()]);
     let ws = tempfile::tempdir().unwrap();
     std::fs::write(ws.path().join("marker.txt"), "synced from the host\n").unwrap();
 

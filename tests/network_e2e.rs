@@ -11,38 +11,7 @@ use std::io::{BufRead as _, BufReader, Write as _};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, artifacts, follow_events};
-
-fn daemon() -> Option<Daemon> {
-    let art = artifacts()?;
-    let cfg = "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n";
-    Some(Daemon::start(
-        Some(cfg),
-        &["--artifacts", art.to_str().unwrap()],
-    ))
-}
-
-fn create(d: &Daemon, ws: &std::path::Path) -> String {
-    let out = d.cli(&["create", "-w", ws.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "create failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        d.log_text()
-    );
-    let line = String::from_utf8(out.stdout).unwrap();
-    line.split_whitespace().next().unwrap().to_owned()
-}
-
-/// Run a bash script in the sandbox; returns stdout + stderr.
-fn bash(d: &Daemon, id: &str, script: &str) -> String {
-    let o = d.cli(&["exec", id, "--", "bash", "-c", script]);
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{Daemon, SMALL_VMS, bash, create, follow_events, vm_daemon};
 
 /// A bash function that runs a command and prints its exit code and duration in ms.
 const TIMED: &str = r#"t() { s=$(date +%s%N); "$@"; rc=$?; e=$(date +%s%N); echo "rc=$rc ms=$(( (e-s)/1000000 ))"; }; "#;
@@ -75,7 +44,9 @@ fn assert_refused_fast(d: &Daemon, id: &str, host: &str, port: u16) {
 
 #[test]
 fn sandbox_without_policy_has_a_network_that_refuses_everything_fast() {
-    let Some(mut d) = daemon() else { return };
+    let Some(mut d) = vm_daemon(SMALL_VMS) else {
+        return;
+    };
     let ws = tempfile::tempdir().unwrap();
     let id = create(&d, ws.path());
 
@@ -151,12 +122,8 @@ fn sandbox_without_policy_has_a_network_that_refuses_everything_fast() {
     }
 
     // A daemon restart: QEMU reconnects its NIC to the new daemon's stack.
-    let args = [
-        "--artifacts".to_owned(),
-        artifacts().unwrap().display().to_string(),
-    ];
     d.kill();
-    d.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    d.respawn();
     assert_refused_fast(&d, &id, "192.0.2.10", 443);
     let out = bash(
         &d,
@@ -200,17 +167,15 @@ fn local_http_server() -> (std::net::SocketAddr, mpsc::Receiver<String>) {
 
 #[test]
 fn an_allowed_name_reaches_its_upstream_and_everything_else_fails_fast() {
-    let Some(art) = artifacts() else { return };
     let (server, hosts) = local_http_server();
     let cfg = format!(
-        "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n\
-         [network]\ndefault_policy = []\nupstream_dns = \"127.0.0.1:9\"\n\
+        "{SMALL_VMS}[network]\ndefault_policy = []\nupstream_dns = \"127.0.0.1:9\"\n\
          [network.test_hosts]\n\"allowed.test\" = [\"203.0.113.10\"]\n\
          \"denied.test\" = [\"203.0.113.11\"]\n\
          [network.test_upstream_map]\n\"203.0.113.10:80\" = \"{server}\"\n\
          \"203.0.113.11:80\" = \"{server}\"\n"
     );
-    let d = Daemon::start(Some(&cfg), &["--artifacts", art.to_str().unwrap()]);
+    let Some(d) = vm_daemon(&cfg) else { return };
     let ws = tempfile::tempdir().unwrap();
     let id = create(&d, ws.path());
     let o = d.cli(&["net", "allow", &id, "allowed.test"]);

@@ -24,22 +24,14 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{BIN, Daemon, artifacts, follow_events, raw_http, wait_bounded};
+use common::{
+    BIN, Daemon, SMALL_VMS, artifacts, bash, create_with, follow_events, raw_http, wait_bounded,
+};
 use serde_json::{Value, json};
 use upstreams::{BLOCKED_V4, Seen, fake_dns, host_listener, http_server, test_pki, tls_server};
 
 // ---------------------------------------------------------------------------------------------
 // The guest, events and the MCP face.
-
-/// Run a bash script in the sandbox; stdout (stderr appended).
-fn bash(d: &Daemon, id: &str, script: &str) -> String {
-    let o = d.cli(&["exec", id, "--", "bash", "-c", script]);
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 #[derive(Debug)]
 struct Attempt {
@@ -310,8 +302,7 @@ fn setup(art: &std::path::Path) -> Env {
     let (dns_addr, dns_log) = fake_dns();
     let local = format!("127.0.0.1:{port}");
     let cfg = format!(
-        "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n\
-         [network]\ndefault_policy = []\nupstream_dns = \"{dns_addr}\"\n\
+        "{SMALL_VMS}[network]\ndefault_policy = []\nupstream_dns = \"{dns_addr}\"\n\
          [network.test_hosts]\n\"allowed.test\" = [\"203.0.113.10\"]\n\
          \"other.test\" = [\"203.0.113.11\"]\n\"allowed2.test\" = [\"203.0.113.12\"]\n\
          [network.test_upstream_map]\n\
@@ -326,21 +317,11 @@ fn setup(art: &std::path::Path) -> Env {
     // `*.pem` is a secret the sync never sends; `.crt` is an ordinary file.
     std::fs::write(ws.path().join("ca.crt"), &ca_pem).unwrap();
     std::fs::write(ws.path().join("dnsq.py"), DNSQ).unwrap();
-    let out = d.cli(&[
-        "create",
-        "-w",
-        ws.path().to_str().unwrap(),
-        "--network",
-        "allowed.test,other.test,*.rebind.test",
-    ]);
-    assert!(
-        out.status.success(),
-        "create failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        d.log_text()
+    let id = create_with(
+        &d,
+        ws.path(),
+        &["--network", "allowed.test,other.test,*.rebind.test"],
     );
-    let id = String::from_utf8(out.stdout).unwrap();
-    let id = id.split_whitespace().next().unwrap().to_owned();
     let ev = Events {
         rx: follow_events(&d, &format!("?sandbox={id}")),
         seen: Vec::new(),

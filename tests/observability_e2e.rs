@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::{Daemon, artifacts, follow_events};
+use common::{Daemon, SMALL_VMS, artifacts, create, follow_events};
 use serde_json::Value;
 
 /// Samples of a `/metrics` body, as parsed by prometheus_client's parser.
@@ -143,12 +143,22 @@ fn fake_collector() -> (String, mpsc::Receiver<(String, Vec<u8>)>) {
     (url, rx)
 }
 
+/// The names of a trace's spans, in order.
+fn span_names(trace: &Value) -> Vec<&str> {
+    trace["spans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect()
+}
+
 #[test]
 fn a_sandbox_whole_life_is_observable() {
     let Some(art) = artifacts() else { return };
     let (collector, exported) = fake_collector();
     let d = Daemon::start(
-        Some("default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n"),
+        Some(SMALL_VMS),
         &[
             "--artifacts",
             art.to_str().unwrap(),
@@ -162,18 +172,7 @@ fn a_sandbox_whole_life_is_observable() {
     assert_eq!(d.request("GET", "/v1/health", None).status, 200);
     let ws = tempfile::tempdir().unwrap();
 
-    let out = d.cli(&["create", "-w", ws.path().to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let id = String::from_utf8(out.stdout)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_owned();
+    let id = create(&d, ws.path());
     let script = "echo hello; echo world; printf '\\033[31mred\\033[0m\\n' >&2; exit 3";
     let out = d.cli(&["exec", &id, "--", "sh", "-c", script]);
     assert_eq!(
@@ -233,13 +232,11 @@ fn a_sandbox_whole_life_is_observable() {
 
     // Trace of the exec: its phases in order, each with a non-zero duration.
     let t = d.request("GET", &format!("/v1/traces/{exe}"), None).json();
-    let names: Vec<&str> = t["spans"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(names, ["exec.spawn", "exec", "output.flush"], "{t}");
+    assert_eq!(
+        span_names(&t),
+        ["exec.spawn", "exec", "output.flush"],
+        "{t}"
+    );
     assert!(t["finished"].as_bool().unwrap());
     let spans = t["spans"].as_array().unwrap();
     for w in spans.windows(2) {
@@ -254,14 +251,8 @@ fn a_sandbox_whole_life_is_observable() {
     );
     assert_eq!(spans[1]["attrs"]["exit_code"], "3");
     let t = d.request("GET", &format!("/v1/traces/{id}"), None).json();
-    let names: Vec<&str> = t["spans"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap())
-        .collect();
     assert_eq!(
-        names,
+        span_names(&t),
         ["scheduler.reserve", "vm.boot", "guest.connect"],
         "{t}"
     );

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, Daemon, artifacts, wait_bounded};
+use common::{BIN, Daemon, artifacts, create_out, first_word, sh_out, wait_bounded};
 
 fn out(o: &std::process::Output) -> String {
     format!(
@@ -15,20 +15,6 @@ fn out(o: &std::process::Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
-}
-
-fn create(d: &Daemon, ws: &Path, extra: &[&str]) -> std::process::Output {
-    let mut args = vec!["create", "-w", ws.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    d.cli(&args)
-}
-
-fn first_word(o: &std::process::Output) -> String {
-    String::from_utf8_lossy(&o.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_owned()
 }
 
 /// Room for exactly one 1-vCPU sandbox.
@@ -58,12 +44,12 @@ fn scheduler_refuses_past_the_limit_with_a_clear_error() {
         "{msg}"
     );
     assert!(t.elapsed() < Duration::from_secs(5));
-    let o = create(&d, ws.path(), &["--memory", "2048"]);
+    let o = create_out(&d, ws.path(), &["--memory", "2048"]);
     assert!(!o.status.success());
     assert!(out(&o).contains("host limit"), "{}", out(&o));
 
     // One small VM fits; the second waits in the queue (2 s) and is refused with 429.
-    let o = create(&d, ws.path(), &[]);
+    let o = create_out(&d, ws.path(), &[]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let first = first_word(&o);
     let t = std::time::Instant::now();
@@ -83,7 +69,7 @@ fn scheduler_refuses_past_the_limit_with_a_clear_error() {
         t.elapsed() >= Duration::from_secs(2),
         "it waited in the queue first"
     );
-    let o = create(&d, ws.path(), &[]);
+    let o = create_out(&d, ws.path(), &[]);
     assert!(!o.status.success());
     assert!(out(&o).contains("stayed full"), "{}", out(&o));
 
@@ -96,7 +82,7 @@ fn scheduler_refuses_past_the_limit_with_a_clear_error() {
     )
     .unwrap();
     let queued_before = d.log_text().matches("waiting in the queue").count();
-    d.spawn(&["--artifacts", art.to_str().unwrap()]);
+    d.respawn();
     let mut waiting = Command::new(BIN)
         .args(["create", "-w", ws.path().to_str().unwrap()])
         .env("TRYBOXI_HOME", d.root())
@@ -248,14 +234,6 @@ fn gc_dry_run_lists_and_deletes_nothing_then_gc_deletes_exactly_that() {
     assert_eq!(paths_of(&gc_json(&d, true)), vec![]);
 }
 
-fn exec(d: &Daemon, id: &str, script: &str) -> (Option<i32>, String) {
-    let o = d.cli(&["exec", id, "--", "sh", "-c", script]);
-    (
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-    )
-}
-
 /// Node comes from the node template only: `node` runs in a node sandbox (explicit and auto)
 /// and is missing in a base one (the base rootfs carries python3, not node).
 #[test]
@@ -278,10 +256,10 @@ fn templates_node_explicit_and_auto_by_package_json() {
     }
 
     let ws = tempfile::tempdir().unwrap();
-    let o = create(&d, ws.path(), &["--template", "node"]);
+    let o = create_out(&d, ws.path(), &["--template", "node"]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let id = first_word(&o);
-    let (code, text) = exec(&d, &id, "cat /etc/tryboxi-template; node --version");
+    let (code, text) = sh_out(&d, &id, "cat /etc/tryboxi-template; node --version");
     assert_eq!(code, Some(0), "{text}");
     let mut lines = text.lines();
     assert_eq!(lines.next(), Some("node"));
@@ -296,12 +274,12 @@ fn templates_node_explicit_and_auto_by_package_json() {
     // auto: package.json -> node.
     let repo = tempfile::tempdir().unwrap();
     std::fs::write(repo.path().join("package.json"), "{\"name\":\"x\"}").unwrap();
-    let o = create(&d, repo.path(), &["--json"]);
+    let o = create_out(&d, repo.path(), &["--json"]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(sb["template"], "node", "{sb}");
     let id = sb["id"].as_str().unwrap().to_owned();
-    let (code, text) = exec(&d, &id, "cat /etc/tryboxi-template; node --version");
+    let (code, text) = sh_out(&d, &id, "cat /etc/tryboxi-template; node --version");
     assert_eq!(code, Some(0), "{text}");
     let mut lines = text.lines();
     assert_eq!(lines.next(), Some("node"), "{text}");
@@ -309,7 +287,7 @@ fn templates_node_explicit_and_auto_by_package_json() {
     assert!(d.cli(&["rm", &id]).status.success());
 
     // base (auto on an empty repo): no node, no npm; python3 is there.
-    let o = create(&d, ws.path(), &["--json"]);
+    let o = create_out(&d, ws.path(), &["--json"]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(sb["template"], "base", "{sb}");
@@ -326,7 +304,7 @@ fn templates_node_explicit_and_auto_by_package_json() {
         "{}",
         out(&o)
     );
-    let (code, text) = exec(
+    let (code, text) = sh_out(
         &d,
         &id,
         "cat /etc/tryboxi-template 2>/dev/null || echo none; command -v npm || echo no-npm; python3 -c 'print(6*7)'",
@@ -335,7 +313,7 @@ fn templates_node_explicit_and_auto_by_package_json() {
     assert!(d.cli(&["rm", &id]).status.success());
 
     // An unknown template is a clear 400.
-    let o = create(&d, ws.path(), &["--template", "cobol"]);
+    let o = create_out(&d, ws.path(), &["--template", "cobol"]);
     assert!(!o.status.success());
     assert!(out(&o).contains("available: auto, base"), "{}", out(&o));
 }
@@ -355,7 +333,7 @@ fn python_template_has_a_working_venv() {
     );
     let repo = tempfile::tempdir().unwrap();
     std::fs::write(repo.path().join("requirements.txt"), "").unwrap();
-    let o = create(&d, repo.path(), &[]);
+    let o = create_out(&d, repo.path(), &[]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let id = first_word(&o);
     assert!(
@@ -363,7 +341,7 @@ fn python_template_has_a_working_venv() {
         "{}",
         out(&o)
     );
-    let (code, text) = exec(
+    let (code, text) = sh_out(
         &d,
         &id,
         "cat /etc/tryboxi-template && python3 -m venv /tmp/v && /tmp/v/bin/python -c 'print(42)'",
@@ -373,7 +351,7 @@ fn python_template_has_a_working_venv() {
 }
 
 /// The scheduler's ledger as `GET /v1/health` shows it: (reserved vCPUs, reserved MiB,
-/// [(id, holder)]). Checks the totals add up (nothing counted twice or left out).
+/// [(id, holder)] sorted). Checks the totals add up (nothing counted twice or left out).
 fn ledger(d: &Daemon) -> (u64, u64, Vec<(String, String)>) {
     let h = d.request("GET", "/v1/health", None).json();
     let c = &h["capacity"];
@@ -385,16 +363,21 @@ fn ledger(d: &Daemon) -> (u64, u64, Vec<(String, String)>) {
     );
     assert_eq!((v, m), (sum("vcpus"), sum("memory_mib")), "{c}");
     assert!(v <= c["max_vcpus"].as_u64().unwrap(), "{c}");
-    let held = entries
+    let held: Vec<(&str, &str)> = entries
         .iter()
-        .map(|e| {
-            (
-                e["id"].as_str().unwrap().to_owned(),
-                e["holder"].as_str().unwrap().to_owned(),
-            )
-        })
+        .map(|e| (e["id"].as_str().unwrap(), e["holder"].as_str().unwrap()))
         .collect();
-    (v, m, held)
+    (v, m, holders(&held))
+}
+
+/// `[(id, holder)]` as [`ledger`] returns it (sorted).
+fn holders(held: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = held
+        .iter()
+        .map(|(id, h)| (id.to_string(), h.to_string()))
+        .collect();
+    v.sort();
+    v
 }
 
 fn wait_until(d: &Daemon, limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
@@ -437,7 +420,8 @@ fn ready_pool_vm(d: &Daemon, what: &str) -> String {
 
 /// Warm-pool VMs are in the ledger: a pool VM reserves when it starts, a create that takes it
 /// turns that reservation into the sandbox's (no double count), a refill never takes room the
-/// host does not have, and a create that would have to wait evicts a pool VM.
+/// host does not have, a create that would have to wait evicts a pool VM, and an rm that
+/// frees room refills the pool.
 #[test]
 fn pool_vms_are_counted_handed_over_and_evicted() {
     let Some(art) = artifacts() else { return };
@@ -447,7 +431,7 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
                [pool]\ngolden = true\nsize = 1\n";
     let d = Daemon::start(Some(cfg), &["--artifacts", art.to_str().unwrap()]);
     let ws = tempfile::tempdir().unwrap();
-    let mut o = create(&d, ws.path(), &[]);
+    let mut o = create_out(&d, ws.path(), &[]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let a = first_word(&o);
     // The golden snapshot is built in the background, then one pool VM starts from it.
@@ -457,7 +441,7 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
     assert!(held.contains(&(a.clone(), "sandbox".into())), "{held:?}");
 
     // Taking the pool VM: the sandbox is that VM, its reservation is the sandbox's now.
-    o = create(&d, ws.path(), &[]);
+    o = create_out(&d, ws.path(), &[]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let b = first_word(&o);
     assert_eq!(b, p, "the create took the pool VM");
@@ -477,7 +461,7 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
 
     // Another shape (no pool VM for it) would have to wait: the pool VM is evicted instead.
     let t = std::time::Instant::now();
-    o = create(&d, ws.path(), &["--memory", "384"]);
+    o = create_out(&d, ws.path(), &["--memory", "384"]);
     assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
     let c = first_word(&o);
     assert!(
@@ -498,15 +482,8 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
         "the evicted pool VM's directory to go",
         || !p2_dir.exists(),
     );
-    let (v, m, mut held) = ledger(&d);
-    held.sort();
-    let mut want = vec![
-        (a.clone(), "sandbox".to_string()),
-        (b.clone(), "sandbox".to_string()),
-        (c.clone(), "sandbox".to_string()),
-    ];
-    want.sort();
-    assert_eq!((v, m, held), (3, 896, want));
+    let all = [(a.as_str(), "sandbox"), (&b, "sandbox"), (&c, "sandbox")];
+    assert_eq!(ledger(&d), (3, 896, holders(&all)));
     // No room for the new shape's golden snapshot build either: skipped, not queued.
     assert!(
         d.log_text()
@@ -514,8 +491,22 @@ fn pool_vms_are_counted_handed_over_and_evicted() {
         "{}",
         d.log_text()
     );
-    for id in [&a, &b, &c] {
+
+    // rm of `c` gives its room back, and the pool is below its size since the eviction: it
+    // is refilled in the background (no create needed).
+    assert!(d.cli(&["rm", &c]).status.success());
+    let p3 = ready_pool_vm(&d, "the pool refill after rm");
+    assert_ne!(p3, p2, "a new pool VM");
+    let metrics = d.request("GET", "/metrics", None).text();
+    assert!(
+        metrics.lines().any(|l| l == "tryboxi_pool_ready 1"),
+        "{metrics}"
+    );
+    let all = [(a.as_str(), "sandbox"), (&b, "sandbox"), (&p3, "pool")];
+    assert_eq!(ledger(&d), (3, 768, holders(&all)));
+    // The pool is full: more room freed starts nothing more.
+    for id in [&a, &b] {
         assert!(d.cli(&["rm", id]).status.success());
     }
-    assert_eq!(ledger(&d).0, 0);
+    assert_eq!(ledger(&d), (1, 256, holders(&[(&p3, "pool")])));
 }

@@ -3,34 +3,18 @@
 
 mod common;
 
-use common::{Daemon, artifacts};
-
-fn sh(d: &Daemon, id: &str, script: &str) -> (Option<i32>, String) {
-    let o = d.cli(&["exec", id, "--", "sh", "-c", script]);
-    (
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-    )
-}
+use common::{SMALL_VMS, create, sh_out, vm_daemon};
 
 #[test]
 fn restore_brings_back_files_and_processes() {
-    let Some(art) = artifacts() else { return };
-    let d = Daemon::start(
-        Some("default_memory_mib = 512\ndefault_vcpus = 1\n"),
-        &["--artifacts", art.to_str().unwrap()],
-    );
+    let Some(d) = vm_daemon(SMALL_VMS) else {
+        return;
+    };
     let ws = tempfile::tempdir().unwrap();
-    let o = d.cli(&["create", "-w", ws.path().to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let id = String::from_utf8_lossy(&o.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_owned();
+    let id = create(&d, ws.path());
 
     // A file and a background process.
-    let (code, _) = sh(
+    let (code, _) = sh_out(
         &d,
         &id,
         "echo before > /root/f; setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $! > /root/pid",
@@ -50,17 +34,17 @@ fn restore_brings_back_files_and_processes() {
         .to_owned();
     assert!(snap.starts_with("snap_"), "{snap}");
     // The VM goes on after the checkpoint.
-    assert_eq!(sh(&d, &id, "cat /root/f").1, "before\n");
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "before\n");
 
     // Change things: the file, kill the process.
-    let (code, _) = sh(
+    let (code, _) = sh_out(
         &d,
         &id,
         "echo after > /root/f; kill -9 $(cat /root/pid); echo gone > /root/g",
     );
     assert_eq!(code, Some(0));
     assert_eq!(
-        sh(
+        sh_out(
             &d,
             &id,
             "kill -0 $(cat /root/pid) 2>/dev/null && echo alive || echo dead"
@@ -77,32 +61,32 @@ fn restore_brings_back_files_and_processes() {
         String::from_utf8_lossy(&o.stderr),
         d.log_text()
     );
-    assert_eq!(sh(&d, &id, "cat /root/f").1, "before\n");
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "before\n");
     assert_eq!(
-        sh(&d, &id, "kill -0 $(cat /root/pid) && echo alive").1,
+        sh_out(&d, &id, "kill -0 $(cat /root/pid) && echo alive").1,
         "alive\n"
     );
     assert_eq!(
-        sh(&d, &id, "test -e /root/g && echo yes || echo no").1,
+        sh_out(&d, &id, "test -e /root/g && echo yes || echo no").1,
         "no\n"
     );
 
     // Restore twice from the same snapshot works too (the frozen layer is never written).
-    assert_eq!(sh(&d, &id, "echo again > /root/f").0, Some(0));
+    assert_eq!(sh_out(&d, &id, "echo again > /root/f").0, Some(0));
     assert!(d.cli(&["restore", &id, &snap]).status.success());
-    assert_eq!(sh(&d, &id, "cat /root/f").1, "before\n");
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "before\n");
 
     // The sync base goes with the snapshot: a host edit synced after the snapshot does not look,
     // after a restore, like the VM reverting it (which apply would copy back to the host).
     std::fs::write(ws.path().join("a.txt"), "v1\n").unwrap();
-    assert_eq!(sh(&d, &id, "cat /workspace/a.txt").1, "v1\n");
+    assert_eq!(sh_out(&d, &id, "cat /workspace/a.txt").1, "v1\n");
     assert!(
         d.cli(&["snapshot", "create", &id, "--name", "ws-v1"])
             .status
             .success()
     );
     std::fs::write(ws.path().join("a.txt"), "v2\n").unwrap();
-    assert_eq!(sh(&d, &id, "cat /workspace/a.txt").1, "v2\n");
+    assert_eq!(sh_out(&d, &id, "cat /workspace/a.txt").1, "v2\n");
     assert!(d.cli(&["restore", &id, "ws-v1"]).status.success());
     let diff = d
         .request("GET", &format!("/v1/sandboxes/{id}/diff"), None)
@@ -113,7 +97,7 @@ fn restore_brings_back_files_and_processes() {
         "restore made a phantom VM change: {diff}"
     );
     assert_eq!(
-        sh(&d, &id, "cat /workspace/a.txt").1,
+        sh_out(&d, &id, "cat /workspace/a.txt").1,
         "v2\n",
         "the next exec syncs the host's edit"
     );

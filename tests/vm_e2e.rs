@@ -12,33 +12,13 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, Daemon, artifacts};
+use common::{BIN, Daemon, SMALL_VMS, artifacts, create, sh, vm_daemon};
 use sha2::{Digest, Sha256};
 
 /// A daemon using the built images, with small VMs.
 fn daemon() -> Option<Daemon> {
-    let art = artifacts()?;
     // `leave`: these tests check that QEMU outlives the daemon (fork_e2e covers `pause`).
-    let cfg =
-        "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\nshutdown = \"leave\"\n";
-    Some(Daemon::start(
-        Some(cfg),
-        &["--artifacts", art.to_str().unwrap()],
-    ))
-}
-
-fn create(d: &Daemon, ws: &std::path::Path) -> String {
-    let out = d.cli(&["create", "-w", ws.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "create failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        d.log_text()
-    );
-    let line = String::from_utf8(out.stdout).unwrap();
-    let id = line.split_whitespace().next().unwrap().to_owned();
-    assert!(id.starts_with("sbx_"), "{line}");
-    id
+    vm_daemon(&format!("{SMALL_VMS}shutdown = \"leave\"\n"))
 }
 
 fn exec(d: &Daemon, id: &str, args: &[&str]) -> std::process::Output {
@@ -52,10 +32,6 @@ fn exec(d: &Daemon, id: &str, args: &[&str]) -> std::process::Output {
     full.push(id);
     full.extend(cmd);
     d.cli(&full)
-}
-
-fn sh(d: &Daemon, id: &str, script: &str) -> std::process::Output {
-    exec(d, id, &["--", "sh", "-c", script])
 }
 
 fn stdout(o: &std::process::Output) -> String {
@@ -320,11 +296,7 @@ fn daemon_restart_finds_running_vms_again() {
     assert!(d.stop().success());
     // The VM outlives the daemon...
     assert!(alive(pid), "VM died with the daemon");
-    let args: Vec<String> = vec![
-        "--artifacts".into(),
-        artifacts().unwrap().display().to_string(),
-    ];
-    d.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    d.respawn();
     // ...and the next daemon reattaches to it.
     let o = sh(&d, &id, "cat /root/state");
     assert_eq!(
@@ -338,7 +310,7 @@ fn daemon_restart_finds_running_vms_again() {
     assert_eq!(qemu_pid(&d, &id), pid);
     // A daemon killed outright (no cleanup) is recovered from too.
     d.kill();
-    d.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    d.respawn();
     assert_eq!(stdout(&sh(&d, &id, "cat /root/state")), "kept\n");
     // Even when it dies while the agent is streaming output (frames of the old connection, maybe
     // half of one, are still on the port when the next daemon connects).
@@ -357,7 +329,7 @@ fn daemon_restart_finds_running_vms_again() {
         d.kill();
         drop(out);
         common::wait_bounded(&mut cat, Duration::from_secs(60));
-        d.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        d.respawn();
         let o = sh(&d, &id, "cat /root/state");
         assert_eq!(
             stdout(&o),

@@ -9,16 +9,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-use common::{Daemon, artifacts};
-
-fn daemon() -> Option<Daemon> {
-    let art = artifacts()?;
-    let cfg = "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n";
-    Some(Daemon::start(
-        Some(cfg),
-        &["--artifacts", art.to_str().unwrap()],
-    ))
-}
+use common::{Daemon, SMALL_VMS, artifacts, create, sh, vm_daemon};
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -35,17 +26,6 @@ fn cli_ok(d: &Daemon, args: &[&str]) -> String {
         d.log_text()
     );
     text(&o.stdout)
-}
-
-fn create(d: &Daemon, ws: &Path) -> String {
-    let out = cli_ok(d, &["create", "-w", ws.to_str().unwrap()]);
-    let id = out.split_whitespace().next().unwrap().to_owned();
-    assert!(id.starts_with("sbx_"), "{out}");
-    id
-}
-
-fn sh(d: &Daemon, id: &str, script: &str) -> std::process::Output {
-    d.cli(&["exec", id, "--", "sh", "-c", script])
 }
 
 fn sh_ok(d: &Daemon, id: &str, script: &str) -> String {
@@ -103,7 +83,9 @@ impl Drop for Rm<'_> {
 
 #[test]
 fn sync_keeps_secrets_out_and_apply_undo_round_trips_byte_exact() {
-    let Some(d) = daemon() else { return };
+    let Some(d) = vm_daemon(SMALL_VMS) else {
+        return;
+    };
     let repo = tempfile::tempdir().unwrap();
     let r = repo.path();
     write(r, "README.md", "hello\n");
@@ -214,7 +196,9 @@ fn sync_keeps_secrets_out_and_apply_undo_round_trips_byte_exact() {
 
 #[test]
 fn conflicts_get_markers_and_escapes_are_refused() {
-    let Some(d) = daemon() else { return };
+    let Some(d) = vm_daemon(SMALL_VMS) else {
+        return;
+    };
     let repo = tempfile::tempdir().unwrap();
     let r = repo.path();
     write(r, "a.txt", "x = 0\n");
@@ -340,44 +324,12 @@ fn conflicts_get_markers_and_escapes_are_refused() {
 #[test]
 fn daemon_killed_mid_apply_leaves_whole_files_and_undo_restores() {
     let Some(art) = artifacts() else { return };
-    let home = tempfile::Builder::new()
-        .prefix("tbx-test-")
-        .tempdir()
-        .unwrap();
-    std::fs::write(
-        home.path().join("config.toml"),
-        "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n",
-    )
-    .unwrap();
-    let log_path = home.path().join("daemon.log");
-    let log = std::fs::File::create(&log_path).unwrap();
     // This daemon kills itself (SIGKILL) after 2 host writes of an apply.
-    let child = std::process::Command::new(common::BIN)
-        .args(["serve", "--artifacts", art.to_str().unwrap()])
-        .env("TRYBOXI_HOME", home.path())
-        .env("TRYBOXI_TEST_KILL_AFTER_WRITES", "2")
-        .stdin(std::process::Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let mut d = Daemon {
-        home,
-        child: Some(child),
-        log: log_path,
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !d
-        .try_request("GET", "/v1/health", None)
-        .is_ok_and(|r| r.status == 200)
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "daemon did not start: {}",
-            d.log_text()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let mut d = Daemon::start_env(
+        Some(SMALL_VMS),
+        &["--artifacts", art.to_str().unwrap()],
+        &[("TRYBOXI_TEST_KILL_AFTER_WRITES", "2")],
+    );
     let repo = tempfile::tempdir().unwrap();
     let r = repo.path();
     for i in 0..5 {
@@ -412,7 +364,7 @@ fn daemon_killed_mid_apply_leaves_whole_files_and_undo_restores() {
     }
     assert_eq!((old, new), (3, 2));
     // A new daemon (no hook) finds the backup; undo restores the old state.
-    d.spawn(&["--artifacts", art.to_str().unwrap()]);
+    d.respawn();
     let _rm = Rm(&d, id.clone());
     let art_id = std::fs::read_dir(d.root().join("artifacts"))
         .unwrap()
@@ -442,7 +394,9 @@ fn diff_paths(d: &Daemon, id: &str) -> BTreeMap<String, String> {
 
 #[test]
 fn excludes_per_sandbox_and_per_request_and_diff_sees_every_change() {
-    let Some(d) = daemon() else { return };
+    let Some(d) = vm_daemon(SMALL_VMS) else {
+        return;
+    };
     let repo = tempfile::tempdir().unwrap();
     let r = repo.path();
     for f in ["a", "b", "c", "d", "e", "f"] {
@@ -612,7 +566,9 @@ const VM_SUMS: &str = "cd /workspace && find . -path ./.git -prune -o -type f -p
 
 #[test]
 fn a_first_big_sync_goes_in_through_the_base_disk() {
-    let Some(d) = daemon() else { return };
+    let Some(d) = vm_daemon(SMALL_VMS) else {
+        return;
+    };
     let repo = tempfile::tempdir().unwrap();
     let r = repo.path();
     // An empty repo at create: the first sync with files is the one below.
@@ -759,7 +715,9 @@ fn disk_syncs(d: &Daemon) -> usize {
 
 #[test]
 fn big_changes_go_through_the_transfer_disk_and_a_second_one_is_not_read_stale() {
-    let Some(d) = daemon() else { return };
+    let Some(d) = vm_daemon(SMALL_VMS) else {
+        return;
+    };
     let ws = tempfile::tempdir().unwrap();
     write(ws.path(), "small.txt", "small\n");
     write(ws.path(), "gone.txt", "deleted by the second sync\n");

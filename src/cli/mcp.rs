@@ -125,6 +125,19 @@ struct InstallFixed {
     exec_timeout: Option<f64>,
 }
 
+impl From<InstallFixed> for FixedArgs {
+    fn from(i: InstallFixed) -> FixedArgs {
+        FixedArgs {
+            template: i.template,
+            vcpus: i.vcpus,
+            memory_mib: i.memory_mib,
+            network: i.network,
+            no_apply: i.no_apply,
+            exec_timeout: i.exec_timeout,
+        }
+    }
+}
+
 pub fn run(a: Args) -> Result<(), TopError> {
     match a.command {
         Some(McpCommand::Install(i)) => run_install(i),
@@ -161,21 +174,11 @@ fn serve(a: ServerArgs) -> Result<(), TopError> {
         }
         opts.exec_timeout_s = t;
     }
-    init_logging();
+    // Without colours: harnesses keep the server's stderr in their log files.
+    super::init_logging(true);
     let rt = super::runtime()?;
     rt.block_on(crate::mcp::serve_stdio(opts))
         .map_err(|e| TopError::Other(e.into()))
-}
-
-/// Logs to stderr without colours: harnesses keep the server's stderr in their log files.
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("TRYBOXI_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(false)
-        .with_writer(std::io::stderr)
-        .try_init();
 }
 
 fn run_install(i: InstallArgs) -> Result<(), TopError> {
@@ -187,14 +190,7 @@ fn run_install(i: InstallArgs) -> Result<(), TopError> {
         None => Scope::Global,
     };
     let exe = std::env::current_exe().map_err(|e| TopError::Other(e.into()))?;
-    let fixed = FixedArgs {
-        template: i.fixed.template,
-        vcpus: i.fixed.vcpus,
-        memory_mib: i.fixed.memory_mib,
-        network: i.fixed.network,
-        no_apply: i.fixed.no_apply,
-        exec_timeout: i.fixed.exec_timeout,
-    };
+    let fixed = FixedArgs::from(i.fixed);
     let cmd = ServerCommand::for_exe(&exe, fixed.to_flags());
     let env = Env::from_process().map_err(|e| TopError::Usage(e.to_string()))?;
     let r = install::install(i.harness, &scope, &cmd, &env).map_err(|e| match e {
@@ -254,14 +250,7 @@ mod tests {
             panic!()
         };
         assert!(i.global && i.project.is_none());
-        let f = FixedArgs {
-            template: i.fixed.template,
-            vcpus: i.fixed.vcpus,
-            memory_mib: i.fixed.memory_mib,
-            network: i.fixed.network,
-            no_apply: i.fixed.no_apply,
-            exec_timeout: i.fixed.exec_timeout,
-        };
+        let f = FixedArgs::from(i.fixed);
         assert_eq!(f.to_flags(), ["--memory", "2048", "--no-apply"]);
     }
 

@@ -164,7 +164,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
             artifacts,
             otlp_endpoint,
         } => {
-            init_logging();
+            init_logging(false);
             runtime()?
                 .block_on(crate::daemon::serve(crate::daemon::ServeOptions {
                     artifacts,
@@ -217,13 +217,16 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, TopError> {
         .map_err(|e| TopError::Other(e.into()))
 }
 
-fn init_logging() {
+/// Logs to stderr, filtered by `TRYBOXI_LOG` (default `info`); `plain`: never colours (else
+/// the subscriber's default).
+fn init_logging(plain: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TRYBOXI_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let fmt = if plain { fmt.with_ansi(false) } else { fmt };
+    let _ = fmt.try_init();
 }
 
 /// The client for this data root's daemon.

@@ -95,15 +95,7 @@ impl SandboxServer {
                 let a: tools::ExecArgs = parse(name, args)?;
                 let mut req = exec::request(a.cmd, a.timeout_s, a.cwd, me.opts.exec_timeout_s)?;
                 req.sync_exclude = a.sync_exclude;
-                let id = match a.sandbox_id {
-                    Some(id) => id,
-                    None => {
-                        self.find_or_create(&me.opts.workspace, None, Vec::new())
-                            .await?
-                            .0
-                            .id
-                    }
-                };
+                let id = self.target_or_create(a.sandbox_id).await?;
                 exec::run(&me.client, &id, &req, ctx, &me.outputs).await
             }
             "read_output" => {
@@ -223,15 +215,7 @@ impl SandboxServer {
             }
             "write_file" => {
                 let a: tools::WriteFileArgs = parse(name, args)?;
-                let id = match a.sandbox_id {
-                    Some(id) => id,
-                    None => {
-                        self.find_or_create(&me.opts.workspace, None, Vec::new())
-                            .await?
-                            .0
-                            .id
-                    }
-                };
+                let id = self.target_or_create(a.sandbox_id).await?;
                 let file = api::FileContent {
                     path: vm_path(&a.path),
                     content: Some(a.content),
@@ -302,6 +286,19 @@ impl SandboxServer {
             None => Err(ToolError::NoSandbox {
                 workspace: ws.display().to_string(),
             }),
+        }
+    }
+
+    /// The sandbox a tool acts on: the given id, else this workspace's, created if needed
+    /// (default template, no extra excludes).
+    async fn target_or_create(&self, id: Option<String>) -> Result<String, ToolError> {
+        match id {
+            Some(id) => Ok(id),
+            None => Ok(self
+                .find_or_create(&self.inner.opts.workspace, None, Vec::new())
+                .await?
+                .0
+                .id),
         }
     }
 

@@ -6,7 +6,8 @@
 //! Owns the wire contract (see `docs/RPC.md`) and the host-side [`AgentClient`]. It never
 //! touches VMs, disks or processes: the guest side of the work lives in `crate::guest`.
 //!
-//! Layout: [`msg`] (types), [`frame`] (codec), [`outbox`] (fair writer), [`client`] (host API).
+//! Layout: [`msg`] (types), [`frame`] (codec), [`outbox`] (fair writer), [`client`] (host API:
+//! `client/{connect,streams,exec}.rs` inside).
 
 // The daemon adopts this API in its own branch; until then parts are only used by tests.
 #![allow(dead_code)]

@@ -39,8 +39,11 @@ const BROKEN_FILE: &str = "broken";
 pub struct GoldenState {
     /// Keys whose snapshot is being built right now.
     pub(super) building: Mutex<std::collections::HashSet<String>>,
-    /// Keys whose pool is being refilled right now.
-    pub(super) filling: Mutex<std::collections::HashSet<String>>,
+    /// Keys whose pool is being refilled right now; `true`: asked again meanwhile (room was
+    /// freed), so the refill goes round once more before it ends.
+    pub(super) filling: Mutex<HashMap<String, bool>>,
+    /// Keys with a warm pool, and the shape of their VMs: refilled when room is freed.
+    pub(super) wanted: Mutex<HashMap<String, VmSpec>>,
     /// The warm pool: idle VMs by golden key (see `pool.rs`).
     pub(super) pool: Mutex<HashMap<String, Vec<PoolVm>>>,
 }

@@ -22,7 +22,7 @@ pub mod templates;
 mod vms;
 mod workspace;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -81,6 +81,35 @@ pub struct SandboxRecord {
     pub api: api::Sandbox,
     /// The VM's private directory.
     pub dir: PathBuf,
+}
+
+impl SandboxRecord {
+    /// The record of a sandbox being created now (state `creating`), VM in `dir`.
+    pub(super) fn creating(
+        id: &str,
+        dir: PathBuf,
+        (workspace, exclude): (&Path, Vec<String>),
+        template: String,
+        (vcpus, memory_mib, accel): (u32, u32, crate::vmm::Accel),
+    ) -> SandboxRecord {
+        SandboxRecord {
+            api: api::Sandbox {
+                id: id.to_owned(),
+                state: api::SandboxState::Creating,
+                workspace: api::WorkspaceSpec {
+                    host_path: workspace.display().to_string(),
+                    exclude,
+                },
+                template,
+                vcpus,
+                memory_mib,
+                accel: Some(accel.to_string()),
+                created_at: now_rfc3339(),
+                error: None,
+            },
+            dir,
+        }
+    }
 }
 
 pub struct Service {

@@ -102,7 +102,7 @@ impl Service {
     /// shutdown paused (in the background), and start the idle-pause clock.
     pub fn start_lifecycle(self: &Arc<Self>) {
         let _ = self.life.me.set(Arc::downgrade(self));
-        self.start_pool_evictions();
+        self.start_pool_upkeep();
         if let Ok(recs) = self.store.list::<SandboxRecord>(SANDBOXES) {
             for rec in recs {
                 let id = rec.api.id.clone();

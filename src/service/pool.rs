@@ -4,13 +4,19 @@
 //! Owns: refilling the pool, handing a pool VM to a create, stopping pool VMs the scheduler
 //! evicted, ending the pool at shutdown.
 //!
+//! When a pool is refilled: after a create took one of its VMs or started from its golden
+//! snapshot, after the snapshot was built, and whenever the ledger gets room back
+//! ([`Ledger::freed`](super::scheduler::Ledger::freed): rm, pause, a VM's end, a failed
+//! create) for every key that had a pool in this daemon's run and is still current. Each
+//! refill follows the same rules: one VM at a time while it fits now (below).
+//!
 //! Ledger rules (see `scheduler.rs`): a pool VM reserves its vCPUs and memory
 //! ([`Holder::Pool`]) before it is started, and only when that fits right now with nobody
 //! queued ([`Ledger::try_reserve`](super::scheduler::Ledger::try_reserve)), so a refill never
 //! waits in, nor blocks, the create queue; one that finds waiters when it is ready gives its
 //! room back at once. A create that takes a pool VM moves the reservation to the sandbox
 //! ([`Ledger::claim_pool`](super::scheduler::Ledger::claim_pool)). A request that would have to
-//! wait makes the ledger evict pool VMs; [`Service::start_pool_evictions`] stops them.
+//! wait makes the ledger evict pool VMs; [`Service::start_pool_upkeep`] stops them.
 //!
 //! Whoever removes a [`PoolVm`] from the pool list (under its lock) owns it: it either claims
 //! its reservation or stops it. A pool VM whose reservation was evicted while it was out of
@@ -40,54 +46,107 @@ impl Service {
     /// Refill `key`'s warm pool up to `pool.size` in the background, while the host has room.
     pub(super) fn fill_pool(self: &Arc<Self>, key: &str, spec: &VmSpec) {
         let want = self.config.pool.size as usize;
-        if want == 0 || !lock(&self.life.golden.filling).insert(key.to_owned()) {
+        if want == 0 || self.life.shutting_down() {
             return;
+        }
+        lock(&self.life.golden.wanted).insert(key.to_owned(), spec.clone());
+        {
+            let mut filling = lock(&self.life.golden.filling);
+            if let Some(again) = filling.get_mut(key) {
+                // The running refill may have just given up for lack of room: once more.
+                *again = true;
+                return;
+            }
+            filling.insert(key.to_owned(), false);
         }
         let svc = self.clone();
         let key = key.to_owned();
         let spec = spec.clone();
-        tokio::spawn(async move {
-            loop {
-                let have = lock(&svc.life.golden.pool).get(&key).map_or(0, Vec::len);
-                if have >= want || svc.life.shutting_down() {
-                    break;
-                }
-                let Some(g) = svc.golden(&key) else { break };
-                let id = ids::new_id(ids::SANDBOX);
-                let need = Resources::new(spec.vcpus, u64::from(spec.memory_mib));
-                let Some(reservation) = svc.ledger.try_reserve(&id, need, Holder::Pool) else {
-                    tracing::info!(golden = %key, have, want, "no room on the host for a pool VM now; not refilling");
-                    break;
-                };
-                let dir = svc.paths.sandbox_dir(&id);
-                if let Err(e) = std::fs::create_dir_all(&dir) {
-                    tracing::warn!(error = %e, "cannot create a pool VM directory");
-                    break;
-                }
-                let pspec = VmSpec {
-                    id: id.clone(),
-                    dir: dir.clone(),
-                    ..spec.clone()
-                };
-                match svc.start_clone(&pspec, &g.checkpoint, false).await {
-                    Ok(vm) => {
-                        reservation.keep();
-                        let p = PoolVm { id, dir, vm };
-                        if let Some(p) = svc.park(&key, p) {
-                            tracing::info!(sandbox = %p.id, golden = %key, "a pool VM gives way: evicted while starting, or requests wait");
-                            svc.drop_pool_vm(&p.id, &p.dir).await;
-                            break;
-                        }
-                    }
-                    Err(e) => {
-                        svc.mark_broken(&key, &e.to_string());
-                        svc.drop_pool_vm(&id, &dir).await;
+        tokio::spawn(async move { while svc.fill_pool_round(&key, &spec, want).await {} });
+    }
+
+    /// One round of [`Service::fill_pool`]: start pool VMs until the pool is full or one does
+    /// not fit. `true`: asked again meanwhile, go round once more; `false`: done (no longer
+    /// filling). A round that failed (not merely out of room) does not go again: its own
+    /// released reservation would ask for the next round, forever.
+    async fn fill_pool_round(self: &Arc<Self>, key: &str, spec: &VmSpec, want: usize) -> bool {
+        let mut failed = false;
+        loop {
+            let have = lock(&self.life.golden.pool).get(key).map_or(0, Vec::len);
+            if have >= want || self.life.shutting_down() {
+                break;
+            }
+            let Some(g) = self.golden(key) else { break };
+            let id = ids::new_id(ids::SANDBOX);
+            let need = Resources::new(spec.vcpus, u64::from(spec.memory_mib));
+            let Some(reservation) = self.ledger.try_reserve(&id, need, Holder::Pool) else {
+                tracing::info!(golden = %key, have, want, "no room on the host for a pool VM now; not refilling");
+                break;
+            };
+            let dir = self.paths.sandbox_dir(&id);
+            if let Err(e) = std::fs::create_dir_all(&dir) {
+                tracing::warn!(error = %e, "cannot create a pool VM directory");
+                failed = true;
+                break;
+            }
+            let pspec = VmSpec {
+                id: id.clone(),
+                dir: dir.clone(),
+                ..spec.clone()
+            };
+            match self.start_clone(&pspec, &g.checkpoint, false).await {
+                Ok(vm) => {
+                    reservation.keep();
+                    let p = PoolVm { id, dir, vm };
+                    if let Some(p) = self.park(key, p) {
+                        tracing::info!(sandbox = %p.id, golden = %key, "a pool VM gives way: evicted while starting, or requests wait");
+                        self.drop_pool_vm(&p.id, &p.dir).await;
                         break;
                     }
                 }
+                Err(e) => {
+                    self.mark_broken(key, &e.to_string());
+                    self.drop_pool_vm(&id, &dir).await;
+                    failed = true;
+                    break;
+                }
             }
-            lock(&svc.life.golden.filling).remove(&key);
-        });
+        }
+        let mut filling = lock(&self.life.golden.filling);
+        if filling.get(key) == Some(&true) && !failed && !self.life.shutting_down() {
+            filling.insert(key.to_owned(), false);
+            return true;
+        }
+        filling.remove(key);
+        false
+    }
+
+    /// Room was given back to the ledger: refill every pool below its size (same rules as any
+    /// refill: only what fits now). Keys whose images or shape changed since are forgotten.
+    /// Not while the host is under memory pressure: the room may have been freed by pausing a
+    /// sandbox for it (and pool VMs were evicted first).
+    fn refill_pools(self: &Arc<Self>) {
+        let limits = &self.config.limits;
+        if limits.pressure_check_s > 0
+            && super::pressure::want_to_free(super::pressure::Reading::now(), limits).is_some()
+        {
+            tracing::info!("room freed, but the host is under memory pressure: no pool refill");
+            return;
+        }
+        let wanted: Vec<(String, VmSpec)> = lock(&self.life.golden.wanted)
+            .iter()
+            .map(|(k, s)| (k.clone(), s.clone()))
+            .collect();
+        let want = self.config.pool.size as usize;
+        for (key, spec) in wanted {
+            if self.key_of(&spec).as_deref() != Some(key.as_str()) {
+                lock(&self.life.golden.wanted).remove(&key);
+                continue;
+            }
+            if lock(&self.life.golden.pool).get(&key).map_or(0, Vec::len) < want {
+                self.fill_pool(&key, &spec);
+            }
+        }
     }
 
     /// Put a started pool VM in the pool if it still holds its pool reservation and nobody
@@ -116,9 +175,18 @@ impl Service {
         self.ledger.release(id);
     }
 
-    /// Stop the pool VMs the scheduler evicts (a request needed their room). Started once, by
-    /// `start_lifecycle`; until then nothing is evicted.
-    pub(super) fn start_pool_evictions(self: &Arc<Self>) {
+    /// Stop the pool VMs the scheduler evicts (a request needed their room), and refill the
+    /// pools when the ledger gets room back. Started once, by `start_lifecycle`; until then
+    /// nothing is evicted and pools are refilled only after use.
+    pub(super) fn start_pool_upkeep(self: &Arc<Self>) {
+        let mut freed = self.ledger.freed();
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while freed.recv().await.is_some() {
+                let Some(svc) = weak.upgrade() else { return };
+                svc.refill_pools();
+            }
+        });
         let mut rx = self.ledger.evictions();
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
@@ -185,23 +253,13 @@ impl Service {
             self.drop_pool_vm(&p.id, &p.dir).await;
         };
         let id = pvm.id.clone();
-        let mut rec = SandboxRecord {
-            api: api::Sandbox {
-                id: id.clone(),
-                state: SandboxState::Creating,
-                workspace: api::WorkspaceSpec {
-                    host_path: workspace.display().to_string(),
-                    exclude: exclude.to_vec(),
-                },
-                template: template.to_owned(),
-                vcpus,
-                memory_mib,
-                accel: Some(accel.to_string()),
-                created_at: super::now_rfc3339(),
-                error: None,
-            },
-            dir: pvm.dir.clone(),
-        };
+        let mut rec = SandboxRecord::creating(
+            &id,
+            pvm.dir.clone(),
+            (workspace, exclude.to_vec()),
+            template.to_owned(),
+            (vcpus, memory_mib, accel),
+        );
         // From here on the VM is a sandbox: a failure discards it (which releases).
         if let Err(e) = self.store.put(SANDBOXES, &id, &rec) {
             self.discard(&id, &rec.dir).await;

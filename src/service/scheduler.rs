@@ -25,6 +25,17 @@
 //! just enough for everything queued plus itself, or all of them when even that is not
 //! enough; their reservations end at once and their ids go to [`Ledger::evictions`], whose
 //! reader (the service) stops those VMs. Without a reader nothing is evicted.
+//!
+//! Which pool VM goes first ([`State::pool_victim`]): one whose room alone is enough, the
+//! smallest such (bigger ones stay for the shapes that need them), so as few as possible are
+//! stopped; else the newest. Among equals the newest goes first: it may still be starting
+//! (nothing ready to offer yet), while an older one is ready for the next create now; and the
+//! order is stable (ids are random). The same rule serves memory pressure
+//! ([`Ledger::evict_pool_memory`]).
+//!
+//! Room given back by [`Ledger::release`] (rm, pause, a VM's end, a failed create) is
+//! announced on [`Ledger::freed`], so the service can refill the warm pool; room freed by
+//! evicting pool VMs is not (it went to whoever needed it).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -127,9 +138,11 @@ struct Waiter {
 struct State {
     cap: Resources,
     used: Resources,
-    held: HashMap<String, (Resources, Holder)>,
+    /// Reservations by id: what, who, and when (a sequence number: larger is newer).
+    held: HashMap<String, (Resources, Holder, u64)>,
     queue: VecDeque<Waiter>,
     next_ticket: u64,
+    next_seq: u64,
 }
 
 impl State {
@@ -142,30 +155,39 @@ impl State {
     fn take(&mut self, id: &str, r: Resources, who: Holder) {
         self.used.vcpus += r.vcpus;
         self.used.memory_mib += r.memory_mib;
-        self.held.insert(id.to_owned(), (r, who));
+        self.held.insert(id.to_owned(), (r, who, self.next_seq));
+        self.next_seq += 1;
     }
     fn give_back(&mut self, id: &str) -> Option<Resources> {
-        let (r, _) = self.held.remove(id)?;
+        let (r, _, _) = self.held.remove(id)?;
         self.used.vcpus = self.used.vcpus.saturating_sub(r.vcpus);
         self.used.memory_mib = self.used.memory_mib.saturating_sub(r.memory_mib);
         Some(r)
     }
+    /// The pool reservation to end next: the smallest one for which `enough` holds (its room
+    /// alone does), the newest among equals; else the newest. `None`: no pool VM left.
+    fn pool_victim(&self, enough: impl Fn(Resources) -> bool) -> Option<String> {
+        let pool = || {
+            self.held
+                .iter()
+                .filter(|(_, (_, who, _))| *who == Holder::Pool)
+        };
+        pool()
+            .filter(|(_, (r, _, _))| enough(*r))
+            .min_by_key(|(_, (r, _, seq))| (r.memory_mib, r.vcpus, std::cmp::Reverse(*seq)))
+            .or_else(|| pool().max_by_key(|(_, (_, _, seq))| *seq))
+            .map(|(id, _)| id.clone())
+    }
     /// Pool reservations to end so that everything queued plus `need` fits (all of them when
-    /// even that is not enough); by id, so the choice is stable. Releases them.
+    /// even that is not enough), in [`State::pool_victim`] order. Releases them.
     fn evict_pool_for(&mut self, need: Resources) -> Vec<String> {
         let want = self.queue.iter().fold(need, |a, w| a.plus(w.need));
-        let mut pool: Vec<String> = self
-            .held
-            .iter()
-            .filter(|(_, (_, who))| *who == Holder::Pool)
-            .map(|(id, _)| id.clone())
-            .collect();
-        pool.sort();
         let mut out = Vec::new();
-        for id in pool {
-            if want.fits_in(self.free()) {
+        while !want.fits_in(self.free()) {
+            let free = self.free();
+            let Some(id) = self.pool_victim(|r| want.fits_in(free.plus(r))) else {
                 break;
-            }
+            };
             self.give_back(&id);
             out.push(id);
         }
@@ -229,6 +251,8 @@ pub struct Ledger {
     activity: Mutex<HashMap<String, Activity>>,
     /// Where evicted pool VM ids go (see [`Ledger::evictions`]).
     evict_tx: Mutex<Option<tokio::sync::mpsc::UnboundedSender<String>>>,
+    /// Where "room was given back" goes (see [`Ledger::freed`]).
+    freed_tx: Mutex<Option<tokio::sync::mpsc::Sender<()>>>,
 }
 
 impl Ledger {
@@ -240,11 +264,13 @@ impl Ledger {
                 held: HashMap::new(),
                 queue: VecDeque::new(),
                 next_ticket: 0,
+                next_seq: 0,
             }),
             queue_timeout,
             max_queue,
             activity: Mutex::new(HashMap::new()),
             evict_tx: Mutex::new(None),
+            freed_tx: Mutex::new(None),
         })
     }
 
@@ -277,7 +303,7 @@ impl Ledger {
         let kept = staying
             .iter()
             .filter_map(|id| s.held.get(*id))
-            .fold(Resources::default(), |a, (r, _)| a.plus(*r));
+            .fold(Resources::default(), |a, (r, ..)| a.plus(*r));
         let need = Resources::new(
             one.vcpus.saturating_mul(count),
             one.memory_mib.saturating_mul(u64::from(count)),
@@ -401,6 +427,15 @@ impl Ledger {
         rx
     }
 
+    /// A message (coalesced: at most one pending) each time [`Ledger::release`] gives room
+    /// back, from now on (one reader: a second call replaces the first). The service refills
+    /// the warm pool on it.
+    pub fn freed(&self) -> tokio::sync::mpsc::Receiver<()> {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        *self.freed_tx.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+        rx
+    }
+
     fn evict(&self, s: &mut State, need: Resources) {
         let tx = self.evict_tx.lock().unwrap_or_else(|p| p.into_inner());
         let Some(tx) = tx.as_ref().filter(|t| !t.is_closed()) else {
@@ -418,28 +453,22 @@ impl Ledger {
         }
     }
 
-    /// Host memory pressure: evict pool VMs (by id) until at least `want_mib` of their memory
-    /// is freed or none is left; returns the MiB freed. They go before any sandbox is paused.
-    /// Nothing without a reader of [`Ledger::evictions`].
+    /// Host memory pressure: evict pool VMs (in [`State::pool_victim`] order) until at least
+    /// `want_mib` of their memory is freed or none is left; returns the MiB freed. They go
+    /// before any sandbox is paused. Nothing without a reader of [`Ledger::evictions`].
     pub fn evict_pool_memory(&self, want_mib: u64) -> u64 {
         let mut s = self.lock();
         let tx = self.evict_tx.lock().unwrap_or_else(|p| p.into_inner());
         let Some(tx) = tx.as_ref().filter(|t| !t.is_closed()) else {
             return 0;
         };
-        let mut pool: Vec<(String, u64)> = s
-            .held
-            .iter()
-            .filter(|(_, (_, who))| *who == Holder::Pool)
-            .map(|(id, (r, _))| (id.clone(), r.memory_mib))
-            .collect();
-        pool.sort();
         let mut freed = 0;
-        for (id, mib) in pool {
-            if freed >= want_mib {
+        while freed < want_mib {
+            let short = want_mib - freed;
+            let Some(id) = s.pool_victim(|r| r.memory_mib >= short) else {
                 break;
-            }
-            s.give_back(&id);
+            };
+            let mib = s.give_back(&id).map_or(0, |r| r.memory_mib);
             freed += mib;
             tracing::info!(pool_vm = %id, memory_mib = mib, "evicting a warm-pool VM: host memory pressure");
             let _ = tx.send(id);
@@ -450,7 +479,7 @@ impl Ledger {
 
     /// Who holds `id`'s reservation, if anyone.
     pub fn holder(&self, id: &str) -> Option<Holder> {
-        self.lock().held.get(id).map(|(_, who)| *who)
+        self.lock().held.get(id).map(|(_, who, _)| *who)
     }
 
     /// Reserve `need` for a background VM only if it fits right now and nobody waits in the
@@ -481,14 +510,15 @@ impl Ledger {
     pub fn claim_pool(&self, pool_id: &str, sandbox_id: &str) -> Option<Resources> {
         let mut s = self.lock();
         match s.held.get(pool_id) {
-            Some((_, Holder::Pool)) => {}
+            Some((_, Holder::Pool, _)) => {}
             _ => return None,
         }
         if pool_id != sandbox_id && s.held.contains_key(sandbox_id) {
             return None;
         }
-        let (r, _) = s.held.remove(pool_id)?;
-        s.held.insert(sandbox_id.to_owned(), (r, Holder::Sandbox));
+        let (r, _, seq) = s.held.remove(pool_id)?;
+        s.held
+            .insert(sandbox_id.to_owned(), (r, Holder::Sandbox, seq));
         drop(s);
         self.touch(sandbox_id);
         Some(r)
@@ -504,7 +534,8 @@ impl Ledger {
         self.lock().held.contains_key(id)
     }
 
-    /// Give back what `id` holds (rm, pause, failure) and wake the queue. Unknown ids are fine.
+    /// Give back what `id` holds (rm, pause, failure), wake the queue and tell the reader of
+    /// [`Ledger::freed`]. Unknown ids are fine.
     pub fn release(&self, id: &str) -> Option<Resources> {
         let r = {
             let mut s = self.lock();
@@ -517,6 +548,10 @@ impl Ledger {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(id);
+            if let Some(tx) = &*self.freed_tx.lock().unwrap_or_else(|p| p.into_inner()) {
+                // Full: a message is pending already, and one is as good as two.
+                let _ = tx.try_send(());
+            }
         }
         r
     }
@@ -557,8 +592,8 @@ impl Ledger {
             .lock()
             .held
             .iter()
-            .filter(|(_, (_, who))| *who == Holder::Sandbox)
-            .map(|(id, (r, _))| (id.clone(), *r))
+            .filter(|(_, (_, who, _))| *who == Holder::Sandbox)
+            .map(|(id, (r, ..))| (id.clone(), *r))
             .collect();
         let a = self.activity.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();

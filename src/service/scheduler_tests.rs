@@ -302,20 +302,20 @@ async fn a_request_that_would_wait_evicts_just_enough_pool_vms() {
         SchedError::Timeout { .. }
     ));
     let mut rx = l.evictions();
-    // Nothing free: one pool VM (the first by id) makes room, and the request is granted
-    // at once instead of waiting.
+    // Nothing free: one pool VM (the newest of the two equal ones) makes room, and the
+    // request is granted at once instead of waiting.
     let t = Instant::now();
     l.reserve("a", r(1, 1024)).await.unwrap().keep();
     assert!(t.elapsed() < Duration::from_millis(100));
-    assert_eq!(drain(&mut rx), ["p1"]);
-    assert_eq!(l.holder("p1"), None);
-    assert_eq!(l.holder("p2"), Some(Holder::Pool));
-    assert_eq!(l.view().used, r(3, 3072), "p1's room went to `a`");
+    assert_eq!(drain(&mut rx), ["p2"]);
+    assert_eq!(l.holder("p2"), None);
+    assert_eq!(l.holder("p1"), Some(Holder::Pool));
+    assert_eq!(l.view().used, r(3, 3072), "p2's room went to `a`");
     // A request that fits evicts nobody.
     l.release("a");
     l.reserve("b", r(1, 1024)).await.unwrap().keep();
     assert!(drain(&mut rx).is_empty());
-    // Never enough (2 vCPUs needed, only p2's 1 can be freed): every pool VM goes, and the
+    // Never enough (2 vCPUs needed, only p1's 1 can be freed): every pool VM goes, and the
     // request waits for a sandbox to leave.
     let l2 = l.clone();
     let waiting = tokio::spawn(async move {
@@ -329,8 +329,8 @@ async fn a_request_that_would_wait_evicts_just_enough_pool_vms() {
     while !l.has_waiters() {
         tokio::task::yield_now().await;
     }
-    assert_eq!(drain(&mut rx), ["p2"]);
-    assert_eq!(l.view().used, r(2, 2048), "s and b; p2's room is free");
+    assert_eq!(drain(&mut rx), ["p1"]);
+    assert_eq!(l.view().used, r(2, 2048), "s and b; p1's room is free");
     l.release("b");
     assert_eq!(waiting.await.unwrap().unwrap(), r(3, 3072));
     // A pool VM of a closed reader is not evicted either.
@@ -402,10 +402,76 @@ async fn memory_pressure_evicts_pool_vms_first_and_only_as_many_as_needed() {
     assert_eq!(l.evict_pool_memory(100), 0, "no reader: nothing evicted");
     let mut rx = l.evictions();
     assert_eq!(l.evict_pool_memory(100), 512);
-    assert_eq!(drain(&mut rx), ["p1"]);
+    assert_eq!(drain(&mut rx), ["p2"], "the newest first");
     // More than the pool holds: all of it, never a sandbox or a golden build.
     assert_eq!(l.evict_pool_memory(4096), 512);
-    assert_eq!(drain(&mut rx), ["p2"]);
+    assert_eq!(drain(&mut rx), ["p1"]);
     assert_eq!(l.evict_pool_memory(4096), 0);
     assert_eq!(l.view().used, r(2, 1536));
+}
+
+#[tokio::test]
+async fn eviction_stops_as_few_pool_vms_as_it_can_the_newest_first() {
+    let l = ledger(4, 4096, 50, 4);
+    let mut rx = l.evictions();
+    for (id, need) in [
+        ("old2", r(2, 2048)),
+        ("mid1", r(1, 1024)),
+        ("new1", r(1, 1024)),
+    ] {
+        l.try_reserve(id, need, Holder::Pool).unwrap().keep();
+    }
+    // Each alone is enough: the smallest, and of the two small ones the newest.
+    l.reserve("a", r(1, 1024)).await.unwrap().keep();
+    assert_eq!(drain(&mut rx), ["new1"]);
+    // Only the big one is enough alone: it goes, not the newer small one plus the big one.
+    l.reserve("b", r(2, 2048)).await.unwrap().keep();
+    assert_eq!(drain(&mut rx), ["old2"]);
+    assert_eq!(l.holder("mid1"), Some(Holder::Pool));
+    l.release("a");
+    l.release("b");
+    // None is enough alone: the newest first, then the one that is enough now.
+    for (id, need) in [("p1", r(1, 1024)), ("p2", r(1, 1024))] {
+        l.try_reserve(id, need, Holder::Pool).unwrap().keep();
+    }
+    l.reserve("s", r(1, 1024)).await.unwrap().keep();
+    assert_eq!(l.view().used, r(4, 4096));
+    l.reserve("big", r(2, 2048)).await.unwrap().keep();
+    assert_eq!(drain(&mut rx), ["p2", "p1"]);
+    assert_eq!(l.holder("mid1"), Some(Holder::Pool));
+    // Memory pressure: the same order.
+    l.release("big");
+    l.try_reserve("p3", r(1, 1024), Holder::Pool)
+        .unwrap()
+        .keep();
+    assert_eq!(l.evict_pool_memory(1), 1024);
+    assert_eq!(drain(&mut rx), ["p3"]);
+}
+
+#[tokio::test]
+async fn released_room_is_announced_once_evicted_room_is_not() {
+    let l = ledger(2, 2048, 50, 4);
+    let mut evicted = l.evictions();
+    let mut freed = l.freed();
+    l.reserve("a", r(1, 1024)).await.unwrap().keep();
+    l.reserve("b", r(1, 1024)).await.unwrap().keep();
+    assert!(freed.try_recv().is_err(), "nothing given back yet");
+    // Two releases before the reader looks: one message (coalesced), then none.
+    l.release("a");
+    l.release("b");
+    assert!(freed.try_recv().is_ok());
+    assert!(freed.try_recv().is_err());
+    // Unknown ids give nothing back.
+    l.release("nobody");
+    assert!(freed.try_recv().is_err());
+    // A failed create (a dropped reservation) gives back too.
+    drop(l.reserve("c", r(1, 1024)).await.unwrap());
+    assert!(freed.try_recv().is_ok());
+    // Evicting a pool VM hands its room to the request: no refill wake-up.
+    l.try_reserve("p", r(2, 2048), Holder::Pool).unwrap().keep();
+    l.reserve("d", r(1, 1024)).await.unwrap().keep();
+    assert_eq!(drain(&mut evicted), ["p"]);
+    // The service stops the evicted VM and releases it: nothing left to give back.
+    assert_eq!(l.release("p"), None);
+    assert!(freed.try_recv().is_err());
 }

@@ -142,23 +142,13 @@ impl Service {
         let dir = self.paths.sandbox_dir(&id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("cannot create {}: {e}", dir.display())))?;
-        let mut rec = SandboxRecord {
-            api: api::Sandbox {
-                id: id.clone(),
-                state: SandboxState::Creating,
-                workspace: api::WorkspaceSpec {
-                    host_path: workspace.display().to_string(),
-                    exclude: req.workspace.exclude.clone(),
-                },
-                template,
-                vcpus,
-                memory_mib,
-                accel: Some(accel.to_string()),
-                created_at: super::now_rfc3339(),
-                error: None,
-            },
-            dir: dir.clone(),
-        };
+        let mut rec = SandboxRecord::creating(
+            &id,
+            dir.clone(),
+            (&workspace, req.workspace.exclude.clone()),
+            template,
+            (vcpus, memory_mib, accel),
+        );
         self.store.put(SANDBOXES, &id, &rec)?;
         self.init_network(&id, net_policy)?;
         self.telemetry.sandbox_created(&rec.api, t0);

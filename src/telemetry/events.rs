@@ -202,6 +202,11 @@ mod tests {
         EventBus::new(Arc::new(Store::in_memory()))
     }
 
+    /// An event without an exec and without data; its id.
+    fn publish(b: &EventBus, kind: &str, sandbox: &str) -> u64 {
+        b.publish(kind, sandbox, None, serde_json::Value::Null)
+    }
+
     async fn next(s: &mut Subscription) -> Event {
         tokio::time::timeout(Duration::from_secs(5), s.next())
             .await
@@ -213,13 +218,8 @@ mod tests {
     #[tokio::test]
     async fn follower_gets_backlog_then_live_events_in_order() {
         let b = bus();
-        b.publish(
-            kind::SANDBOX_CREATED,
-            "sbx_a",
-            None,
-            serde_json::Value::Null,
-        );
-        b.publish(kind::SANDBOX_READY, "sbx_a", None, serde_json::Value::Null);
+        publish(&b, kind::SANDBOX_CREATED, "sbx_a");
+        publish(&b, kind::SANDBOX_READY, "sbx_a");
         let mut s = b.subscribe(Some(0), None).unwrap();
         assert_eq!(next(&mut s).await.id, 1);
         assert_eq!(next(&mut s).await.kind, kind::SANDBOX_READY);
@@ -244,25 +244,12 @@ mod tests {
     async fn resume_skips_seen_events_and_filter_keeps_one_sandbox() {
         let b = bus();
         for (i, s) in ["sbx_a", "sbx_b", "sbx_a", "sbx_b"].iter().enumerate() {
-            assert_eq!(
-                b.publish(kind::SANDBOX_CREATED, s, None, serde_json::Value::Null),
-                i as u64 + 1
-            );
+            assert_eq!(publish(&b, kind::SANDBOX_CREATED, s), i as u64 + 1);
         }
         let mut s = b.subscribe(Some(1), Some("sbx_a".into())).unwrap();
         assert_eq!(next(&mut s).await.id, 3);
-        b.publish(
-            kind::SANDBOX_REMOVED,
-            "sbx_b",
-            None,
-            serde_json::Value::Null,
-        );
-        b.publish(
-            kind::SANDBOX_REMOVED,
-            "sbx_a",
-            None,
-            serde_json::Value::Null,
-        );
+        publish(&b, kind::SANDBOX_REMOVED, "sbx_b");
+        publish(&b, kind::SANDBOX_REMOVED, "sbx_a");
         let e = next(&mut s).await;
         assert_eq!((e.id, e.kind.as_str()), (6, kind::SANDBOX_REMOVED));
     }
@@ -270,14 +257,9 @@ mod tests {
     #[tokio::test]
     async fn following_from_now_skips_the_backlog() {
         let b = bus();
-        b.publish(
-            kind::SANDBOX_CREATED,
-            "sbx_a",
-            None,
-            serde_json::Value::Null,
-        );
+        publish(&b, kind::SANDBOX_CREATED, "sbx_a");
         let mut s = b.subscribe(None, None).unwrap();
-        b.publish(kind::SANDBOX_READY, "sbx_a", None, serde_json::Value::Null);
+        publish(&b, kind::SANDBOX_READY, "sbx_a");
         assert_eq!(next(&mut s).await.id, 2);
     }
 
@@ -287,7 +269,7 @@ mod tests {
         let mut s = b.subscribe(Some(0), None).unwrap();
         let n = LIVE_CAPACITY as u64 * 2 + 10;
         for _ in 0..n {
-            b.publish(kind::EXEC_STARTED, "sbx_a", None, serde_json::Value::Null);
+            publish(&b, kind::EXEC_STARTED, "sbx_a");
         }
         for want in 1..=n {
             assert_eq!(next(&mut s).await.id, want);

@@ -236,12 +236,17 @@ mod tests {
             version: 1,
             artifacts,
         };
+        write_manifest(root, &m);
+        m
+    }
+
+    /// `images/manifest.json` under `root` says `m`.
+    fn write_manifest(root: &Path, m: &Manifest) {
         std::fs::write(
-            dir.join("manifest.json"),
-            serde_json::to_vec(&m).expect("json"),
+            root.join("images/manifest.json"),
+            serde_json::to_vec(m).expect("json"),
         )
         .expect("write manifest");
-        m
     }
 
     const SET: &[(&str, &str, &[u8])] = &[
@@ -290,11 +295,7 @@ mod tests {
         let t = tempfile::tempdir().expect("tempdir");
         let mut m = write_set(t.path(), SET);
         m.artifacts[0].file = "../vmlinuz".into();
-        std::fs::write(
-            t.path().join("images/manifest.json"),
-            serde_json::to_vec(&m).expect("json"),
-        )
-        .expect("write");
+        write_manifest(t.path(), &m);
         assert!(matches!(
             Images::load(t.path()),
             Err(ImageError::Invalid { .. })
@@ -314,11 +315,7 @@ mod tests {
         ));
         let mut m = write_set(t.path(), SET);
         m.version = 2;
-        std::fs::write(
-            t.path().join("images/manifest.json"),
-            serde_json::to_vec(&m).expect("json"),
-        )
-        .expect("write");
+        write_manifest(t.path(), &m);
         assert!(matches!(
             Images::load(t.path()),
             Err(ImageError::Version { found: 2, .. })

@@ -506,6 +506,17 @@ fn abs(p: &Path) -> Result<PathBuf, VmmError> {
     std::fs::canonicalize(p).map_err(io_err(p))
 }
 
+/// `spec` in directory `dir` with absolute image paths (QEMU does not run in our cwd).
+fn abs_spec(spec: &VmSpec, dir: PathBuf) -> Result<VmSpec, VmmError> {
+    Ok(VmSpec {
+        dir,
+        kernel: abs(&spec.kernel)?,
+        initramfs: abs(&spec.initramfs)?,
+        rootfs: abs(&spec.rootfs)?,
+        ..spec.clone()
+    })
+}
+
 /// Write `vm.json` atomically (temp file + rename), so a crash never leaves half a file.
 fn write_vm_json(paths: &VmPaths, info: &VmInfo) -> Result<(), VmmError> {
     let tmp = paths.dir.join("vm.json.tmp");
@@ -755,13 +766,7 @@ impl VmmDriver for QemuDriver {
         let dir = abs(&spec.dir)?;
         let paths = VmPaths::new(&dir);
         paths.check_socket_lengths()?;
-        let spec = VmSpec {
-            dir: dir.clone(),
-            kernel: abs(&spec.kernel)?,
-            initramfs: abs(&spec.initramfs)?,
-            rootfs: abs(&spec.rootfs)?,
-            ..spec.clone()
-        };
+        let spec = abs_spec(spec, dir.clone())?;
         paths.clear_stale()?;
         // A cold boot starts from empty RAM (an old run's file would only take disk space).
         ramfile::remove(paths.ram.path())?;

@@ -348,6 +348,39 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
+    /// A host repo and an artifact directory (both temporary).
+    fn dirs() -> (tempfile::TempDir, tempfile::TempDir) {
+        (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap())
+    }
+
+    fn write_op(path: &str, content: &[u8], mode: u32) -> Op {
+        Op {
+            path: path.into(),
+            action: Action::Write {
+                content: content.to_vec(),
+                mode,
+            },
+        }
+    }
+
+    /// `execute` of `ops` on `root` with no store to persist to.
+    fn execute_quiet(
+        root: &Path,
+        art: &Path,
+        ops: &[Op],
+    ) -> Result<ArtifactRecord, WorkspaceError> {
+        execute(root, art, rec(root), ops, &mut |_| Ok(()))
+    }
+
+    /// `undo` with no store to persist to.
+    fn undo_quiet(
+        art: &Path,
+        r: ArtifactRecord,
+        force: bool,
+    ) -> Result<UndoReport, WorkspaceError> {
+        undo(art, r, force, &mut |_| Ok(()))
+    }
+
     fn rec(root: &Path) -> ArtifactRecord {
         ArtifactRecord {
             id: "art_test".into(),
@@ -363,28 +396,15 @@ mod tests {
 
     #[test]
     fn apply_then_undo_restores_bytes_modes_and_removes_added_files() {
-        let repo = tempfile::tempdir().unwrap();
-        let art = tempfile::tempdir().unwrap();
+        let (repo, art) = dirs();
         let root = repo.path();
         std::fs::write(root.join("mod.sh"), b"old\x00bytes").unwrap();
         std::fs::set_permissions(root.join("mod.sh"), std::fs::Permissions::from_mode(0o750))
             .unwrap();
         std::fs::write(root.join("gone.txt"), b"bye").unwrap();
         let ops = vec![
-            Op {
-                path: "mod.sh".into(),
-                action: Action::Write {
-                    content: b"new".to_vec(),
-                    mode: 0o644,
-                },
-            },
-            Op {
-                path: "new/dir/add.txt".into(),
-                action: Action::Write {
-                    content: b"added".to_vec(),
-                    mode: 0o600,
-                },
-            },
+            write_op("mod.sh", b"new", 0o644),
+            write_op("new/dir/add.txt", b"added", 0o600),
             Op {
                 path: "gone.txt".into(),
                 action: Action::Delete,
@@ -404,7 +424,7 @@ mod tests {
         );
         assert!(!root.join("gone.txt").exists());
 
-        let rep = undo(art.path(), r.clone(), false, &mut |_| Ok(())).unwrap();
+        let rep = undo_quiet(art.path(), r.clone(), false).unwrap();
         assert_eq!(std::fs::read(root.join("mod.sh")).unwrap(), b"old\x00bytes");
         let mode = std::fs::metadata(root.join("mod.sh"))
             .unwrap()
@@ -419,60 +439,40 @@ mod tests {
         let mut r2 = r;
         r2.state = ArtifactState::Undone;
         assert!(matches!(
-            undo(art.path(), r2, false, &mut |_| Ok(())),
+            undo_quiet(art.path(), r2, false),
             Err(WorkspaceError::AlreadyUndone(_))
         ));
     }
 
     #[test]
     fn a_damaged_backup_is_detected_not_restored() {
-        let repo = tempfile::tempdir().unwrap();
-        let art = tempfile::tempdir().unwrap();
+        let (repo, art) = dirs();
         let root = repo.path();
         std::fs::write(root.join("f"), b"orig").unwrap();
-        let ops = vec![Op {
-            path: "f".into(),
-            action: Action::Write {
-                content: b"x".to_vec(),
-                mode: 0o644,
-            },
-        }];
-        let r = execute(root, art.path(), rec(root), &ops, &mut |_| Ok(())).unwrap();
+        let ops = vec![write_op("f", b"x", 0o644)];
+        let r = execute_quiet(root, art.path(), &ops).unwrap();
         std::fs::write(art.path().join("files/0"), b"tampered").unwrap();
-        assert!(undo(art.path(), r, false, &mut |_| Ok(())).is_err());
+        assert!(undo_quiet(art.path(), r, false).is_err());
         assert_eq!(std::fs::read(root.join("f")).unwrap(), b"x");
     }
 
     fn one_write(root: &Path, art: &Path) -> ArtifactRecord {
         std::fs::write(root.join("a.txt"), b"before").unwrap();
         let ops = vec![
-            Op {
-                path: "a.txt".into(),
-                action: Action::Write {
-                    content: b"applied".to_vec(),
-                    mode: 0o644,
-                },
-            },
-            Op {
-                path: "new.txt".into(),
-                action: Action::Write {
-                    content: b"added".to_vec(),
-                    mode: 0o644,
-                },
-            },
+            write_op("a.txt", b"applied", 0o644),
+            write_op("new.txt", b"added", 0o644),
         ];
-        execute(root, art, rec(root), &ops, &mut |_| Ok(())).unwrap()
+        execute_quiet(root, art, &ops).unwrap()
     }
 
     #[test]
     fn undo_refuses_to_overwrite_host_edits_made_after_the_apply() {
-        let repo = tempfile::tempdir().unwrap();
-        let art = tempfile::tempdir().unwrap();
+        let (repo, art) = dirs();
         let root = repo.path();
         let r = one_write(root, art.path());
         // The user edits an applied file and a mode change elsewhere counts too.
         std::fs::write(root.join("a.txt"), b"my later edit").unwrap();
-        let err = undo(art.path(), r.clone(), false, &mut |_| Ok(())).unwrap_err();
+        let err = undo_quiet(art.path(), r.clone(), false).unwrap_err();
         let msg = err.to_string();
         assert!(matches!(err, WorkspaceError::HostEdited(_)), "{msg}");
         assert!(msg.contains("a.txt") && !msg.contains("new.txt"), "{msg}");
@@ -485,7 +485,7 @@ mod tests {
         std::fs::set_permissions(root.join("a.txt"), std::fs::Permissions::from_mode(0o600))
             .unwrap();
         std::fs::remove_file(root.join("new.txt")).unwrap();
-        let msg = undo(art.path(), r.clone(), false, &mut |_| Ok(()))
+        let msg = undo_quiet(art.path(), r.clone(), false)
             .unwrap_err()
             .to_string();
         assert!(msg.contains("a.txt") && msg.contains("new.txt"), "{msg}");
@@ -493,8 +493,7 @@ mod tests {
 
     #[test]
     fn forced_undo_backs_up_the_host_edits_it_overwrites() {
-        let repo = tempfile::tempdir().unwrap();
-        let art = tempfile::tempdir().unwrap();
+        let (repo, art) = dirs();
         let root = repo.path();
         let r = one_write(root, art.path());
         std::fs::write(root.join("a.txt"), b"my later edit").unwrap();
@@ -523,14 +522,13 @@ mod tests {
 
     #[test]
     fn paths_an_interrupted_apply_never_wrote_are_no_host_edits() {
-        let repo = tempfile::tempdir().unwrap();
-        let art = tempfile::tempdir().unwrap();
+        let (repo, art) = dirs();
         let root = repo.path();
         let mut r = one_write(root, art.path());
         // As if killed after the first write: new.txt not written yet.
         std::fs::remove_file(root.join("new.txt")).unwrap();
         r.state = ArtifactState::Applying;
-        let rep = undo(art.path(), r.clone(), false, &mut |_| Ok(())).unwrap();
+        let rep = undo_quiet(art.path(), r.clone(), false).unwrap();
         assert!(rep.overwritten.is_empty(), "{:?}", rep.overwritten);
         assert_eq!(std::fs::read(root.join("a.txt")).unwrap(), b"before");
         // A real edit in an interrupted apply still needs force.
@@ -538,26 +536,25 @@ mod tests {
         r.state = ArtifactState::Applying;
         std::fs::write(root.join("a.txt"), b"my later edit").unwrap();
         assert!(matches!(
-            undo(art.path(), r, false, &mut |_| Ok(())),
+            undo_quiet(art.path(), r, false),
             Err(WorkspaceError::HostEdited(_))
         ));
     }
 
     #[test]
     fn undo_without_host_edits_needs_no_force_and_old_records_do() {
-        let repo = tempfile::tempdir().unwrap();
-        let art = tempfile::tempdir().unwrap();
+        let (repo, art) = dirs();
         let root = repo.path();
         let mut r = one_write(root, art.path());
         for e in &mut r.entries {
             e.after = None; // as written by an older version
         }
         assert!(matches!(
-            undo(art.path(), r.clone(), false, &mut |_| Ok(())),
+            undo_quiet(art.path(), r.clone(), false),
             Err(WorkspaceError::HostEdited(_))
         ));
         let r = one_write(root, art.path());
-        let rep = undo(art.path(), r, false, &mut |_| Ok(())).unwrap();
+        let rep = undo_quiet(art.path(), r, false).unwrap();
         assert!(rep.overwritten.is_empty() && rep.overwritten_backup.is_none());
         assert_eq!(std::fs::read(root.join("a.txt")).unwrap(), b"before");
     }

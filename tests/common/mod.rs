@@ -14,12 +14,20 @@ pub struct Daemon {
     pub home: tempfile::TempDir,
     pub child: Option<Child>,
     pub log: PathBuf,
+    /// The `serve` arguments of the last start (see [`Daemon::respawn`]).
+    args: Vec<String>,
 }
 
 impl Daemon {
     /// Start a daemon with an optional `config.toml` and extra `serve` arguments; waits until
     /// `/v1/health` answers (bounded).
     pub fn start(config: Option<&str>, extra: &[&str]) -> Daemon {
+        Daemon::start_env(config, extra, &[])
+    }
+
+    /// [`Daemon::start`] with extra environment variables for this first start only (a test
+    /// hook such as `TRYBOXI_TEST_KILL_AFTER_WRITES`).
+    pub fn start_env(config: Option<&str>, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let home = tempfile::Builder::new()
             .prefix("tbx-test-")
             .tempdir()
@@ -39,12 +47,20 @@ impl Daemon {
             log: home.path().join("daemon.log"),
             home,
             child: None,
+            args: Vec::new(),
         };
-        d.spawn(extra);
+        d.spawn_env(extra, env);
         d
     }
 
+    /// Start `serve` with `extra` arguments on this data root (after a stop or kill);
+    /// waits until `/v1/health` answers (bounded).
     pub fn spawn(&mut self, extra: &[&str]) {
+        self.spawn_env(extra, &[]);
+    }
+
+    fn spawn_env(&mut self, extra: &[&str], env: &[(&str, &str)]) {
+        self.args = extra.iter().map(|a| a.to_string()).collect();
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -55,6 +71,7 @@ impl Daemon {
             .args(extra)
             .env("TRYBOXI_HOME", self.home.path())
             .env("TRYBOXI_LOG", "debug")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -78,6 +95,12 @@ impl Daemon {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// [`Daemon::spawn`] again with the arguments of the last start (a daemon restart).
+    pub fn respawn(&mut self) {
+        let args = self.args.clone();
+        self.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
     }
 
     pub fn root(&self) -> &Path {
@@ -301,4 +324,79 @@ pub fn follow_events(d: &Daemon, query: &str) -> std::sync::mpsc::Receiver<serde
         }
     });
     rx
+}
+
+/// The VM tests' usual config: small VMs, and a boot timeout that allows for TCG on a busy host.
+pub const SMALL_VMS: &str = "default_memory_mib = 512\ndefault_vcpus = 1\nboot_timeout_s = 180\n";
+
+/// A daemon using the built guest images with `config`; `None` (the test skips) without images.
+pub fn vm_daemon(config: &str) -> Option<Daemon> {
+    let art = artifacts()?;
+    Some(Daemon::start(
+        Some(config),
+        &["--artifacts", art.to_str().unwrap()],
+    ))
+}
+
+/// `tryboxi create -w <ws>`, which must succeed; the new sandbox's id.
+pub fn create(d: &Daemon, ws: &Path) -> String {
+    create_with(d, ws, &[])
+}
+
+/// `tryboxi create -w <ws> <extra>`, which must succeed; the new sandbox's id.
+pub fn create_with(d: &Daemon, ws: &Path, extra: &[&str]) -> String {
+    let out = create_out(d, ws, extra);
+    assert!(
+        out.status.success(),
+        "create failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        d.log_text()
+    );
+    let id = first_word(&out);
+    assert!(
+        id.starts_with("sbx_"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    id
+}
+
+/// `tryboxi create -w <ws> <extra>`, whatever comes of it.
+pub fn create_out(d: &Daemon, ws: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["create", "-w", ws.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    d.cli(&args)
+}
+
+/// The first word of a command's stdout (an id, for `create`), or "".
+pub fn first_word(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// `sh -c <script>` in the sandbox through the CLI.
+pub fn sh(d: &Daemon, id: &str, script: &str) -> Output {
+    d.cli(&["exec", id, "--", "sh", "-c", script])
+}
+
+/// `sh -c <script>` in the sandbox: its exit code and stdout.
+pub fn sh_out(d: &Daemon, id: &str, script: &str) -> (Option<i32>, String) {
+    let o = sh(d, id, script);
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+    )
+}
+
+/// `bash -c <script>` in the sandbox: stdout, then stderr.
+pub fn bash(d: &Daemon, id: &str, script: &str) -> String {
+    let o = d.cli(&["exec", id, "--", "bash", "-c", script]);
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use super::files::{put, read};
+use super::files::update;
 use super::{Env, InstallError, Report, SKILL, Scope, ServerCommand};
 
 /// The `claude mcp add` argv (without the program name).
@@ -62,8 +62,7 @@ pub fn install(
             env.home.as_path(),
         ),
     };
-    let old = read(&skill)?;
-    put(&skill, old.as_deref(), SKILL, report)?;
+    update(&skill, report, |_| Ok(SKILL.to_owned()))?;
     let args = mcp_add_args(scope, cmd);
     let line = shell_line("claude", &args);
     match env.which("claude") {
@@ -118,15 +117,9 @@ fn run_claude(
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{cmd, env};
     use super::super::{Harness, install as run};
     use super::*;
-
-    fn cmd() -> ServerCommand {
-        ServerCommand {
-            program: "/opt/tryboxi/_out/bin/sandbox-mcp".into(),
-            args: vec![],
-        }
-    }
 
     #[test]
     fn command_line_matches_the_readme() {
@@ -146,17 +139,19 @@ mod tests {
         let home = tempfile::tempdir().unwrap();
         let proj = tempfile::tempdir().unwrap();
         let env = Env {
-            home: home.path().into(),
-            codex_home: home.path().join(".codex"),
             path: Some(home.path().join("empty-bin").into()),
+            ..env(home.path())
         };
-        let r = run(
-            Harness::Claude,
-            &Scope::Project(proj.path().into()),
-            &cmd(),
-            &env,
-        )
-        .unwrap();
+        let install = || {
+            run(
+                Harness::Claude,
+                &Scope::Project(proj.path().into()),
+                &cmd(),
+                &env,
+            )
+            .unwrap()
+        };
+        let r = install();
         let skill = proj.path().join(".claude/skills/sandbox/SKILL.md");
         assert_eq!(std::fs::read_to_string(&skill).unwrap(), SKILL);
         assert!(
@@ -173,34 +168,17 @@ mod tests {
 
         // Edited by the user: backed up, then replaced; a second run changes nothing.
         std::fs::write(&skill, "my notes").unwrap();
-        let r = run(
-            Harness::Claude,
-            &Scope::Project(proj.path().into()),
-            &cmd(),
-            &env,
-        )
-        .unwrap();
+        let r = install();
         assert_eq!(r.backups.len(), 1);
         assert_eq!(std::fs::read_to_string(&r.backups[0]).unwrap(), "my notes");
-        let r = run(
-            Harness::Claude,
-            &Scope::Project(proj.path().into()),
-            &cmd(),
-            &env,
-        )
-        .unwrap();
+        let r = install();
         assert!(r.written.is_empty() && r.backups.is_empty(), "{r:?}");
     }
 
     #[test]
     fn global_skill_goes_to_the_home() {
         let home = tempfile::tempdir().unwrap();
-        let env = Env {
-            home: home.path().into(),
-            codex_home: home.path().join(".codex"),
-            path: None,
-        };
-        run(Harness::Claude, &Scope::Global, &cmd(), &env).unwrap();
+        run(Harness::Claude, &Scope::Global, &cmd(), &env(home.path())).unwrap();
         assert!(
             home.path()
                 .join(".claude/skills/sandbox/SKILL.md")

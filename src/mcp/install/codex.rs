@@ -5,7 +5,7 @@
 
 use toml_edit::{Array, DocumentMut, InlineTable, Item, Table, value};
 
-use super::files::{put, read};
+use super::files::update;
 use super::{Env, InstallError, RULES, Report, Scope, ServerCommand};
 
 pub const BEGIN: &str = "<!-- tryboxi:sandbox:begin (managed by `tryboxi mcp install`) -->";
@@ -18,23 +18,19 @@ pub fn install(
     report: &mut Report,
 ) -> Result<(), InstallError> {
     let config = env.codex_home.join("config.toml");
-    let old = read(&config)?;
-    let new = merge_config(old.as_deref().unwrap_or(""), cmd).map_err(|detail| {
-        InstallError::Unparsable {
+    update(&config, report, |old| {
+        merge_config(old.unwrap_or(""), cmd).map_err(|detail| InstallError::Unparsable {
             path: config.clone(),
             format: "TOML",
             detail,
-        }
+        })
     })?;
-    put(&config, old.as_deref(), &new, report)?;
 
     let agents = match scope {
         Scope::Project(p) => p.join("AGENTS.md"),
         Scope::Global => env.codex_home.join("AGENTS.md"),
     };
-    let old = read(&agents)?;
-    let new = with_rules(old.as_deref().unwrap_or(""));
-    put(&agents, old.as_deref(), &new, report)?;
+    update(&agents, report, |old| Ok(with_rules(old.unwrap_or(""))))?;
     report
         .next
         .push("Restart Codex; `/mcp` in Codex lists the sandbox server.".into());
@@ -105,24 +101,9 @@ fn ensure_newline(s: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{cmd, env};
     use super::super::{Harness, install as run};
     use super::*;
-    use std::path::Path;
-
-    fn cmd() -> ServerCommand {
-        ServerCommand {
-            program: "/opt/tryboxi/_out/bin/sandbox-mcp".into(),
-            args: vec![],
-        }
-    }
-
-    fn env(home: &Path) -> Env {
-        Env {
-            home: home.into(),
-            codex_home: home.join(".codex"),
-            path: None,
-        }
-    }
 
     #[test]
     fn fresh_config_is_exactly_the_documented_table() {
@@ -188,13 +169,16 @@ mod tests {
         std::fs::create_dir_all(&codex).unwrap();
         std::fs::write(codex.join("config.toml"), "model = \"o4\"\n").unwrap();
         std::fs::write(proj.path().join("AGENTS.md"), "# Rules\n").unwrap();
-        let r = run(
-            Harness::Codex,
-            &Scope::Project(proj.path().into()),
-            &cmd(),
-            &env(home.path()),
-        )
-        .unwrap();
+        let install = || {
+            run(
+                Harness::Codex,
+                &Scope::Project(proj.path().into()),
+                &cmd(),
+                &env(home.path()),
+            )
+            .unwrap()
+        };
+        let r = install();
         assert_eq!(r.written.len(), 2, "{r:?}");
         assert_eq!(
             std::fs::read_to_string(codex.join("config.toml.bak")).unwrap(),
@@ -210,13 +194,7 @@ mod tests {
             "{cfg}"
         );
 
-        let again = run(
-            Harness::Codex,
-            &Scope::Project(proj.path().into()),
-            &cmd(),
-            &env(home.path()),
-        )
-        .unwrap();
+        let again = install();
         assert!(
             again.written.is_empty() && again.backups.is_empty(),
             "{again:?}"

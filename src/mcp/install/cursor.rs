@@ -1,10 +1,12 @@
 //! Cursor: `mcpServers.sandbox` in `.cursor/mcp.json` of the project (or `~/.cursor/mcp.json`).
 //! Other servers and keys are kept, in their order.
 
+use std::path::Path;
+
 use indexmap::IndexMap;
 use serde_json::Value;
 
-use super::files::{put, read};
+use super::files::update;
 use super::{Env, InstallError, Report, Scope, ServerCommand};
 
 pub fn install(
@@ -17,13 +19,24 @@ pub fn install(
         Scope::Project(p) => p.join(".cursor/mcp.json"),
         Scope::Global => env.home.join(".cursor/mcp.json"),
     };
-    let old = read(&path)?;
-    let text = old
-        .as_deref()
-        .filter(|s| !s.trim().is_empty())
-        .unwrap_or("{}");
+    update(&path, report, |old| merge_config(&path, old, cmd))?;
+    report.next.push(
+        "Open Cursor Settings -> MCP, enable `sandbox`, and reload the window if it is not listed."
+            .into(),
+    );
+    Ok(())
+}
+
+/// `mcp.json` (`old`; `None` or blank: a new file) with `mcpServers.sandbox` set; every other
+/// key and server kept, in its order.
+fn merge_config(
+    path: &Path,
+    old: Option<&str>,
+    cmd: &ServerCommand,
+) -> Result<String, InstallError> {
+    let text = old.filter(|s| !s.trim().is_empty()).unwrap_or("{}");
     let unparsable = |e: serde_json::Error| InstallError::Unparsable {
-        path: path.clone(),
+        path: path.to_path_buf(),
         format: "JSON (an object)",
         detail: e.to_string(),
     };
@@ -31,7 +44,7 @@ pub fn install(
     let doc: IndexMap<String, Value> = serde_json::from_str(text).map_err(unparsable)?;
     if doc.get("mcpServers").is_some_and(|v| !v.is_object()) {
         return Err(InstallError::WrongShape {
-            path,
+            path: path.to_path_buf(),
             key: "mcpServers".into(),
             expected: "JSON object",
         });
@@ -64,12 +77,7 @@ pub fn install(
     }
     let mut text = serde_json::to_string_pretty(&out).unwrap_or_default();
     text.push('\n');
-    put(&path, old.as_deref(), &text, report)?;
-    report.next.push(
-        "Open Cursor Settings -> MCP, enable `sandbox`, and reload the window if it is not listed."
-            .into(),
-    );
-    Ok(())
+    Ok(text)
 }
 
 #[derive(serde::Deserialize)]
@@ -102,24 +110,9 @@ enum Server {
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{cmd, env};
     use super::super::{Harness, install as run};
     use super::*;
-    use std::path::Path;
-
-    fn env(home: &Path) -> Env {
-        Env {
-            home: home.into(),
-            codex_home: home.join(".codex"),
-            path: None,
-        }
-    }
-
-    fn cmd() -> ServerCommand {
-        ServerCommand {
-            program: "/opt/tryboxi/_out/bin/sandbox-mcp".into(),
-            args: vec![],
-        }
-    }
 
     #[test]
     fn fresh_project_gets_exactly_the_documented_file() {

@@ -28,6 +28,18 @@ pub fn backup_path(path: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// Make `path` hold what `change` makes of its current content (`None`: absent), the way
+/// [`put`] does: unchanged content left alone, changed content backed up first.
+pub fn update(
+    path: &Path,
+    report: &mut Report,
+    change: impl FnOnce(Option<&str>) -> Result<String, InstallError>,
+) -> Result<(), InstallError> {
+    let old = read(path)?;
+    let new = change(old.as_deref())?;
+    put(path, old.as_deref(), &new, report)
+}
+
 /// Make `path` hold `new`. `old` is its current content (`None`: absent). Unchanged content is
 /// left alone; changed content is backed up first.
 pub fn put(

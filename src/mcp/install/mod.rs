@@ -161,6 +161,30 @@ pub fn install(
     Ok(report)
 }
 
+/// What the installers' tests share.
+#[cfg(test)]
+mod testing {
+    use super::{Env, ServerCommand};
+    use std::path::Path;
+
+    /// The server command the tests install.
+    pub(super) fn cmd() -> ServerCommand {
+        ServerCommand {
+            program: "/opt/tryboxi/_out/bin/sandbox-mcp".into(),
+            args: vec![],
+        }
+    }
+
+    /// `home` as HOME (Codex's under `home/.codex`), no `$PATH`.
+    pub(super) fn env(home: &Path) -> Env {
+        Env {
+            home: home.into(),
+            codex_home: home.join(".codex"),
+            path: None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,11 +206,7 @@ mod tests {
     #[test]
     fn missing_project_is_refused_before_writing() {
         let home = tempfile::tempdir().unwrap();
-        let env = Env {
-            home: home.path().into(),
-            codex_home: home.path().join(".codex"),
-            path: None,
-        };
+        let env = testing::env(home.path());
         let cmd = ServerCommand::for_exe(Path::new("/opt/tryboxi"), vec![]);
         let e = install(
             Harness::Cursor,

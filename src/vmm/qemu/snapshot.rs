@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    AGENT_CHARDEV, LOG_TAIL, QMP_TIMEOUT, QemuDriver, RAM_OBJECT, VmPaths, abs, qemu_args, ramfile,
-    tail, write_vm_json,
+    AGENT_CHARDEV, LOG_TAIL, QMP_TIMEOUT, QemuDriver, RAM_OBJECT, VmPaths, abs, abs_spec,
+    qemu_args, ramfile, tail, write_vm_json,
 };
 use crate::vmm::qmp::QmpClient;
 use crate::vmm::{VmInfo, VmSpec, VmmError};
@@ -190,13 +190,7 @@ impl QemuDriver {
         filling: Option<ramfile::Filling>,
     ) -> Result<Resumed, VmmError> {
         let dir = paths.dir.clone();
-        let spec = VmSpec {
-            dir: dir.clone(),
-            kernel: abs(&spec.kernel)?,
-            initramfs: abs(&spec.initramfs)?,
-            rootfs: abs(&spec.rootfs)?,
-            ..spec.clone()
-        };
+        let spec = abs_spec(spec, dir.clone())?;
         let mut args = qemu_args(&spec, paths);
         // `defer`: the migration capabilities must match the saving side's before loading
         // (QEMU 10 has no `-global` for `x-ignore-shared`).
