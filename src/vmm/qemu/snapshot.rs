@@ -147,29 +147,46 @@ impl QemuDriver {
                 None
             }
         };
+        // The VM being replaced gets its SIGKILL first (`join!` polls it first) and is waited for
+        // alongside the start: the new VM shares nothing writable with it (a new RAM inode, a
+        // new overlay, its sockets made afresh, the network stack serving the newest
+        // connection), so the launch need not wait for the old QEMU to be gone.
         let kill = async {
             match replacing {
                 Some(old) => Self::kill_and_wait(old).await,
                 None => Ok(()),
             }
         };
-        let (killed, disk) = tokio::join!(kill, self.qcow2_over(&cp.disk_layer, "qcow2", &overlay));
-        let prepared = killed.and(disk).and_then(|()| {
-            VmPaths::for_checkpoint_start(spec, overlay, None, cp.workspace_disk.as_deref())
-        });
-        let paths = match prepared {
-            Ok(p) => p,
-            Err(e) => {
-                // Let the copy end before the caller can try again on the same file.
-                if let Some(f) = filling {
-                    let _ = f.wait().await;
+        let start = async {
+            let prepared = self
+                .qcow2_over(&cp.disk_layer, "qcow2", &overlay)
+                .await
+                .and_then(|()| {
+                    VmPaths::for_checkpoint_start(spec, overlay, None, cp.workspace_disk.as_deref())
+                });
+            let paths = match prepared {
+                Ok(p) => p,
+                Err(e) => {
+                    // Let the copy end before the caller can try again on the same file.
+                    if let Some(f) = filling {
+                        let _ = f.wait().await;
+                    }
+                    return Err(e);
                 }
-                return Err(e);
-            }
+            };
+            tracing::debug!(vm = %spec.id, ms = t0.elapsed().as_millis() as u64, "restore: overlay made");
+            self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some(), filling)
+                .await
         };
-        tracing::debug!(vm = %spec.id, ms = t0.elapsed().as_millis() as u64, "restore: old VM gone, overlay made");
-        self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some(), filling)
-            .await
+        match tokio::join!(kill, start) {
+            (Ok(()), started) => started,
+            (Err(e), Ok(started)) => {
+                // Never two VMs of one sandbox: the old one would not go, so the new one goes.
+                let _ = Self::kill_and_wait(&started.info).await;
+                Err(e)
+            }
+            (Err(_), Err(e)) => Err(e),
+        }
     }
 
     /// Launch `spec`'s VM with `paths` (disk in place; RAM in place or, with `filling`, being
