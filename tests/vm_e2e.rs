@@ -94,6 +94,22 @@ fn exec_semantics_in_a_real_vm() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
+    // The default working directory; the agent (PID 1) enters a command's directory only for
+    // the moment of the spawn and is back in `/` after; argv[0] is the name as given.
+    let o = exec(
+        &d,
+        &id,
+        &["--", "sh", "-c", "pwd; echo $0; readlink /proc/1/cwd"],
+    );
+    assert_eq!(stdout(&o), "/workspace\nsh\n/\n");
+    let o = exec(&d, &id, &["--cwd", "/no/such/dir", "--", "true"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("/no/such/dir"), "{err}");
+    let o = exec(&d, &id, &["--", "no-such-command-here"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no-such-command-here"), "{err}");
     let mut child = Command::new(BIN)
         .args(["exec", "--stdin", &id, "--", "tr", "a-z", "A-Z"])
         .env("TRYBOXI_HOME", d.root())

@@ -1,7 +1,8 @@
 //! The exec service: spawning commands, streaming their output through a bounded spool,
 //! timeouts, signals, ptys.
 //!
-//! Owns every process it spawns (each in its own session and process group) and every byte of
+//! Owns every process it spawns (each in its own process group; a session of its own for a
+//! pty, and outside the VM) and every byte of
 //! their output until the host acknowledges it. Output is never dropped: when the spool is full
 //! the pipes are simply not read (backpressure). It never waits for processes itself (that is
 //! the reaper's job) and never speaks the wire format beyond queueing frames on an outbox.
@@ -35,6 +36,55 @@ pub struct ExecConfig {
     pub default_cwd: String,
     /// `Some`: children get exactly this environment (plus the request's); `None`: inherit ours.
     pub base_env: Option<Vec<(String, String)>>,
+    /// Start pipe-only commands with `posix_spawn` (a `vfork`: no copy of the agent's page
+    /// tables, no copy-on-write faults after) by entering their working directory in the agent
+    /// itself for the moment of the spawn. Only for the agent as PID 1 in a VM, whose code uses
+    /// absolute paths only; a process sharing its working directory with other code (tests)
+    /// keeps `false`. See [`spawn_in_cwd`].
+    pub spawn_in_cwd: bool,
+}
+
+/// Held while the agent's working directory is a command's (see [`ExecConfig::spawn_in_cwd`]).
+static CWD_LOCK: Mutex<()> = Mutex::new(());
+
+/// Spawn `cmd` (which names no working directory) with `cwd` as its working directory: the
+/// agent enters `cwd`, spawns, and goes back to `/`, under [`CWD_LOCK`].
+///
+/// Why: Rust's standard library starts a command with `posix_spawn` (`vfork` semantics) unless
+/// it needs work between fork and exec; a working directory is such work in a static binary
+/// (glibc's `posix_spawn_file_actions_addchdir_np` is looked up dynamically, which fails), so
+/// every exec would `fork` the agent. Under TCG a fork of the agent (copying its page tables,
+/// then copy-on-write faults in both processes) is a large part of a short exec.
+fn spawn_in_cwd(
+    reaper: &Reaper,
+    cmd: &mut Command,
+    cwd: &str,
+) -> std::io::Result<(std::process::Child, oneshot::Receiver<Status>)> {
+    let _held = CWD_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    std::env::set_current_dir(cwd)?;
+    let res = reaper.spawn(cmd);
+    if let Err(e) = std::env::set_current_dir("/") {
+        tracing::warn!(error = %e, "cannot go back to / after a spawn");
+    }
+    res
+}
+
+/// `prog` resolved against `path` (a `PATH` value) like `execvp` does, when it names no
+/// directory: the first regular file with an execute bit. `None` when it has a `/` or nothing
+/// was found (the caller then lets `execvp` decide, and report).
+pub(super) fn resolve_program(prog: &str, path: Option<&str>) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    if prog.is_empty() || prog.contains('/') {
+        return None;
+    }
+    path?
+        .split(':')
+        .map(|dir| std::path::Path::new(if dir.is_empty() { "." } else { dir }).join(prog))
+        .find(|p| {
+            p.is_absolute()
+                && std::fs::metadata(p)
+                    .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
 }
 
 pub struct ExecTable {
@@ -124,8 +174,29 @@ impl ExecTable {
         if !cwd.starts_with('/') {
             return Err(invalid(format!("cwd {cwd:?} is not an absolute path")));
         }
-        let mut cmd = Command::new(prog);
-        cmd.args(args).current_dir(&cwd);
+        // See `ExecConfig::spawn_in_cwd`. The program is looked up here: with a `PATH` of its
+        // own in the environment, the standard library would fork to let `execvp` do it.
+        let fast = self.cfg.spawn_in_cwd && spec.pty.is_none();
+        let path_var = spec
+            .env
+            .iter()
+            .rev()
+            .chain(self.cfg.base_env.iter().flatten())
+            .find(|(k, _)| k == "PATH")
+            .map(|(_, v)| v.as_str());
+        let resolved = fast.then(|| resolve_program(prog, path_var)).flatten();
+        let mut cmd = match &resolved {
+            Some(exe) => {
+                let mut c = Command::new(exe);
+                c.arg0(prog);
+                c
+            }
+            None => Command::new(prog),
+        };
+        cmd.args(args);
+        if !fast {
+            cmd.current_dir(&cwd);
+        }
         if let Some(base) = &self.cfg.base_env {
             cmd.env_clear().envs(base.iter().map(|(k, v)| (k, v)));
         }
@@ -165,21 +236,30 @@ impl ExecTable {
             cmd.stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
-            // SAFETY: setsid is async-signal-safe.
-            unsafe {
-                cmd.pre_exec(|| {
-                    if libc::setsid() < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
+            if fast {
+                // A process group of its own (signals reach everything it starts); no closure
+                // runs between fork and exec, so `posix_spawn` can be used.
+                cmd.process_group(0);
+            } else {
+                // SAFETY: setsid is async-signal-safe.
+                unsafe {
+                    cmd.pre_exec(|| {
+                        if libc::setsid() < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
             }
         }
 
-        let (mut child, exit_rx) = self
-            .reaper
-            .spawn(&mut cmd)
-            .map_err(|e| RemoteError::from_io(&format!("spawn {prog}"), &e))?;
+        let spawned = if fast {
+            spawn_in_cwd(&self.reaper, &mut cmd, &cwd)
+        } else {
+            self.reaper.spawn(&mut cmd)
+        };
+        let (mut child, exit_rx) =
+            spawned.map_err(|e| RemoteError::from_io(&format!("spawn {prog} in {cwd}"), &e))?;
         // Close our copies of the pty slave so the master sees EIO when the session ends.
         drop(cmd);
         let pid = child.id();

@@ -5,6 +5,8 @@
 //! host) and touches no disk before the `tryboxi.probe` check. Loads nothing from the network.
 
 use nix::mount::{MsFlags, mount};
+
+use crate::rpc::msg::{ErrorKind, RemoteError};
 use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -209,6 +211,41 @@ pub fn boot(cmd: &Cmdline) -> Result<(), InitError> {
     Ok(())
 }
 
+/// Most bytes of a hostname (the kernel's `__NEW_UTS_LEN`).
+const MAX_HOSTNAME: usize = 64;
+
+/// Make a clone its own machine (`Request::SetIdentity`): its hostname, and fresh randomness
+/// mixed into the kernel's pool (clones of one snapshot would otherwise share the pool's
+/// state). Writing to `/dev/urandom` mixes without crediting entropy, as from a shell.
+pub fn set_identity(hostname: &str, seed: &[u8]) -> Result<(), RemoteError> {
+    check_hostname(hostname)?;
+    nix::unistd::sethostname(hostname).map_err(|e| {
+        RemoteError::from_io("sethostname", &std::io::Error::from_raw_os_error(e as i32))
+    })?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")
+        .and_then(|mut f| f.write_all(seed))
+        .map_err(|e| RemoteError::from_io("/dev/urandom", &e))
+}
+
+/// A hostname the host may set: 1-64 bytes of `[A-Za-z0-9_.-]`.
+fn check_hostname(name: &str) -> Result<(), RemoteError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_HOSTNAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(RemoteError::new(
+            ErrorKind::InvalidRequest,
+            format!("not a valid hostname: {name:?}"),
+        ))
+    }
+}
+
 /// The environment every exec starts from.
 pub fn default_env() -> Vec<(String, String)> {
     [
@@ -288,5 +325,16 @@ mod tests {
             Some("vda")
         );
         assert_eq!(block_dev_with_serial(t.path(), "other"), None);
+    }
+
+    #[test]
+    fn identity_hostnames_are_checked_before_anything_is_set() {
+        for good in ["sbx_0123456789abcdef", "a", "box-1.local", &"x".repeat(64)] {
+            assert!(check_hostname(good).is_ok(), "{good}");
+        }
+        for bad in ["", "a b", "a/b", "a\nb", "ü", &"x".repeat(65)] {
+            let e = check_hostname(bad).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidRequest, "{bad}");
+        }
     }
 }

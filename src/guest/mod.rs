@@ -64,6 +64,7 @@ pub fn run() -> ExitCode {
         let cfg = ExecConfig {
             default_cwd: "/".into(),
             base_env: None,
+            spawn_in_cwd: false,
         };
         let agent = match Agent::new(cfg, ReapMode::OwnOnly, ShutdownMode::Return) {
             Ok(a) => a,
@@ -116,6 +117,7 @@ async fn serve_port(cmd: init::Cmdline) -> String {
     let cfg = ExecConfig {
         default_cwd: "/workspace".into(),
         base_env: Some(init::default_env()),
+        spawn_in_cwd: true,
     };
     let agent = match Agent::new(cfg, ReapMode::All, ShutdownMode::PowerOff) {
         Ok(a) => a,

@@ -20,6 +20,7 @@ fn agent() -> Arc<Agent> {
     let cfg = ExecConfig {
         default_cwd: "/".into(),
         base_env: None,
+        spawn_in_cwd: false,
     };
     Agent::new(cfg, ReapMode::OwnOnly, ShutdownMode::Return).unwrap()
 }

@@ -296,6 +296,11 @@ async fn request(
 ) -> Option<ServeEnd> {
     match req {
         Request::Ping => reply(outbox, stream, Ok(Reply::Pong)),
+        Request::SetIdentity { hostname, seed } => reply(
+            outbox,
+            stream,
+            super::init::set_identity(&hostname, &seed).map(|()| Reply::Done),
+        ),
         Request::Shutdown => {
             tracing::info!("shutdown requested");
             reply(outbox, stream, Ok(Reply::Done));

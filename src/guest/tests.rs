@@ -19,6 +19,7 @@ fn agent() -> Arc<Agent> {
     let cfg = ExecConfig {
         default_cwd: "/".into(),
         base_env: None,
+        spawn_in_cwd: false,
     };
     Agent::new(cfg, ReapMode::OwnOnly, ShutdownMode::Return).unwrap()
 }
@@ -736,4 +737,31 @@ async fn untar_replaces_deletes_and_walk_reports_the_tree() {
         (FileKind::File, 5, 0o755, 1_700_000_000, 0)
     );
     assert_eq!(w[0].link.as_deref(), Some("src/run.sh"));
+}
+
+#[test]
+fn programs_are_resolved_like_execvp_or_left_to_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (d.path().join("a"), d.path().join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let write = |p: &std::path::Path, mode: u32| {
+        std::fs::write(p, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    write(&a.join("tool"), 0o644); // not executable: skipped
+    write(&b.join("tool"), 0o755);
+    std::fs::create_dir_all(a.join("dir")).unwrap(); // a directory: skipped
+    write(&b.join("dir"), 0o755);
+    let path = format!("{}:{}", a.display(), b.display());
+    let r = super::exec::resolve_program;
+    assert_eq!(r("tool", Some(&path)), Some(b.join("tool")));
+    assert_eq!(r("dir", Some(&path)), Some(b.join("dir")));
+    // Names with a slash, unknown names, relative PATH entries and no PATH: left to execvp.
+    assert_eq!(r("./tool", Some(&path)), None);
+    assert_eq!(r("nope", Some(&path)), None);
+    assert_eq!(r("tool", Some("rel/dir::")), None);
+    assert_eq!(r("tool", None), None);
+    assert_eq!(r("", Some(&path)), None);
 }

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this file.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
 pub const CONTROL_STREAM: u32 = 0;
@@ -131,6 +131,12 @@ pub enum Request {
     MountBase {
         dir: String,
         serial: String,
+    },
+    /// Make a clone its own machine: set the kernel's hostname to `hostname` and mix `seed`
+    /// (fresh host randomness) into the kernel's random pool. Answered with `Done`.
+    SetIdentity {
+        hostname: String,
+        seed: Vec<u8>,
     },
 }
 

@@ -13,7 +13,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -21,7 +21,7 @@ use super::vms::LiveVm;
 use super::{SandboxRecord, Service, ServiceError};
 use crate::api::{self, SandboxState};
 use crate::ids;
-use crate::rpc::{AgentClient, ExecEvent, ExecRequest};
+use crate::rpc::AgentClient;
 use crate::store::SANDBOXES;
 use crate::vmm::qemu::Checkpoint;
 use crate::vmm::{VmSpec, VmmDriver};
@@ -205,15 +205,15 @@ impl Service {
             .telemetry
             .traces
             .span(&spec.id, "vm.start_from_checkpoint");
-        let info = if borrow && cp.ram_file.is_some() {
+        let started = if borrow && cp.ram_file.is_some() {
             driver.clone_vm(spec, cp, &overlay).await
         } else {
-            driver.restore(spec, cp, &overlay).await
+            driver.restore(spec, cp, &overlay, None).await
         }
         .map_err(|e| ServiceError::Internal(format!("cannot start the clone: {e}")))?;
         drop(span);
         let span = self.telemetry.traces.span(&spec.id, "guest.connect");
-        let agent = super::snapshots::agent_or_kill(&driver, &info, "clone").await?;
+        let (info, agent) = super::snapshots::agent_or_kill(&driver, started, "clone").await?;
         drop(span);
         let span = self.telemetry.traces.span(&spec.id, "guest.identity");
         if let Err(e) = set_identity(&agent, &spec.id).await {
@@ -268,32 +268,10 @@ pub(super) async fn set_identity(agent: &AgentClient, id: &str) -> Result<(), Se
     let mut seed = [0u8; 32];
     getrandom::fill(&mut seed)
         .map_err(|e| ServiceError::Internal(format!("no host randomness: {e}")))?;
-    // `id` is [A-Za-z0-9_-] (checked by the VMM layer); the seed is hex.
-    let script = format!(
-        "echo {id} > /proc/sys/kernel/hostname && echo {} > /dev/urandom",
-        hex::encode(seed)
-    );
-    let req = ExecRequest {
-        shell: Some(script),
-        cwd: Some("/".into()),
-        timeout: Some(Duration::from_secs(10)),
-        ..Default::default()
-    };
-    let bad = |m: String| ServiceError::Internal(format!("cannot set the clone's identity: {m}"));
-    let mut s = agent.exec(req).await.map_err(|e| bad(e.to_string()))?;
-    let mut err = Vec::new();
-    while let Some(ev) = s.next().await {
-        match ev.map_err(|e| bad(e.to_string()))? {
-            ExecEvent::Stderr(b) => err.extend_from_slice(&b),
-            ExecEvent::Exit { code: Some(0), .. } => return Ok(()),
-            ExecEvent::Exit { code, signal, .. } => {
-                return Err(bad(format!(
-                    "exit {code:?} signal {signal:?}: {}",
-                    String::from_utf8_lossy(&err).trim()
-                )));
-            }
-            _ => {}
-        }
-    }
-    Err(bad("the exec ended without an exit status".into()))
+    // One RPC answered by the agent itself: no process to start, so it costs a clone (a QEMU
+    // whose TCG translation cache is still empty) far less than a shell would.
+    agent
+        .set_identity(id, &seed)
+        .await
+        .map_err(|e| ServiceError::Internal(format!("cannot set the clone's identity: {e}")))
 }

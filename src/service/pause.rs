@@ -258,11 +258,11 @@ impl Service {
             .await?;
         self.ensure_network(id, &rec.dir)?;
         let t0 = Instant::now();
-        let info = driver
+        let started = driver
             .resume_from_disk(&spec, &pr.checkpoint)
             .await
             .map_err(|e| ServiceError::Internal(format!("cannot resume sandbox `{id}`: {e}")))?;
-        let agent = super::snapshots::agent_or_kill(&driver, &info, "resumed").await?;
+        let (info, agent) = super::snapshots::agent_or_kill(&driver, started, "resumed").await?;
         let vm = Arc::new(LiveVm { info, agent });
         self.vms.insert(id, vm.clone());
         match self.life.service() {

@@ -19,7 +19,11 @@ use crate::api::{self, SandboxState};
 use crate::ids;
 use crate::rpc::AgentClient;
 use crate::store::{SANDBOXES, SNAPSHOTS};
-use crate::vmm::qemu::Checkpoint;
+use crate::vmm::qemu::{Checkpoint, Resumed};
+
+/// How long the handshake on the early agent connection may take before a fresh connection
+/// is tried (a fresh clone's agent answers within tens of ms even under TCG).
+const EARLY_HANDSHAKE: Duration = Duration::from_secs(5);
 use crate::vmm::{Accel, VmSpec, VmmDriver};
 use crate::workspace::manifest::Base;
 
@@ -174,10 +178,10 @@ impl Service {
             Some("kvm") => Accel::Kvm,
             _ => Accel::Tcg,
         };
-        // Take the old VM out first, so its watcher does not mark the sandbox failed.
-        if let Some(old) = self.vms.take(id) {
-            let _ = driver.kill(&old.info).await;
-        } else {
+        // Take the old VM out first, so its watcher does not mark the sandbox failed; the
+        // driver kills it while it makes the new VM's files.
+        let old = self.vms.take(id);
+        if old.is_none() {
             self.kill_leftover(&rec.dir).await;
         }
         let spec = VmSpec {
@@ -195,18 +199,28 @@ impl Service {
         let overlay = rec.dir.join(format!("disk-{}.qcow2", ids::new_id("r")));
         let t0 = Instant::now();
         let restored = async {
-            let info = driver
-                .restore(&spec, &snap.checkpoint, &overlay)
+            let started = driver
+                .restore(
+                    &spec,
+                    &snap.checkpoint,
+                    &overlay,
+                    old.as_ref().map(|vm| &vm.info),
+                )
                 .await
                 .map_err(|e| {
                     ServiceError::Internal(format!("cannot restore `{}`: {e}", snap.api.id))
                 })?;
-            let agent = agent_or_kill(&driver, &info, "restored").await?;
-            Ok::<_, ServiceError>(LiveVm { info, agent })
+            let vm_ms = t0.elapsed().as_millis() as u64;
+            let (info, agent) = agent_or_kill(&driver, started, "restored").await?;
+            Ok::<_, ServiceError>((
+                LiveVm { info, agent },
+                vm_ms,
+                t0.elapsed().as_millis() as u64,
+            ))
         }
         .await;
         match restored {
-            Ok(vm) => {
+            Ok((vm, vm_ms, agent_ms)) => {
                 let saved = rec
                     .dir
                     .join("snapshots")
@@ -226,7 +240,7 @@ impl Service {
                 {
                     tracing::warn!(sandbox = %id, error = %e, "cannot delete the old pause state");
                 }
-                tracing::info!(sandbox = %id, snapshot = %snap.api.id, ms = t0.elapsed().as_millis() as u64, "sandbox restored");
+                tracing::info!(sandbox = %id, snapshot = %snap.api.id, vm_ms, agent_ms, ms = t0.elapsed().as_millis() as u64, "sandbox restored");
                 rec.api.state = SandboxState::Ready;
                 rec.api.error = None;
                 self.store.put(SANDBOXES, id, &rec)?;
@@ -239,6 +253,10 @@ impl Service {
                 Ok(rec.api)
             }
             Err(e) => {
+                // Whatever step failed, the VM that was replaced must not run on unowned.
+                if let Some(old) = &old {
+                    let _ = driver.kill(&old.info).await;
+                }
                 self.mark_failed(id, e.to_string());
                 Err(e)
             }
@@ -246,17 +264,36 @@ impl Service {
     }
 }
 
-/// Connect to the agent of a VM started from a checkpoint (restore, clone, resume); a VM whose
-/// agent does not answer is killed, never left running unowned. `what` names it in the error.
+/// Connect to the agent of a VM started from a checkpoint (restore, clone, resume), on the
+/// connection the driver made before the VM continued when there is one; a VM whose agent does
+/// not answer is killed, never left running unowned. `what` names it in the error.
 pub(super) async fn agent_or_kill(
     driver: &crate::vmm::QemuDriver,
-    info: &crate::vmm::VmInfo,
+    started: Resumed,
     what: &str,
-) -> Result<AgentClient, ServiceError> {
+) -> Result<(crate::vmm::VmInfo, AgentClient), ServiceError> {
+    let Resumed { info, agent } = started;
+    if let Some(early) = agent {
+        let res = async {
+            early.set_nonblocking(true)?;
+            let s = tokio::net::UnixStream::from_std(early)?;
+            tokio::time::timeout(EARLY_HANDSHAKE, AgentClient::connect(s))
+                .await
+                .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+                .map_err(std::io::Error::other)
+        }
+        .await;
+        match res {
+            Ok(client) => return Ok((info, client)),
+            Err(e) => {
+                tracing::debug!(vm = %info.id, error = %e, "early agent connection failed; connecting again")
+            }
+        }
+    }
     match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(30)).await {
-        Ok(agent) => Ok(agent),
+        Ok(client) => Ok((info, client)),
         Err(e) => {
-            let _ = driver.kill(info).await;
+            let _ = driver.kill(&info).await;
             Err(ServiceError::Internal(format!(
                 "the {what} guest agent did not answer: {e}"
             )))

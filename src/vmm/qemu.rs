@@ -121,6 +121,9 @@ impl RamBacking {
     }
 }
 
+/// Id of the agent channel's chardev (QMP `query-chardev` label).
+pub const AGENT_CHARDEV: &str = "agent";
+
 /// Name of the memory backend object (QMP path `/objects/<name>`).
 pub const RAM_OBJECT: &str = "ram0";
 
@@ -416,9 +419,13 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
         "-device".as_ref(),
         "virtio-serial-device,max_ports=2".as_ref(),
         "-chardev".as_ref(),
-        &opt("socket,id=agent,path=", &paths.agent, ",server=on,wait=off"),
+        &opt(
+            &format!("socket,id={AGENT_CHARDEV},path="),
+            &paths.agent,
+            ",server=on,wait=off",
+        ),
         "-device".as_ref(),
-        format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}").as_ref(),
+        format!("virtserialport,chardev={AGENT_CHARDEV},name={AGENT_PORT_NAME}").as_ref(),
     ]);
     push(&["-device".as_ref(), "virtio-rng-device".as_ref()]);
     // The NIC: Ethernet frames over a unix socket to the daemon's userspace network stack.
@@ -849,4 +856,4 @@ mod snapshot;
 #[cfg(test)]
 mod tests;
 
-pub use snapshot::Checkpoint;
+pub use snapshot::{Checkpoint, Resumed};

@@ -169,6 +169,16 @@ impl AgentClient {
         .await
     }
 
+    /// Sets the guest's hostname and mixes `seed` into its random pool (see
+    /// [`Request::SetIdentity`]).
+    pub async fn set_identity(&self, hostname: &str, seed: &[u8]) -> Result<(), RpcError> {
+        self.call_done(Request::SetIdentity {
+            hostname: hostname.into(),
+            seed: seed.to_vec(),
+        })
+        .await
+    }
+
     /// Removes `delete` (relative to `dir`), then unpacks the tar archive `tar` into `dir`.
     pub async fn untar(&self, dir: &str, delete: Vec<String>, tar: &[u8]) -> Result<(), RpcError> {
         self.write_stream(

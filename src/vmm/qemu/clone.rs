@@ -12,7 +12,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use super::snapshot::{Checkpoint, absolute, active_disk, owned_ram, save_state};
+use super::snapshot::{Checkpoint, Resumed, absolute, active_disk, owned_ram, save_state};
 use super::{QMP_TIMEOUT, QemuDriver, RamBacking, VmPaths, abs, our_process, ramfile};
 use crate::vmm::qmp::QmpClient;
 use crate::vmm::{VmInfo, VmSpec, VmmError};
@@ -28,7 +28,7 @@ impl QemuDriver {
         spec: &VmSpec,
         cp: &Checkpoint,
         overlay: &Path,
-    ) -> Result<VmInfo, VmmError> {
+    ) -> Result<Resumed, VmmError> {
         let ram = cp.ram_file.as_ref().ok_or_else(|| {
             VmmError::Other("this checkpoint has no RAM file: it cannot be cloned".into())
         })?;
@@ -40,7 +40,7 @@ impl QemuDriver {
         )?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
-        self.start_incoming(spec, &paths, &cp.state_file, true)
+        self.start_incoming(spec, &paths, &cp.state_file, true, None)
             .await
     }
 
@@ -84,16 +84,17 @@ impl QemuDriver {
         &self,
         spec: &VmSpec,
         cp: &Checkpoint,
-    ) -> Result<VmInfo, VmmError> {
+    ) -> Result<Resumed, VmmError> {
         let paths = VmPaths::for_checkpoint_start(spec, cp.disk_layer.clone(), None, None)?;
-        match &cp.ram_file {
-            Some(r) if r != paths.ram.path() => {
-                ramfile::copy_sparse_async(r, paths.ram.path()).await?;
+        let filling = match &cp.ram_file {
+            Some(r) if r != paths.ram.path() => Some(ramfile::fill_in_place(r, paths.ram.path())?),
+            Some(_) => None,
+            None => {
+                ramfile::remove(paths.ram.path())?;
+                None
             }
-            Some(_) => {}
-            None => ramfile::remove(paths.ram.path())?,
-        }
-        self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some())
+        };
+        self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some(), filling)
             .await
     }
 }

@@ -69,21 +69,67 @@ pub fn copy_sparse(src: &Path, dst: &Path) -> Result<u64, VmmError> {
     let tmp = dst.with_extension("tmp");
     let to = File::create(&tmp).map_err(io(&tmp))?;
     to.set_len(size).map_err(io(&tmp))?;
+    let copied = copy_data(&from, src, &to, dst)?;
+    std::fs::rename(&tmp, dst).map_err(io(dst))?;
+    Ok(copied)
+}
+
+/// Copy the data extents of `from` (at `src`) to the same offsets of `to` (at `dst`).
+fn copy_data(from: &File, src: &Path, to: &File, dst: &Path) -> Result<u64, VmmError> {
+    let size = from.metadata().map_err(io(src))?.len();
     let mut copied = 0u64;
     let mut pos = 0u64;
     while pos < size {
-        let Some(data) = seek(&from, pos, libc::SEEK_DATA).map_err(io(src))? else {
+        let Some(data) = seek(from, pos, libc::SEEK_DATA).map_err(io(src))? else {
             break;
         };
-        let end = seek(&from, data, libc::SEEK_HOLE)
+        let end = seek(from, data, libc::SEEK_HOLE)
             .map_err(io(src))?
             .unwrap_or(size);
-        copy_range(&from, &to, data, end - data).map_err(io(dst))?;
+        copy_range(from, to, data, end - data).map_err(io(dst))?;
         copied += end - data;
         pos = end;
     }
-    std::fs::rename(&tmp, dst).map_err(io(dst))?;
     Ok(copied)
+}
+
+/// A RAM file being filled in place: [`fill_in_place`] makes `dst` a new file (a new inode: a
+/// VM still mapping the old one keeps it) of `src`'s size at once, so a QEMU can be launched
+/// on it while the data is copied on a blocking thread; [`Filling::wait`] before the VM's
+/// state is loaded (device state refers to guest RAM).
+pub struct Filling {
+    task: tokio::task::JoinHandle<Result<u64, VmmError>>,
+    dst: std::path::PathBuf,
+}
+
+/// Start filling `dst` from the RAM file `src` (see [`Filling`]).
+pub fn fill_in_place(src: &Path, dst: &Path) -> Result<Filling, VmmError> {
+    let from = File::open(src).map_err(io(src))?;
+    let size = from.metadata().map_err(io(src))?.len();
+    remove(dst)?;
+    let to = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(dst)
+        .map_err(io(dst))?;
+    to.set_len(size).map_err(io(dst))?;
+    let (s, d) = (src.to_path_buf(), dst.to_path_buf());
+    let task = tokio::task::spawn_blocking(move || copy_data(&from, &s, &to, &d));
+    Ok(Filling {
+        task,
+        dst: dst.to_path_buf(),
+    })
+}
+
+impl Filling {
+    /// Wait until the copy is done; the bytes copied.
+    pub async fn wait(self) -> Result<u64, VmmError> {
+        self.task.await.map_err(|e| VmmError::Io {
+            path: self.dst,
+            source: std::io::Error::other(e),
+        })?
+    }
 }
 
 /// [`copy_sparse`] on a blocking thread: copying a RAM file takes tens of milliseconds and must
@@ -132,5 +178,34 @@ mod tests {
         assert!(a == b);
         use std::os::unix::fs::MetadataExt;
         assert!(std::fs::metadata(&dst).unwrap().blocks() * 512 < 8 << 20);
+    }
+
+    #[tokio::test]
+    async fn fills_a_new_inode_in_place_and_the_old_one_stays_intact() {
+        use std::io::Read;
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("snap.ram");
+        let mut f = File::create(&src).unwrap();
+        f.set_len(16 << 20).unwrap();
+        f.seek(SeekFrom::Start(3 << 20)).unwrap();
+        f.write_all(&[9u8; 4096]).unwrap();
+        drop(f);
+        // The VM being replaced still has the old file open.
+        let dst = d.path().join("mem.ram");
+        std::fs::write(&dst, b"old VM's memory").unwrap();
+        let mut old = File::open(&dst).unwrap();
+        let filling = fill_in_place(&src, &dst).unwrap();
+        // Sized at once, before the data is there: a QEMU can map it now.
+        assert_eq!(std::fs::metadata(&dst).unwrap().len(), 16 << 20);
+        let n = filling.wait().await.unwrap();
+        assert!((4096..1 << 20).contains(&n), "copied {n}");
+        assert!(std::fs::read(&dst).unwrap() == std::fs::read(&src).unwrap());
+        let mut was = String::new();
+        old.read_to_string(&mut was).unwrap();
+        assert_eq!(was, "old VM's memory");
+        // A missing source is an error before anything is removed.
+        std::fs::write(d.path().join("keep.ram"), b"x").unwrap();
+        assert!(fill_in_place(&d.path().join("nope"), &d.path().join("keep.ram")).is_err());
+        assert_eq!(std::fs::read(d.path().join("keep.ram")).unwrap(), b"x");
     }
 }

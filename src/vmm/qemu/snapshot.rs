@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    LOG_TAIL, QMP_TIMEOUT, QemuDriver, RAM_OBJECT, VmPaths, abs, abs_spec, qemu_args, ramfile,
-    tail, write_vm_json,
+    AGENT_CHARDEV, LOG_TAIL, QMP_TIMEOUT, QemuDriver, RAM_OBJECT, VmPaths, abs, abs_spec,
+    qemu_args, ramfile, tail, write_vm_json,
 };
 use crate::vmm::qmp::QmpClient;
 use crate::vmm::{VmInfo, VmSpec, VmmError};
@@ -46,6 +46,20 @@ pub struct Checkpoint {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace_disk: Option<PathBuf>,
 }
+
+/// A VM started from a checkpoint (restore, clone, resume from disk).
+#[derive(Debug)]
+pub struct Resumed {
+    pub info: VmInfo,
+    /// The host end of the agent's chardev socket, connected before the VM continued (see
+    /// [`QemuDriver::start_incoming`]); `None` when QEMU had not taken the connection by then.
+    /// The driver never speaks the agent protocol: the caller does, on this stream.
+    pub agent: Option<std::os::unix::net::UnixStream>,
+}
+
+/// How long a restore waits for QEMU to take the early agent connection before continuing
+/// the VM anyway (the guest then sees its host leave and come back, which costs it a retry).
+const EARLY_AGENT_WAIT: Duration = Duration::from_millis(200);
 
 /// File name of a frozen RAM file inside a checkpoint directory.
 pub const RAM_FILE: &str = "mem.ram";
@@ -107,46 +121,91 @@ impl QemuDriver {
     }
 
     /// Start `spec`'s VM from `cp`: a new overlay `overlay` over the checkpoint's frozen layer,
-    /// memory and devices from its state file. Returns once the VM runs again.
+    /// memory and devices from its state file. Returns once the VM runs again. `replacing` is
+    /// the VM of the same sandbox still running (a restore over a live VM): it is killed while
+    /// the new files are made.
+    ///
+    /// Everything that does not depend on something else runs side by side: the VM's own copy
+    /// of the frozen RAM (so later snapshots stay fast) fills a new file on a blocking thread
+    /// from the start, while the old VM is killed and the overlay made, and while the new QEMU
+    /// launches on that file; the state is loaded once the copy is done.
     pub async fn restore(
         &self,
         spec: &VmSpec,
         cp: &Checkpoint,
         overlay: &Path,
-    ) -> Result<VmInfo, VmmError> {
+        replacing: Option<&VmInfo>,
+    ) -> Result<Resumed, VmmError> {
         let t0 = Instant::now();
-        let paths = VmPaths::for_checkpoint_start(
-            spec,
-            absolute(overlay)?,
-            None,
-            cp.workspace_disk.as_deref(),
-        )?;
-        // The new overlay and the VM's own copy of the frozen RAM (so later snapshots stay
-        // fast; a state file that carries the RAM fills a fresh file) are made side by side.
-        let ram = async {
-            match &cp.ram_file {
-                Some(r) => ramfile::copy_sparse_async(r, paths.ram.path()).await,
-                None => ramfile::remove(paths.ram.path()).map(|()| 0),
+        let overlay = absolute(overlay)?;
+        let ram_path = VmPaths::new(&abs(&spec.dir)?).ram.path().to_owned();
+        // A state file that carries the RAM fills a fresh file QEMU makes.
+        let filling = match &cp.ram_file {
+            Some(r) => Some(ramfile::fill_in_place(r, &ram_path)?),
+            None => {
+                ramfile::remove(&ram_path)?;
+                None
             }
         };
-        let (disk, copied) =
-            tokio::join!(self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk), ram);
-        disk?;
-        let copied = copied?;
-        tracing::debug!(vm = %spec.id, ms = t0.elapsed().as_millis() as u64, ram_copied_mib = copied >> 20, "restore: disk overlay and RAM in place");
-        self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some())
-            .await
+        // The VM being replaced gets its SIGKILL first (`join!` polls it first) and is waited for
+        // alongside the start: the new VM shares nothing writable with it (a new RAM inode, a
+        // new overlay, its sockets made afresh, the network stack serving the newest
+        // connection), so the launch need not wait for the old QEMU to be gone.
+        let kill = async {
+            match replacing {
+                Some(old) => Self::kill_and_wait(old).await,
+                None => Ok(()),
+            }
+        };
+        let start = async {
+            let prepared = self
+                .qcow2_over(&cp.disk_layer, "qcow2", &overlay)
+                .await
+                .and_then(|()| {
+                    VmPaths::for_checkpoint_start(spec, overlay, None, cp.workspace_disk.as_deref())
+                });
+            let paths = match prepared {
+                Ok(p) => p,
+                Err(e) => {
+                    // Let the copy end before the caller can try again on the same file.
+                    if let Some(f) = filling {
+                        let _ = f.wait().await;
+                    }
+                    return Err(e);
+                }
+            };
+            tracing::debug!(vm = %spec.id, ms = t0.elapsed().as_millis() as u64, "restore: overlay made");
+            self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some(), filling)
+                .await
+        };
+        match tokio::join!(kill, start) {
+            (Ok(()), started) => started,
+            (Err(e), Ok(started)) => {
+                // Never two VMs of one sandbox: the old one would not go, so the new one goes.
+                let _ = Self::kill_and_wait(&started.info).await;
+                Err(e)
+            }
+            (Err(_), Err(e)) => Err(e),
+        }
     }
 
-    /// Launch `spec`'s VM with `paths` (disk and RAM already in place) from the state file
-    /// `state`, wait until the incoming migration has loaded, continue it, write `vm.json`.
+    /// Launch `spec`'s VM with `paths` (disk in place; RAM in place or, with `filling`, being
+    /// copied into place) from the state file `state`, wait until the incoming migration has
+    /// loaded, continue it, write `vm.json`.
+    ///
+    /// Before the VM continues, the agent's chardev socket is connected (and QEMU seen to have
+    /// taken the connection): the checkpointed VM had its host connected, and virtio-serial's
+    /// post-load step tells the guest "host closed" when the new QEMU has no client at that
+    /// point; the guest agent then sees its host come back only on its next look. Connected
+    /// first, the port state matches and the agent reads the host's `Hello` at once.
     pub(super) async fn start_incoming(
         &self,
         spec: &VmSpec,
         paths: &VmPaths,
         state: &Path,
         ignore_shared: bool,
-    ) -> Result<VmInfo, VmmError> {
+        filling: Option<ramfile::Filling>,
+    ) -> Result<Resumed, VmmError> {
         let dir = paths.dir.clone();
         let spec = abs_spec(spec, dir.clone())?;
         let mut args = qemu_args(&spec, paths);
@@ -159,6 +218,11 @@ impl QemuDriver {
         let info = paths.info(&spec, pid);
         let res = async {
             let qmp = connect_until(&paths.qmp, &exited, paths).await?;
+            let launched_ms = t0.elapsed().as_millis() as u64;
+            if let Some(f) = filling {
+                let bytes = f.wait().await?;
+                tracing::debug!(vm = %spec.id, launched_ms, ram_ready_ms = t0.elapsed().as_millis() as u64, ram_copied_mib = bytes >> 20, "restore: QEMU up, RAM in place");
+            }
             if ignore_shared {
                 qmp.migrate_set_capabilities(&[("x-ignore-shared", true)])
                     .await?;
@@ -166,16 +230,56 @@ impl QemuDriver {
             qmp.migrate_incoming(&format!("file:{}", state.display()))
                 .await?;
             wait_incoming(&qmp, &exited, paths).await?;
+            let agent = connect_agent_early(&qmp, &paths.agent).await;
             qmp.cont().await?;
-            write_vm_json(paths, &info)
+            write_vm_json(paths, &info)?;
+            Ok(agent)
         }
         .await;
-        if let Err(e) = res {
-            let _ = Self::kill_and_wait(&info).await;
-            return Err(e);
+        let agent = match res {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = Self::kill_and_wait(&info).await;
+                return Err(e);
+            }
+        };
+        tracing::info!(vm = %info.id, pid, restore_ms = t0.elapsed().as_millis() as u64, agent_early = agent.is_some(), "VM started from a state file");
+        Ok(Resumed { info, agent })
+    }
+}
+
+/// Connect to the agent's chardev socket `sock` of a paused QEMU and wait (bounded) until
+/// QEMU has accepted it: `query-chardev` names a socket chardev without a client
+/// `disconnected:...`. `None` if either did not happen; the caller connects later as usual.
+async fn connect_agent_early(
+    qmp: &QmpClient,
+    sock: &Path,
+) -> Option<std::os::unix::net::UnixStream> {
+    let stream = match std::os::unix::net::UnixStream::connect(sock) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::debug!(error = %e, "no early agent connection");
+            return None;
         }
-        tracing::info!(vm = %info.id, pid, restore_ms = t0.elapsed().as_millis() as u64, "VM started from a state file");
-        Ok(info)
+    };
+    let deadline = Instant::now() + EARLY_AGENT_WAIT;
+    loop {
+        let chardevs = qmp.execute("query-chardev", None).await.ok()?;
+        let taken = chardevs
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["label"] == AGENT_CHARDEV)
+            .and_then(|c| c["filename"].as_str())
+            .is_some_and(|f| !f.starts_with("disconnected:"));
+        if taken {
+            return Some(stream);
+        }
+        if Instant::now() > deadline {
+            tracing::debug!("QEMU did not take the early agent connection");
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 
