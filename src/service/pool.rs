@@ -94,7 +94,11 @@ impl Service {
                 dir: dir.clone(),
                 ..spec.clone()
             };
-            match self.start_clone(&pspec, &g.checkpoint, false).await {
+            let started = match self.start_clone(&pspec, &g.checkpoint, false).await {
+                Ok(vm) => warm_up(&vm.agent).await.map(|()| vm),
+                Err(e) => Err(e),
+            };
+            match started {
                 Ok(vm) => {
                     reservation.keep();
                     let p = PoolVm { id, dir, vm };
@@ -323,4 +327,31 @@ impl Service {
     pub(super) fn pool_ready(&self) -> usize {
         lock(&self.life.golden.pool).values().map(Vec::len).sum()
     }
+}
+
+/// Run one short command in a fresh pool VM before it waits to be taken. It is a new QEMU whose
+/// TCG translation cache is empty; the exec path (agent, guest kernel spawn, the dynamic loader)
+/// is what a create's first command needs, so it is translated here, ahead of time, instead of
+/// in the user's first exec. A VM that cannot run `true` is not fit for the pool.
+async fn warm_up(agent: &crate::rpc::AgentClient) -> Result<(), ServiceError> {
+    let bad = |m: String| ServiceError::Internal(format!("pool VM warm-up failed: {m}"));
+    let req = crate::rpc::ExecRequest {
+        argv: vec!["true".into()],
+        cwd: Some("/".into()),
+        timeout: Some(std::time::Duration::from_secs(30)),
+        ..Default::default()
+    };
+    let mut s = agent.exec(req).await.map_err(|e| bad(e.to_string()))?;
+    while let Some(ev) = s.next().await {
+        match ev.map_err(|e| bad(e.to_string()))? {
+            crate::rpc::ExecEvent::Exit { code: Some(0), .. } => return Ok(()),
+            crate::rpc::ExecEvent::Exit { code, signal, .. } => {
+                return Err(bad(format!(
+                    "`true` ended with {code:?} / signal {signal:?}"
+                )));
+            }
+            _ => {}
+        }
+    }
+    Err(bad("the exec ended without an exit status".into()))
 }
