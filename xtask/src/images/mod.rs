@@ -53,6 +53,9 @@ pub struct Rebuild {
 
 /// Builds or reuses all three artifacts; returns `_out/images/`.
 pub fn run(binary: &Path, rebuild: Rebuild) -> Result<PathBuf> {
+    // mmdebstrap, linux-source, e2fsprogs...: a fresh machine has none of them (a dpkg-query
+    // when all are there).
+    crate::deps::debian_only()?;
     let cache = cache::Cache::from_env();
     println!("    image cache: {}", cache.root.display());
     let initramfs = initramfs::build(&cache, binary)?;

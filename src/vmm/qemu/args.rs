@@ -1,0 +1,395 @@
+//! The QEMU command line of one VM and the files it names.
+//!
+//! Owns: [`VmPaths`] (every file the driver keeps in a VM's directory), how RAM is backed
+//! ([`RamBacking`]), the kernel command line and [`qemu_args`], the whole argument list for a
+//! spec. Pure functions: nothing here starts a process or touches a file.
+
+use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use super::{AGENT_PORT_NAME, NET_RECONNECT_MS, NIC_MAC, SUN_PATH_MAX, abs, io_err};
+use crate::vmm::{Accel, VmInfo, VmSpec, VmmError};
+/// Every file the driver keeps in a VM's directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmPaths {
+    pub dir: PathBuf,
+    /// qcow2 overlay over the base rootfs: the VM's only writable disk.
+    pub disk: PathBuf,
+    pub qmp: PathBuf,
+    pub agent: PathBuf,
+    /// The VM's NIC: QEMU connects here (`-netdev stream`); the daemon's network stack listens
+    /// on it before QEMU starts. Never removed by the driver (the listener owns it).
+    pub net: PathBuf,
+    /// Guest serial console (kernel messages, agent's early log).
+    pub console: PathBuf,
+    /// QEMU's own stdout/stderr.
+    pub qemu_log: PathBuf,
+    pub pidfile: PathBuf,
+    /// The persisted [`VmInfo`].
+    pub vm_json: PathBuf,
+    /// Where the guest RAM lives (see [`RamBacking`]).
+    pub ram: RamBacking,
+    /// The transfer disk (see [`crate::vmm::TRANSFER_DISK_FILE`]).
+    pub xfer: PathBuf,
+    /// The workspace base disk (see [`crate::vmm::WORKSPACE_DISK_FILE`]).
+    pub wsbase: PathBuf,
+}
+
+/// The file behind a VM's RAM (`-object memory-backend-file`). See docs/VMM.md, "Snapshots".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RamBacking {
+    /// The VM's own file `<dir>/mem.ram`, mapped shared: guest RAM *is* this file, so a
+    /// migration with `x-ignore-shared` leaves RAM out of the state file (fast snapshot and
+    /// pause), and a paused VM's RAM is already on disk.
+    Owned(PathBuf),
+    /// A frozen RAM file (a fork base or golden snapshot), mapped private: pages are shared
+    /// copy-on-write with every other VM started from it. A migration must carry the RAM.
+    Borrowed(PathBuf),
+}
+
+impl RamBacking {
+    pub fn path(&self) -> &Path {
+        match self {
+            RamBacking::Owned(p) | RamBacking::Borrowed(p) => p,
+        }
+    }
+}
+
+/// Id of the agent channel's chardev (QMP `query-chardev` label).
+pub const AGENT_CHARDEV: &str = "agent";
+
+/// Name of the memory backend object (QMP path `/objects/<name>`).
+pub const RAM_OBJECT: &str = "ram0";
+
+impl VmPaths {
+    pub fn new(dir: &Path) -> VmPaths {
+        VmPaths {
+            dir: dir.to_owned(),
+            disk: dir.join("disk.qcow2"),
+            qmp: dir.join("qmp.sock"),
+            agent: dir.join("agent.sock"),
+            net: dir.join("net.sock"),
+            console: dir.join("console.log"),
+            qemu_log: dir.join("qemu.log"),
+            pidfile: dir.join("qemu.pid"),
+            vm_json: dir.join("vm.json"),
+            ram: RamBacking::Owned(dir.join("mem.ram")),
+            xfer: dir.join(crate::vmm::TRANSFER_DISK_FILE),
+            wsbase: dir.join(crate::vmm::WORKSPACE_DISK_FILE),
+        }
+    }
+
+    /// Paths of `spec`'s VM about to start from a checkpoint (restore, clone, resume): `disk`
+    /// is its active layer, `ram` replaces the VM's own RAM file when given; leftovers of an
+    /// earlier run are cleared and the transfer disk is made. `wsbase` is the workspace base
+    /// disk the checkpointed VM had (see [`VmPaths::ensure_workspace_disk`]).
+    pub(super) fn for_checkpoint_start(
+        spec: &VmSpec,
+        disk: PathBuf,
+        ram: Option<RamBacking>,
+        wsbase: Option<&Path>,
+    ) -> Result<VmPaths, VmmError> {
+        check_id(&spec.id)?;
+        let dir = abs(&spec.dir)?;
+        let mut paths = VmPaths::new(&dir);
+        paths.check_socket_lengths()?;
+        paths.disk = disk;
+        if let Some(ram) = ram {
+            paths.ram = ram;
+        }
+        paths.clear_stale()?;
+        paths.ensure_transfer_disk()?;
+        paths.ensure_workspace_disk(wsbase)?;
+        Ok(paths)
+    }
+
+    /// Give the VM its workspace base disk. `shared` is the file of the VM it is cloned from
+    /// (a checkpoint's [`super::Checkpoint::workspace_disk`]): when that is another VM's file
+    /// the VM's `wsbase.img` becomes a symlink to it (the guest's overlay lower layer lives
+    /// there, and the file is never written again). Otherwise the VM keeps the file it has, or
+    /// gets a new empty one (sparse, fixed size: the device's size is part of the VM state).
+    pub(super) fn ensure_workspace_disk(&self, shared: Option<&Path>) -> Result<(), VmmError> {
+        let own = std::fs::canonicalize(&self.wsbase).ok();
+        if let Some(src) = shared
+            && own.as_deref() != Some(src)
+            && src.is_file()
+        {
+            match std::fs::remove_file(&self.wsbase) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(&self.wsbase)(e)),
+            }
+            return std::os::unix::fs::symlink(src, &self.wsbase).map_err(io_err(&self.wsbase));
+        }
+        if own.is_some() {
+            return Ok(());
+        }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.wsbase)
+            .map_err(io_err(&self.wsbase))?;
+        f.set_len(crate::vmm::WORKSPACE_DISK_BYTES)
+            .map_err(io_err(&self.wsbase))
+    }
+
+    /// Make the transfer disk (sparse, fixed size) unless it is there: the device set of a VM
+    /// (and of every VM restored from its checkpoints) always includes it.
+    pub(super) fn ensure_transfer_disk(&self) -> Result<(), VmmError> {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.xfer)
+            .map_err(io_err(&self.xfer))?;
+        let len = f.metadata().map_err(io_err(&self.xfer))?.len();
+        if len != crate::vmm::TRANSFER_DISK_BYTES {
+            f.set_len(crate::vmm::TRANSFER_DISK_BYTES)
+                .map_err(io_err(&self.xfer))?;
+        }
+        Ok(())
+    }
+
+    /// Remove leftovers of an earlier run of this VM (they would fool the readiness checks).
+    pub(super) fn clear_stale(&self) -> Result<(), VmmError> {
+        for stale in [&self.qmp, &self.agent, &self.pidfile, &self.vm_json] {
+            match std::fs::remove_file(stale) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(stale)(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The [`VmInfo`] of `spec`'s VM running as `pid` with these paths.
+    pub(super) fn info(&self, spec: &VmSpec, pid: u32) -> VmInfo {
+        VmInfo {
+            id: spec.id.clone(),
+            dir: self.dir.clone(),
+            pid,
+            accel: spec.accel,
+            agent_socket: self.agent.clone(),
+            qmp_socket: self.qmp.clone(),
+            console_log: self.console.clone(),
+        }
+    }
+
+    /// Unix socket paths must fit `sun_path`; we refuse long ones rather than play tricks with
+    /// symlinks or `/proc/self/fd` (both sides of each socket would need the trick).
+    pub(super) fn check_socket_lengths(&self) -> Result<(), VmmError> {
+        for p in [&self.qmp, &self.agent, &self.net] {
+            let n = p.as_os_str().len();
+            if n > SUN_PATH_MAX {
+                return Err(VmmError::Other(format!(
+                    "socket path {} is {n} bytes, more than the {SUN_PATH_MAX} a unix socket \
+                     allows: choose a shorter data directory",
+                    p.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// QEMU splits option values at commas; a literal comma is written twice.
+pub(super) fn opt_escape(p: &Path) -> OsString {
+    let bytes = p.as_os_str().as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    for &b in bytes {
+        out.push(b);
+        if b == b',' {
+            out.push(b',');
+        }
+    }
+    OsStr::from_bytes(&out).to_owned()
+}
+
+pub(super) fn opt(prefix: &str, p: &Path, suffix: &str) -> OsString {
+    let mut s = OsString::from(prefix);
+    s.push(opt_escape(p));
+    s.push(suffix);
+    s
+}
+
+/// VM ids go onto the kernel command line: keep them to a safe alphabet.
+pub(super) fn check_id(id: &str) -> Result<(), VmmError> {
+    let ok = !id.is_empty()
+        && id.len() <= 63
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(VmmError::Other(format!(
+            "VM id {id:?} must be 1-63 characters of [A-Za-z0-9_-]"
+        )))
+    }
+}
+
+/// The kernel command line of a normal VM.
+pub(super) fn kernel_cmdline(id: &str) -> String {
+    format!(
+        "console=ttyS0 reboot=t panic=-1 quiet tryboxi.root=serial:{} tryboxi.hostname={id}",
+        crate::vmm::ROOT_DISK_SERIAL
+    )
+}
+
+/// Machine, accelerator and CPU arguments shared by VMs and the KVM probe.
+pub(crate) fn machine_args(accel: Accel, vcpus: u32, memory_mib: u32) -> Vec<OsString> {
+    machine_args_with(accel, vcpus, memory_mib, "microvm,acpi=off")
+}
+
+pub(super) fn machine_args_with(
+    accel: Accel,
+    vcpus: u32,
+    memory_mib: u32,
+    machine: &str,
+) -> Vec<OsString> {
+    let (accel, cpu) = match accel {
+        Accel::Kvm => ("kvm", "host"),
+        Accel::Tcg => ("tcg", "max"),
+    };
+    [
+        "-M",
+        machine,
+        "-accel",
+        accel,
+        "-cpu",
+        cpu,
+        "-smp",
+        &vcpus.to_string(),
+        "-m",
+        &format!("{memory_mib}M"),
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-sandbox",
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+    ]
+    .into_iter()
+    .map(OsString::from)
+    .collect()
+}
+
+/// The full QEMU argument list (without the binary) for `spec`; `paths` must be absolute.
+pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
+    let machine = format!("microvm,acpi=off,memory-backend={RAM_OBJECT}");
+    let mut a = machine_args_with(spec.accel, spec.vcpus, spec.memory_mib, &machine);
+    let mut push = |items: &[&OsStr]| a.extend(items.iter().map(|s| s.to_os_string()));
+    let share = match paths.ram {
+        RamBacking::Owned(_) => "on",
+        RamBacking::Borrowed(_) => "off",
+    };
+    push(&[
+        "-object".as_ref(),
+        &opt(
+            &format!(
+                "memory-backend-file,id={RAM_OBJECT},size={}M,mem-path=",
+                spec.memory_mib
+            ),
+            paths.ram.path(),
+            &format!(",share={share}"),
+        ),
+    ]);
+    push(&[
+        "-kernel".as_ref(),
+        spec.kernel.as_os_str(),
+        "-initrd".as_ref(),
+        spec.initramfs.as_os_str(),
+        "-append".as_ref(),
+        kernel_cmdline(&spec.id).as_ref(),
+    ]);
+    push(&[
+        "-chardev".as_ref(),
+        &opt("file,id=console,path=", &paths.console, ""),
+        "-serial".as_ref(),
+        "chardev:console".as_ref(),
+    ]);
+    push(&[
+        "-drive".as_ref(),
+        &opt(
+            "file=",
+            &paths.disk,
+            ",format=qcow2,if=none,id=root,cache=unsafe,discard=unmap",
+        ),
+        "-device".as_ref(),
+        format!(
+            "virtio-blk-device,drive=root,serial={}",
+            crate::vmm::ROOT_DISK_SERIAL
+        )
+        .as_ref(),
+    ]);
+    // The transfer disk: the host writes bulk sync data into it, the guest only reads it.
+    push(&[
+        "-drive".as_ref(),
+        &opt(
+            "file=",
+            &paths.xfer,
+            ",format=raw,if=none,id=xfer,readonly=on",
+        ),
+        "-device".as_ref(),
+        format!(
+            "virtio-blk-device,drive=xfer,serial={}",
+            crate::vmm::TRANSFER_DISK_SERIAL
+        )
+        .as_ref(),
+    ]);
+    // The workspace base disk: written once by the host, mounted read-only by the guest.
+    push(&[
+        "-drive".as_ref(),
+        &opt(
+            "file=",
+            &paths.wsbase,
+            ",format=raw,if=none,id=wsbase,readonly=on",
+        ),
+        "-device".as_ref(),
+        format!(
+            "virtio-blk-device,drive=wsbase,serial={}",
+            crate::vmm::WORKSPACE_DISK_SERIAL
+        )
+        .as_ref(),
+    ]);
+    push(&[
+        "-device".as_ref(),
+        "virtio-serial-device,max_ports=2".as_ref(),
+        "-chardev".as_ref(),
+        &opt(
+            &format!("socket,id={AGENT_CHARDEV},path="),
+            &paths.agent,
+            ",server=on,wait=off",
+        ),
+        "-device".as_ref(),
+        format!("virtserialport,chardev={AGENT_CHARDEV},name={AGENT_PORT_NAME}").as_ref(),
+    ]);
+    push(&["-device".as_ref(), "virtio-rng-device".as_ref()]);
+    // The NIC: Ethernet frames over a unix socket to the daemon's userspace network stack.
+    push(&[
+        "-netdev".as_ref(),
+        &opt(
+            "stream,id=net0,server=off,addr.type=unix,addr.path=",
+            &paths.net,
+            &format!(",reconnect-ms={NET_RECONNECT_MS}"),
+        ),
+        "-device".as_ref(),
+        format!("virtio-net-device,netdev=net0,mac={NIC_MAC}").as_ref(),
+    ]);
+    push(&[
+        "-chardev".as_ref(),
+        &opt("socket,id=qmp,path=", &paths.qmp, ",server=on,wait=off"),
+        "-mon".as_ref(),
+        "chardev=qmp,mode=control".as_ref(),
+    ]);
+    push(&[
+        "-pidfile".as_ref(),
+        paths.pidfile.as_os_str(),
+        "-msg".as_ref(),
+        "timestamp=on".as_ref(),
+    ]);
+    a
+}
