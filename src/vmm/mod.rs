@@ -12,6 +12,7 @@
 pub mod images;
 mod pidfd;
 pub mod probe;
+pub mod qcow2;
 pub mod qemu;
 pub mod qmp;
 

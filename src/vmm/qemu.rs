@@ -157,14 +157,12 @@ impl From<QmpError> for VmmError {
 #[derive(Debug, Clone)]
 pub struct QemuDriver {
     binary: PathBuf,
-    qemu_img: PathBuf,
     version: QemuVersion,
     boot_timeout: Duration,
 }
 
 impl QemuDriver {
-    /// Check that `binary` runs and is QEMU >= 7.2. `qemu-img` is looked for next to it, then
-    /// on `PATH`.
+    /// Check that `binary` runs and is QEMU >= 7.2.
     pub fn new(binary: impl Into<PathBuf>) -> Result<QemuDriver, VmmError> {
         let binary = binary.into();
         let out = std::process::Command::new(&binary)
@@ -190,15 +188,8 @@ impl QemuDriver {
                 binary.display()
             )));
         }
-        let sibling = binary.with_file_name("qemu-img");
-        let qemu_img = if binary.components().count() > 1 && sibling.exists() {
-            sibling
-        } else {
-            PathBuf::from("qemu-img")
-        };
         Ok(QemuDriver {
             binary,
-            qemu_img,
             version,
             boot_timeout: BOOT_TIMEOUT,
         })
@@ -233,33 +224,18 @@ impl QemuDriver {
         self.qcow2_over(rootfs, fmt, disk).await
     }
 
-    /// `qemu-img create -f qcow2 -F <fmt> -b <backing> <file>`: a copy-on-write layer.
+    /// A copy-on-write layer `file` over `backing` (format `backing_fmt`), what `qemu-img
+    /// create -f qcow2 -F <fmt> -b <backing> <file>` makes, written directly (see
+    /// [`super::qcow2`]): no process on the create/restore/fork path.
     pub(crate) async fn qcow2_over(
         &self,
         backing: &Path,
         backing_fmt: &str,
         file: &Path,
     ) -> Result<(), VmmError> {
-        let out = tokio::process::Command::new(&self.qemu_img)
-            .args(["create", "-q", "-f", "qcow2", "-F", backing_fmt, "-b"])
-            .arg(backing)
-            .arg(file)
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .map_err(|source| VmmError::Spawn {
-                binary: self.qemu_img.display().to_string(),
-                source,
-            })?;
-        if !out.status.success() {
-            return Err(VmmError::Other(format!(
-                "qemu-img create {} failed ({}): {}",
-                file.display(),
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
-        }
-        Ok(())
+        super::qcow2::create_overlay(backing, backing_fmt, file).map_err(|e| {
+            VmmError::Other(format!("cannot create the overlay {}: {e}", file.display()))
+        })
     }
 
     /// Start QEMU in its own session (no controlling terminal, not in the daemon's process

@@ -193,7 +193,6 @@ async fn reused_pid_is_not_alive_and_is_never_killed() {
     };
     let d = QemuDriver {
         binary: "qemu-system-x86_64".into(),
-        qemu_img: "qemu-img".into(),
         version: MIN_VERSION,
         boot_timeout: BOOT_TIMEOUT,
     };
