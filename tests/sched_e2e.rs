@@ -350,6 +350,46 @@ fn python_template_has_a_working_venv() {
     assert!(d.cli(&["rm", &id]).status.success());
 }
 
+/// `auto` picks go for a go.mod repo and rust for a Cargo.toml one; their toolchains run in the
+/// VM (the image build already compiled a program with each, natively, in its chroot).
+#[test]
+fn go_and_rust_templates_by_auto() {
+    let Some(art) = artifacts() else { return };
+    let manifest = std::fs::read_to_string(art.join("images/manifest.json")).unwrap();
+    assert!(
+        manifest.contains("template.go") && manifest.contains("template.rust"),
+        "no go/rust template in {}: build them with this checkout's `cargo xtask images`",
+        art.display()
+    );
+    let d = Daemon::start(
+        Some("default_vcpus = 1\ndefault_memory_mib = 512\n[limits]\npressure_check_s = 0\n"),
+        &["--artifacts", art.to_str().unwrap()],
+    );
+    for (file, template, check, want) in [
+        ("go.mod", "go", "go version", "go version go1.23"),
+        (
+            "Cargo.toml",
+            "rust",
+            "cargo --version && rustc --version",
+            "cargo 1.",
+        ),
+    ] {
+        let repo = tempfile::tempdir().unwrap();
+        std::fs::write(repo.path().join(file), "").unwrap();
+        let o = create_out(&d, repo.path(), &["--json"]);
+        assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+        let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(sb["template"], template, "{sb}");
+        let id = sb["id"].as_str().unwrap().to_owned();
+        let (code, text) = sh_out(&d, &id, &format!("cat /etc/tryboxi-template; {check}"));
+        assert_eq!(code, Some(0), "{text}");
+        let mut lines = text.lines();
+        assert_eq!(lines.next(), Some(template), "{text}");
+        assert!(lines.next().unwrap_or("").starts_with(want), "{text}");
+        assert!(d.cli(&["rm", &id]).status.success());
+    }
+}
+
 /// The scheduler's ledger as `GET /v1/health` shows it: (reserved vCPUs, reserved MiB,
 /// [(id, holder)] sorted). Checks the totals add up (nothing counted twice or left out).
 fn ledger(d: &Daemon) -> (u64, u64, Vec<(String, String)>) {

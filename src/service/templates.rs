@@ -49,7 +49,7 @@ pub fn available(images: &Images) -> Vec<(String, PathBuf)> {
 
 /// Which template a create gets and why (`requested` is the request's field, `None` = auto).
 /// An explicit name must exist; `auto` falls back to base when the detected one is not built
-/// (go and rust have no recipe yet: base has build-essential, not their toolchains).
+/// (base has build-essential, not the go/rust toolchains).
 pub fn resolve(
     images: &Images,
     requested: Option<&str>,

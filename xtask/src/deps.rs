@@ -40,6 +40,8 @@ const PACKAGES: &[&str] = &[
     // tests/observability_e2e.rs parses /metrics with the real Prometheus text parser.
     "python3-prometheus-client",
     "python3-venv",
+    // `cargo xtask bench` (e) measures the first sync against `rsync -a` of the same tree.
+    "rsync",
 ];
 
 pub fn run() -> Result<()> {

@@ -81,7 +81,12 @@ pub fn run_inherit(cmd: &mut Command, what: &str) -> Result<()> {
 /// Runs `cmd` with stdout and stderr going to `log`, printing a progress line (elapsed time and
 /// the tool's latest output line) while it runs. On failure prints the log's tail.
 pub fn run_logged(cmd: &mut Command, what: &str, log: &Path) -> Result<()> {
-    let file = File::create(log).with_context(|| format!("creating log {}", log.display()))?;
+    // Appended to: one build runs several commands into the same log.
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .with_context(|| format!("opening log {}", log.display()))?;
     let err_file = file.try_clone().context("duplicating log file handle")?;
     let start = Instant::now();
     let mut child = cmd

@@ -351,7 +351,7 @@ async fn wait_migration(qmp: &QmpClient, want: &str) -> Result<(), VmmError> {
                 "the state file to be written",
             ));
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 
@@ -387,7 +387,7 @@ async fn connect_until(
                 "QMP of the restoring QEMU",
             ));
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 
@@ -411,6 +411,6 @@ async fn wait_incoming(qmp: &QmpClient, exited: &Exited, paths: &VmPaths) -> Res
                 "the state file to be loaded",
             ));
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }

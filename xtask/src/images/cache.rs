@@ -104,11 +104,14 @@ impl Cache {
             std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
         }
         std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        // A fresh log per attempt (a build's commands append to it).
+        let log = kd.join(format!("build-{key}.log"));
+        std::fs::write(&log, b"").with_context(|| format!("creating {}", log.display()))?;
         Ok(Begin::Build(Pending {
             cache: self.clone(),
             kind: kind.into(),
             key: key.into(),
-            log: kd.join(format!("build-{key}.log")),
+            log,
             dir,
             started: SystemTime::now(),
             committed: false,
