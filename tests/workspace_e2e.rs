@@ -508,6 +508,29 @@ fn excludes_per_sandbox_and_per_request_and_diff_sees_every_change() {
         std::thread::sleep(std::time::Duration::from_millis(300));
     }
 
+    // A directory renamed in the VM (on overlayfs a redirect, not a copy of its files): what
+    // was under it shows at the new path only, and apply moves it on the host.
+    sh_ok(&d, &id, "mv /workspace/a/b /workspace/a/moved");
+    let got = diff_paths(&d, &id);
+    assert_eq!(
+        got.get("a/b/c/d/e/deep.txt").map(String::as_str),
+        Some("deleted"),
+        "{got:?}"
+    );
+    assert!(
+        matches!(
+            got.get("a/moved/c/d/e/deep.txt").map(String::as_str),
+            Some("added" | "renamed")
+        ),
+        "{got:?}"
+    );
+    cli_ok(&d, &["apply", &id, "a"]);
+    assert!(!r.join("a/b").join("c/d/e/deep.txt").exists());
+    assert_eq!(
+        std::fs::read_to_string(r.join("a/moved/c/d/e/deep.txt")).unwrap(),
+        "deep\ndeeper\n"
+    );
+
     // Undo does not silently destroy host edits made after the apply.
     let out = cli_ok(&d, &["apply", &id, "src/b.txt"]);
     let art = out.lines().next().unwrap().to_owned();

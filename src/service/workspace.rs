@@ -197,6 +197,70 @@ impl Service {
         .await?;
         let compute_ms = started.elapsed().as_millis() as u64;
         let archive = Arc::new(std::mem::take(&mut delta.archive));
+        // The archive goes into the sync base's packs while it goes to the VM (both only read
+        // it); the manifest that names the pack is saved only once the VM has it all.
+        let pack = delta.changed.then(|| {
+            let (b2, a2, idx) = (
+                base.clone(),
+                archive.clone(),
+                std::mem::take(&mut delta.pack_index),
+            );
+            tokio::task::spawn_blocking(move || b2.put_pack(&a2, &idx))
+        });
+        let sent = self.send_delta(vm, &delta, &archive, first).await;
+        let packed = match pack {
+            Some(t) => Some(
+                t.await
+                    .map_err(|e| ServiceError::Internal(format!("workspace task failed: {e}")))?,
+            ),
+            None => None,
+        };
+        let via = match sent {
+            Ok(via) => via,
+            Err(e) => {
+                // Nothing names this pack: take it away again.
+                if let Some(Ok(files)) = packed {
+                    for f in files {
+                        let _ = crate::safefs::remove_under(&rec.dir, &f);
+                    }
+                }
+                return Err(e);
+            }
+        };
+        if let Some(p) = packed {
+            p?;
+        }
+        let send_ms = started.elapsed().as_millis() as u64;
+        if delta.changed {
+            let (b2, m) = (base.clone(), std::mem::take(&mut delta.manifest));
+            let cache = self.manifests.clone();
+            blocking(move || cache.save(&b2, Arc::new(m))).await?;
+        }
+        let save_ms = started.elapsed().as_millis() as u64;
+        let report = api::SyncReport {
+            files_sent: delta.files_sent,
+            bytes_sent: delta.bytes_sent,
+            deleted: delta.delete.len() as u64,
+            unchanged: delta.unchanged,
+            secrets_skipped: secrets,
+            kept_vm_changes: delta.kept_vm_changes.clone(),
+            via,
+            duration_ms: started.elapsed().as_millis() as u64,
+        };
+        tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
+            deleted = report.deleted, scan_ms, load_ms, compute_ms, send_ms, save_ms, via = ?report.via, ms = report.duration_ms, "workspace synced");
+        Ok(report)
+    }
+
+    /// Send what `compute` found to the VM: the base disk for a first big sync, else deletes
+    /// and the archive over the channel or the transfer disk. Returns how it went in.
+    async fn send_delta(
+        &self,
+        vm: &LiveVm,
+        delta: &sync::Delta,
+        archive: &Arc<Vec<u8>>,
+        first: bool,
+    ) -> Result<api::SyncVia, ServiceError> {
         let mut via = api::SyncVia::Nothing;
         // The first big sync: an ext4 image of the tree on the base disk, mounted by the guest.
         if first
@@ -224,7 +288,7 @@ impl Service {
                     .await?;
             if !via_disk {
                 vm.agent
-                    .untar(GUEST_ROOT, last, &archive)
+                    .untar(GUEST_ROOT, last, archive)
                     .await
                     .map_err(agent_err)?;
             }
@@ -236,30 +300,7 @@ impl Service {
                 };
             }
         }
-        let send_ms = started.elapsed().as_millis() as u64;
-        if delta.changed {
-            let (b2, m, idx) = (base.clone(), delta.manifest, delta.pack_index);
-            let cache = self.manifests.clone();
-            blocking(move || {
-                b2.put_pack(&archive, &idx)?;
-                cache.save(&b2, Arc::new(m))
-            })
-            .await?;
-        }
-        let save_ms = started.elapsed().as_millis() as u64;
-        let report = api::SyncReport {
-            files_sent: delta.files_sent,
-            bytes_sent: delta.bytes_sent,
-            deleted: delta.delete.len() as u64,
-            unchanged: delta.unchanged,
-            secrets_skipped: secrets,
-            kept_vm_changes: delta.kept_vm_changes.clone(),
-            via,
-            duration_ms: started.elapsed().as_millis() as u64,
-        };
-        tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
-            deleted = report.deleted, scan_ms, load_ms, compute_ms, send_ms, save_ms, via = ?report.via, ms = report.duration_ms, "workspace synced");
-        Ok(report)
+        Ok(via)
     }
 
     /// The VM's workspace tree (without `.git`), as `Walk` gives it, from the agent's

@@ -23,7 +23,7 @@ pub struct Delta {
     /// Files changed on both sides since the base: left as the VM has them.
     pub kept_vm_changes: Vec<String>,
     /// SHA-256, offset and length of each file's content in `archive`: store it with
-    /// [`Base::put_pack`] once the VM has it.
+    /// [`Base::put_pack`] (while it goes to the VM; the manifest naming it only once the VM has it).
     pub pack_index: Vec<(String, u64, u64)>,
     /// Whether `manifest` differs from the stored base (else there is nothing to save).
     pub changed: bool,
@@ -155,7 +155,6 @@ pub fn compute_keeping(
 ) -> Result<Delta, WorkspaceError> {
     let mut kept_vm_changes = Vec::new();
     let mut pack_index = Vec::new();
-    let mut b = tar::Builder::new(Vec::new());
     // Built in path order, so the map is bulk-built at the end.
     let mut out: Vec<(String, Entry)> = Vec::with_capacity(scan.entries.len());
     let (mut files_sent, mut bytes_sent, mut unchanged, mut entries) = (0u64, 0u64, 0u64, 0u64);
@@ -175,6 +174,12 @@ pub fn compute_keeping(
         .map(|(rel, _, _)| rel.as_str())
         .collect();
     let mut reads = read_all(root, &to_read);
+    // Sized once: growing a 100 MB archive by doubling copies it over and over.
+    let data: usize = reads
+        .values()
+        .map(|r| r.as_ref().map_or(0, |(d, _)| d.len().next_multiple_of(512)))
+        .sum();
+    let mut b = tar::Builder::new(Vec::with_capacity(data + (to_read.len() + 64) * 512));
     let mut delete: Vec<String> = Vec::new();
     let mut deleted: HashSet<&str> = HashSet::new();
     for (rel, h, prev) in merged(scan, old) {
