@@ -58,14 +58,88 @@ pub fn staging_parent(len: u64, fallback: &Path) -> PathBuf {
 }
 
 /// Unpack `archive` (a sync archive of `sync::compute_keeping`) into the empty directory `dir`
-/// with the modes and mtimes of its headers, as the guest agent would.
+/// with the modes and mtimes of its headers, as the guest agent would: the same result as
+/// `tar::Archive::unpack`, with the files written by several threads (10,000 files / 100 MB:
+/// ~130 ms on one thread, the largest part of a first sync after `mke2fs`).
+///
+/// Three passes over the archive (headers only: file data is skipped by seeking): every
+/// directory created plainly; the files and symlinks, split between the threads; then the
+/// directories' modes, children before parents, as `Archive::unpack` applies them last (a
+/// read-only directory would refuse its files).
 pub fn stage(archive: &[u8], dir: &Path) -> Result<(), WorkspaceError> {
-    let mut ar = tar::Archive::new(archive);
-    ar.set_preserve_permissions(true);
-    ar.set_preserve_mtime(true);
-    ar.set_overwrite(true);
-    ar.unpack(dir)
-        .map_err(WorkspaceError::io("unpack the sync archive into", dir))
+    let io = |e: std::io::Error| WorkspaceError::io("unpack the sync archive into", dir)(e);
+    let dst = dir.canonicalize().map_err(io)?;
+    let open = || {
+        let mut ar = tar::Archive::new(std::io::Cursor::new(archive));
+        ar.set_preserve_permissions(true);
+        ar.set_preserve_mtime(true);
+        ar.set_overwrite(true);
+        ar
+    };
+    let mut others = 0usize;
+    for e in open().entries_with_seek().map_err(io)? {
+        let e = e.map_err(io)?;
+        if e.header().entry_type() != tar::EntryType::Directory {
+            others += 1;
+            continue;
+        }
+        let rel = e.path().map_err(io)?;
+        if !rel
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(io(std::io::Error::other(format!(
+                "unsafe path {} in the archive",
+                rel.display()
+            ))));
+        }
+        std::fs::create_dir_all(dst.join(&rel)).map_err(io)?;
+    }
+    let threads = if others < 256 {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 4))
+    };
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let dst = &dst;
+                s.spawn(move || -> std::io::Result<()> {
+                    let mut ar = open();
+                    let mut i = 0usize;
+                    for e in ar.entries_with_seek()? {
+                        let mut e = e?;
+                        if e.header().entry_type() == tar::EntryType::Directory {
+                            continue;
+                        }
+                        if i % threads == t {
+                            e.unpack_in(dst)?;
+                        }
+                        i += 1;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        workers.into_iter().try_for_each(|w| {
+            w.join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("a staging thread panicked")))
+        })
+    })
+    .map_err(io)?;
+    let mut ar = open();
+    let mut dirs = Vec::new();
+    for e in ar.entries_with_seek().map_err(io)? {
+        let e = e.map_err(io)?;
+        if e.header().entry_type() == tar::EntryType::Directory {
+            dirs.push(e);
+        }
+    }
+    dirs.sort_by(|a, b| b.path_bytes().cmp(&a.path_bytes()));
+    for mut d in dirs {
+        d.unpack_in(&dst).map_err(io)?;
+    }
+    Ok(())
 }
 
 /// A tool of e2fsprogs: on `PATH`, else in the sbin directories (a user's `PATH` often lacks
@@ -233,6 +307,80 @@ mod tests {
             }
         }
         drop(repo);
+    }
+
+    /// The threaded staging leaves exactly what `tar::Archive::unpack` leaves: contents, modes
+    /// (a read-only directory too), file mtimes, symlinks; with enough files for threads.
+    #[test]
+    fn staging_equals_a_plain_unpack() {
+        let repo = repo();
+        let r = repo.path();
+        for i in 0..600 {
+            write(
+                r,
+                &format!("many/d{}/f{i}.txt", i % 7),
+                format!("{i}\n").as_bytes(),
+            );
+        }
+        write(r, "ro/inside.txt", b"x\n");
+        std::fs::set_permissions(r.join("ro"), std::fs::Permissions::from_mode(0o555)).unwrap();
+        std::os::unix::fs::symlink("../src/main.rs", r.join("many/d1/up")).unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let s = scan(r, &rules).unwrap();
+        let d = sync::compute(r, &s, &Base::new(data.path().join("ws"))).unwrap();
+        let (ours, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        stage(&d.archive, ours.path()).unwrap();
+        let mut ar = tar::Archive::new(&d.archive[..]);
+        ar.set_preserve_permissions(true);
+        ar.set_preserve_mtime(true);
+        ar.set_overwrite(true);
+        ar.unpack(plain.path()).unwrap();
+        let tree = |root: &Path| {
+            let mut out = Vec::new();
+            for e in walkdir(root) {
+                let rel = e.strip_prefix(root).unwrap().to_owned();
+                let md = std::fs::symlink_metadata(&e).unwrap();
+                let (content, mtime) = if md.file_type().is_symlink() {
+                    (
+                        std::fs::read_link(&e)
+                            .unwrap()
+                            .into_os_string()
+                            .into_encoded_bytes(),
+                        0,
+                    )
+                } else if md.is_file() {
+                    (std::fs::read(&e).unwrap(), md.mtime())
+                } else {
+                    (Vec::new(), 0)
+                };
+                out.push((rel, md.mode(), content, mtime));
+            }
+            out.sort();
+            out
+        };
+        let (a, b) = (tree(ours.path()), tree(plain.path()));
+        assert!(a.len() > 600, "{}", a.len());
+        assert_eq!(a, b);
+        for t in [ours.path(), plain.path()] {
+            std::fs::set_permissions(t.join("ro"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        std::fs::set_permissions(r.join("ro"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    fn walkdir(root: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let mut todo = vec![root.to_owned()];
+        while let Some(d) = todo.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if std::fs::symlink_metadata(&p).unwrap().is_dir() {
+                    todo.push(p.clone());
+                }
+                out.push(p);
+            }
+        }
+        out
     }
 
     #[test]
