@@ -189,6 +189,15 @@ mod tests {
         serde_json::from_slice(&out.stdout).expect("json")
     }
 
+    fn qemu_img_check(file: &Path, when: &str) {
+        let check = Command::new("qemu-img")
+            .args(["check", "-q"])
+            .arg(file)
+            .output()
+            .unwrap();
+        assert!(check.status.success(), "{when}: {check:?}");
+    }
+
     fn qemu_io(file: &Path, cmd: &str) -> std::process::Output {
         Command::new("qemu-io")
             .args(["-f", "qcow2", "-c", cmd])
@@ -267,12 +276,7 @@ mod tests {
         assert_eq!(chain[0]["backing-filename"], mid.to_str().unwrap());
         assert_eq!(chain[0]["backing-filename-format"], "qcow2");
         assert_eq!(chain[1]["backing-filename-format"], "raw");
-        let check = Command::new("qemu-img")
-            .args(["check", "-q"])
-            .arg(&top)
-            .output()
-            .unwrap();
-        assert!(check.status.success(), "{check:?}");
+        qemu_img_check(&top, "fresh");
 
         // Reads go through to both backing layers; a write lands in the top only.
         for (cmd, ok) in [
@@ -294,11 +298,6 @@ mod tests {
         assert!(!String::from_utf8_lossy(&r.stdout).contains("failed"));
         let r = qemu_io(&mid, "read -P 0x5a 1M 4k");
         assert!(!String::from_utf8_lossy(&r.stdout).contains("failed"));
-        let check = Command::new("qemu-img")
-            .args(["check", "-q"])
-            .arg(&top)
-            .output()
-            .unwrap();
-        assert!(check.status.success(), "after a write: {check:?}");
+        qemu_img_check(&top, "after a write");
     }
 }

@@ -114,7 +114,9 @@ fn command_line_has_devices_sockets_and_accel() {
     );
     assert!(devices.contains(&"virtserialport,chardev=agent,name=tryboxi.agent"));
     assert!(devices.contains(&"virtio-rng-device"));
-    assert!(devices.contains(&"virtio-net-device,netdev=net0,mac=52:54:00:0a:00:0f"));
+    assert!(
+        devices.contains(&"virtio-net-device,netdev=net0,mac=52:54:00:0a:00:0f,guest_announce=off")
+    );
     assert_eq!(
         values_of(&a, "-netdev"),
         [
