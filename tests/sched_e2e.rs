@@ -272,19 +272,13 @@ fn templates_node_explicit_and_auto_by_package_json() {
     assert!(d.cli(&["rm", &id]).status.success());
 
     // auto: package.json -> node.
-    let repo = tempfile::tempdir().unwrap();
-    std::fs::write(repo.path().join("package.json"), "{\"name\":\"x\"}").unwrap();
-    let o = create_out(&d, repo.path(), &["--json"]);
-    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
-    let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(sb["template"], "node", "{sb}");
-    let id = sb["id"].as_str().unwrap().to_owned();
-    let (code, text) = sh_out(&d, &id, "cat /etc/tryboxi-template; node --version");
-    assert_eq!(code, Some(0), "{text}");
-    let mut lines = text.lines();
-    assert_eq!(lines.next(), Some("node"), "{text}");
-    assert!(lines.next().unwrap_or("").starts_with('v'), "{text}");
-    assert!(d.cli(&["rm", &id]).status.success());
+    auto_template_runs(
+        &d,
+        ("package.json", "{\"name\":\"x\"}"),
+        "node",
+        "node --version",
+        "v",
+    );
 
     // base (auto on an empty repo): no node, no npm; python3 is there.
     let o = create_out(&d, ws.path(), &["--json"]);
@@ -365,29 +359,32 @@ fn go_and_rust_templates_by_auto() {
         Some("default_vcpus = 1\ndefault_memory_mib = 512\n[limits]\npressure_check_s = 0\n"),
         &["--artifacts", art.to_str().unwrap()],
     );
-    for (file, template, check, want) in [
-        ("go.mod", "go", "go version", "go version go1.23"),
-        (
-            "Cargo.toml",
-            "rust",
-            "cargo --version && rustc --version",
-            "cargo 1.",
-        ),
-    ] {
-        let repo = tempfile::tempdir().unwrap();
-        std::fs::write(repo.path().join(file), "").unwrap();
-        let o = create_out(&d, repo.path(), &["--json"]);
-        assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
-        let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        assert_eq!(sb["template"], template, "{sb}");
-        let id = sb["id"].as_str().unwrap().to_owned();
-        let (code, text) = sh_out(&d, &id, &format!("cat /etc/tryboxi-template; {check}"));
-        assert_eq!(code, Some(0), "{text}");
-        let mut lines = text.lines();
-        assert_eq!(lines.next(), Some(template), "{text}");
-        assert!(lines.next().unwrap_or("").starts_with(want), "{text}");
-        assert!(d.cli(&["rm", &id]).status.success());
-    }
+    auto_template_runs(&d, ("go.mod", ""), "go", "go version", "go version go1.23");
+    auto_template_runs(
+        &d,
+        ("Cargo.toml", ""),
+        "rust",
+        "cargo --version && rustc --version",
+        "cargo 1.",
+    );
+}
+
+/// Create with `template: auto` from a repo holding only `marker` (name, content): the sandbox
+/// gets `template`, `/etc/tryboxi-template` says so, and `check`'s first line starts with `want`.
+fn auto_template_runs(d: &Daemon, marker: (&str, &str), template: &str, check: &str, want: &str) {
+    let repo = tempfile::tempdir().unwrap();
+    std::fs::write(repo.path().join(marker.0), marker.1).unwrap();
+    let o = create_out(d, repo.path(), &["--json"]);
+    assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
+    let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(sb["template"], template, "{sb}");
+    let id = sb["id"].as_str().unwrap().to_owned();
+    let (code, text) = sh_out(d, &id, &format!("cat /etc/tryboxi-template; {check}"));
+    assert_eq!(code, Some(0), "{text}");
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some(template), "{text}");
+    assert!(lines.next().unwrap_or("").starts_with(want), "{text}");
+    assert!(d.cli(&["rm", &id]).status.success());
 }
 
 /// The scheduler's ledger as `GET /v1/health` shows it: (reserved vCPUs, reserved MiB,

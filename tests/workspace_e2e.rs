@@ -525,7 +525,7 @@ fn excludes_per_sandbox_and_per_request_and_diff_sees_every_change() {
         "{got:?}"
     );
     cli_ok(&d, &["apply", &id, "a"]);
-    assert!(!r.join("a/b").join("c/d/e/deep.txt").exists());
+    assert!(!r.join("a/b/c/d/e/deep.txt").exists());
     assert_eq!(
         std::fs::read_to_string(r.join("a/moved/c/d/e/deep.txt")).unwrap(),
         "deep\ndeeper\n"

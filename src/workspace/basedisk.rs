@@ -62,10 +62,10 @@ pub fn staging_parent(len: u64, fallback: &Path) -> PathBuf {
 /// `tar::Archive::unpack`, with the files written by several threads (10,000 files / 100 MB:
 /// ~130 ms on one thread, the largest part of a first sync after `mke2fs`).
 ///
-/// Three passes over the archive (headers only: file data is skipped by seeking): every
-/// directory created plainly; the files and symlinks, split between the threads; then the
-/// directories' modes, children before parents, as `Archive::unpack` applies them last (a
-/// read-only directory would refuse its files).
+/// Two passes over the archive's headers (file data is skipped by seeking): every directory
+/// created plainly, and the files and symlinks split between the threads; then the directories'
+/// modes, children before parents, as `Archive::unpack` applies them last (a read-only directory
+/// would refuse its files).
 pub fn stage(archive: &[u8], dir: &Path) -> Result<(), WorkspaceError> {
     let io = |e: std::io::Error| WorkspaceError::io("unpack the sync archive into", dir)(e);
     let dst = dir.canonicalize().map_err(io)?;
@@ -76,8 +76,10 @@ pub fn stage(archive: &[u8], dir: &Path) -> Result<(), WorkspaceError> {
         ar.set_overwrite(true);
         ar
     };
+    let mut ar = open();
+    let mut dirs = Vec::new();
     let mut others = 0usize;
-    for e in open().entries_with_seek().map_err(io)? {
+    for e in ar.entries_with_seek().map_err(io)? {
         let e = e.map_err(io)?;
         if e.header().entry_type() != tar::EntryType::Directory {
             others += 1;
@@ -94,6 +96,7 @@ pub fn stage(archive: &[u8], dir: &Path) -> Result<(), WorkspaceError> {
             ))));
         }
         std::fs::create_dir_all(dst.join(&rel)).map_err(io)?;
+        dirs.push(e);
     }
     let threads = if others < 256 {
         1
@@ -127,14 +130,6 @@ pub fn stage(archive: &[u8], dir: &Path) -> Result<(), WorkspaceError> {
         })
     })
     .map_err(io)?;
-    let mut ar = open();
-    let mut dirs = Vec::new();
-    for e in ar.entries_with_seek().map_err(io)? {
-        let e = e.map_err(io)?;
-        if e.header().entry_type() == tar::EntryType::Directory {
-            dirs.push(e);
-        }
-    }
     dirs.sort_by(|a, b| b.path_bytes().cmp(&a.path_bytes()));
     for mut d in dirs {
         d.unpack_in(&dst).map_err(io)?;

@@ -49,11 +49,6 @@ pub fn run() -> Result<()> {
     python_mcp_sdk()
 }
 
-/// Only the Debian packages (what `cargo xtask images` needs on a fresh machine).
-pub fn debian_only() -> Result<()> {
-    debian()
-}
-
 /// The official MCP Python SDK, pinned (tests/mcp_e2e.rs checks the protocol version it
 /// negotiates; Python 3.10+ runs it, Debian 12 has 3.11). Installed into a virtualenv under
 /// `_out/` because Debian's Python is "externally managed" (PEP 668: no system-wide pip).
@@ -105,7 +100,8 @@ fn python_mcp_sdk() -> Result<()> {
     Ok(())
 }
 
-fn debian() -> Result<()> {
+/// The Debian packages only (also what `cargo xtask images` needs on a fresh machine).
+pub fn debian() -> Result<()> {
     let step = Step::start("deps: Debian packages");
     let mut wanted: Vec<&str> = vec![QEMU];
     wanted.extend_from_slice(PACKAGES);

@@ -2,7 +2,6 @@ use std::time::Duration;
 
 use super::*;
 use crate::vmm::Accel;
-
 use crate::vmm::testkit::{self, skip_unless};
 
 fn spec(dir: &Path, id: &str) -> VmSpec {

@@ -55,7 +55,7 @@ pub struct Rebuild {
 pub fn run(binary: &Path, rebuild: Rebuild) -> Result<PathBuf> {
     // mmdebstrap, linux-source, e2fsprogs...: a fresh machine has none of them (a dpkg-query
     // when all are there).
-    crate::deps::debian_only()?;
+    crate::deps::debian()?;
     let cache = cache::Cache::from_env();
     println!("    image cache: {}", cache.root.display());
     let initramfs = initramfs::build(&cache, binary)?;
