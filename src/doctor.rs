@@ -301,7 +301,13 @@ fn e2fsprogs() -> Check {
         Ok(()) => Check::new(
             "e2fsprogs",
             Status::Ok,
-            "mke2fs and debugfs found: first big syncs go through the workspace base disk",
+            if crate::workspace::basedisk::reads_tar() {
+                "mke2fs and debugfs found: first big syncs go through the workspace base disk, \
+                 built from the sync archive"
+            } else {
+                "mke2fs and debugfs found: first big syncs go through the workspace base disk \
+                 (mke2fs < 1.47.1 cannot read the archive: the tree is staged first, slower)"
+            },
         ),
         Err(e) => Check::new(
             "e2fsprogs",

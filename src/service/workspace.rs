@@ -393,9 +393,9 @@ impl Service {
         }
     }
 
-    /// Put the first sync's `archive` into the VM through its workspace base disk: stage it in
-    /// a temporary directory next to the disk, build an ext4 image of it in the disk
-    /// (`workspace::basedisk`), then have the agent mount it under an overlayfs on the workspace.
+    /// Put the first sync's `archive` into the VM through its workspace base disk: build an
+    /// ext4 image of it in the disk (`workspace::basedisk`: `mke2fs` reads the archive itself
+    /// where it can, else from the archive staged in a temporary directory), then have the agent mount it under an overlayfs on the workspace.
     /// `Ok(false)` (with a log line saying why) when that cannot be done: the disk is missing or
     /// already written (an older VM, a fork child), e2fsprogs is missing or failed, or the agent
     /// refused (the workspace is not empty): the caller sends the archive as usual.
@@ -412,6 +412,15 @@ impl Service {
         let t0 = Instant::now();
         let dir = vm.info.dir.clone();
         let built = tokio::task::spawn_blocking(move || {
+            // mke2fs reads the archive itself where it can; else the archive is staged.
+            if basedisk::reads_tar() {
+                match basedisk::build_from_tar(&archive, &img) {
+                    Ok(()) => return Ok(None),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "mke2fs could not read the sync archive; staging it instead from now on");
+                    }
+                }
+            }
             let parent = basedisk::staging_parent(archive.len() as u64, &dir);
             let staging = tempfile::Builder::new()
                 .prefix(".tryboxi-wsbase-staging")
@@ -421,7 +430,7 @@ impl Service {
                 basedisk::stage(&archive, staging.path())?;
                 let staged_ms = t0.elapsed().as_millis() as u64;
                 basedisk::build(staging.path(), &img)?;
-                Ok::<_, basedisk::BaseDiskError>(staged_ms)
+                Ok::<_, basedisk::BaseDiskError>(Some(staged_ms))
             })();
             // Removing 10,000 staged files takes tens of ms: not on the sync's path.
             std::thread::spawn(move || drop(staging));
@@ -443,7 +452,7 @@ impl Service {
             .await
         {
             Ok(()) => {
-                tracing::info!(sandbox = %vm.info.id, staged_ms, built_ms, ms = t0.elapsed().as_millis() as u64, "workspace base disk mounted");
+                tracing::info!(sandbox = %vm.info.id, staged_ms = ?staged_ms, built_ms, ms = t0.elapsed().as_millis() as u64, "workspace base disk mounted");
                 Ok(true)
             }
             Err(RpcError::Remote(r)) => {

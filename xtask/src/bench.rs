@@ -374,7 +374,11 @@ pub fn run_workspace_only(reps: usize) -> Result<()> {
         std::fs::remove_dir_all(&home)?;
     }
     let load_before = loadavg();
-    let config = format!("default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n");
+    // As the full run's daemon: no golden snapshots or warm pool restoring in the background
+    // while the rows are measured.
+    let config = format!(
+        "default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n[pool]\ngolden = false\n"
+    );
     let d = Daemon::start(&bin, &home, &out, &config)?;
     println!("==> (e) workspace sync: 10,000 files / 100 MB vs rsync -a");
     let ws = workspace_bench(&d.socket(), &home, reps)?;
