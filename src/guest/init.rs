@@ -208,8 +208,19 @@ pub fn boot(cmd: &Cmdline) -> Result<(), InitError> {
         console(&format!("tryboxi: network setup failed: {e}"));
     }
     std::fs::create_dir_all("/workspace").map_err(|e| InitError::Sys("mkdir /workspace", e))?;
+    match std::fs::OpenOptions::new().write(true).open("/dev/urandom") {
+        Ok(f) => {
+            let _ = URANDOM.set(f);
+        }
+        Err(e) => tracing::warn!(error = %e, "open /dev/urandom"),
+    }
     Ok(())
 }
+
+/// `/dev/urandom`, opened at boot and kept: a clone's [`set_identity`] then only writes to it.
+/// Under TCG a clone translates every kernel path it runs for the first time; the open and
+/// close of the device were about half of that request's ~10 ms of emulation.
+static URANDOM: std::sync::OnceLock<std::fs::File> = std::sync::OnceLock::new();
 
 /// Most bytes of a hostname (the kernel's `__NEW_UTS_LEN`).
 const MAX_HOSTNAME: usize = 64;
@@ -222,11 +233,14 @@ pub fn set_identity(hostname: &str, seed: &[u8]) -> Result<(), RemoteError> {
     nix::unistd::sethostname(hostname).map_err(|e| {
         RemoteError::from_io("sethostname", &std::io::Error::from_raw_os_error(e as i32))
     })?;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open("/dev/urandom")
-        .and_then(|mut f| f.write_all(seed))
-        .map_err(|e| RemoteError::from_io("/dev/urandom", &e))
+    match URANDOM.get() {
+        Some(mut f) => f.write_all(seed),
+        None => std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/urandom")
+            .and_then(|mut f| f.write_all(seed)),
+    }
+    .map_err(|e| RemoteError::from_io("/dev/urandom", &e))
 }
 
 /// A hostname the host may set: 1-64 bytes of `[A-Za-z0-9_.-]`.
