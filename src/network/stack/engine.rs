@@ -21,7 +21,7 @@ use tokio::sync::{Notify, mpsc};
 use super::classify::{Class, classify};
 use super::flow::{CHUNK, Down, Phase, TcpFlow};
 use super::frames::{FrameDevice, FrameReader};
-use super::{AbortOnDrop, GATEWAY_MAC, StackConfig, StackStats};
+use super::{AbortOnDrop, GATEWAY_MAC, GUEST_MAC, StackConfig, StackStats};
 use crate::network::gate::{
     ConnectVerdict, Flow, FlowEvent, GATEWAY_V4, Inspect, InspectVerdict, PREFIX_LEN_V4, Proto,
     SharedGate,
@@ -138,9 +138,9 @@ impl Engine {
     pub async fn run(mut self, stream: UnixStream) {
         let mut reader = FrameReader::default();
         // After a daemon restart or a restore the guest still knows the gateway's MAC and will
-        // not ARP for it, while this fresh interface does not know the guest's: ask at once, so
-        // the first answer (even a RST) does not wait for an ARP round trip.
-        self.announce();
+        // not ARP for it, while this fresh interface does not know the guest's: learn it at
+        // once, so the first answer (even a RST) does not wait for an ARP round trip.
+        self.learn_guest();
         loop {
             self.step();
             if !self.dev.tx.is_empty() {
@@ -201,26 +201,29 @@ impl Engine {
         }
     }
 
-    /// Queue an ARP request for the guest's address (its reply fills smoltcp's neighbor cache).
-    fn announce(&mut self) {
+    /// Teach the interface the guest's MAC without asking the guest: an ARP reply "the guest's
+    /// address is at [`GUEST_MAC`]" (the MAC QEMU's command line gives its NIC) goes into the
+    /// receive queue as if the guest had sent it. Asking instead (an ARP request on every QEMU
+    /// connection) made every restored or forked guest run its ARP path before its first
+    /// answer, ~300 blocks of kernel code to translate under TCG. A guest that changed its MAC
+    /// is learned again from its own ARP traffic (smoltcp fills its cache from every ARP packet
+    /// aimed at the gateway, and Linux revalidates its gateway entry by ARP).
+    fn learn_guest(&mut self) {
         use smoltcp::wire::{ArpOperation, ArpPacket, ArpRepr, EthernetFrame, EthernetProtocol};
         let arp = ArpRepr::EthernetIpv4 {
-            operation: ArpOperation::Request,
-            source_hardware_addr: EthernetAddress(GATEWAY_MAC),
-            source_protocol_addr: GATEWAY_V4,
-            target_hardware_addr: EthernetAddress([0; 6]),
-            target_protocol_addr: crate::network::gate::GUEST_V4,
+            operation: ArpOperation::Reply,
+            source_hardware_addr: EthernetAddress(GUEST_MAC),
+            source_protocol_addr: crate::network::gate::GUEST_V4,
+            target_hardware_addr: EthernetAddress(GATEWAY_MAC),
+            target_protocol_addr: GATEWAY_V4,
         };
         let mut frame = vec![0u8; 14 + arp.buffer_len()];
         let mut eth = EthernetFrame::new_unchecked(&mut frame[..]);
-        eth.set_src_addr(EthernetAddress(GATEWAY_MAC));
-        eth.set_dst_addr(EthernetAddress::BROADCAST);
+        eth.set_src_addr(EthernetAddress(GUEST_MAC));
+        eth.set_dst_addr(EthernetAddress(GATEWAY_MAC));
         eth.set_ethertype(EthernetProtocol::Arp);
         arp.emit(&mut ArpPacket::new_unchecked(eth.payload_mut()));
-        self.dev
-            .tx
-            .extend_from_slice(&(frame.len() as u32).to_be_bytes());
-        self.dev.tx.extend_from_slice(&frame);
+        self.dev.rx.push_back(frame);
     }
 
     /// Let smoltcp process input and timers, move bytes for every flow, let smoltcp send, and

@@ -646,3 +646,81 @@ async fn slow_upstream_keeps_the_guest_waiting_then_resets() {
     ));
     drop((l, fillers));
 }
+
+/// A restored guest knows the gateway's MAC and does not ARP; the stack must not make it run
+/// its ARP path either: the first frame it sends a guest whose first frame is a SYN to a
+/// denied address is the reset, addressed to the guest's MAC, not an ARP request.
+#[tokio::test]
+async fn the_first_answer_to_a_silent_guest_needs_no_arp() {
+    use smoltcp::phy::ChecksumCapabilities;
+    use smoltcp::wire::{
+        EthernetFrame, EthernetProtocol, EthernetRepr, IpProtocol, Ipv4Packet, Ipv4Repr,
+        TcpControl, TcpPacket, TcpRepr, TcpSeqNumber,
+    };
+    let gate = Arc::new(TestGate::default());
+    let (a, mut qemu) = UnixStream::pair().unwrap();
+    tokio::spawn(
+        Engine::new(
+            gate.clone(),
+            StackConfig::default(),
+            Arc::new(StackStats::default()),
+        )
+        .run(a),
+    );
+    let dst = Ipv4Address::new(203, 0, 113, 9);
+    let tcp = TcpRepr {
+        src_port: 40000,
+        dst_port: 80,
+        control: TcpControl::Syn,
+        seq_number: TcpSeqNumber(1000),
+        ack_number: None,
+        window_len: 64240,
+        window_scale: None,
+        max_seg_size: Some(1460),
+        sack_permitted: false,
+        sack_ranges: [None, None, None],
+        timestamp: None,
+        payload: &[],
+    };
+    let ip = Ipv4Repr {
+        src_addr: GUEST_V4,
+        dst_addr: dst,
+        next_header: IpProtocol::Tcp,
+        payload_len: tcp.header_len(),
+        hop_limit: 64,
+    };
+    let eth = EthernetRepr {
+        src_addr: EthernetAddress(GUEST_MAC),
+        dst_addr: EthernetAddress(super::GATEWAY_MAC),
+        ethertype: EthernetProtocol::Ipv4,
+    };
+    let mut frame = vec![0u8; eth.buffer_len() + ip.buffer_len() + tcp.header_len()];
+    let caps = ChecksumCapabilities::default();
+    let mut e = EthernetFrame::new_unchecked(&mut frame[..]);
+    eth.emit(&mut e);
+    let mut p = Ipv4Packet::new_unchecked(e.payload_mut());
+    ip.emit(&mut p, &caps);
+    tcp.emit(
+        &mut TcpPacket::new_unchecked(p.payload_mut()),
+        &GUEST_V4.into(),
+        &dst.into(),
+        &caps,
+    );
+    qemu.write_all(&(frame.len() as u32).to_be_bytes())
+        .await
+        .unwrap();
+    qemu.write_all(&frame).await.unwrap();
+    let mut len = [0u8; 4];
+    tokio::time::timeout(Duration::from_secs(10), qemu.read_exact(&mut len))
+        .await
+        .expect("no answer from the stack")
+        .unwrap();
+    let mut first = vec![0u8; u32::from_be_bytes(len) as usize];
+    qemu.read_exact(&mut first).await.unwrap();
+    let e = EthernetFrame::new_checked(&first[..]).unwrap();
+    assert_eq!(e.ethertype(), EthernetProtocol::Ipv4, "{e}");
+    assert_eq!(e.dst_addr(), EthernetAddress(GUEST_MAC));
+    let p = Ipv4Packet::new_checked(e.payload()).unwrap();
+    let t = TcpPacket::new_checked(p.payload()).unwrap();
+    assert!(t.rst() && t.dst_port() == 40000, "{t}");
+}
