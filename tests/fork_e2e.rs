@@ -204,3 +204,65 @@ fn idle_sandboxes_pause_and_wake_on_use() {
     assert_eq!(sh_out(&d, &id, "cat /root/z").1, "z\n");
     assert!(d.cli(&["rm", &id]).status.success());
 }
+
+/// A state file that does not fit the VM (saved by a VM with other devices: here the next
+/// daemon's QEMU swaps the rng device for another when it starts a VM from a state file) is
+/// refused with QEMU's reason, and loses nothing: the paused sandbox stays paused through a
+/// failed resume and a failed restore, and resumes with its latest state once the devices fit.
+#[test]
+fn a_state_that_does_not_fit_is_refused_and_loses_nothing() {
+    let cfg = format!("{LIGHT}[pool]\ngolden = false\nsize = 0\n");
+    let Some(mut d) = vm_daemon(&cfg) else { return };
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+    assert_eq!(sh_out(&d, &id, "echo one > /root/f").0, Some(0));
+    let o = d.cli(&["snapshot", "create", &id, "--name", "s1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(sh_out(&d, &id, "echo two > /root/f").0, Some(0));
+    let o = d.cli(&["pause", &id]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(d.stop().success());
+
+    let wrapper = d.root().join("qemu-other-devices");
+    std::fs::write(
+        &wrapper,
+        "#!/bin/sh\n\
+         case \" $* \" in *\" -incoming \"*) ;; *) exec qemu-system-x86_64 \"$@\";; esac\n\
+         for a do\n  shift\n  case \"$a\" in virtio-rng-device*) a=virtio-balloon-device;; esac\n  \
+         set -- \"$@\" \"$a\"\ndone\nexec qemu-system-x86_64 \"$@\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let config = d.root().join("config.toml");
+    let normal = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        format!("qemu_binary = \"{}\"\n{normal}", wrapper.display()),
+    )
+    .unwrap();
+    d.respawn();
+    for args in [
+        vec!["resume", id.as_str()],
+        vec!["restore", id.as_str(), "s1"],
+    ] {
+        let o = d.cli(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} worked");
+        assert!(err.contains("does not fit this VM"), "{args:?}: {err}");
+        assert!(err.contains("Unknown savevm section"), "{args:?}: {err}");
+        assert_eq!(state(&d, &id), "paused", "after {args:?}");
+    }
+    assert!(d.stop().success());
+    std::fs::write(&config, normal).unwrap();
+    d.respawn();
+    assert_eq!(state(&d, &id), "paused");
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "two\n");
+    let o = d.cli(&["restore", &id, "s1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "one\n");
+    assert!(d.cli(&["rm", &id]).status.success());
+}

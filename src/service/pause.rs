@@ -341,6 +341,34 @@ impl Service {
     }
 }
 
+/// Before a snapshot is restored over a paused sandbox: if its pause state's RAM is the
+/// sandbox's own RAM file (`mem.ram`, which the restore replaces), give that RAM a second name
+/// inside the pause directory and point the pause record at it, so that a restore that fails
+/// leaves a pause state that still resumes. A hard link: no copy, and at every instant the
+/// record names a file that exists (a crash between the two steps leaves both names).
+pub(super) fn keep_paused_ram_apart(rec: &SandboxRecord) -> Result<(), ServiceError> {
+    let mut pr = read_pause(rec)?;
+    let dir = rec.dir.join(PAUSE_DIR);
+    let Some(ram) = pr.checkpoint.ram_file.clone() else {
+        return Ok(());
+    };
+    if ram.starts_with(&dir) {
+        return Ok(());
+    }
+    let kept = dir.join("mem.ram");
+    if !kept.exists() {
+        std::fs::hard_link(&ram, &kept).map_err(|e| {
+            ServiceError::Internal(format!(
+                "cannot keep the paused RAM {} as {}: {e}",
+                ram.display(),
+                kept.display()
+            ))
+        })?;
+    }
+    pr.checkpoint.ram_file = Some(kept);
+    write_pause(rec, &pr)
+}
+
 fn read_pause(rec: &SandboxRecord) -> Result<PauseRecord, ServiceError> {
     let path = rec.dir.join(PAUSE_DIR).join(PAUSE_FILE);
     let data = std::fs::read(&path)

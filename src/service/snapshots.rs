@@ -197,6 +197,11 @@ impl Service {
         // The stack outlives the old QEMU; the new one connects to the same socket.
         self.ensure_network(id, &rec.dir)?;
         let overlay = rec.dir.join(format!("disk-{}.qcow2", ids::new_id("r")));
+        // A paused sandbox whose restore fails stays paused, its pause state intact.
+        let was_paused = old.is_none() && rec.api.state == SandboxState::Paused;
+        if was_paused {
+            super::pause::keep_paused_ram_apart(&rec)?;
+        }
         let t0 = Instant::now();
         let restored = async {
             let started = driver
@@ -257,7 +262,17 @@ impl Service {
                 if let Some(old) = &old {
                     let _ = driver.kill(&old.info).await;
                 }
-                self.mark_failed(id, e.to_string());
+                // Nothing refers to the new overlay.
+                if overlay.exists()
+                    && let Err(e) = crate::safefs::remove_under(&rec.dir, &overlay)
+                {
+                    tracing::warn!(sandbox = %id, error = %e, "cannot delete the failed restore's overlay");
+                }
+                if was_paused {
+                    tracing::warn!(sandbox = %id, snapshot = %snap.api.id, error = %e, "restore failed; the sandbox stays paused");
+                } else {
+                    self.mark_failed(id, e.to_string());
+                }
                 Err(e)
             }
         }

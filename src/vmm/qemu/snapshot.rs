@@ -239,6 +239,7 @@ impl QemuDriver {
         let agent = match res {
             Ok(a) => a,
             Err(e) => {
+                let e = why_it_ended(e, &exited, paths).await;
                 let _ = Self::kill_and_wait(&info).await;
                 return Err(e);
             }
@@ -359,11 +360,34 @@ type Exited = tokio::sync::watch::Receiver<Option<std::process::ExitStatus>>;
 
 fn exited_err(exited: &Exited, paths: &VmPaths) -> Option<VmmError> {
     exited.borrow().map(|st| {
+        let log = tail(&paths.qemu_log, LOG_TAIL);
+        // QEMU's words for a state file made by a VM with other devices (another tryboxi or
+        // QEMU version): say so first, the log follows.
+        let mismatch = log.contains("Unknown savevm section")
+            || log.contains("Missing section footer")
+            || log.contains("load of migration failed");
+        let what = if mismatch {
+            "the saved state does not fit this VM: it was saved by a VM with other devices \
+             (another tryboxi or QEMU version?), so it cannot be loaded. "
+        } else {
+            ""
+        };
         VmmError::BootFailed(format!(
-            "QEMU exited with {st} during restore.\n--- qemu.log ---\n{}",
-            tail(&paths.qemu_log, LOG_TAIL)
+            "{what}QEMU exited with {st} during restore.\n--- qemu.log ---\n{log}"
         ))
     })
+}
+
+/// The error of a start from a state file that failed: when QEMU exited (a failed load ends
+/// the process; its QMP connection closing is often seen first), QEMU's own reason from its
+/// log rather than "connection closed".
+async fn why_it_ended(e: VmmError, exited: &Exited, paths: &VmPaths) -> VmmError {
+    if matches!(e, VmmError::BootFailed(_)) {
+        return e;
+    }
+    let mut rx = exited.clone();
+    let _ = tokio::time::timeout(Duration::from_millis(500), rx.wait_for(Option::is_some)).await;
+    exited_err(exited, paths).unwrap_or(e)
 }
 
 async fn connect_until(
