@@ -436,29 +436,6 @@ mod tests {
         ar.set_preserve_mtime(true);
         ar.set_overwrite(true);
         ar.unpack(plain.path()).unwrap();
-        let tree = |root: &Path| {
-            let mut out = Vec::new();
-            for e in walkdir(root) {
-                let rel = e.strip_prefix(root).unwrap().to_owned();
-                let md = std::fs::symlink_metadata(&e).unwrap();
-                let (content, mtime) = if md.file_type().is_symlink() {
-                    (
-                        std::fs::read_link(&e)
-                            .unwrap()
-                            .into_os_string()
-                            .into_encoded_bytes(),
-                        0,
-                    )
-                } else if md.is_file() {
-                    (std::fs::read(&e).unwrap(), md.mtime())
-                } else {
-                    (Vec::new(), 0)
-                };
-                out.push((rel, md.mode(), content, mtime));
-            }
-            out.sort();
-            out
-        };
         let (a, b) = (tree(ours.path()), tree(plain.path()));
         assert!(a.len() > 600, "{}", a.len());
         assert_eq!(a, b);
@@ -466,6 +443,26 @@ mod tests {
             std::fs::set_permissions(t.join("ro"), std::fs::Permissions::from_mode(0o755)).unwrap();
         }
         std::fs::set_permissions(r.join("ro"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    /// Every entry under `root`: path, mode, content or symlink target, mtime (files).
+    fn tree(root: &Path) -> Vec<(PathBuf, u32, Vec<u8>, i64)> {
+        let mut out = Vec::new();
+        for p in walkdir(root) {
+            let md = std::fs::symlink_metadata(&p).unwrap();
+            let rel = p.strip_prefix(root).unwrap().to_owned();
+            let (content, mtime) = if md.file_type().is_symlink() {
+                let t = std::fs::read_link(&p).unwrap();
+                (t.into_os_string().into_encoded_bytes(), 0)
+            } else if md.is_file() {
+                (std::fs::read(&p).unwrap(), md.mtime())
+            } else {
+                (Vec::new(), 0)
+            };
+            out.push((rel, md.mode(), content, mtime));
+        }
+        out.sort();
+        out
     }
 
     fn walkdir(root: &Path) -> Vec<PathBuf> {
@@ -568,8 +565,7 @@ mod tests {
         img
     }
 
-    /// Every entry of an image as `debugfs rdump` gives it back: path, mode, content or
-    /// symlink target, mtime (files).
+    /// Every entry of an image as `debugfs rdump` gives it back (see [`tree`]).
     fn image_tree(debugfs: &Path, img: &Path) -> Vec<(PathBuf, u32, Vec<u8>, i64)> {
         let out = tempfile::tempdir().unwrap();
         let st = Command::new(debugfs)
@@ -578,22 +574,7 @@ mod tests {
             .output()
             .unwrap();
         assert!(st.status.success(), "{st:?}");
-        let mut v = Vec::new();
-        for p in walkdir(out.path()) {
-            let md = std::fs::symlink_metadata(&p).unwrap();
-            let rel = p.strip_prefix(out.path()).unwrap().to_owned();
-            let (content, mtime) = if md.file_type().is_symlink() {
-                let t = std::fs::read_link(&p).unwrap();
-                (t.into_os_string().into_encoded_bytes(), 0)
-            } else if md.is_file() {
-                (std::fs::read(&p).unwrap(), md.mtime())
-            } else {
-                (Vec::new(), 0)
-            };
-            v.push((rel, md.mode(), content, mtime));
-        }
-        v.sort();
-        v
+        tree(out.path())
     }
 
     /// Where `mke2fs` reads archives, the image built from the archive holds exactly what the
