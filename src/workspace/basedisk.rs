@@ -193,8 +193,8 @@ pub fn build(staging: &Path, img: &Path) -> Result<(), BaseDiskError> {
 
 /// Whether this host's `mke2fs` reads the sync archive itself (`-d` of a tar file: e2fsprogs
 /// 1.47.1 or newer, with libarchive), so that [`build_from_tar`] can skip staging (10,000
-/// files / 100 MB: ~90 ms of staging saved). False after a tar build
-/// failed once in this process (libarchive missing, say): staging works everywhere.
+/// files / 100 MB: ~90 ms of staging saved). False after a tar build failed once in this
+/// process (libarchive missing, say): staging works everywhere.
 pub fn reads_tar() -> bool {
     static VERSION_OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     !TAR_FAILED.load(std::sync::atomic::Ordering::Relaxed)
