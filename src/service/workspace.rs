@@ -414,7 +414,7 @@ impl Service {
         let built = tokio::task::spawn_blocking(move || {
             // mke2fs reads the archive itself where it can; else the archive is staged.
             if basedisk::reads_tar() {
-                match basedisk::build_from_tar(&archive, &img) {
+                match basedisk::build_from_tar(&archive, &img, &dir) {
                     Ok(()) => return Ok(None),
                     Err(e) => {
                         tracing::warn!(error = %e, "mke2fs could not read the sync archive; staging it instead from now on");

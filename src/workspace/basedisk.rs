@@ -222,11 +222,12 @@ fn e2fsprogs_version(text: &str) -> Option<(u32, u32, u32)> {
 }
 
 /// Like [`build`], from the sync archive itself (see [`reads_tar`]): `mke2fs` reads it from a
-/// memory file. Owners come from the archive's headers (root), so no user namespace is
+/// memory file, or from an unnamed file in `spill` (the sandbox's directory) when the archive
+/// is too big to hold in memory twice (the rule of [`staging_parent`]). Owners come from the archive's headers (root), so no user namespace is
 /// needed. On failure the disk is made blank again (holes punched) for [`build`], and
 /// [`reads_tar`] answers false from then on.
-pub fn build_from_tar(archive: &[u8], img: &Path) -> Result<(), BaseDiskError> {
-    let res = build_from_tar_once(archive, img);
+pub fn build_from_tar(archive: &[u8], img: &Path, spill: &Path) -> Result<(), BaseDiskError> {
+    let res = build_from_tar_once(archive, img, spill);
     if res.is_err() {
         TAR_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
     }
@@ -234,7 +235,22 @@ pub fn build_from_tar(archive: &[u8], img: &Path) -> Result<(), BaseDiskError> {
 }
 
 /// [`build_from_tar`] without marking `mke2fs` as unable to read archives.
-fn build_from_tar_once(archive: &[u8], img: &Path) -> Result<(), BaseDiskError> {
+fn build_from_tar_once(archive: &[u8], img: &Path, spill: &Path) -> Result<(), BaseDiskError> {
+    let in_memory = staging_parent(archive.len() as u64, spill) == Path::new("/dev/shm");
+    build_from_tar_in(
+        archive,
+        img,
+        in_memory.then_some(spill).map_or(Some(spill), |_| None),
+    )
+}
+
+/// The build of [`build_from_tar`]: the archive in a memory file (`spill` `None`) or an unnamed
+/// file in `spill`.
+fn build_from_tar_in(
+    archive: &[u8],
+    img: &Path,
+    spill: Option<&Path>,
+) -> Result<(), BaseDiskError> {
     if !is_blank(img) {
         return Err(BaseDiskError::NotBlank(img.to_owned()));
     }
@@ -242,12 +258,16 @@ fn build_from_tar_once(archive: &[u8], img: &Path) -> Result<(), BaseDiskError> 
     let io = |what: &'static str| {
         move |e: std::io::Error| BaseDiskError::Workspace(WorkspaceError::io(what, img)(e))
     };
-    let mem = nix::sys::memfd::memfd_create(
-        c"tryboxi-wsbase-archive",
-        nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
-    )
-    .map_err(|e| io("create a memory file for the archive of")(e.into()))?;
-    let mut f = std::fs::File::from(mem);
+    let mut f = if let Some(dir) = spill {
+        tempfile::tempfile_in(dir).map_err(io("create a file for the archive of"))?
+    } else {
+        let mem = nix::sys::memfd::memfd_create(
+            c"tryboxi-wsbase-archive",
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
+        )
+        .map_err(|e| io("create a memory file for the archive of")(e.into()))?;
+        std::fs::File::from(mem)
+    };
     std::io::Write::write_all(&mut f, archive).map_err(io("copy the archive of"))?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
     let mut cmd = Command::new(&mke2fs);
@@ -593,7 +613,7 @@ mod tests {
         let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let (img_a, img_b) = (blank_img(a.path()), blank_img(b.path()));
         build(out.path(), &img_a).unwrap();
-        build_from_tar(&d.archive, &img_b).unwrap();
+        build_from_tar(&d.archive, &img_b, b.path()).unwrap();
         let (ta, tb) = (image_tree(&debugfs, &img_a), image_tree(&debugfs, &img_b));
         assert!(ta.len() >= 6, "{ta:?}");
         assert!(!ta.iter().any(|e| e.0.starts_with("lost+found")), "{ta:?}");
@@ -609,9 +629,38 @@ mod tests {
         assert!(stat(&img_b).contains("User:     0   Group:     0"));
         // Write-once, as `build`.
         assert!(matches!(
-            build_from_tar(&d.archive, &img_b),
+            build_from_tar(&d.archive, &img_b, b.path()),
             Err(BaseDiskError::NotBlank(_))
         ));
+    }
+
+    /// An archive too big for memory goes to `mke2fs` through an unnamed file next to the
+    /// disk: the same image.
+    #[test]
+    fn a_spilled_archive_builds_the_same_image() {
+        let (Ok(_), Ok(debugfs)) = (tool("mke2fs"), tool("debugfs")) else {
+            eprintln!("e2fsprogs not installed: skipped");
+            return;
+        };
+        if !reads_tar() {
+            eprintln!("mke2fs older than 1.47.1 (cannot read a tar): skipped");
+            return;
+        }
+        let (_repo, _out, d) = staged();
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (img_a, img_b) = (blank_img(a.path()), blank_img(b.path()));
+        build_from_tar_in(&d.archive, &img_a, None).unwrap();
+        build_from_tar_in(&d.archive, &img_b, Some(b.path())).unwrap();
+        let ta = image_tree(&debugfs, &img_a);
+        assert!(ta.len() >= 6, "{ta:?}");
+        assert_eq!(ta, image_tree(&debugfs, &img_b));
+        // Nothing named is left next to the disk.
+        let names: Vec<_> = std::fs::read_dir(b.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("wsbase.img")]);
     }
 
     /// A build from an archive `mke2fs` cannot read fails and leaves the disk blank again, so
@@ -625,7 +674,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let img = blank_img(dir.path());
         let garbage = vec![0x5au8; 64 << 10];
-        assert!(build_from_tar_once(&garbage, &img).is_err());
+        assert!(build_from_tar_once(&garbage, &img, dir.path()).is_err());
         assert!(
             is_blank(&img),
             "{:?}",
