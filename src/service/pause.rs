@@ -346,8 +346,15 @@ impl Service {
 /// inside the pause directory and point the pause record at it, so that a restore that fails
 /// leaves a pause state that still resumes. A hard link: no copy, and at every instant the
 /// record names a file that exists (a crash between the two steps leaves both names).
+/// A pause state that cannot be read is not kept (a restore is then the way back).
 pub(super) fn keep_paused_ram_apart(rec: &SandboxRecord) -> Result<(), ServiceError> {
-    let mut pr = read_pause(rec)?;
+    let mut pr = match read_pause(rec) {
+        Ok(pr) => pr,
+        Err(e) => {
+            tracing::warn!(sandbox = %rec.api.id, error = %e, "unreadable pause state; restoring over it");
+            return Ok(());
+        }
+    };
     let dir = rec.dir.join(PAUSE_DIR);
     let Some(ram) = pr.checkpoint.ram_file.clone() else {
         return Ok(());

@@ -361,21 +361,32 @@ type Exited = tokio::sync::watch::Receiver<Option<std::process::ExitStatus>>;
 fn exited_err(exited: &Exited, paths: &VmPaths) -> Option<VmmError> {
     exited.borrow().map(|st| {
         let log = tail(&paths.qemu_log, LOG_TAIL);
-        // QEMU's words for a state file made by a VM with other devices (another tryboxi or
-        // QEMU version): say so first, the log follows.
-        let mismatch = log.contains("Unknown savevm section")
-            || log.contains("Missing section footer")
-            || log.contains("load of migration failed");
-        let what = if mismatch {
-            "the saved state does not fit this VM: it was saved by a VM with other devices \
-             (another tryboxi or QEMU version?), so it cannot be loaded. "
-        } else {
-            ""
-        };
+        let what = load_failure_hint(&log);
         VmmError::BootFailed(format!(
             "{what}QEMU exited with {st} during restore.\n--- qemu.log ---\n{log}"
         ))
     })
+}
+
+/// What QEMU's log says of a failed load, in a user's words (empty when it says nothing
+/// known): a state file made by a VM with other devices or memory (another tryboxi or QEMU
+/// version), or a load that failed otherwise.
+fn load_failure_hint(log: &str) -> &'static str {
+    let mismatch = [
+        "Unknown savevm section",
+        "Missing section footer",
+        "Unknown ramblock",
+    ]
+    .iter()
+    .any(|m| log.contains(m));
+    if mismatch {
+        "the saved state does not fit this VM: it was saved by a VM with other devices \
+         (another tryboxi or QEMU version?), so it cannot be loaded. "
+    } else if log.contains("load of migration failed") {
+        "the saved state could not be loaded (damaged, or saved by a VM with other devices). "
+    } else {
+        ""
+    }
 }
 
 /// The error of a start from a state file that failed: when QEMU exited (a failed load ends
@@ -436,5 +447,24 @@ async fn wait_incoming(qmp: &QmpClient, exited: &Exited, paths: &VmPaths) -> Res
             ));
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[cfg(test)]
+mod hint_tests {
+    use super::load_failure_hint;
+
+    #[test]
+    fn failed_loads_are_explained_from_qemus_log() {
+        let other = "qemu-system-x86_64: Unknown savevm section or instance \
+                     'virtio-mmio@00000000feb00600/virtio-rng' 0. Make sure that your current VM \
+                     setup matches your saved VM setup\nqemu-system-x86_64: load of migration failed";
+        assert!(load_failure_hint(other).starts_with("the saved state does not fit this VM"));
+        let damaged = "qemu-system-x86_64: load of migration failed: Input/output error";
+        assert!(load_failure_hint(damaged).starts_with("the saved state could not be loaded"));
+        assert_eq!(
+            load_failure_hint("qemu-system-x86_64: terminating on signal 9"),
+            ""
+        );
     }
 }
