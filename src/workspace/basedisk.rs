@@ -597,21 +597,34 @@ mod tests {
         tree(out.path())
     }
 
+    /// `debugfs`, when e2fsprogs is installed and its `mke2fs` reads archives (else the test
+    /// says why it is skipped).
+    fn tar_tools() -> Option<PathBuf> {
+        let (Ok(_), Ok(debugfs)) = (tool("mke2fs"), tool("debugfs")) else {
+            eprintln!("e2fsprogs not installed: skipped");
+            return None;
+        };
+        if !reads_tar() {
+            eprintln!("mke2fs older than 1.47.1 (cannot read a tar): skipped");
+            return None;
+        }
+        Some(debugfs)
+    }
+
+    /// Two directories, each with a blank base disk.
+    fn two_blank_disks() -> (tempfile::TempDir, tempfile::TempDir, PathBuf, PathBuf) {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (img_a, img_b) = (blank_img(a.path()), blank_img(b.path()));
+        (a, b, img_a, img_b)
+    }
+
     /// Where `mke2fs` reads archives, the image built from the archive holds exactly what the
     /// image built from the staged archive holds.
     #[test]
     fn the_image_from_the_archive_equals_the_image_from_staging() {
-        let (Ok(_), Ok(debugfs)) = (tool("mke2fs"), tool("debugfs")) else {
-            eprintln!("e2fsprogs not installed: skipped");
-            return;
-        };
-        if !reads_tar() {
-            eprintln!("mke2fs older than 1.47.1 (cannot read a tar): skipped");
-            return;
-        }
+        let Some(debugfs) = tar_tools() else { return };
         let (_repo, out, d) = staged();
-        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let (img_a, img_b) = (blank_img(a.path()), blank_img(b.path()));
+        let (_a, b, img_a, img_b) = two_blank_disks();
         build(out.path(), &img_a).unwrap();
         build_from_tar(&d.archive, &img_b, b.path()).unwrap();
         let (ta, tb) = (image_tree(&debugfs, &img_a), image_tree(&debugfs, &img_b));
@@ -638,17 +651,9 @@ mod tests {
     /// disk: the same image.
     #[test]
     fn a_spilled_archive_builds_the_same_image() {
-        let (Ok(_), Ok(debugfs)) = (tool("mke2fs"), tool("debugfs")) else {
-            eprintln!("e2fsprogs not installed: skipped");
-            return;
-        };
-        if !reads_tar() {
-            eprintln!("mke2fs older than 1.47.1 (cannot read a tar): skipped");
-            return;
-        }
+        let Some(debugfs) = tar_tools() else { return };
         let (_repo, _out, d) = staged();
-        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let (img_a, img_b) = (blank_img(a.path()), blank_img(b.path()));
+        let (_a, b, img_a, img_b) = two_blank_disks();
         build_from_tar_in(&d.archive, &img_a, None).unwrap();
         build_from_tar_in(&d.archive, &img_b, Some(b.path())).unwrap();
         let ta = image_tree(&debugfs, &img_a);
