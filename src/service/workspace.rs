@@ -395,7 +395,8 @@ impl Service {
 
     /// Put the first sync's `archive` into the VM through its workspace base disk: build an
     /// ext4 image of it in the disk (`workspace::basedisk`: `mke2fs` reads the archive itself
-    /// where it can, else from the archive staged in a temporary directory), then have the agent mount it under an overlayfs on the workspace.
+    /// where it can, else the archive staged in a temporary directory), then have the agent
+    /// mount it under an overlayfs on the workspace.
     /// `Ok(false)` (with a log line saying why) when that cannot be done: the disk is missing or
     /// already written (an older VM, a fork child), e2fsprogs is missing or failed, or the agent
     /// refused (the workspace is not empty): the caller sends the archive as usual.
