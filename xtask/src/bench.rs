@@ -334,7 +334,7 @@ pub fn run(reps: usize) -> Result<()> {
     )?;
     writeln!(
         md,
-        "| (j) connections per second, one after another (connect + close) | {:.0}/s | {:.0}/s | {:.3} |",
+        "| (j) connections per second, one after another (connect + close; from the median gap between accepts) | {:.0}/s | {:.0}/s | {:.3} |",
         net.cps_vm,
         net.cps_host,
         net.cps_vm / net.cps_host
