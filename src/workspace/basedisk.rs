@@ -228,7 +228,11 @@ fn e2fsprogs_version(text: &str) -> Option<(u32, u32, u32)> {
 /// [`reads_tar`] answers false from then on.
 pub fn build_from_tar(archive: &[u8], img: &Path, spill: &Path) -> Result<(), BaseDiskError> {
     let res = build_from_tar_once(archive, img, spill);
-    if res.is_err() {
+    // A disk that was not blank says nothing about what `mke2fs` can read.
+    if res
+        .as_ref()
+        .is_err_and(|e| !matches!(e, BaseDiskError::NotBlank(_)))
+    {
         TAR_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     res
