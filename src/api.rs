@@ -400,6 +400,10 @@ pub struct FileChange {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct DiffReport {
     pub files: Vec<FileChange>,
+    /// Changes apply and pull never bring back, with the reason (`path: reason`): git metadata
+    /// below the root or a bare-repository layout, devices, FIFOs and sockets.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<String>,
 }
 
 /// `POST /v1/sandboxes/{id}/apply` (`paths` empty = everything) and

@@ -63,6 +63,7 @@ pub async fn run(a: Args) -> Result<(), TopError> {
             " {} file(s) changed, {add} insertion(s)(+), {del} deletion(s)(-)",
             r.files.len()
         );
+        print_refused(&r);
         return Ok(());
     }
     for f in &r.files {
@@ -85,5 +86,13 @@ pub async fn run(a: Args) -> Result<(), TopError> {
             print!("{p}");
         }
     }
+    print_refused(&r);
     Ok(())
+}
+
+/// What apply will not bring back, on stderr (the patch on stdout stays applicable).
+fn print_refused(r: &api::DiffReport) {
+    for p in &r.refused {
+        eprintln!("refused  {p}");
+    }
 }

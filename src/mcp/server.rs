@@ -462,8 +462,11 @@ fn json_result<T: Serialize>(v: &T) -> CallToolResult {
 /// A diff as the model reads it: one header line per file, then its patch.
 fn diff_result(report: &api::DiffReport) -> CallToolResult {
     let mut text = String::new();
-    if report.files.is_empty() {
+    if report.files.is_empty() && report.refused.is_empty() {
         text.push_str("No changes in the sandbox's workspace.\n");
+    }
+    for p in &report.refused {
+        text.push_str(&format!("refused (apply will not bring it back): {p}\n"));
     }
     for f in &report.files {
         let kind = serde_json::to_value(f.kind).unwrap_or_default();

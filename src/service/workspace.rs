@@ -87,6 +87,19 @@ struct Changes {
     manifest: Arc<Manifest>,
     changes: Vec<Change>,
     special: Vec<String>,
+    /// Never brought back, `path: reason` (git metadata).
+    refused: Vec<String>,
+}
+
+impl Changes {
+    /// What apply refuses whatever the host has: git metadata, devices, FIFOs, sockets.
+    fn refused(&self) -> impl Iterator<Item = String> + '_ {
+        self.refused.iter().cloned().chain(
+            self.special.iter().map(|p| {
+                format!("{p}: a device, FIFO or socket; only files and symlinks come back")
+            }),
+        )
+    }
 }
 
 impl Service {
@@ -567,12 +580,14 @@ impl Service {
             contents.insert(p, d);
         }
         let special = s.special.clone();
+        let refused = s.refused.clone();
         let changes = diff::classify(&manifest, s, contents);
         Ok(Changes {
             base,
             manifest,
             changes,
             special,
+            refused,
         })
     }
 
@@ -587,8 +602,9 @@ impl Service {
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
         let ch = self.changes(&rec, &vm, &paths).await?;
+        let refused = ch.refused().collect();
         let files = blocking(move || diff::report(&ch.base, &ch.changes, stat)).await?;
-        Ok(api::DiffReport { files })
+        Ok(api::DiffReport { files, refused })
     }
 
     /// `POST /v1/sandboxes/{id}/apply`.
@@ -643,6 +659,7 @@ impl Service {
         let ch = self.changes(&rec, &vm, &ok_paths).await?;
         let rules = self.rules(&rec)?;
         let max = self.max_file_bytes();
+        let ch_refused: Vec<String> = ch.refused().collect();
         let (r2, b2) = (root.clone(), ch.base.clone());
         let plan = blocking(move || apply::plan(&r2, &b2, ch.changes, &rules, mode, max)).await?;
         let mut report = api::ApplyReport {
@@ -652,11 +669,7 @@ impl Service {
             refused: refused_early,
         };
         report.refused.extend(plan.refused.iter().cloned());
-        report.refused.extend(
-            ch.special.iter().map(|p| {
-                format!("{p}: a device, FIFO or socket; only files and symlinks come back")
-            }),
-        );
+        report.refused.extend(ch_refused);
         if !plan.ops.is_empty() {
             let art_id = ids::new_id(ids::ARTIFACT);
             let dir = self.paths.artifacts_dir().join(&art_id);

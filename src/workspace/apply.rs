@@ -64,7 +64,10 @@ pub fn check_path(rel: &str) -> Result<(), String> {
         }
     }
     if is_git_path(rel) {
-        return Err("anything under .git/ is never written by apply or pull".into());
+        return Err(
+            "git metadata (`.git` at any depth, in any spelling) is never written by apply or pull"
+                .into(),
+        );
     }
     Ok(())
 }

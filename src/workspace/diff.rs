@@ -23,6 +23,8 @@ pub struct Suspects {
     pub deleted: Vec<String>,
     /// Devices, FIFOs and sockets (never brought back).
     pub special: Vec<String>,
+    /// Changes never brought back, as `path: reason` (git metadata: see [`super::gitmeta`]).
+    pub refused: Vec<String>,
 }
 
 /// Whether `rel` is selected by `paths` (empty = everything): equal to one or under one.
@@ -101,6 +103,7 @@ pub fn suspects(
             s.deleted.push(rel.clone());
         }
     }
+    super::gitmeta::refuse(&mut s, base, walk);
     s
 }
 

@@ -112,16 +112,24 @@ impl Rules {
         matches_any_ancestor(&self.exclude, rel)
     }
 
-    /// Whether a path of the VM's tree takes part in diff/apply: not under `.git/`, not
-    /// excluded, not ignored by the `.gitignore` files of the sync base.
+    /// Whether a path of the VM's tree takes part in diff/apply: not under the repo's own
+    /// `.git/`, not excluded, not ignored by the `.gitignore` files of the sync base. Git
+    /// metadata anywhere else is kept here so diff can show it as refused
+    /// ([`super::gitmeta::refuse`]).
     pub fn keeps(&self, ignores: &Ignores, rel: &str, is_dir: bool) -> bool {
-        !is_git_path(rel) && !self.is_excluded(rel) && !ignores.ignored(rel, is_dir)
+        !is_root_git(rel) && !self.is_excluded(rel) && !ignores.ignored(rel, is_dir)
     }
 }
 
-/// `.git` or anything under it (at the repo root).
-pub fn is_git_path(rel: &str) -> bool {
+/// The repo's own `.git` or anything under it (exactly `.git`, at the root).
+pub fn is_root_git(rel: &str) -> bool {
     rel == ".git" || rel.starts_with(".git/")
+}
+
+/// Whether any component of `rel` is a `.git` (any depth, any spelling a host file system
+/// may fold to `.git`: see [`super::gitmeta::is_dotgit_name`]). Apply never writes these.
+pub fn is_git_path(rel: &str) -> bool {
+    super::gitmeta::dotgit_prefix(rel).is_some()
 }
 
 /// `.gitignore` matchers built from the sync base (what the VM was given), for filtering the
