@@ -34,11 +34,12 @@ pub struct Delta {
     pub unchanged: u64,
 }
 
-/// Read a host file as it goes into the VM (`.git/config` sanitized).
+/// Read a host file as it goes into the VM (git config files sanitized: see
+/// [`gitconfig::is_git_config`]).
 fn read_for_vm(root: &Path, rel: &str) -> Result<Vec<u8>, WorkspaceError> {
     let p = root.join(rel);
     let data = std::fs::read(&p).map_err(WorkspaceError::io("read", &p))?;
-    if rel == ".git/config" {
+    if gitconfig::is_git_config(root, rel) {
         return Ok(gitconfig::sanitize(&String::from_utf8_lossy(&data)).into_bytes());
     }
     Ok(data)
