@@ -221,11 +221,12 @@ pub struct SyncConfig {
     /// Extra paths never synced (on top of `.gitignore`, `.git/info/exclude`). Default: none.
     pub exclude: Vec<String>,
     /// Secret files: never synced, never applied back unless allowed below. Default:
-    /// `.env`, `.env.*`, `.envrc`, `*.pem`, `*.key`, `*.p12`, `*.pfx`, `id_rsa*`, `id_dsa*`,
-    /// `id_ecdsa*`, `id_ed25519*`, `.npmrc`, `.pypirc`, `.netrc`, `_netrc`, `.git-credentials`,
-    /// `.aws`, `.ssh`, `.gnupg`, `.azure`, `.kube/config`, `.docker/config.json`,
-    /// `.config/gcloud`, `.config/gh/hosts.yml`, `credentials.json`, `secrets.*`, `*.keystore`,
-    /// `.htpasswd`. Setting this replaces the whole list.
+    /// `.env*` (`.env`, `.env.local`, `.env-dev`, `.env_local`, `.envrc`, ...), `*.pem`,
+    /// `*.key`, `*.p12`, `*.pfx`, `id_*` (any name starting `id_`: `id_rsa`, `id_ed25519.pub`,
+    /// `id_deploy`, ...), `.npmrc`, `.pypirc`, `.netrc`, `_netrc`, `.git-credentials`, `.aws`,
+    /// `.ssh`, `.gnupg`, `.azure`, `**/.kube/config`, `**/.docker/config.json`,
+    /// `**/.config/gcloud`, `**/.config/gh/hosts.yml`, `credentials.json`, `secrets.*`,
+    /// `*.keystore`, `.htpasswd` (all at any depth). Setting this replaces the whole list.
     pub secrets: Vec<String>,
     /// Secret paths the user explicitly allows into the VM (same pattern syntax). Default: none.
     pub allow_secrets: Vec<String>,
@@ -246,17 +247,12 @@ impl Default for SyncConfig {
 
 /// The default secret patterns (see [`SyncConfig::secrets`]).
 pub const DEFAULT_SECRETS: &[&str] = &[
-    ".env",
-    ".env.*",
-    ".envrc",
+    ".env*",
     "*.pem",
     "*.key",
     "*.p12",
     "*.pfx",
-    "id_rsa*",
-    "id_dsa*",
-    "id_ecdsa*",
-    "id_ed25519*",
+    "id_*",
     ".npmrc",
     ".pypirc",
     ".netrc",
@@ -266,10 +262,10 @@ pub const DEFAULT_SECRETS: &[&str] = &[
     ".ssh",
     ".gnupg",
     ".azure",
-    ".kube/config",
-    ".docker/config.json",
-    ".config/gcloud",
-    ".config/gh/hosts.yml",
+    "**/.kube/config",
+    "**/.docker/config.json",
+    "**/.config/gcloud",
+    "**/.config/gh/hosts.yml",
     "credentials.json",
     "secrets.*",
     "*.keystore",

@@ -21,6 +21,9 @@ pub mod manifest;
 pub mod rules;
 pub mod sync;
 
+#[cfg(test)]
+mod secrets_tests;
+
 use std::path::PathBuf;
 
 /// Where the workspace lives inside every VM.

@@ -1,0 +1,84 @@
+//! The default secret patterns (`sync.secrets`), one test per pattern of the spec, at the sync
+//! level: a host tree goes through the real scan and delta, and the archive the VM would get
+//! holds none of the secret paths (and reports them as skipped), but does hold the look-alikes.
+
+use super::manifest::Base;
+use super::rules::{Rules, scan};
+use super::sync::compute;
+use crate::config::SyncConfig;
+
+/// Files every tree gets: never secrets.
+const PLAIN: &[&str] = &[
+    "src/main.rs",
+    "docker/config.json",
+    "kube/config",
+    "ids.rs",
+    "identity.rs",
+    "env.txt",
+    "keys.rs",
+    "pem.md",
+];
+
+/// Sync a tree holding `secrets` and [`PLAIN`]; assert what the VM would receive.
+fn assert_never_sent(secrets: &[&str]) {
+    let repo = tempfile::tempdir().unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let root = repo.path();
+    for p in secrets.iter().chain(PLAIN) {
+        let p = root.join(p);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, "TOP-SECRET-VALUE").unwrap();
+    }
+    let rules = Rules::new(&SyncConfig::default()).unwrap();
+    let s = scan(root, &rules).unwrap();
+    let skipped = s.secrets_skipped.clone();
+    let d = compute(root, &s, &Base::new(data.path().join("ws"))).unwrap();
+    let mut sent = Vec::new();
+    for e in tar::Archive::new(d.archive.as_slice()).entries().unwrap() {
+        sent.push(e.unwrap().path().unwrap().to_string_lossy().into_owned());
+    }
+    for secret in secrets {
+        assert!(
+            !sent.iter().any(|p| p == secret),
+            "secret `{secret}` was sent to the VM; sent: {sent:?}"
+        );
+        assert!(
+            skipped
+                .iter()
+                .any(|k| k == secret || secret.starts_with(&format!("{k}/"))),
+            "`{secret}` not reported as skipped: {skipped:?}"
+        );
+        assert!(!d.manifest.entries.contains_key(*secret), "{secret}");
+    }
+    for plain in PLAIN {
+        assert!(sent.iter().any(|p| p == plain), "`{plain}` was not sent");
+    }
+}
+
+macro_rules! never_sent {
+    ($($name:ident: [$($path:expr),+ $(,)?];)+) => {
+        $(
+            #[test]
+            fn $name() {
+                assert_never_sent(&[$($path),+]);
+            }
+        )+
+    };
+}
+
+never_sent! {
+    secret_env_star: [".env", ".env.local", ".env-dev", ".env_local", "app/.env-staging", ".envrc"];
+    secret_pem: ["server.pem", "certs/deep/ca.pem"];
+    secret_key: ["tls.key", "a/b/private.key"];
+    secret_id_any: ["id_rsa", "id_ed25519.pub", "keys/id_deploy", "id_custom"];
+    secret_npmrc: [".npmrc", "web/.npmrc"];
+    secret_pypirc: [".pypirc", "py/.pypirc"];
+    secret_netrc: [".netrc", "sub/.netrc"];
+    secret_aws_dir: [".aws/credentials", ".aws/config", "home/.aws/credentials"];
+    secret_ssh_dir: [".ssh/id_ed25519", ".ssh/config", "home/u/.ssh/authorized_keys"];
+    secret_docker_config: [".docker/config.json", "ci/.docker/config.json"];
+    secret_kube_config: [".kube/config", "ops/.kube/config"];
+    secret_p12: ["cert.p12", "a/store.p12"];
+    secret_pfx: ["cert.pfx", "win/store.pfx"];
+    secret_credentials_json: ["credentials.json", "gcp/credentials.json"];
+}
