@@ -259,3 +259,51 @@ fn cli_without_daemon_says_how_to_start_it() {
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("tryboxi serve"));
 }
+
+/// `/`, the caller's home folder, the data root, anything in it and any folder holding it are
+/// never a workspace: 403 before anything boots (no VM needed), symlinks resolved.
+#[test]
+fn root_home_and_data_root_are_never_a_workspace() {
+    let d = Daemon::start(None, &[]);
+    let root = d.root().canonicalize().unwrap();
+    let inside = root.join("sandboxes");
+    std::fs::create_dir_all(&inside).unwrap();
+    let links = tempfile::tempdir().unwrap();
+    let link = links.path().join("data-link");
+    std::os::unix::fs::symlink(&root, &link).unwrap();
+    let mut cases = vec![
+        (std::path::PathBuf::from("/"), "file system root"),
+        (root.clone(), "holds tryboxi's data root"),
+        (
+            root.parent().unwrap().to_path_buf(),
+            "holds tryboxi's data root",
+        ),
+        (link, "holds tryboxi's data root"),
+        (inside, "inside tryboxi's data root"),
+    ];
+    let uid = nix::unistd::getuid();
+    match nix::unistd::User::from_uid(uid).ok().flatten() {
+        Some(u) if u.dir.is_dir() => cases.push((u.dir, "home folder")),
+        _ => println!("uid {uid} has no home folder: its refusal is not exercised"),
+    }
+    for (ws, why) in cases {
+        let body = serde_json::json!({"workspace": {"host_path": ws}}).to_string();
+        let r = d.request("POST", "/v1/sandboxes", Some(&body));
+        assert_eq!(r.status, 403, "{}: {}", ws.display(), r.text());
+        assert_eq!(r.error_code(), "forbidden");
+        let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(msg.contains(why), "{}: {msg}", ws.display());
+    }
+    let r = d.request("GET", "/v1/sandboxes", None);
+    assert_eq!(
+        r.json()["sandboxes"],
+        serde_json::json!([]),
+        "nothing was created"
+    );
+    // A project folder passes that check (and is refused next, for the vCPUs asked).
+    let project = tempfile::tempdir().unwrap();
+    let body = serde_json::json!({"workspace": {"host_path": project.path()}, "vcpus": 0});
+    let r = d.request("POST", "/v1/sandboxes", Some(&body.to_string()));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("vcpus"), "{}", r.text());
+}

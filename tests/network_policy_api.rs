@@ -52,12 +52,12 @@ fn network_routes_answer_404_for_unknown_sandboxes_and_400_for_bad_bodies() {
     let r = d.request("POST", &format!("{base}/rules"), Some(r#"{"target":"x"}"#));
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(d.request("DELETE", &base, None).status, 405);
-    // A create with an unknown preset is refused before anything boots.
-    let r = d.request(
-        "POST",
-        "/v1/sandboxes",
-        Some(r#"{"workspace":{"host_path":"/tmp"},"network":{"policy":["registeries"]}}"#),
-    );
+    // A create with an unknown preset is refused before anything boots. (Not `/tmp`: it holds
+    // the test daemon's data root, never a workspace.)
+    let ws = tempfile::tempdir().unwrap();
+    let body = serde_json::json!({"workspace": {"host_path": ws.path()},
+        "network": {"policy": ["registeries"]}});
+    let r = d.request("POST", "/v1/sandboxes", Some(&body.to_string()));
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("registeries"), "{}", r.text());
 }

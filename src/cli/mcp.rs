@@ -34,6 +34,10 @@ struct ServerArgs {
     /// `${workspaceFolder}`.
     #[arg(long, env = "SANDBOX_WORKSPACE", value_name = "DIR")]
     workspace: Option<String>,
+    /// Another folder the agent may use as a workspace (with everything below it); repeat for
+    /// more. Without it the agent may only use the default workspace and folders below it.
+    #[arg(long = "allow-workspace", value_name = "DIR")]
+    allow_workspace: Vec<PathBuf>,
     /// Which harness runs the server (for logs).
     #[arg(long, env = "SANDBOX_CLIENT", value_name = "NAME")]
     client: Option<String>,
@@ -157,6 +161,19 @@ fn serve(a: ServerArgs) -> Result<(), TopError> {
         None => crate::mcp::workspace_path(&cwd, &cwd),
     };
     let mut opts = crate::mcp::Options::new(paths.socket(), workspace);
+    for dir in a.allow_workspace {
+        let abs = cwd.join(&dir);
+        let resolved = abs
+            .canonicalize()
+            .map_err(|e| TopError::Usage(format!("--allow-workspace {}: {e}", dir.display())))?;
+        if !resolved.is_dir() {
+            return Err(TopError::Usage(format!(
+                "--allow-workspace {}: not a directory",
+                dir.display()
+            )));
+        }
+        opts.allowed_workspaces.push(resolved);
+    }
     opts.client_name = a.client;
     let f = a.fixed;
     if let Some(t) = f.template {

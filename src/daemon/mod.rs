@@ -75,8 +75,13 @@ pub struct ServeOptions {
 /// Where a request came from, for access checks.
 #[derive(Clone, Copy)]
 enum Via {
-    Unix,
-    Tcp { port: u16 },
+    /// With the peer's uid (SO_PEERCRED).
+    Unix {
+        uid: u32,
+    },
+    Tcp {
+        port: u16,
+    },
 }
 
 struct Shared {
@@ -161,7 +166,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
                         conns.spawn(refuse(stream, uid));
                         continue;
                     }
-                    conns.spawn(connection(stream, Via::Unix, shared.clone(), shutdown_tx.subscribe()));
+                    conns.spawn(connection(stream, Via::Unix { uid }, shared.clone(), shutdown_tx.subscribe()));
                 }
                 Err(e) => tracing::warn!(error = %e, "accept failed on the unix socket"),
             },
@@ -349,5 +354,9 @@ async fn handle(
         })?
         .to_bytes();
     let action = router::parse_request(&parts.method, &parts.uri, &parts.headers, &body)?;
-    handlers::handle(&shared.svc, action).await
+    let caller_uid = match via {
+        Via::Unix { uid } => Some(uid),
+        Via::Tcp { .. } => None,
+    };
+    handlers::handle(&shared.svc, action, caller_uid).await
 }

@@ -33,6 +33,16 @@ pub enum ToolError {
          `tryboxi apply`."
     )]
     ApplyDisabled(&'static str),
+    #[error(
+        "Workspace `{path}` may not be used by this agent: {why}. This MCP server works in \
+         {allowed} and folders below. Use one of those; if the user wants another folder, they \
+         add it to the server with `--allow-workspace DIR`."
+    )]
+    WorkspaceNotAllowed {
+        path: String,
+        why: String,
+        allowed: String,
+    },
     #[error("Invalid arguments for `{tool}`: {message}")]
     InvalidArgs { tool: String, message: String },
     #[error("Unknown tool `{0}`.")]

@@ -8,12 +8,14 @@
 //! Must never: talk to a VM or the store directly (every tool goes through
 //! [`crate::client::Client`], i.e. the daemon's HTTP API), write anything to stdout that is not
 //! a JSON-RPC message (logs go to stderr), or let the model choose what the user fixed with
-//! flags (template default, vCPUs, memory, network preset, whether apply/pull are allowed).
+//! flags (template default, vCPUs, memory, network preset, whether apply/pull are allowed,
+//! which host folders may be a workspace).
 
 mod error;
 mod exec;
 pub mod install;
 mod outputs;
+mod scope;
 mod server;
 mod stdio;
 mod tools;
@@ -30,6 +32,9 @@ pub struct Options {
     pub socket: PathBuf,
     /// The default workspace (`SANDBOX_WORKSPACE`, else the server's working directory).
     pub workspace: PathBuf,
+    /// More folders the model may use as a workspace (`--allow-workspace`); with `workspace`,
+    /// each with everything below it and nothing else (see [`scope`]).
+    pub allowed_workspaces: Vec<PathBuf>,
     /// Which harness started us (`SANDBOX_CLIENT`), for logs.
     pub client_name: Option<String>,
     /// Template for new sandboxes when the model does not name one.
@@ -52,6 +57,7 @@ impl Options {
         Options {
             socket,
             workspace,
+            allowed_workspaces: Vec::new(),
             client_name: None,
             template: "auto".into(),
             vcpus: None,

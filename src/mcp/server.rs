@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::outputs::Outputs;
 use super::tools::{self, parse};
-use super::{Options, ToolError, exec};
+use super::{Options, ToolError, exec, scope};
 use crate::api;
 use crate::client::Client;
 
@@ -75,7 +75,10 @@ impl SandboxServer {
             "create" => {
                 let a: tools::CreateArgs = parse(name, args)?;
                 let ws = match &a.workspace {
-                    Some(w) => workspace_path(Path::new(w), &me.opts.workspace),
+                    Some(w) => scope::allowed_workspace(
+                        &me.opts,
+                        &workspace_path(Path::new(w), &me.opts.workspace),
+                    )?,
                     None => me.opts.workspace.clone(),
                 };
                 let (sbx, reused) = if a.new {
@@ -274,9 +277,11 @@ impl SandboxServer {
         }
     }
 
-    /// The sandbox a tool acts on: the given id, else this workspace's (which must exist).
+    /// The sandbox a tool acts on: the given id (if its workspace is one this server may
+    /// use), else this workspace's (which must exist).
     async fn target(&self, id: Option<String>) -> Result<String, ToolError> {
         if let Some(id) = id {
+            self.check_scope(&id).await?;
             return Ok(id);
         }
         let ws = &self.inner.opts.workspace;
@@ -293,13 +298,26 @@ impl SandboxServer {
     /// (default template, no extra excludes).
     async fn target_or_create(&self, id: Option<String>) -> Result<String, ToolError> {
         match id {
-            Some(id) => Ok(id),
+            Some(id) => {
+                self.check_scope(&id).await?;
+                Ok(id)
+            }
             None => Ok(self
                 .find_or_create(&self.inner.opts.workspace, None, Vec::new())
                 .await?
                 .0
                 .id),
         }
+    }
+
+    /// A sandbox named by the model must work on a folder this server may use (another
+    /// sandbox of the daemon may hold the user's home or another repo).
+    async fn check_scope(&self, id: &str) -> Result<(), ToolError> {
+        let s =
+            self.inner.client.sandbox(id).await.map_err(|e| {
+                ToolError::from_client(e, "exec", "GET /v1/sandboxes/{id}", Some(id))
+            })?;
+        scope::allowed_workspace(&self.inner.opts, Path::new(&s.workspace.host_path)).map(|_| ())
     }
 
     /// This workspace's ready sandbox, else a new one. `bool`: it was reused.

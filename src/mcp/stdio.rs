@@ -395,4 +395,112 @@ mod tests {
             .await;
         assert_eq!(unknown["error"]["code"], -32602, "{unknown}");
     }
+
+    /// A stand-in daemon on the server's socket: every request gets `sandbox` (a sandbox whose
+    /// workspace is `/`); the request lines it saw are returned by the handle.
+    fn fake_daemon(socket: &std::path::Path) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let l = tokio::net::UnixListener::bind(socket).unwrap();
+        let s2 = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut c, _)) = l.accept().await {
+                let seen = s2.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 8192];
+                    let n = tokio::io::AsyncReadExt::read(&mut c, &mut buf)
+                        .await
+                        .unwrap_or(0);
+                    let head = String::from_utf8_lossy(&buf[..n]);
+                    seen.lock()
+                        .unwrap()
+                        .push(head.lines().next().unwrap_or("").to_owned());
+                    let body = json!({"id": "sbx_0000000000000001", "state": "ready",
+                        "workspace": {"host_path": "/"}, "template": "base", "vcpus": 1,
+                        "memory_mib": 512, "accel": null, "created_at": "2026-01-01T00:00:00Z"})
+                    .to_string();
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = c.write_all(resp.as_bytes()).await;
+                });
+            }
+        });
+        seen
+    }
+
+    /// The model may only use the default workspace, folders below it and those the user
+    /// allowed; a sandbox it names must work on one of those. Refused before the daemon acts.
+    #[tokio::test]
+    async fn the_model_cannot_pick_a_workspace_outside_the_allowed_folders() {
+        let dir = tempfile::tempdir().unwrap();
+        let ws = dir.path().join("repo");
+        std::fs::create_dir_all(ws.join("sub")).unwrap();
+        std::os::unix::fs::symlink("/", ws.join("escape")).unwrap();
+        let sock = dir.path().join("d.sock");
+        let seen = fake_daemon(&sock);
+        let opts = Options::new(sock, ws.clone());
+        let (tx, server_in) = tokio::io::duplex(1 << 16);
+        let (server_out, rx) = tokio::io::duplex(1 << 16);
+        tokio::spawn(serve(SandboxServer::new(opts), server_in, server_out));
+        let mut p = Peer {
+            tx,
+            rx: BufReader::new(rx).lines(),
+            _dir: tempfile::tempdir().unwrap(),
+        };
+        p.initialize("2025-06-18").await;
+        let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+        let escape = ws.join("escape").display().to_string();
+        let parent = ws.join("..").display().to_string();
+        for (i, w) in [
+            "/",
+            home.as_str(),
+            "/etc",
+            escape.as_str(),
+            parent.as_str(),
+            "../",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let r = p
+                .request(
+                    10 + i as u64,
+                    "tools/call",
+                    json!({"name": "create", "arguments": {"workspace": w}}),
+                )
+                .await;
+            assert_eq!(r["result"]["isError"], true, "{w}: {r}");
+            let text = r["result"]["content"][0]["text"].as_str().unwrap();
+            assert!(text.contains("--allow-workspace"), "{w}: {text}");
+        }
+        assert!(
+            seen.lock().unwrap().is_empty(),
+            "no create reached the daemon: {:?}",
+            seen.lock().unwrap()
+        );
+        for (i, tool) in ["apply", "exec", "diff", "rm"].into_iter().enumerate() {
+            let mut args = json!({"sandbox_id": "sbx_0000000000000001"});
+            if tool == "exec" {
+                args["cmd"] = "true".into();
+            }
+            let r = p
+                .request(
+                    20 + i as u64,
+                    "tools/call",
+                    json!({"name": tool, "arguments": args}),
+                )
+                .await;
+            assert_eq!(r["result"]["isError"], true, "{tool}: {r}");
+            let text = r["result"]["content"][0]["text"].as_str().unwrap();
+            assert!(text.contains("--allow-workspace"), "{tool}: {text}");
+        }
+        let seen = seen.lock().unwrap().clone();
+        assert!(
+            seen.iter()
+                .all(|l| l.starts_with("GET /v1/sandboxes/sbx_0000000000000001 ")),
+            "only the sandbox was looked up: {seen:?}"
+        );
+    }
 }

@@ -15,7 +15,8 @@ use super::outputs::Stream;
 #[serde(deny_unknown_fields)]
 pub struct CreateArgs {
     /// Host directory (the repo) the sandbox works on, synced to /workspace in the VM.
-    /// Default: the workspace this agent was started for.
+    /// Default: the workspace this agent was started for. Only that workspace, folders below
+    /// it and folders the user allowed (`--allow-workspace`) may be used.
     #[serde(default)]
     pub workspace: Option<String>,
     /// Boot a fresh sandbox even if this workspace already has one (default false: reuse).

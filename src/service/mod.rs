@@ -21,6 +21,7 @@ mod snapshots;
 pub mod templates;
 mod vms;
 mod workspace;
+pub mod wsguard;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

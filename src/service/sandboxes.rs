@@ -54,11 +54,13 @@ impl Service {
             .ok_or_else(|| ServiceError::NotFound(format!("no sandbox `{id}`")))
     }
 
-    /// Validate a create request: the workspace must be an existing directory (absolute path),
-    /// and the resources within the configured limits.
+    /// Validate a create request: the workspace must be an existing directory (absolute path)
+    /// that may be a workspace (see [`super::wsguard`]; `caller_uid` is the unix-socket peer,
+    /// `None` for a TCP client), and the resources within the configured limits.
     pub fn validate_create(
         &self,
         req: &api::CreateSandboxRequest,
+        caller_uid: Option<u32>,
     ) -> Result<(u32, u32, std::path::PathBuf), ServiceError> {
         let p = Path::new(&req.workspace.host_path);
         if !p.is_absolute() {
@@ -75,6 +77,11 @@ impl Service {
                 "workspace `{}` is not a directory",
                 p.display()
             )));
+        }
+        let homes = super::wsguard::forbidden_homes(caller_uid);
+        if let Some(why) = super::wsguard::refusal(&canon, &self.paths.root, &homes) {
+            tracing::warn!(workspace = %canon.display(), caller_uid, "refused a workspace");
+            return Err(ServiceError::Forbidden(why));
         }
         let vcpus = req.vcpus.unwrap_or(self.config.default_vcpus);
         let mem = req.memory_mib.unwrap_or(self.config.default_memory_mib);

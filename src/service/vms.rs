@@ -103,13 +103,16 @@ impl Service {
         self.vms.accel.get().copied()
     }
 
-    /// `POST /v1/sandboxes`: boot a VM and return once its agent answers.
+    /// `POST /v1/sandboxes`: boot a VM and return once its agent answers. `caller_uid`: the
+    /// unix-socket peer (`None`: a TCP client, i.e. the daemon's own user); that user's home
+    /// folder may not be the workspace.
     pub async fn create_sandbox(
         self: &Arc<Self>,
         req: api::CreateSandboxRequest,
+        caller_uid: Option<u32>,
     ) -> Result<api::Sandbox, ServiceError> {
         let t0 = std::time::Instant::now();
-        let (vcpus, memory_mib, workspace) = self.validate_create(&req)?;
+        let (vcpus, memory_mib, workspace) = self.validate_create(&req, caller_uid)?;
         self.check_exclude(&req.workspace.exclude)?;
         let net_policy = self.validate_network(req.network.as_ref())?;
         let need = Resources::new(vcpus, memory_mib as u64);

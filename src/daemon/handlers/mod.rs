@@ -26,11 +26,17 @@ use crate::service::Service;
 #[cfg(test)]
 pub use health::OPENAPI_YAML;
 
-pub async fn handle(svc: &Arc<Service>, action: Action) -> Result<Response<Body>, ApiError> {
+/// `caller_uid`: the unix-socket peer's uid (`None` over TCP), for the checks that depend on
+/// who asks (a workspace may not be the caller's home folder).
+pub async fn handle(
+    svc: &Arc<Service>,
+    action: Action,
+    caller_uid: Option<u32>,
+) -> Result<Response<Body>, ApiError> {
     match action {
         Action::Health => health::health(svc),
         Action::OpenApi => Ok(health::openapi()),
-        Action::CreateSandbox(req) => sandboxes::create(svc, req).await,
+        Action::CreateSandbox(req) => sandboxes::create(svc, req, caller_uid).await,
         Action::ListSandboxes => sandboxes::list(svc),
         Action::GetSandbox(id) => sandboxes::get(svc, &id),
         Action::DeleteSandbox(id) => sandboxes::delete(svc, &id).await,

@@ -11,8 +11,9 @@ use crate::service::Service;
 pub async fn create(
     svc: &Arc<Service>,
     req: api::CreateSandboxRequest,
+    caller_uid: Option<u32>,
 ) -> Result<Response<Body>, ApiError> {
-    let sbx = svc.create_sandbox(req).await?;
+    let sbx = svc.create_sandbox(req, caller_uid).await?;
     Ok(response::json(StatusCode::CREATED, &sbx))
 }
 
