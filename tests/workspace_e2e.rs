@@ -321,6 +321,53 @@ fn conflicts_get_markers_and_escapes_are_refused() {
     assert!(!r.join("new").exists());
 }
 
+/// A VM plants git metadata for the host's next `git status` (a `.git` file pointing at a
+/// bare-repo layout whose config names `core.fsmonitor`, and a `.GIT` directory): diff lists
+/// each as refused, apply brings the rest and none of it.
+#[test]
+fn git_metadata_planted_in_the_vm_is_refused_by_diff_and_apply() {
+    let Some(d) = vm_daemon(SMALL_VMS) else {
+        return;
+    };
+    let repo = tempfile::tempdir().unwrap();
+    let r = repo.path();
+    write(r, "a.txt", "a\n");
+    let id = create(&d, r);
+    let _rm = Rm(&d, id.clone());
+    sh_ok(
+        &d,
+        &id,
+        "cd /workspace && mkdir -p sub evil/objects evil/refs/heads vend/.GIT && \
+         printf 'gitdir: ../evil\\n' > sub/.git && \
+         printf 'ref: refs/heads/main\\n' > evil/HEAD && \
+         printf '[core]\\n\\tfsmonitor = touch /tmp/pwned\\n' > evil/config && \
+         echo hook > vend/.GIT/config && echo ok > ok.txt",
+    );
+    let o = d.cli(&["diff", &id, "--stat"]);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert!(o.status.success(), "{out}{err}");
+    for refused in [
+        "refused  evil: looks like a bare git repository",
+        "refused  sub/.git: git metadata",
+        "refused  vend/.GIT: git metadata",
+    ] {
+        assert!(err.contains(refused), "`{refused}` missing: {err}");
+    }
+    assert!(out.contains("ok.txt") && !out.contains("evil/"), "{out}");
+    let o = d.cli(&["apply", &id]);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert!(o.status.success(), "{out}{err}");
+    assert!(out.contains("applied  ok.txt"), "{out}");
+    assert!(err.contains("refused  sub/.git"), "{err}");
+    assert_eq!(std::fs::read_to_string(r.join("ok.txt")).unwrap(), "ok\n");
+    for p in ["sub/.git", "evil", "vend/.GIT", "vend"] {
+        assert!(
+            std::fs::symlink_metadata(r.join(p)).is_err(),
+            "{p} must not be written"
+        );
+    }
+}
+
 #[test]
 fn daemon_killed_mid_apply_leaves_whole_files_and_undo_restores() {
     let Some(art) = artifacts() else { return };

@@ -65,7 +65,8 @@ pub fn check_path(rel: &str) -> Result<(), String> {
     }
     if is_git_path(rel) {
         return Err(
-            "git metadata (`.git` at any depth, in any spelling) is never written by apply or pull"
+            "anything under .git/ is never written by apply or pull (nor a `.git` at \
+                    any depth, in any spelling)"
                 .into(),
         );
     }
