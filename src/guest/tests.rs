@@ -275,7 +275,7 @@ async fn binary_output_and_files_are_intact() {
     )
     .await;
     assert_eq!(o.out, data);
-    assert_eq!(c.read_file(&path).await.unwrap(), data);
+    assert_eq!(c.read_file(&path, u64::MAX).await.unwrap(), data);
     let st = c.stat(&path).await.unwrap();
     assert_eq!(
         (st.kind, st.size, st.mode),
@@ -297,7 +297,9 @@ async fn file_operations_work_and_reject_relative_paths() {
         .await
         .unwrap();
     assert_eq!(
-        c.read_file(&format!("{root}/a/b/f.txt")).await.unwrap(),
+        c.read_file(&format!("{root}/a/b/f.txt"), u64::MAX)
+            .await
+            .unwrap(),
         b"replaced"
     );
     let names: Vec<(String, FileKind)> = c
@@ -319,7 +321,10 @@ async fn file_operations_work_and_reject_relative_paths() {
     let e = c.stat(&format!("{root}/a")).await.unwrap_err();
     assert!(matches!(e, RpcError::Remote(ref r) if r.kind == crate::rpc::msg::ErrorKind::NotFound));
     for bad in ["relative/x", "", "./x"] {
-        assert!(matches!(c.read_file(bad).await, Err(RpcError::Remote(_))));
+        assert!(matches!(
+            c.read_file(bad, u64::MAX).await,
+            Err(RpcError::Remote(_))
+        ));
         assert!(matches!(
             c.write_file(bad, b"x", 0o644).await,
             Err(RpcError::Remote(_))
@@ -327,7 +332,7 @@ async fn file_operations_work_and_reject_relative_paths() {
         assert!(matches!(c.stat(bad).await, Err(RpcError::Remote(_))));
     }
     assert!(matches!(
-        c.read_file(&format!("{root}/missing")).await,
+        c.read_file(&format!("{root}/missing"), u64::MAX).await,
         Err(RpcError::Remote(_))
     ));
 }
@@ -422,7 +427,7 @@ async fn big_file_transfer_does_not_starve_an_exec() {
     let c2 = c.clone();
     let t0 = Instant::now();
     let transfer = tokio::spawn(async move {
-        let d = c2.read_file(&big).await.unwrap();
+        let d = c2.read_file(&big, u64::MAX).await.unwrap();
         (d.len(), t0.elapsed())
     });
     // Wait until the transfer is really flowing, then run a command next to it.
@@ -464,7 +469,7 @@ async fn connection_drop_ends_pending_calls_with_disconnected() {
         Err(RpcError::Disconnected)
     ));
     assert!(matches!(
-        c.read_file("/etc/hostname").await,
+        c.read_file("/etc/hostname", u64::MAX).await,
         Err(RpcError::Disconnected)
     ));
     // The command survives the drop: reattach and stop it.

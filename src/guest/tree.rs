@@ -274,7 +274,7 @@ pub async fn walk_since(
         let mut slot = cache.lock().unwrap_or_else(|p| p.into_inner());
         let d = super::watch::walk_since(&mut slot, &root, &skip, since)
             .map_err(|e| RemoteError::from_io(&format!("walk {}", root.display()), &e))?;
-        bincode::serde::encode_to_vec(&d, bincode::config::standard())
+        crate::rpc::frame::encode_answer(&d)
             .map_err(|e| RemoteError::new(ErrorKind::Other, e.to_string()))
     })
     .await
@@ -297,7 +297,7 @@ pub async fn walk(
             walk_into(&root, &root, &skip, &mut out)
                 .map_err(|e| RemoteError::from_io(&format!("walk {}", root.display()), &e))?;
         }
-        bincode::serde::encode_to_vec(&out, bincode::config::standard())
+        crate::rpc::frame::encode_answer(&out)
             .map_err(|e| RemoteError::new(ErrorKind::Other, e.to_string()))
     })
     .await

@@ -150,7 +150,7 @@ async fn boots_in_qemu_and_runs_commands() {
     output(&c, "head -c 1048576 /dev/zero > /workspace/blob").await;
     let t = Instant::now();
     assert_eq!(
-        c.read_file("/workspace/blob").await.unwrap(),
+        c.read_file("/workspace/blob", u64::MAX).await.unwrap(),
         vec![0u8; 1 << 20]
     );
     eprintln!("1 MiB read_file over virtio-serial: {:?}", t.elapsed());
@@ -163,7 +163,10 @@ async fn boots_in_qemu_and_runs_commands() {
         .await;
         eprintln!("{size} B write_file: {:?}", t.elapsed());
         r.expect("write_file stalled").unwrap();
-        assert_eq!(c.read_file("/workspace/up").await.unwrap(), vec![1u8; size]);
+        assert_eq!(
+            c.read_file("/workspace/up", u64::MAX).await.unwrap(),
+            vec![1u8; size]
+        );
     }
 
     c.shutdown().await.unwrap();

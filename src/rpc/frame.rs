@@ -1,7 +1,9 @@
 //! The frame codec: a 4-byte little-endian payload length, then a bincode 2 payload.
 //!
-//! Owns the byte format only. Never allocates more than [`MAX_FRAME`] for one frame, never
-//! panics on hostile input (fuzzed by `fuzz/fuzz_targets/frame_decode.rs` and proptest).
+//! Owns the byte format only: frames, and the bincode values some answers carry inside their
+//! `Data` (walk manifests, [`encode_answer`] / [`decode_answer`]). Never allocates more than
+//! [`MAX_FRAME`] for one frame or [`MAX_ANSWER`] for one answer, never panics on hostile input
+//! (fuzzed by `fuzz/fuzz_targets/{frame_decode,msg_decode}.rs` and proptest).
 
 use super::msg::Frame;
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -17,6 +19,18 @@ const CONFIG: bincode::config::Configuration<
     bincode::config::Limit<MAX_FRAME>,
 > = bincode::config::standard().with_limit::<MAX_FRAME>();
 
+/// Largest bincode value carried inside a stream's `Data` (a `Walk`/`WalkSince` answer): 64 MiB,
+/// about 700,000 files of a workspace tree. The host collects at most this many bytes and
+/// decodes them with the same byte limit, so a declared length inside (a path claiming 2^50
+/// bytes) fails before anything is allocated.
+pub const MAX_ANSWER: usize = 64 << 20;
+
+const ANSWER_CONFIG: bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<MAX_ANSWER>,
+> = bincode::config::standard().with_limit::<MAX_ANSWER>();
+
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
     #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit; the peer is broken or hostile")]
@@ -25,6 +39,10 @@ pub enum FrameError {
     Decode(String),
     #[error("frame payload has {0} trailing bytes; the peer speaks another protocol")]
     Trailing(usize),
+    #[error(
+        "answer of {0} bytes exceeds the {MAX_ANSWER}-byte limit; the peer is broken or hostile"
+    )]
+    AnswerTooLarge(usize),
     #[error("frame does not encode: {0}")]
     Encode(String),
     #[error("connection closed in the middle of a frame")]
@@ -57,6 +75,32 @@ pub fn decode_payload(payload: &[u8]) -> Result<Frame, FrameError> {
         return Err(FrameError::Trailing(payload.len() - used));
     }
     Ok(frame)
+}
+
+/// Encodes a value carried inside a stream's `Data` (the guest's walk answers). Fails with
+/// [`FrameError::AnswerTooLarge`] above [`MAX_ANSWER`], which the host would refuse.
+pub fn encode_answer<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, FrameError> {
+    // (bincode checks its limit only when decoding; the bytes are the same with or without.)
+    let out = bincode::serde::encode_to_vec(value, ANSWER_CONFIG)
+        .map_err(|e| FrameError::Encode(e.to_string()))?;
+    if out.len() > MAX_ANSWER {
+        return Err(FrameError::AnswerTooLarge(out.len()));
+    }
+    Ok(out)
+}
+
+/// Decodes exactly one value from `bytes` (nothing may follow it), allocating at most
+/// [`MAX_ANSWER`] bytes whatever lengths the bytes declare.
+pub fn decode_answer<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, FrameError> {
+    if bytes.len() > MAX_ANSWER {
+        return Err(FrameError::AnswerTooLarge(bytes.len()));
+    }
+    let (v, used) = bincode::serde::decode_from_slice::<T, _>(bytes, ANSWER_CONFIG)
+        .map_err(|e| FrameError::Decode(e.to_string()))?;
+    if used != bytes.len() {
+        return Err(FrameError::Trailing(bytes.len() - used));
+    }
+    Ok(v)
 }
 
 /// Decodes the first frame of `buf`: `Ok(None)` if more bytes are needed, else the frame and

@@ -14,11 +14,14 @@
 
 pub mod client;
 pub mod frame;
+pub mod fuzzing;
+#[cfg(test)]
+pub mod hostile;
 pub mod msg;
 pub mod outbox;
 
 #[allow(unused_imports)]
-pub use client::{AgentClient, ExecEvent, ExecRequest, ExecStream};
+pub use client::{AgentClient, Deadlines, ExecEvent, ExecRequest, ExecStream};
 pub use frame::FrameError;
 #[allow(unused_imports)]
 pub use msg::{
@@ -38,6 +41,21 @@ pub enum RpcError {
     Disconnected,
     #[error("the guest agent did not answer within {0:?}; the VM may still be booting or be hung")]
     Timeout(std::time::Duration),
+    /// The host closed the connection because the agent broke the protocol (e.g. sent more than
+    /// its window) or missed a deadline; every later call fails with this too.
+    #[error("the connection to the guest agent was closed: {0}")]
+    Closed(String),
+    /// The agent did not answer a request in time (see [`Deadlines`]); the connection is closed.
+    #[error(
+        "the guest agent did not answer {what} within {after:?}; it is hung or hostile, so its connection was closed"
+    )]
+    Deadline {
+        what: String,
+        after: std::time::Duration,
+    },
+    /// An answer was bigger than the caller's cap; the request failed, the connection lives on.
+    #[error("the guest agent's answer to {what} is larger than the {max}-byte cap")]
+    TooLarge { what: String, max: u64 },
     #[error(
         "protocol version mismatch: host speaks {ours}, guest agent {agent_version} speaks {theirs}; rebuild the initramfs with this tryboxi binary"
     )]
@@ -50,6 +68,10 @@ pub enum RpcError {
     Remote(RemoteError),
     #[error("the guest agent sent an unexpected frame ({0}); it is broken or from another version")]
     Protocol(String),
+    /// The guest broke a rule of the protocol that bounds what the host keeps (its window, the
+    /// answers per stream); the host closes the connection.
+    #[error("the guest agent broke the protocol: {0}")]
+    Violation(String),
     #[error("invalid request: {0}")]
     Invalid(String),
     #[error(transparent)]

@@ -235,7 +235,9 @@ impl Service {
         }
     }
 
-    /// Mark the sandbox failed when its VM dies or its agent link breaks without a remove.
+    /// Mark the sandbox failed when its VM dies or its agent link breaks without a remove (also
+    /// when the host cut off an agent that broke the protocol or missed a request's deadline:
+    /// the record's `error` then says which).
     pub(super) fn watch(self: &Arc<Self>, id: String, vm: Arc<LiveVm>) {
         let svc = Arc::downgrade(self);
         tokio::spawn(async move {
@@ -250,7 +252,11 @@ impl Service {
             }
             svc.vms.take(&id);
             let alive = svc.vms.driver.as_ref().is_ok_and(|d| d.is_alive(&vm.info));
-            let why = if alive {
+            let why = if let Some(reason) = vm.agent.close_reason() {
+                // The host cut a misbehaving agent off: it broke the protocol or missed a
+                // deadline (`rpc::Deadlines`). The VM cannot be trusted to serve again.
+                format!("the guest agent was cut off: {reason}")
+            } else if alive {
                 "the guest agent connection broke".to_owned()
             } else {
                 format!(
@@ -430,3 +436,7 @@ pub fn tail(path: &Path) -> String {
         lines[start..].join(" | ")
     }
 }
+
+#[cfg(test)]
+#[path = "vms_tests.rs"]
+mod tests;

@@ -568,7 +568,10 @@ impl Service {
         let fetched: Vec<Result<(String, Vec<u8>), ServiceError>> =
             futures_util::stream::iter(wanted)
                 .map(|p| async move {
-                    let data = agent.read_file(&guest_path(&p)).await.map_err(agent_err)?;
+                    let data = agent
+                        .read_file(&guest_path(&p), max)
+                        .await
+                        .map_err(agent_err)?;
                     Ok((p, data))
                 })
                 .buffer_unordered(FETCH_CONCURRENCY)
@@ -795,7 +798,11 @@ impl Service {
                 st.size
             )));
         }
-        let data = vm.agent.read_file(path).await.map_err(not_found_or(path))?;
+        let data = vm
+            .agent
+            .read_file(path, self.max_file_bytes())
+            .await
+            .map_err(not_found_or(path))?;
         let (content, content_b64) = match String::from_utf8(data) {
             Ok(s) => (Some(s), None),
             Err(e) => (None, Some(api::b64::encode(e.as_bytes()))),

@@ -8,11 +8,8 @@ use super::{AgentClient, unexpected};
 use crate::rpc::RpcError;
 use crate::rpc::frame::{read_frame, seek_frame};
 use crate::rpc::msg::{Body, CONTROL_STREAM, Frame, PROTOCOL_VERSION};
-use crate::rpc::outbox::Outbox;
-use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::AtomicU32;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 
@@ -80,12 +77,7 @@ impl AgentClient {
         S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
         let (mut rd, wr) = tokio::io::split(io);
-        let shared = Arc::new(Shared {
-            outbox: Outbox::new(),
-            streams: Mutex::new(Some(HashMap::new())),
-            credits: Mutex::new(HashMap::new()),
-            next_stream: AtomicU32::new(1),
-        });
+        let shared = Arc::new(Shared::new());
         let w = shared.clone();
         let writer = tokio::spawn(async move {
             if let Err(e) = w.outbox.run_writer(wr).await {
@@ -163,10 +155,11 @@ impl AgentClient {
                     _ = r.outbox.closed() => break Ok(()),
                 }
             };
-            if let Err(e) = res {
-                tracing::warn!(error = %e, "agent connection failed");
+            match res {
+                // The guest broke the protocol: say why to every caller and to the service.
+                Err(e) => r.cut_off(e.to_string()),
+                Ok(()) => r.kill(),
             }
-            r.kill();
         });
         tracing::debug!(agent_version = %agent_version, "guest agent connected");
         Ok(Self {

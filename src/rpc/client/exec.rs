@@ -8,9 +8,6 @@ use crate::rpc::RpcError;
 use crate::rpc::msg::{Body, ExecSpec, PtySize, Reply, Request, WireExecEvent};
 use std::time::Duration;
 
-/// How long the agent may take to report that it spawned a command.
-const EXEC_START_TIMEOUT: Duration = Duration::from_secs(60);
-
 /// What to run. `argv` is used unless `shell` is set (then `/bin/sh -c <shell>`).
 #[derive(Debug, Clone, Default)]
 pub struct ExecRequest {
@@ -66,19 +63,17 @@ impl AgentClient {
         let mut s = self.open()?;
         s.send(Body::Request(Request::Exec(spec)))?;
         // The agent answers `Started` as soon as it has spawned the command: never wait
-        // forever for it (a wedged channel must fail the exec, not hang its caller).
-        let first = tokio::time::timeout(EXEC_START_TIMEOUT, s.recv())
-            .await
-            .map_err(|_| RpcError::Timeout(EXEC_START_TIMEOUT))??;
-        let (exec_id, pid) = match first {
+        // forever for it (a wedged agent must fail the exec, not hang its caller).
+        let first = s.recv_within("exec").await?;
+        let (exec_id, pid, cost) = match first {
             Body::Exec {
                 seq: 1,
-                event: WireExecEvent::Started { exec_id, pid },
-            } => (exec_id, pid),
+                event: ref ev @ WireExecEvent::Started { exec_id, pid },
+            } => (exec_id, pid, ev.cost()),
             Body::Error(e) => return Err(RpcError::Remote(e)),
             other => return Err(unexpected(&other)),
         };
-        s.send_control(Body::ExecAck { seq: 1 })?;
+        s.ack(1, cost)?;
         let stream = ExecStream {
             s,
             exec_id,
@@ -101,7 +96,7 @@ impl AgentClient {
     pub async fn resume(&self, exec_id: u64, from_seq: u64) -> Result<ExecStream, RpcError> {
         let mut s = self.open()?;
         s.send(Body::Request(Request::Resume { exec_id, from_seq }))?;
-        match s.recv().await? {
+        match s.recv_within("resume").await? {
             Body::Reply(Reply::Resumed) => {}
             Body::Error(e) => return Err(RpcError::Remote(e)),
             other => return Err(unexpected(&other)),
@@ -174,7 +169,7 @@ impl ExecStream {
             match body {
                 Body::Exec { seq, event } => {
                     // Acknowledge even duplicates so the guest's window moves on.
-                    let _ = self.s.send_control(Body::ExecAck { seq });
+                    let _ = self.s.ack(seq, event.cost());
                     if seq < self.next_seq {
                         continue;
                     }
@@ -230,12 +225,13 @@ impl ExecStream {
         self.s.send(Body::Resize { rows, cols })
     }
 
-    /// Writes to the command's stdin, waiting for flow-control credit.
+    /// Writes to the command's stdin, waiting for flow-control credit (without a deadline: the
+    /// command may not read its stdin for as long as it runs).
     pub async fn write_stdin(&self, data: &[u8]) -> Result<(), RpcError> {
         self.s
             .handle
             .shared
-            .send_data(self.s.id, &self.s.credit, data)
+            .send_data(self.s.id, &self.s.credit, data, None)
             .await
     }
 

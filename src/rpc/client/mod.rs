@@ -3,7 +3,13 @@
 //! Owns the host end of one connection: stream ids, routing of incoming frames to their
 //! callers, credit for host->guest data, acks for guest->host exec events. It never retries a
 //! request on its own and never outlives its connection: when the link dies every pending call
-//! and every stream ends with [`RpcError::Disconnected`].
+//! and every stream ends with [`RpcError::Disconnected`] (or [`RpcError::Closed`] with the reason
+//! when the host closed it: a guest that broke the protocol or missed a deadline).
+//!
+//! Everything the guest sends is bounded before it is kept: frames by the codec, each stream's
+//! queue by its window (`streams`), collected answers by the caller's cap (`read_stream`), decoded
+//! answers by [`MAX_ANSWER`]; every request has a deadline ([`Deadlines`]) except exec output and
+//! exec stdin.
 //!
 //! Layout: this file has [`AgentClient`]'s request/reply and file calls; `connect` the
 //! handshake and the reader/writer tasks; `streams` the per-connection state (stream ids,
@@ -14,15 +20,21 @@ mod connect;
 mod exec;
 mod streams;
 
+#[cfg(test)]
+mod hostile_tests;
+
 pub use exec::{ExecEvent, ExecRequest, ExecStream};
+pub use streams::Deadlines;
 
 use super::RpcError;
+use super::frame::{MAX_ANSWER, decode_answer};
 use super::msg::{
     Body, DirEntry, FileStat, Frame, Reply, Request, WalkCursor, WalkDelta, WalkEntry,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use streams::{Handle, OpenStream};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 
 /// The host's handle on one guest agent. Cheap to clone; all clones share one connection.
 #[derive(Clone)]
@@ -38,15 +50,32 @@ impl std::fmt::Debug for AgentClient {
     }
 }
 
-/// A walk answer: exactly one bincode value, nothing after it.
+/// A walk answer: exactly one bincode value, nothing after it, decoded within [`MAX_ANSWER`]
+/// bytes whatever lengths it declares.
 fn decode_walk<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, RpcError> {
-    let cfg = bincode::config::standard();
-    let (v, n): (T, usize) = bincode::serde::decode_from_slice(bytes, cfg)
-        .map_err(|e| RpcError::Protocol(format!("bad walk answer: {e}")))?;
-    if n != bytes.len() {
-        return Err(RpcError::Protocol("trailing bytes in a walk answer".into()));
+    decode_answer(bytes).map_err(|e| RpcError::Protocol(format!("bad walk answer: {e}")))
+}
+
+/// A short name of a request for errors and logs (no paths: they can be long).
+fn request_name(req: &Request) -> &'static str {
+    match req {
+        Request::Ping => "ping",
+        Request::Shutdown => "shutdown",
+        Request::Exec(_) => "exec",
+        Request::Resume { .. } => "resume",
+        Request::ReadFile { .. } => "read_file",
+        Request::WriteFile { .. } => "write_file",
+        Request::Stat { .. } => "stat",
+        Request::List { .. } => "list",
+        Request::Mkdir { .. } => "mkdir",
+        Request::Remove { .. } => "remove",
+        Request::Untar { .. } => "untar",
+        Request::Walk { .. } => "walk",
+        Request::WalkSince { .. } => "walk_since",
+        Request::UntarDisk { .. } => "untar_disk",
+        Request::MountBase { .. } => "mount_base",
+        Request::SetIdentity { .. } => "set_identity",
     }
-    Ok(v)
 }
 
 fn unexpected(body: &Body) -> RpcError {
@@ -60,9 +89,32 @@ impl AgentClient {
         &self.handle.agent_version
     }
 
-    /// True once the connection is gone; every call then fails with `Disconnected`.
+    /// True once the connection is gone; every call then fails with `Disconnected` (or
+    /// `Closed`, see [`Self::close_reason`]).
     pub fn is_closed(&self) -> bool {
         self.handle.shared.outbox.is_closed()
+    }
+
+    /// Why the host closed the connection, if it did: the guest broke the protocol (more data
+    /// than its window, a bad frame) or missed a deadline. `None` while open or when the link
+    /// simply ended (VM stopped).
+    pub fn close_reason(&self) -> Option<String> {
+        self.handle.shared.reason()
+    }
+
+    /// The deadlines of this connection's requests (shared by all clones).
+    pub fn deadlines(&self) -> Deadlines {
+        self.handle.shared.deadlines()
+    }
+
+    /// Sets the deadlines of this connection's requests, for every clone.
+    pub fn set_deadlines(&self, d: Deadlines) {
+        *self
+            .handle
+            .shared
+            .deadlines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = d;
     }
 
     /// Resolves when the connection dies.
@@ -71,19 +123,27 @@ impl AgentClient {
     }
 
     fn open(&self) -> Result<OpenStream, RpcError> {
-        let (id, rx, credit) = self.handle.shared.open()?;
+        let (id, rx, credit, held) = self.handle.shared.open()?;
         Ok(OpenStream {
             handle: self.handle.clone(),
             id,
             rx,
             credit,
+            held,
         })
     }
 
     async fn call(&self, req: Request) -> Result<Reply, RpcError> {
+        let after = self.deadlines().reply;
+        self.call_within(req, after).await
+    }
+
+    /// A request answered by one `Reply` or `Error` within `after`.
+    async fn call_within(&self, req: Request, after: Duration) -> Result<Reply, RpcError> {
+        let what = request_name(&req);
         let mut s = self.open()?;
         s.send(Body::Request(req))?;
-        match s.recv().await? {
+        match s.recv_for(what, after).await? {
             Body::Reply(r) => Ok(r),
             Body::Error(e) => Err(RpcError::Remote(e)),
             other => Err(unexpected(&other)),
@@ -106,20 +166,34 @@ impl AgentClient {
         }
     }
 
-    /// Reads a whole file.
-    pub async fn read_file(&self, path: &str) -> Result<Vec<u8>, RpcError> {
-        self.read_stream(Request::ReadFile { path: path.into() })
+    /// Reads a whole file of at most `max` bytes ([`RpcError::TooLarge`] if it has more).
+    pub async fn read_file(&self, path: &str, max: u64) -> Result<Vec<u8>, RpcError> {
+        let mut out = Vec::new();
+        self.read_stream(Request::ReadFile { path: path.into() }, max, &mut out)
+            .await?;
+        Ok(out)
+    }
+
+    /// Streams a file of at most `max` bytes into `w` (e.g. a file on the host's disk); returns
+    /// its length. `w` may hold a partial file after an error.
+    pub async fn read_file_to<W: AsyncWrite + Unpin>(
+        &self,
+        path: &str,
+        max: u64,
+        w: &mut W,
+    ) -> Result<u64, RpcError> {
+        self.read_stream(Request::ReadFile { path: path.into() }, max, w)
             .await
     }
 
     /// A manifest of the tree under `path` (directories named in `skip` are left out).
     pub async fn walk(&self, path: &str, skip: &[String]) -> Result<Vec<WalkEntry>, RpcError> {
-        let bytes = self
-            .read_stream(Request::Walk {
-                path: path.into(),
-                skip: skip.to_vec(),
-            })
-            .await?;
+        let mut bytes = Vec::new();
+        let req = Request::Walk {
+            path: path.into(),
+            skip: skip.to_vec(),
+        };
+        self.read_stream(req, MAX_ANSWER as u64, &mut bytes).await?;
         decode_walk(&bytes)
     }
 
@@ -131,13 +205,13 @@ impl AgentClient {
         skip: &[String],
         since: Option<WalkCursor>,
     ) -> Result<WalkDelta, RpcError> {
-        let bytes = self
-            .read_stream(Request::WalkSince {
-                path: path.into(),
-                skip: skip.to_vec(),
-                since,
-            })
-            .await?;
+        let mut bytes = Vec::new();
+        let req = Request::WalkSince {
+            path: path.into(),
+            skip: skip.to_vec(),
+            since,
+        };
+        self.read_stream(req, MAX_ANSWER as u64, &mut bytes).await?;
         decode_walk(&bytes)
     }
 
@@ -150,13 +224,20 @@ impl AgentClient {
         serial: &str,
         len: u64,
     ) -> Result<(), RpcError> {
-        self.call_done(Request::UntarDisk {
+        // The agent unpacks without a word until done: allow for the archive's size.
+        let d = self.deadlines();
+        let mib = u32::try_from(len.div_ceil(1 << 20)).unwrap_or(u32::MAX);
+        let after = d.reply.saturating_add(d.per_mib.saturating_mul(mib));
+        let req = Request::UntarDisk {
             dir: dir.into(),
             delete,
             serial: serial.into(),
             len,
-        })
-        .await
+        };
+        match self.call_within(req, after).await? {
+            Reply::Done => Ok(()),
+            other => Err(RpcError::Protocol(format!("{other:?}"))),
+        }
     }
 
     /// Mounts the file system the host wrote on the disk with serial `serial` as the read-only
@@ -191,19 +272,38 @@ impl AgentClient {
         .await
     }
 
-    /// Sends `req`, then collects the `Data` it answers with until `DataEnd`.
-    async fn read_stream(&self, req: Request) -> Result<Vec<u8>, RpcError> {
+    /// Sends `req`, then writes the `Data` it answers with into `w` until `DataEnd`: at most
+    /// `max` bytes (more fails with [`RpcError::TooLarge`] and abandons the stream), each chunk
+    /// within the reply deadline. Returns the byte count.
+    async fn read_stream<W: AsyncWrite + Unpin>(
+        &self,
+        req: Request,
+        max: u64,
+        w: &mut W,
+    ) -> Result<u64, RpcError> {
+        let what = request_name(&req);
         let mut s = self.open()?;
         s.send(Body::Request(req))?;
-        let mut out = Vec::new();
+        let mut total = 0u64;
         loop {
-            match s.recv().await? {
+            match s.recv_within(what).await? {
                 Body::Data(d) => {
-                    let n = d.len() as u32;
-                    out.extend_from_slice(&d);
-                    s.send_control(Body::Credit(n))?;
+                    total += d.len() as u64;
+                    if total > max {
+                        // The agent's reader for this stream waits for credit that never comes
+                        // (until the connection ends), so it sends nothing more.
+                        return Err(RpcError::TooLarge {
+                            what: what.to_owned(),
+                            max,
+                        });
+                    }
+                    w.write_all(&d).await?;
+                    s.grant(d.len())?;
                 }
-                Body::DataEnd => return Ok(out),
+                Body::DataEnd => {
+                    w.flush().await?;
+                    return Ok(total);
+                }
                 Body::Error(e) => return Err(RpcError::Remote(e)),
                 other => return Err(unexpected(&other)),
             }
@@ -222,31 +322,41 @@ impl AgentClient {
         .await
     }
 
-    /// Sends `req` followed by `data` as `Data` + `DataEnd`; waits for `Done`.
+    /// Sends `req` followed by `data` as `Data` + `DataEnd`; waits for `Done`. Credit for each
+    /// chunk, then the answer, must come within the reply deadline.
     async fn write_stream(&self, req: Request, data: &[u8]) -> Result<(), RpcError> {
+        let what = request_name(&req);
         let mut s = self.open()?;
         s.send(Body::Request(req))?;
         let shared = self.handle.shared.clone();
         let (id, credit) = (s.id, s.credit.clone());
+        let after = shared.deadlines().reply;
         let send = async {
-            shared.send_data(id, &credit, data).await?;
-            Ok::<_, RpcError>(shared.outbox.send(Frame {
-                stream: id,
-                body: Body::DataEnd,
-            })?)
+            shared
+                .send_data(id, &credit, data, Some((after, what)))
+                .await?;
+            shared
+                .outbox
+                .send(Frame {
+                    stream: id,
+                    body: Body::DataEnd,
+                })
+                .map_err(|_| shared.gone())
         };
         // The guest may refuse early (bad path); then stop sending and report that.
-        let mut send = std::pin::pin!(send);
-        let mut sent = false;
-        loop {
-            tokio::select! {
-                r = &mut send, if !sent => { r?; sent = true; }
-                b = s.rx.recv() => return match b.ok_or(RpcError::Disconnected)? {
-                    Body::Reply(Reply::Done) if sent => Ok(()),
-                    Body::Error(e) => Err(RpcError::Remote(e)),
-                    other => Err(unexpected(&other)),
-                },
-            }
+        let early = tokio::select! {
+            r = send => { r?; None }
+            b = s.recv() => Some(b?),
+        };
+        let sent = early.is_none();
+        let answer = match early {
+            Some(b) => b,
+            None => s.recv_within(what).await?,
+        };
+        match answer {
+            Body::Reply(Reply::Done) if sent => Ok(()),
+            Body::Error(e) => Err(RpcError::Remote(e)),
+            other => Err(unexpected(&other)),
         }
     }
 

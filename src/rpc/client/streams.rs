@@ -1,54 +1,166 @@
 //! One connection's streams: the state shared by the client handles and the reader task
 //! ([`Shared`]: stream ids, routing of incoming frames, per-stream credit for host->guest
-//! `Data`), the guards that end the connection ([`Handle`], [`CloseOnDrop`]) and one request's
+//! `Data`, the receive window the guest must keep to, the deadlines, why the connection was
+//! closed), the guards that end the connection ([`Handle`], [`CloseOnDrop`]) and one request's
 //! stream ([`OpenStream`]).
+//!
+//! Nothing the guest sends can make a stream's queue grow without bound: `Data` counts against
+//! the stream's [`WINDOW`] until the host grants it back as `Credit`, exec events until the host
+//! acknowledges them, and any other frame at most [`MAX_OTHER_FRAMES`] times per stream. A guest
+//! that goes past that is cut off: the connection is closed and [`Shared::reason`] says why.
 
 use super::super::frame::CHUNK;
 use super::super::msg::{Body, CONTROL_STREAM, Frame};
 use super::super::outbox::Outbox;
 use super::super::{RpcError, WINDOW};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::{Semaphore, mpsc};
 
+/// Frames other than `Data` and exec events one stream may receive (a request is answered by one
+/// terminal frame; a resumed exec by `Resumed` and possibly an `Error`). More is a hostile guest.
+pub(super) const MAX_OTHER_FRAMES: u32 = 4;
+
+/// How long the host waits for the agent. A request the agent does not answer in time fails with
+/// [`RpcError::Deadline`] and closes the connection (the agent is hung or hostile; the service
+/// then marks the sandbox failed). Exec output and exec stdin have no deadline: a command may
+/// legitimately be silent, or not read its stdin, for as long as it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// The longest wait for any answer: a reply, an exec's `Started`, the next chunk of a read,
+    /// credit to send the next chunk of a write. Default 120 s (a first walk of a big tree under
+    /// TCG takes tens of seconds).
+    pub reply: Duration,
+    /// Added to `reply` per MiB of archive the agent unpacks from a disk (`UntarDisk`), which it
+    /// does without a word until done. Default 1 s.
+    pub per_mib: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Deadlines {
+            reply: Duration::from_secs(120),
+            per_mib: Duration::from_secs(1),
+        }
+    }
+}
+
 pub(super) type StreamTx = mpsc::UnboundedSender<Body>;
+
+/// The reader's end of one stream.
+pub(super) struct Slot {
+    tx: StreamTx,
+    /// Bytes of `Data` and exec events routed to the stream and not yet granted back (credit)
+    /// or acknowledged by the host.
+    held: Arc<AtomicUsize>,
+    /// Other frames routed to the stream.
+    others: u32,
+}
 
 /// State shared by the client handles and the reader task.
 pub(super) struct Shared {
     pub(super) outbox: Outbox,
     /// `None` once the connection is dead; dropping the senders ends every receiver.
-    pub(super) streams: Mutex<Option<HashMap<u32, StreamTx>>>,
+    pub(super) streams: Mutex<Option<HashMap<u32, Slot>>>,
     /// Credit for host->guest `Data`, per stream.
     pub(super) credits: Mutex<HashMap<u32, Arc<Semaphore>>>,
     pub(super) next_stream: AtomicU32,
+    /// Why the connection was closed, when the host closed it (a broken rule, a deadline).
+    pub(super) reason: Mutex<Option<String>>,
+    pub(super) deadlines: Mutex<Deadlines>,
 }
 
 impl Shared {
-    fn lock_streams(&self) -> std::sync::MutexGuard<'_, Option<HashMap<u32, StreamTx>>> {
+    pub(super) fn new() -> Shared {
+        Shared {
+            outbox: Outbox::new(),
+            streams: Mutex::new(Some(HashMap::new())),
+            credits: Mutex::new(HashMap::new()),
+            next_stream: AtomicU32::new(1),
+            reason: Mutex::new(None),
+            deadlines: Mutex::new(Deadlines::default()),
+        }
+    }
+
+    fn lock_streams(&self) -> std::sync::MutexGuard<'_, Option<HashMap<u32, Slot>>> {
         self.streams.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn deadlines(&self) -> Deadlines {
+        *self.deadlines.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn reason(&self) -> Option<String> {
+        self.reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Closes the connection because the guest broke a rule or missed a deadline; the first
+    /// reason is kept.
+    pub(super) fn cut_off(&self, why: String) {
+        {
+            let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
+            if r.is_none() && !self.outbox.is_closed() {
+                tracing::warn!(reason = %why, "closing the guest agent connection");
+                *r = Some(why);
+            }
+        }
+        self.kill();
+    }
+
+    /// The error for a call whose connection is gone.
+    pub(super) fn gone(&self) -> RpcError {
+        match self.reason() {
+            Some(r) => RpcError::Closed(r),
+            None => RpcError::Disconnected,
+        }
     }
 
     fn lock_credits(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<Semaphore>>> {
         self.credits.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    #[allow(clippy::type_complexity)]
     pub(super) fn open(
         &self,
-    ) -> Result<(u32, mpsc::UnboundedReceiver<Body>, Arc<Semaphore>), RpcError> {
+    ) -> Result<
+        (
+            u32,
+            mpsc::UnboundedReceiver<Body>,
+            Arc<Semaphore>,
+            Arc<AtomicUsize>,
+        ),
+        RpcError,
+    > {
         let mut g = self.lock_streams();
-        let map = g.as_mut().ok_or(RpcError::Disconnected)?;
+        let Some(map) = g.as_mut() else {
+            drop(g);
+            return Err(self.gone());
+        };
         let id = loop {
             let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
             if id != CONTROL_STREAM && !map.contains_key(&id) {
                 break id;
             }
         };
+        // Unbounded, but what the guest can put in it is bounded (see the module doc).
         let (tx, rx) = mpsc::unbounded_channel();
-        map.insert(id, tx);
+        let held = Arc::new(AtomicUsize::new(0));
+        map.insert(
+            id,
+            Slot {
+                tx,
+                held: held.clone(),
+                others: 0,
+            },
+        );
         let sem = Arc::new(Semaphore::new(WINDOW));
         self.lock_credits().insert(id, sem.clone());
-        Ok((id, rx, sem))
+        Ok((id, rx, sem, held))
     }
 
     pub(super) fn close_stream(&self, id: u32) {
@@ -67,45 +179,101 @@ impl Shared {
         }
     }
 
+    /// Routes one frame from the guest to its stream. An error means the guest broke the
+    /// protocol; the caller closes the connection.
     pub(super) fn dispatch(&self, frame: Frame) -> Result<(), RpcError> {
+        let stream = frame.stream;
         if let Body::Credit(n) = frame.body {
-            if let Some(sem) = self.lock_credits().get(&frame.stream) {
+            if let Some(sem) = self.lock_credits().get(&stream) {
                 if sem.available_permits() + n as usize > WINDOW {
-                    return Err(RpcError::Protocol(format!(
-                        "credit overflow on stream {}",
-                        frame.stream
+                    return Err(RpcError::Violation(format!(
+                        "credit overflow on stream {stream}"
                     )));
                 }
                 sem.add_permits(n as usize);
             }
             return Ok(());
         }
-        if let Some(map) = self.lock_streams().as_ref()
-            && let Some(tx) = map.get(&frame.stream)
-        {
-            // The receiver may be gone (caller dropped); late frames are discarded.
-            let _ = tx.send(frame.body);
+        let mut g = self.lock_streams();
+        // Frames for a stream that is over (its caller dropped it) are discarded.
+        let Some(slot) = g.as_mut().and_then(|m| m.get_mut(&stream)) else {
+            return Ok(());
+        };
+        match &frame.body {
+            // The guest may send `Data` while it holds credit: at most a window un-granted.
+            Body::Data(d) => {
+                let held = slot.held.fetch_add(d.len(), Ordering::AcqRel) + d.len();
+                if held > WINDOW {
+                    return Err(RpcError::Violation(format!(
+                        "the guest sent {held} bytes of data on stream {stream} without credit \
+                         (window {WINDOW})"
+                    )));
+                }
+            }
+            // Exec events: the guest may start one while less than a window is unacknowledged
+            // (the agent's own rule, `guest::exec::pump`).
+            Body::Exec { event, .. } => {
+                let before = slot.held.fetch_add(event.cost(), Ordering::AcqRel);
+                if before >= WINDOW {
+                    return Err(RpcError::Violation(format!(
+                        "the guest sent exec output on stream {stream} with {before} bytes \
+                         unacknowledged (window {WINDOW})"
+                    )));
+                }
+            }
+            _ => {
+                slot.others += 1;
+                if slot.others > MAX_OTHER_FRAMES {
+                    return Err(RpcError::Violation(format!(
+                        "the guest sent more than {MAX_OTHER_FRAMES} answers on stream {stream}"
+                    )));
+                }
+            }
         }
+        // The receiver may be gone (caller dropped); late frames are discarded.
+        let _ = slot.tx.send(frame.body);
         Ok(())
     }
 
+    /// Sends `data` as `Data` chunks within the stream's credit. With `deadline`, a guest that
+    /// grants no credit for that long is cut off ([`RpcError::Deadline`]).
     pub(super) async fn send_data(
         &self,
         stream: u32,
         sem: &Semaphore,
         data: &[u8],
+        deadline: Option<(Duration, &str)>,
     ) -> Result<(), RpcError> {
         for chunk in data.chunks(CHUNK) {
-            sem.acquire_many(chunk.len() as u32)
-                .await
-                .map_err(|_| RpcError::Disconnected)?
-                .forget();
-            self.outbox.send(Frame {
-                stream,
-                body: Body::Data(chunk.to_vec()),
-            })?;
+            let acquire = sem.acquire_many(chunk.len() as u32);
+            let permit = match deadline {
+                None => acquire.await,
+                Some((after, what)) => match tokio::time::timeout(after, acquire).await {
+                    Ok(p) => p,
+                    Err(_) => return Err(self.missed(&format!("credit for {what}"), after)),
+                },
+            };
+            permit.map_err(|_| self.gone())?.forget();
+            self.outbox
+                .send(Frame {
+                    stream,
+                    body: Body::Data(chunk.to_vec()),
+                })
+                .map_err(|_| self.gone())?;
         }
         Ok(())
+    }
+}
+
+impl Shared {
+    /// The agent missed a deadline: close the connection and say so.
+    pub(super) fn missed(&self, what: &str, after: Duration) -> RpcError {
+        let e = RpcError::Deadline {
+            what: what.to_owned(),
+            after,
+        };
+        self.cut_off(e.to_string());
+        e
     }
 }
 
@@ -143,6 +311,8 @@ pub(super) struct OpenStream {
     pub(super) id: u32,
     pub(super) rx: mpsc::UnboundedReceiver<Body>,
     pub(super) credit: Arc<Semaphore>,
+    /// The stream's un-granted guest->host bytes ([`Slot::held`]).
+    pub(super) held: Arc<AtomicUsize>,
 }
 
 impl Drop for OpenStream {
@@ -152,21 +322,67 @@ impl Drop for OpenStream {
 }
 
 impl OpenStream {
+    /// The next frame, however long it takes (exec output).
     pub(super) async fn recv(&mut self) -> Result<Body, RpcError> {
-        self.rx.recv().await.ok_or(RpcError::Disconnected)
+        match self.rx.recv().await {
+            Some(b) => Ok(b),
+            None => Err(self.handle.shared.gone()),
+        }
+    }
+
+    /// The next frame within the reply deadline; past it the connection is closed.
+    pub(super) async fn recv_within(&mut self, what: &str) -> Result<Body, RpcError> {
+        let after = self.handle.shared.deadlines().reply;
+        self.recv_for(what, after).await
+    }
+
+    /// The next frame within `after`; past it the connection is closed.
+    pub(super) async fn recv_for(&mut self, what: &str, after: Duration) -> Result<Body, RpcError> {
+        match tokio::time::timeout(after, self.recv()).await {
+            Ok(r) => r,
+            Err(_) => Err(self.handle.shared.missed(what, after)),
+        }
+    }
+
+    /// The host consumed `n` bytes of `Data`: they leave the window and go back as credit.
+    pub(super) fn grant(&self, n: usize) -> Result<(), RpcError> {
+        self.release(n);
+        self.send_control(Body::Credit(n as u32))
+    }
+
+    /// The host consumed exec event `seq` (costing `cost`): acknowledge it.
+    pub(super) fn ack(&self, seq: u64, cost: usize) -> Result<(), RpcError> {
+        self.release(cost);
+        self.send_control(Body::ExecAck { seq })
+    }
+
+    fn release(&self, n: usize) {
+        let _ = self
+            .held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
+                Some(h.saturating_sub(n))
+            });
     }
 
     pub(super) fn send(&self, body: Body) -> Result<(), RpcError> {
-        Ok(self.handle.shared.outbox.send(Frame {
-            stream: self.id,
-            body,
-        })?)
+        let shared = &self.handle.shared;
+        shared
+            .outbox
+            .send(Frame {
+                stream: self.id,
+                body,
+            })
+            .map_err(|_| shared.gone())
     }
 
     pub(super) fn send_control(&self, body: Body) -> Result<(), RpcError> {
-        Ok(self.handle.shared.outbox.send_control(Frame {
-            stream: self.id,
-            body,
-        })?)
+        let shared = &self.handle.shared;
+        shared
+            .outbox
+            .send_control(Frame {
+                stream: self.id,
+                body,
+            })
+            .map_err(|_| shared.gone())
     }
 }

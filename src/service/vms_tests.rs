@@ -1,0 +1,140 @@
+//! A sandbox whose agent misbehaves (a hostile test double of the guest side, no VM): the call
+//! fails with a clear error instead of hanging, and the sandbox is marked failed with the reason.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::config::{Config, Paths};
+use crate::rpc::hostile::{fake_guest, ignore_all};
+use crate::rpc::{Deadlines, hostile};
+use crate::store::Store;
+use crate::vmm::Accel;
+
+fn service() -> (Arc<Service>, String, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    // No VMM: the watcher has no QEMU to ask about or kill.
+    let config = Config {
+        qemu_binary: dir.path().join("no-qemu").display().to_string(),
+        ..Config::default()
+    };
+    let svc = Arc::new(Service::new(
+        Paths {
+            root: dir.path().to_path_buf(),
+        },
+        config,
+        Store::in_memory(),
+        dir.path().join("artifacts"),
+        None,
+    ));
+    let id = ids::new_id(ids::SANDBOX);
+    let rec = SandboxRecord {
+        api: api::Sandbox {
+            id: id.clone(),
+            state: SandboxState::Ready,
+            workspace: api::WorkspaceSpec {
+                host_path: dir.path().display().to_string(),
+                exclude: Vec::new(),
+            },
+            template: "auto".into(),
+            vcpus: 1,
+            memory_mib: 256,
+            accel: None,
+            created_at: super::super::now_rfc3339(),
+            error: None,
+        },
+        dir: dir.path().join("sandboxes").join(&id),
+    };
+    svc.store.put(SANDBOXES, &id, &rec).unwrap();
+    (svc, id, dir)
+}
+
+fn live(id: &str, dir: &Path, agent: AgentClient) -> Arc<LiveVm> {
+    Arc::new(LiveVm {
+        info: VmInfo {
+            id: id.to_owned(),
+            dir: dir.to_path_buf(),
+            pid: 0,
+            accel: Accel::Tcg,
+            agent_socket: dir.join("agent.sock"),
+            qmp_socket: dir.join("qmp.sock"),
+            console_log: dir.join("console.log"),
+        },
+        agent,
+    })
+}
+
+/// Polls the record until it is failed (or 10 s pass); its error.
+async fn failed_with(svc: &Service, id: &str) -> String {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rec = svc.record(id).unwrap();
+        if rec.api.state == SandboxState::Failed {
+            return rec.api.error.unwrap_or_default();
+        }
+        assert!(Instant::now() < until, "still {}", rec.api.state);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_silent_agent_fails_the_call_and_the_sandbox() {
+    let (svc, id, dir) = service();
+    let (agent, mut g) = fake_guest().await;
+    tokio::spawn(async move { ignore_all(&mut g).await });
+    agent.set_deadlines(Deadlines {
+        reply: Duration::from_millis(300),
+        per_mib: Duration::ZERO,
+    });
+    let vm = live(&id, dir.path(), agent);
+    svc.vms.insert(&id, vm.clone());
+    svc.watch(id.clone(), vm);
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        svc.read_vm_file(&id, "/etc/hostname"),
+    )
+    .await
+    .expect("the call waited forever for a silent agent");
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("did not answer"), "{e}");
+    let why = failed_with(&svc, &id).await;
+    assert!(
+        why.contains("cut off") && why.contains("did not answer"),
+        "{why}"
+    );
+    assert!(svc.vms.get(&id).is_none());
+}
+
+#[tokio::test]
+async fn an_agent_past_its_window_fails_the_sandbox() {
+    let (svc, id, dir) = service();
+    let (agent, mut g) = fake_guest().await;
+    tokio::spawn(async move {
+        // Answers anything with more data than its window allows, without waiting for credit.
+        let (stream, _) = hostile::next_request(&mut g).await.unwrap();
+        for _ in 0..16 {
+            hostile::send(
+                &mut g,
+                stream,
+                crate::rpc::msg::Body::Data(vec![0; 32 << 10]),
+            )
+            .await;
+        }
+        ignore_all(&mut g).await;
+    });
+    let vm = live(&id, dir.path(), agent.clone());
+    svc.vms.insert(&id, vm.clone());
+    svc.watch(id.clone(), vm);
+    // The caller does not consume the answer, so the host holds all the guest sends.
+    let c = agent.clone();
+    let stuck = tokio::spawn(async move {
+        let (_keep, mut never_read) = tokio::io::duplex(1);
+        let _ = c.read_file_to("/f", u64::MAX, &mut never_read).await;
+    });
+    let why = failed_with(&svc, &id).await;
+    assert!(
+        why.contains("cut off") && why.contains("without credit"),
+        "{why}"
+    );
+    stuck.abort();
+}
