@@ -7,6 +7,7 @@
 //! the pipes are simply not read (backpressure). It never waits for processes itself (that is
 //! the reaper's job) and never speaks the wire format beyond queueing frames on an outbox.
 
+use super::files::Owed;
 use super::reaper::{Reaper, Status};
 use crate::rpc::WINDOW;
 use crate::rpc::frame::CHUNK;
@@ -95,7 +96,7 @@ pub struct ExecTable {
 }
 
 enum StdinMsg {
-    Data(Vec<u8>, Arc<Outbox>, u32),
+    Data(Vec<u8>, Owed),
     End,
 }
 
@@ -467,18 +468,12 @@ impl Exec {
         }
     }
 
-    /// Stdin bytes from the host; credit goes back on `stream` once they are written.
-    pub fn stdin_data(&self, data: Vec<u8>, outbox: Arc<Outbox>, stream: u32) {
-        let n = data.len() as u32;
-        if self
-            .stdin
-            .send(StdinMsg::Data(data, outbox.clone(), stream))
-            .is_err()
+    /// Stdin bytes from the host; the credit owed goes back once they are written.
+    pub fn stdin_data(&self, data: Vec<u8>, owed: Owed) {
+        if let Err(mpsc::error::SendError(StdinMsg::Data(_, owed))) =
+            self.stdin.send(StdinMsg::Data(data, owed))
         {
-            let _ = outbox.send_control(Frame {
-                stream,
-                body: Body::Credit(n),
-            });
+            owed.give();
         }
     }
 
@@ -609,16 +604,13 @@ async fn feed_stdin(
 ) {
     while let Some(msg) = rx.recv().await {
         match msg {
-            StdinMsg::Data(bytes, outbox, stream) => {
+            StdinMsg::Data(bytes, owed) => {
                 if let Some(p) = &mut w
                     && p.write_all(&bytes).await.is_err()
                 {
                     w = None; // the command closed its stdin; drop the rest
                 }
-                let _ = outbox.send_control(Frame {
-                    stream,
-                    body: Body::Credit(bytes.len() as u32),
-                });
+                owed.give();
             }
             StdinMsg::End if !pty => w = None,
             StdinMsg::End => {}

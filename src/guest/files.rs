@@ -4,19 +4,65 @@
 //! (relative ones are refused: there is no meaningful cwd for the host). It never follows the
 //! host's idea of safety beyond that: inside the VM the host is root.
 
+use crate::rpc::WINDOW;
 use crate::rpc::frame::CHUNK;
 use crate::rpc::msg::{Body, DirEntry, ErrorKind, FileKind, FileStat, Frame, RemoteError, Reply};
 use crate::rpc::outbox::Outbox;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc};
 
-/// Content of a file being written, as it arrives.
+/// Content of a file being written, as it arrives, with the credit owed for each chunk.
 pub enum WriteMsg {
-    Data(Vec<u8>),
+    Data(Vec<u8>, Owed),
     End,
+}
+
+/// Host->guest `Data` of one stream that the agent has received and not yet credited back. The
+/// host may have at most [`WINDOW`] of it in flight; more is a broken host, and the agent ends
+/// the connection instead of queueing it (`server::serve`).
+#[derive(Default)]
+pub struct Inflow(AtomicUsize);
+
+impl Inflow {
+    /// Counts `n` received bytes: the credit owed for them, or `None` past the window.
+    pub fn receive(self: &Arc<Self>, n: usize, outbox: &Arc<Outbox>, stream: u32) -> Option<Owed> {
+        if self.0.fetch_add(n, Ordering::AcqRel) + n > WINDOW {
+            return None;
+        }
+        Some(Owed {
+            inflow: self.clone(),
+            outbox: outbox.clone(),
+            stream,
+            n,
+        })
+    }
+}
+
+/// The credit owed for one received chunk, given back once the chunk is consumed.
+pub struct Owed {
+    inflow: Arc<Inflow>,
+    outbox: Arc<Outbox>,
+    stream: u32,
+    n: usize,
+}
+
+impl Owed {
+    pub fn give(self) {
+        let _ = self
+            .inflow
+            .0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
+                Some(h.saturating_sub(self.n))
+            });
+        let _ = self.outbox.send_control(Frame {
+            stream: self.stream,
+            body: Body::Credit(self.n as u32),
+        });
+    }
 }
 
 fn unique_suffix() -> String {
@@ -204,12 +250,9 @@ pub async fn write(
         tmp = Some(t.clone());
         loop {
             match rx.recv().await {
-                Some(WriteMsg::Data(d)) => {
+                Some(WriteMsg::Data(d, owed)) => {
                     f.write_all(&d).await.map_err(ctx)?;
-                    let _ = outbox.send_control(Frame {
-                        stream,
-                        body: Body::Credit(d.len() as u32),
-                    });
+                    owed.give();
                 }
                 Some(WriteMsg::End) => break,
                 None => return Ok(false), // connection gone: abandon

@@ -29,6 +29,8 @@ mod reconnect_tests;
 mod tests;
 #[cfg(test)]
 mod vm_tests;
+#[cfg(test)]
+mod window_tests;
 
 use exec::ExecConfig;
 use reaper::ReapMode;

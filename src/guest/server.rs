@@ -6,7 +6,7 @@
 //! built with [`ShutdownMode::PowerOff`] (PID 1 only).
 
 use super::exec::{Exec, ExecConfig, ExecTable};
-use super::files::{self, WriteMsg};
+use super::files::{self, Inflow, WriteMsg};
 use super::reaper::{ReapMode, Reaper};
 use crate::rpc::WINDOW;
 use crate::rpc::frame::{FrameError, read_frame};
@@ -76,8 +76,10 @@ impl Agent {
 }
 
 enum Route {
-    Exec(Arc<Exec>),
-    Write(mpsc::UnboundedSender<WriteMsg>),
+    /// An exec and its stdin's [`Inflow`].
+    Exec(Arc<Exec>, Arc<Inflow>),
+    /// A write_file or untar and its content's [`Inflow`].
+    Write(mpsc::UnboundedSender<WriteMsg>, Arc<Inflow>),
     Read(Arc<Semaphore>),
     /// A one-shot request in progress; data for it is a protocol error.
     Busy,
@@ -227,21 +229,39 @@ async fn serve_inner<R: AsyncRead + Unpin>(
             }
             Body::Data(d) => {
                 let mut g = lock(routes);
-                match g.get(&stream) {
-                    Some(Route::Exec(e)) => e.stdin_data(d, outbox.clone(), stream),
-                    Some(Route::Write(tx)) if tx.send(WriteMsg::Data(d)).is_err() => {
-                        g.remove(&stream);
+                // The host may send only within its credit: past the window it is broken.
+                let owed = match g.get(&stream) {
+                    Some(Route::Exec(_, inflow) | Route::Write(_, inflow)) => {
+                        match inflow.receive(d.len(), outbox, stream) {
+                            Some(o) => o,
+                            None => {
+                                return Err(ServeError::Protocol(format!(
+                                    "the host sent data on stream {stream} past its {WINDOW}-byte window"
+                                )));
+                            }
+                        }
                     }
-                    Some(Route::Write(_)) => {}
                     Some(_) => {
                         return Err(ServeError::Protocol(format!("data on stream {stream}")));
                     }
-                    None => {} // the request already failed; its late data is dropped
+                    None => continue, // the request already failed; its late data is dropped
+                };
+                let gone = match g.get(&stream) {
+                    Some(Route::Exec(e, _)) => {
+                        e.stdin_data(d, owed);
+                        false
+                    }
+                    // A consumer that is gone failed its request; the rest is dropped.
+                    Some(Route::Write(tx, _)) => tx.send(WriteMsg::Data(d, owed)).is_err(),
+                    _ => false,
+                };
+                if gone {
+                    g.remove(&stream);
                 }
             }
             Body::DataEnd => match lock(routes).get(&stream) {
-                Some(Route::Exec(e)) => e.stdin_end(),
-                Some(Route::Write(tx)) => {
+                Some(Route::Exec(e, _)) => e.stdin_end(),
+                Some(Route::Write(tx, _)) => {
                     let _ = tx.send(WriteMsg::End);
                 }
                 _ => {}
@@ -255,18 +275,18 @@ async fn serve_inner<R: AsyncRead + Unpin>(
                 }
             }
             Body::Kill(sig) => {
-                if let Some(Route::Exec(e)) = lock(routes).get(&stream) {
+                if let Some(Route::Exec(e, _)) = lock(routes).get(&stream) {
                     e.kill(sig);
                 }
             }
             Body::Resize { rows, cols } => {
-                if let Some(Route::Exec(e)) = lock(routes).get(&stream) {
+                if let Some(Route::Exec(e, _)) = lock(routes).get(&stream) {
                     e.resize(rows, cols);
                 }
             }
             Body::ExecAck { seq } => {
                 let mut g = lock(routes);
-                if let Some(Route::Exec(e)) = g.get(&stream) {
+                if let Some(Route::Exec(e, _)) = g.get(&stream) {
                     e.ack(seq);
                     if e.finished() {
                         g.remove(&stream);
@@ -315,7 +335,7 @@ async fn request(
                 if let Err(e) = exec.attach(outbox.clone(), stream, 1) {
                     reply(outbox, stream, Err(e));
                 } else {
-                    lock(routes).insert(stream, Route::Exec(exec));
+                    lock(routes).insert(stream, Route::Exec(exec, Arc::default()));
                 }
             }
             Err(e) => reply(outbox, stream, Err(e)),
@@ -336,7 +356,7 @@ async fn request(
                     reply(outbox, stream, Ok(Reply::Resumed));
                     match exec.attach(outbox.clone(), stream, from_seq) {
                         Ok(()) => {
-                            lock(routes).insert(stream, Route::Exec(exec));
+                            lock(routes).insert(stream, Route::Exec(exec, Arc::default()));
                         }
                         Err(e) => reply(outbox, stream, Err(e)),
                     }
@@ -354,7 +374,7 @@ async fn request(
         }
         Request::WriteFile { path, mode } => {
             let (tx, rx) = mpsc::unbounded_channel();
-            lock(routes).insert(stream, Route::Write(tx));
+            lock(routes).insert(stream, Route::Write(tx, Arc::default()));
             let (ob, rt) = (outbox.clone(), routes.clone());
             tokio::spawn(async move {
                 files::write(path, mode, rx, ob, stream).await;
@@ -363,7 +383,7 @@ async fn request(
         }
         Request::Untar { dir, delete } => {
             let (tx, rx) = mpsc::unbounded_channel();
-            lock(routes).insert(stream, Route::Write(tx));
+            lock(routes).insert(stream, Route::Write(tx, Arc::default()));
             let (ob, rt) = (outbox.clone(), routes.clone());
             tokio::spawn(async move {
                 super::tree::untar(dir, delete, rx, ob, stream).await;

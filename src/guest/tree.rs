@@ -34,11 +34,8 @@ impl Read for ChannelReader {
                 return Ok(0);
             }
             match self.rx.blocking_recv() {
-                Some(WriteMsg::Data(d)) => {
-                    let _ = self.outbox.send_control(Frame {
-                        stream: self.stream,
-                        body: Body::Credit(d.len() as u32),
-                    });
+                Some(WriteMsg::Data(d, owed)) => {
+                    owed.give();
                     self.buf = d;
                     self.pos = 0;
                 }
