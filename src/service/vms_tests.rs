@@ -138,3 +138,33 @@ async fn an_agent_past_its_window_fails_the_sandbox() {
     );
     stuck.abort();
 }
+
+#[tokio::test]
+async fn a_silent_agent_no_longer_holds_the_workspace_lock() {
+    let (svc, id, dir) = service();
+    let (agent, mut g) = fake_guest().await;
+    tokio::spawn(async move { ignore_all(&mut g).await });
+    agent.set_deadlines(Deadlines {
+        reply: Duration::from_millis(300),
+        per_mib: Duration::ZERO,
+    });
+    let vm = live(&id, dir.path(), agent);
+    svc.vms.insert(&id, vm.clone());
+    svc.watch(id.clone(), vm);
+    // A diff walks the VM's tree under the sandbox's workspace lock.
+    let r = tokio::time::timeout(Duration::from_secs(20), svc.diff(&id, true, Vec::new()))
+        .await
+        .expect("the diff waited forever for a silent agent");
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("did not answer walk_since"), "{e}");
+    let lock = svc
+        .ws_locks
+        .lock()
+        .unwrap()
+        .get(&id)
+        .cloned()
+        .expect("the diff took the lock");
+    assert!(lock.try_lock().is_ok(), "the workspace lock is still held");
+    let why = failed_with(&svc, &id).await;
+    assert!(why.contains("did not answer walk_since"), "{why}");
+}
