@@ -2,11 +2,13 @@
 //!
 //! Owns ordering on the wire: frames of one stream keep their order, streams take turns one
 //! frame (at most one [`CHUNK`](super::frame::CHUNK) of data) at a time, and control frames
-//! (credits, acks, handshake) jump the queue. It never bounds memory itself: producers of bulk
-//! data must hold flow-control credit before queueing, so each stream queues at most a window.
+//! (credits, acks, handshake) jump the queue. It bounds only its control queue (a waiting credit
+//! or ack of a stream absorbs the next one, so a peer that sends without reading cannot grow it
+//! per chunk): producers of bulk data must hold flow-control credit before queueing, so each
+//! stream queues at most a window.
 
 use super::frame::{FrameError, encode};
-use super::msg::Frame;
+use super::msg::{Body, Frame};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
@@ -77,11 +79,37 @@ impl Outbox {
 
     /// Queues a frame ahead of all stream data (credits, acks, handshake, small replies whose
     /// order relative to their stream's data does not matter).
+    ///
+    /// A `Credit` or `ExecAck` still waiting for a stream is merged with the new one (credits
+    /// add up, the higher ack wins): a peer that sends without reading cannot grow this queue
+    /// by one frame per chunk or event it sends, only to one of each per stream.
     pub fn send_control(&self, frame: Frame) -> Result<(), Closed> {
         if self.is_closed() {
             return Err(Closed);
         }
         let mut g = self.lock();
+        let merged = g.control.iter_mut().any(|f| {
+            if f.stream != frame.stream {
+                return false;
+            }
+            match (&mut f.body, &frame.body) {
+                (Body::Credit(a), Body::Credit(b)) => match a.checked_add(*b) {
+                    Some(sum) => {
+                        *a = sum;
+                        true
+                    }
+                    None => false,
+                },
+                (Body::ExecAck { seq: a }, Body::ExecAck { seq: b }) => {
+                    *a = (*a).max(*b);
+                    true
+                }
+                _ => false,
+            }
+        });
+        if merged {
+            return Ok(());
+        }
         g.control.push_back(frame);
         g.pending += 1;
         drop(g);
@@ -208,7 +236,6 @@ impl Outbox {
 mod tests {
     use super::*;
     use crate::rpc::frame::read_frame;
-    use crate::rpc::msg::Body;
 
     #[tokio::test]
     async fn streams_take_turns_and_control_jumps_the_queue() {
@@ -232,6 +259,38 @@ mod tests {
         .unwrap();
         let order: Vec<u32> = std::iter::from_fn(|| ob.pop()).map(|f| f.stream).collect();
         assert_eq!(order, vec![3, 1, 2, 1, 1]);
+    }
+
+    #[test]
+    fn waiting_credits_and_acks_are_merged_per_stream() {
+        let ob = Outbox::new();
+        for _ in 0..10_000 {
+            for stream in [1, 2] {
+                ob.send_control(Frame {
+                    stream,
+                    body: Body::Credit(3),
+                })
+                .unwrap();
+            }
+        }
+        for seq in [5, 9, 7] {
+            ob.send_control(Frame {
+                stream: 1,
+                body: Body::ExecAck { seq },
+            })
+            .unwrap();
+        }
+        let queued: Vec<Frame> = std::iter::from_fn(|| ob.pop()).collect();
+        let bodies: Vec<(u32, Body)> = queued.into_iter().map(|f| (f.stream, f.body)).collect();
+        assert_eq!(
+            bodies,
+            [
+                (1, Body::Credit(30_000)),
+                (2, Body::Credit(30_000)),
+                (1, Body::ExecAck { seq: 9 })
+            ]
+        );
+        assert_eq!(ob.lock().pending, 3);
     }
 
     #[tokio::test]
