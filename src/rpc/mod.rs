@@ -78,6 +78,9 @@ pub enum RpcError {
     Frame(#[from] FrameError),
     #[error("cannot reach the agent channel: {0}")]
     Io(#[from] std::io::Error),
+    /// The caller's writer (`read_file_to`) failed; the request is abandoned.
+    #[error("cannot store what the guest agent sent: {0}")]
+    Store(std::io::Error),
 }
 
 impl From<outbox::Closed> for RpcError {

@@ -6,7 +6,7 @@
 use super::streams::{CloseOnDrop, Handle, Shared};
 use super::{AgentClient, unexpected};
 use crate::rpc::RpcError;
-use crate::rpc::frame::{read_frame, seek_frame};
+use crate::rpc::frame::{FrameError, read_frame, seek_frame};
 use crate::rpc::msg::{Body, CONTROL_STREAM, Frame, PROTOCOL_VERSION};
 use std::path::Path;
 use std::sync::Arc;
@@ -150,13 +150,19 @@ impl AgentClient {
                             }
                         }
                         Ok(None) => break Ok(()),
+                        // The link ended (VM gone, socket reset): nothing the guest said.
+                        Err(e @ (FrameError::Io(_) | FrameError::Truncated)) => {
+                            tracing::debug!(error = %e, "agent channel ended");
+                            break Ok(());
+                        }
                         Err(e) => break Err(RpcError::from(e)),
                     },
                     _ = r.outbox.closed() => break Ok(()),
                 }
             };
             match res {
-                // The guest broke the protocol: say why to every caller and to the service.
+                // The guest broke the protocol (a bad frame, a broken window): say why to every
+                // caller and to the service.
                 Err(e) => r.cut_off(e.to_string()),
                 Ok(()) => r.kill(),
             }

@@ -284,6 +284,27 @@ async fn answers_flooding_a_stream_cut_the_guest_off() {
     assert!(why.contains("answers on stream"), "{why}");
 }
 
+#[tokio::test]
+async fn a_bad_frame_cuts_the_guest_off_with_the_reason() {
+    use tokio::io::AsyncWriteExt;
+    let (c, mut g) = fake_guest().await;
+    // A length prefix past the 1 MiB frame limit.
+    g.write_all(&(64u32 << 20).to_le_bytes()).await.unwrap();
+    let why = cut_off(&c).await;
+    assert!(why.contains("exceeds the 1048576-byte limit"), "{why}");
+    let r = c.stat("/").await;
+    assert!(
+        matches!(&r, Err(RpcError::Closed(m)) if m.contains("limit")),
+        "{r:?}"
+    );
+    // A link that merely ends is no broken rule: no reason.
+    let (c, g) = fake_guest().await;
+    drop(g);
+    tokio::time::timeout(T, c.closed()).await.unwrap();
+    assert_eq!(c.close_reason(), None);
+    assert!(matches!(c.ping().await, Err(RpcError::Disconnected)));
+}
+
 /// A guest that reads everything and answers nothing.
 async fn silent() -> AgentClient {
     let (c, mut g) = fake_guest().await;

@@ -297,11 +297,11 @@ impl AgentClient {
                             max,
                         });
                     }
-                    w.write_all(&d).await?;
+                    w.write_all(&d).await.map_err(RpcError::Store)?;
                     s.grant(d.len())?;
                 }
                 Body::DataEnd => {
-                    w.flush().await?;
+                    w.flush().await.map_err(RpcError::Store)?;
                     return Ok(total);
                 }
                 Body::Error(e) => return Err(RpcError::Remote(e)),
