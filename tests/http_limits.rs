@@ -270,7 +270,7 @@ fn tls_listener_off_loopback_serves_clients_that_pin_its_certificate() {
     let port = free_port();
     let d = Daemon::start(
         Some(&format!(
-            "tcp_listen = \"0.0.0.0:{port}\"\ntcp_tls = true\n"
+            "tcp_listen = \"0.0.0.0:{port}\"\ntcp_tls = true\n[http]\nheader_timeout_s = 1\n"
         )),
         &[],
     );
@@ -324,6 +324,20 @@ fn tls_listener_off_loopback_serves_clients_that_pin_its_certificate() {
     assert!(
         r.is_err() || r.as_ref().unwrap().status != 200,
         "plain HTTP was served: {r:?}"
+    );
+
+    // A client that never starts its handshake is closed at the header timeout.
+    let mut silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let started = Instant::now();
+    let n = silent.read(&mut [0u8; 64]).unwrap_or(0);
+    assert_eq!(n, 0, "the daemon wrote to a client that sent nothing");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a silent TLS client was held {:?}",
+        started.elapsed()
     );
 
     // The CLI, from another data root, with the URL, the token and the fingerprint.
