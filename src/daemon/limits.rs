@@ -282,6 +282,19 @@ mod tests {
     }
 
     #[test]
+    fn loopback_tcp6_peer_is_named_by_its_uid() {
+        let Ok(server) = std::net::TcpListener::bind("[::1]:0") else {
+            eprintln!("skipped: no IPv6 loopback on this host");
+            return;
+        };
+        let client = std::net::TcpStream::connect(server.local_addr().unwrap()).unwrap();
+        let (accepted, peer) = server.accept().unwrap();
+        let key = tcp_peer(accepted.local_addr().unwrap(), peer);
+        assert_eq!(key, PeerKey::Uid(nix::unistd::geteuid().as_raw()));
+        drop(client);
+    }
+
+    #[test]
     fn sock_diag_error_reply_gives_no_uid() {
         let mut err = vec![0u8; 36];
         err[..4].copy_from_slice(&36u32.to_ne_bytes());

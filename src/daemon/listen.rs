@@ -86,7 +86,13 @@ pub async fn run(
                     let permit = match tcp_budget.try_acquire(limits::tcp_peer(local, peer)) {
                         Ok(p) => p,
                         Err(hit) => {
-                            turn_away(&hit, || stream.try_write(limits::REFUSED_RESPONSE));
+                            // A TLS client would read plain text as a broken handshake: it
+                            // only sees the close.
+                            let plain = l.tls.is_none();
+                            turn_away(&hit, || match plain {
+                                true => stream.try_write(limits::REFUSED_RESPONSE),
+                                false => Ok(0),
+                            });
                             continue;
                         }
                     };
