@@ -97,6 +97,10 @@ pub struct HttpConfig {
     /// (slowloris, idle keep-alive). Streams already answering (`GET /v1/events`, exec NDJSON)
     /// are not cut. Default: 10; at least 1.
     pub header_timeout_s: u64,
+    /// A request's whole body (at most 16 MiB) must arrive within this many seconds of its
+    /// header, else the answer is 408 and the connection is closed (slow uploads that hold a
+    /// connection). Default: 60; at least 1.
+    pub body_timeout_s: u64,
     /// Open connections per listener; past it new connections get a 503 and are closed.
     /// Default: 1024.
     pub max_connections: usize,
@@ -110,6 +114,7 @@ impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             header_timeout_s: 10,
+            body_timeout_s: 60,
             max_connections: 1024,
             max_connections_per_peer: 256,
         }
@@ -454,6 +459,7 @@ mod tests {
         assert!(c.otlp_endpoint.is_none());
         assert!(!c.tcp_tls);
         assert_eq!(c.http.header_timeout_s, 10);
+        assert_eq!(c.http.body_timeout_s, 60);
         assert_eq!(c.http.max_connections, 1024);
         assert_eq!(c.http.max_connections_per_peer, 256);
     }

@@ -184,6 +184,35 @@ fn slowloris_is_cut_at_the_header_timeout_and_streams_are_not() {
     assert_eq!(d.request("GET", "/v1/health", None).status, 200);
 }
 
+#[test]
+fn a_body_that_trickles_in_gets_408_at_the_body_timeout() {
+    let d = Daemon::start(Some("[http]\nbody_timeout_s = 1\n"), &[]);
+    let mut slow = UnixStream::connect(d.socket()).unwrap();
+    slow.write_all(
+        b"POST /v1/sandboxes HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n\
+          Content-Length: 100000\r\n\r\n{",
+    )
+    .unwrap();
+    slow.set_nonblocking(true).unwrap();
+    let started = Instant::now();
+    let mut got = Vec::new();
+    let answer = loop {
+        let _ = slow.write_all(b" ");
+        if let Seen::Closed(text) = look(&mut slow, &mut got) {
+            break text;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(6),
+            "a body trickling in one byte per 200 ms was still being read after 6 s"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(answer.starts_with("HTTP/1.1 408"), "answered `{answer}`");
+    assert!(answer.contains("body_timeout_s"), "{answer}");
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    assert_eq!(d.request("GET", "/v1/health", None).status, 200);
+}
+
 /// A rustls client config that trusts only the certificate with this SHA-256.
 fn pinned(fingerprint: &str) -> Arc<rustls::ClientConfig> {
     use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};

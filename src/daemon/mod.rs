@@ -1,11 +1,11 @@
 //! The daemon (`tryboxi serve`, argv[0] `sandboxd`): HTTP/1.1 + JSON on a unix socket in the
 //! data root (and optionally TCP with a token, over TLS off loopback).
 //!
-//! Owns: the single-daemon lock, the listening sockets and their budgets (`limits`: connection
-//! caps per listener and per peer; a header-read timeout), TLS (`tls`), access checks
-//! (`middleware`), request parsing into one [`router::Action`], the response envelope, and
-//! graceful shutdown (a broadcast signal on SIGINT/SIGTERM; in-flight requests get a grace
-//! period).
+//! Owns: the single-daemon lock, the listening sockets and their budgets (`listen`, `limits`:
+//! connection caps per listener and per peer, a header-read timeout; the body-read deadline is
+//! here), TLS (`tls`), access checks (`middleware`), request parsing into one
+//! [`router::Action`], the response envelope, and graceful shutdown (a broadcast signal on
+//! SIGINT/SIGTERM; in-flight requests get a grace period).
 //! Never: business logic (that is `service`).
 
 mod handlers;
@@ -283,9 +283,19 @@ async fn handle(
         Via::Tls => middleware::check_tls(req.headers(), &shared.token)?,
     }
     let (parts, body) = req.into_parts();
-    let body: Bytes = Limited::new(body, MAX_BODY)
-        .collect()
+    let limit = std::time::Duration::from_secs(shared.svc.config.http.body_timeout_s.max(1));
+    let body: Bytes = tokio::time::timeout(limit, Limited::new(body, MAX_BODY).collect())
         .await
+        .map_err(|_| {
+            ApiError::new(
+                hyper::StatusCode::REQUEST_TIMEOUT,
+                "timeout",
+                format!(
+                    "the request body did not arrive within {} s ([http] body_timeout_s)",
+                    limit.as_secs()
+                ),
+            )
+        })?
         .map_err(|e| {
             ApiError::new(
                 hyper::StatusCode::PAYLOAD_TOO_LARGE,
