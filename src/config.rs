@@ -32,9 +32,16 @@ pub enum ConfigError {
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// Also listen on TCP (e.g. `"127.0.0.1:7070"`). Requests over TCP need
-    /// `Authorization: Bearer <token>` (`tryboxi token`) and a loopback Host/Origin.
+    /// `Authorization: Bearer <token>` (`tryboxi token`) and, over plain HTTP, a loopback
+    /// Host/Origin. An address that is not loopback needs `tcp_tls = true` (the daemon refuses
+    /// to start otherwise: the token must never travel in plain text off the machine).
     /// Default: unset (unix socket only).
     pub tcp_listen: Option<SocketAddr>,
+    /// Serve `tcp_listen` over TLS with a self-signed certificate made once in the data root
+    /// (`tls-cert.pem`, `tls-key.pem`, mode 0600); clients pin its SHA-256 fingerprint, which
+    /// `tryboxi token` prints (`TRYBOXI_URL=https://host:port`, `TRYBOXI_TOKEN`,
+    /// `TRYBOXI_FINGERPRINT`). Default: false.
+    pub tcp_tls: bool,
     /// `auto` (default), `kvm` or `tcg`.
     pub accel: AccelSetting,
     /// The QEMU system emulator. Default: `qemu-system-x86_64` (looked up on PATH).
@@ -76,6 +83,42 @@ pub struct Config {
     pub pool: PoolConfig,
     /// The sandboxes' egress network (`[network]` table).
     pub network: NetworkConfig,
+    /// Limits of the daemon's HTTP listeners (`[http]` table).
+    pub http: HttpConfig,
+}
+
+/// `[http]`: what one client may hold of the daemon's HTTP listeners. Each listener (the unix
+/// socket, `tcp_listen`) has its own budget, so a flood on TCP never stops the unix socket.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// A client must send a request's complete header within this many seconds of the
+    /// connection opening (or of the previous response ending); else the connection is closed
+    /// (slowloris, idle keep-alive). Streams already answering (`GET /v1/events`, exec NDJSON)
+    /// are not cut. Default: 10; at least 1.
+    pub header_timeout_s: u64,
+    /// A request's whole body (at most 16 MiB) must arrive within this many seconds of its
+    /// header, else the answer is 408 and the connection is closed (slow uploads that hold a
+    /// connection). Default: 60; at least 1.
+    pub body_timeout_s: u64,
+    /// Open connections per listener; past it new connections get a 503 and are closed.
+    /// Default: 1024.
+    pub max_connections: usize,
+    /// Open connections per peer and listener: per uid on the unix socket and for loopback TCP
+    /// peers (the socket's owner, looked up with sock_diag), per IP address otherwise.
+    /// Default: 256.
+    pub max_connections_per_peer: usize,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            header_timeout_s: 10,
+            body_timeout_s: 60,
+            max_connections: 1024,
+            max_connections_per_peer: 256,
+        }
+    }
 }
 
 /// `[limits]`: what all sandboxes together may reserve on this host (the scheduler's ledger).
@@ -276,6 +319,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             tcp_listen: None,
+            tcp_tls: false,
             accel: AccelSetting::Auto,
             qemu_binary: "qemu-system-x86_64".into(),
             default_vcpus: 2,
@@ -296,6 +340,7 @@ impl Default for Config {
             idle_pause_secs: 0,
             pool: PoolConfig::default(),
             network: NetworkConfig::default(),
+            http: HttpConfig::default(),
         }
     }
 }
@@ -363,6 +408,14 @@ impl Paths {
     pub fn token_file(&self) -> PathBuf {
         self.root.join("token")
     }
+    /// The TCP listener's self-signed certificate (PEM, 0600) when `tcp_tls` is on.
+    pub fn tls_cert_file(&self) -> PathBuf {
+        self.root.join("tls-cert.pem")
+    }
+    /// Its private key (PEM, 0600).
+    pub fn tls_key_file(&self) -> PathBuf {
+        self.root.join("tls-key.pem")
+    }
     pub fn store_file(&self) -> PathBuf {
         self.root.join("tryboxi.redb")
     }
@@ -404,6 +457,11 @@ mod tests {
         assert!(c.tcp_listen.is_none());
         assert_eq!(c.exec_log_max_bytes, 16 << 20);
         assert!(c.otlp_endpoint.is_none());
+        assert!(!c.tcp_tls);
+        assert_eq!(c.http.header_timeout_s, 10);
+        assert_eq!(c.http.body_timeout_s, 60);
+        assert_eq!(c.http.max_connections, 1024);
+        assert_eq!(c.http.max_connections_per_peer, 256);
     }
 
     #[test]

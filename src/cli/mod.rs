@@ -133,8 +133,14 @@ pub enum Command {
     /// MCP stdio server for agents (also: argv[0] `sandbox-mcp`); `mcp install` sets up
     /// Cursor, Claude Code or Codex.
     Mcp(mcp::Args),
-    /// Print the API token for TCP clients.
-    Token,
+    /// Print the API token for TCP clients (and, with `tcp_tls`, the certificate fingerprint
+    /// they pin, on stderr).
+    Token {
+        /// Print only the TLS certificate's SHA-256 fingerprint (making the certificate if
+        /// there is none yet), for `TRYBOXI_FINGERPRINT`.
+        #[arg(long)]
+        fingerprint: bool,
+    },
     /// Print the version.
     Version,
 }
@@ -184,14 +190,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Undo(a) => runtime()?.block_on(undo::run(a)),
         Command::Mcp(a) => mcp::run(a),
         Command::Doctor { artifacts } => runtime()?.block_on(crate::doctor::run(artifacts)),
-        Command::Token => {
-            let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
-            std::fs::create_dir_all(&paths.root).map_err(|e| TopError::Other(e.into()))?;
-            let token =
-                crate::daemon::ensure_token(&paths).map_err(|e| TopError::Other(e.into()))?;
-            println!("{token}");
-            Ok(())
-        }
+        Command::Token { fingerprint } => token(fingerprint),
         Command::Version => {
             println!("tryboxi {}", env!("CARGO_PKG_VERSION"));
             Ok(())
@@ -208,6 +207,38 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Gc(a) => runtime()?.block_on(gc::run(a)),
         Command::Net(c) => runtime()?.block_on(net::run(c)),
     }
+}
+
+/// `tryboxi token`: the token on stdout (scripts use `$(tryboxi token)`); with `tcp_tls`
+/// the fingerprint and how to use both on stderr. `--fingerprint`: only the fingerprint.
+fn token(only_fingerprint: bool) -> Result<(), TopError> {
+    let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
+    std::fs::create_dir_all(&paths.root).map_err(|e| TopError::Other(e.into()))?;
+    let other = |e: crate::daemon::DaemonError| TopError::Other(e.into());
+    if only_fingerprint {
+        println!(
+            "{}",
+            crate::daemon::tls::ensure_identity(&paths)
+                .map_err(other)?
+                .fingerprint()
+        );
+        return Ok(());
+    }
+    let token = crate::daemon::ensure_token(&paths).map_err(other)?;
+    println!("{token}");
+    let config = crate::config::Config::load(&paths).map_err(|e| TopError::Usage(e.to_string()))?;
+    if let (Some(addr), true) = (config.tcp_listen, config.tcp_tls) {
+        let fp = crate::daemon::tls::ensure_identity(&paths)
+            .map_err(other)?
+            .fingerprint();
+        eprintln!("tls fingerprint: {fp}");
+        eprintln!(
+            "clients: TRYBOXI_URL=https://<this host>:{} TRYBOXI_TOKEN=<the token> \
+             TRYBOXI_FINGERPRINT={fp}",
+            addr.port()
+        );
+    }
+    Ok(())
 }
 
 pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, TopError> {
@@ -229,10 +260,10 @@ fn init_logging(plain: bool) {
     let _ = fmt.try_init();
 }
 
-/// The client for this data root's daemon.
+/// The client for this data root's daemon, or the one `TRYBOXI_URL` names.
 pub(crate) fn client() -> Result<Client, TopError> {
     let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
-    Ok(Client::new(&paths.socket()))
+    Client::from_env(&paths).map_err(TopError::Usage)
 }
 
 impl From<ClientError> for TopError {

@@ -3,6 +3,10 @@
 //! Unix socket: the peer's uid (SO_PEERCRED) must be the daemon's own uid or root.
 //! TCP: `Authorization: Bearer <token>` must match the token file, and the `Host` (and `Origin`,
 //! when present) must name a loopback address, which stops DNS-rebinding attacks from browsers.
+//! TLS (`tcp_tls`, the only way off loopback): the token, and an `Origin`, when present, that is
+//! `https://` and the request's own `Host` (clients reach the daemon under any name of the
+//! machine; a browser page cannot complete a handshake with the pinned self-signed certificate
+//! unless its user accepted it, and still lacks the token).
 
 use hyper::HeaderMap;
 use hyper::header::{AUTHORIZATION, HOST, ORIGIN};
@@ -34,6 +38,30 @@ pub fn check_tcp(headers: &HeaderMap, token: &str, port: u16) -> Result<(), ApiE
             )));
         }
     }
+    check_token(headers, token)
+}
+
+/// Checks for requests that arrived over the TLS listener.
+pub fn check_tls(headers: &HeaderMap, token: &str) -> Result<(), ApiError> {
+    if let Some(origin) = headers.get(ORIGIN) {
+        let origin = origin.to_str().unwrap_or("");
+        let host = headers
+            .get(HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("\u{0}");
+        if !origin
+            .strip_prefix("https://")
+            .is_some_and(|a| a.eq_ignore_ascii_case(host))
+        {
+            return Err(ApiError::forbidden(format!(
+                "Origin `{origin}` is not allowed"
+            )));
+        }
+    }
+    check_token(headers, token)
+}
+
+fn check_token(headers: &HeaderMap, token: &str) -> Result<(), ApiError> {
     let given = headers
         .get(AUTHORIZATION)
         .and_then(|h| h.to_str().ok())
@@ -102,6 +130,26 @@ mod tests {
             (AUTHORIZATION, "Bearer t"),
         ]);
         assert!(check_tcp(&good_origin, "t", 7070).is_ok());
+    }
+
+    #[test]
+    fn tls_needs_the_token_and_a_same_host_https_origin() {
+        let ok = headers(&[(HOST, "build-box:7443"), (AUTHORIZATION, "Bearer t")]);
+        assert!(check_tls(&ok, "t").is_ok());
+        let none = headers(&[(HOST, "build-box:7443")]);
+        assert_eq!(check_tls(&none, "t").unwrap_err().status, 401);
+        let origin = headers(&[
+            (HOST, "build-box:7443"),
+            (ORIGIN, "https://evil.example"),
+            (AUTHORIZATION, "Bearer t"),
+        ]);
+        assert_eq!(check_tls(&origin, "t").unwrap_err().status, 403);
+        let same = headers(&[
+            (HOST, "build-box:7443"),
+            (ORIGIN, "https://build-box:7443"),
+            (AUTHORIZATION, "Bearer t"),
+        ]);
+        assert!(check_tls(&same, "t").is_ok());
     }
 
     #[test]

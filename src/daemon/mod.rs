@@ -1,15 +1,20 @@
 //! The daemon (`tryboxi serve`, argv[0] `sandboxd`): HTTP/1.1 + JSON on a unix socket in the
-//! data root (and optionally TCP with a token).
+//! data root (and optionally TCP with a token, over TLS off loopback).
 //!
-//! Owns: the single-daemon lock, the listening sockets, access checks (`middleware`), request
-//! parsing into one [`router::Action`], the response envelope, and graceful shutdown (a
-//! broadcast signal on SIGINT/SIGTERM; in-flight requests get a grace period).
+//! Owns: the single-daemon lock, the listening sockets and their budgets (`listen`, `limits`:
+//! connection caps per listener and per peer, a header-read timeout; the body-read deadline is
+//! here), TLS (`tls`), access checks (`middleware`), request parsing into one
+//! [`router::Action`], the response envelope, and graceful shutdown (a broadcast signal on
+//! SIGINT/SIGTERM; in-flight requests get a grace period).
 //! Never: business logic (that is `service`).
 
 mod handlers;
+mod limits;
+mod listen;
 mod middleware;
 pub mod response;
 pub mod router;
+pub mod tls;
 
 #[cfg(test)]
 pub use handlers::OPENAPI_YAML;
@@ -19,17 +24,14 @@ use std::io::Write as _;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::{Request, Response};
-use hyper_util::rt::TokioIo;
 use nix::fcntl::{Flock, FlockArg};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::broadcast;
-use tokio::task::JoinSet;
 
 use crate::config::{Config, ConfigError, Paths};
 use crate::service::Service;
@@ -82,6 +84,7 @@ enum Via {
     Tcp {
         port: u16,
     },
+    Tls,
 }
 
 struct Shared {
@@ -98,6 +101,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         .map_err(io_err("cannot restrict", &paths.root))?;
     let _lock = acquire_lock(&paths)?;
     let config = Config::load(&paths)?;
+    check_tcp_listen(&config)?;
     let store = Store::open(&paths.store_file())?;
     let token = ensure_token(&paths)?;
     let artifacts = opts
@@ -113,6 +117,10 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
     let unix = UnixListener::bind(&sock).map_err(io_err("cannot listen on", &sock))?;
     std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600))
         .map_err(io_err("cannot restrict", &sock))?;
+    let tls = match config.tcp_listen {
+        Some(_) if config.tcp_tls => Some(tls::acceptor(tls::ensure_identity(&paths)?)?),
+        _ => None,
+    };
     let tcp = match config.tcp_listen {
         Some(addr) => Some(
             TcpListener::bind(addr)
@@ -150,60 +158,19 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
     });
     let (shutdown_tx, _) = broadcast::channel::<()>(1);
     spawn_signal_handler(shutdown_tx.clone());
-    tracing::info!(socket = %sock.display(), tcp = ?shared.svc.config.tcp_listen, root = %paths.root.display(), "tryboxi daemon listening");
+    tracing::info!(socket = %sock.display(), tcp = ?shared.svc.config.tcp_listen, tls = tls.is_some(), root = %paths.root.display(), "tryboxi daemon listening");
 
-    let mut conns = JoinSet::new();
-    let mut shutdown = shutdown_tx.subscribe();
-    let own_uid = nix::unistd::geteuid().as_raw();
-    loop {
-        tokio::select! {
-            _ = shutdown.recv() => break,
-            accepted = unix.accept() => match accepted {
-                Ok((stream, _)) => {
-                    let uid = stream.peer_cred().map(|c| c.uid()).unwrap_or(u32::MAX);
-                    if !middleware::peer_allowed(uid, own_uid) {
-                        tracing::warn!(peer_uid = uid, "refused a unix-socket client of another user");
-                        conns.spawn(refuse(stream, uid));
-                        continue;
-                    }
-                    conns.spawn(connection(stream, Via::Unix { uid }, shared.clone(), shutdown_tx.subscribe()));
-                }
-                Err(e) => tracing::warn!(error = %e, "accept failed on the unix socket"),
-            },
-            accepted = accept_tcp(tcp.as_ref()) => match accepted {
-                Ok((stream, port)) => {
-                    conns.spawn(connection(stream, Via::Tcp { port }, shared.clone(), shutdown_tx.subscribe()));
-                }
-                Err(e) => tracing::warn!(error = %e, "accept failed on TCP"),
-            },
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
-        }
-    }
-    tracing::info!("shutting down: draining connections");
-    drop(unix);
-    let drain = async { while conns.join_next().await.is_some() {} };
-    if tokio::time::timeout(Duration::from_secs(5), drain)
-        .await
-        .is_err()
-    {
-        tracing::warn!("connections still open after 5 s; closing them");
-        conns.abort_all();
-    }
+    listen::run(
+        listen::Listeners { unix, tcp, tls },
+        &shared.svc.config.http,
+        shared.clone(),
+        shutdown_tx,
+    )
+    .await;
     svc.shutdown().await;
     let _ = crate::safefs::remove_under(&paths.root, &sock);
     tracing::info!("daemon stopped");
     Ok(())
-}
-
-async fn accept_tcp(l: Option<&TcpListener>) -> std::io::Result<(tokio::net::TcpStream, u16)> {
-    match l {
-        Some(l) => {
-            let (s, _) = l.accept().await?;
-            let port = l.local_addr()?.port();
-            Ok((s, port))
-        }
-        None => std::future::pending().await,
-    }
 }
 
 fn spawn_signal_handler(tx: broadcast::Sender<()>) {
@@ -222,6 +189,22 @@ fn spawn_signal_handler(tx: broadcast::Sender<()>) {
         }
         let _ = tx.send(());
     });
+}
+
+/// A TCP listener off loopback must be TLS: the token must never cross the network in plain
+/// text.
+fn check_tcp_listen(config: &Config) -> Result<(), DaemonError> {
+    match config.tcp_listen {
+        Some(addr) if !addr.ip().is_loopback() && !config.tcp_tls => {
+            Err(DaemonError::Setup(format!(
+                "tcp_listen = \"{addr}\" is not a loopback address and tcp_tls is off: the API \
+                 token would cross the network in plain text. Set `tcp_tls = true` in \
+                 config.toml (clients pin the certificate fingerprint `tryboxi token` prints) \
+                 or listen on 127.0.0.1"
+            )))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Hold an exclusive flock on `tryboxi.lock` (with our pid in it) for the daemon's lifetime.
@@ -277,50 +260,6 @@ pub fn ensure_token(paths: &Paths) -> Result<String, DaemonError> {
     Ok(token)
 }
 
-/// Answer a refused peer with one 403 and close.
-async fn refuse(stream: tokio::net::UnixStream, uid: u32) {
-    let svc = hyper::service::service_fn(move |_req: Request<Incoming>| async move {
-        Ok::<_, std::convert::Infallible>(
-            ApiError::forbidden(format!(
-                "uid {uid} may not use this daemon (only its owner and root)"
-            ))
-            .into_response(),
-        )
-    });
-    let _ = hyper::server::conn::http1::Builder::new()
-        .keep_alive(false)
-        .serve_connection(TokioIo::new(stream), svc)
-        .await;
-}
-
-async fn connection<S>(
-    stream: S,
-    via: Via,
-    shared: Arc<Shared>,
-    mut shutdown: broadcast::Receiver<()>,
-) where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let svc = hyper::service::service_fn(move |req| {
-        let shared = shared.clone();
-        async move { Ok::<_, std::convert::Infallible>(dispatch(req, via, &shared).await) }
-    });
-    let conn =
-        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc);
-    tokio::pin!(conn);
-    tokio::select! {
-        res = conn.as_mut() => {
-            if let Err(e) = res {
-                tracing::debug!(error = %e, "connection ended with an error");
-            }
-        }
-        _ = shutdown.recv() => {
-            conn.as_mut().graceful_shutdown();
-            let _ = conn.await;
-        }
-    }
-}
-
 async fn dispatch(req: Request<Incoming>, via: Via, shared: &Shared) -> Response<Body> {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
@@ -338,13 +277,25 @@ async fn handle(
     via: Via,
     shared: &Shared,
 ) -> Result<Response<Body>, ApiError> {
-    if let Via::Tcp { port } = via {
-        middleware::check_tcp(req.headers(), &shared.token, port)?;
+    match via {
+        Via::Unix { .. } => {}
+        Via::Tcp { port } => middleware::check_tcp(req.headers(), &shared.token, port)?,
+        Via::Tls => middleware::check_tls(req.headers(), &shared.token)?,
     }
     let (parts, body) = req.into_parts();
-    let body: Bytes = Limited::new(body, MAX_BODY)
-        .collect()
+    let limit = std::time::Duration::from_secs(shared.svc.config.http.body_timeout_s.max(1));
+    let body: Bytes = tokio::time::timeout(limit, Limited::new(body, MAX_BODY).collect())
         .await
+        .map_err(|_| {
+            ApiError::new(
+                hyper::StatusCode::REQUEST_TIMEOUT,
+                "timeout",
+                format!(
+                    "the request body did not arrive within {} s ([http] body_timeout_s)",
+                    limit.as_secs()
+                ),
+            )
+        })?
         .map_err(|e| {
             ApiError::new(
                 hyper::StatusCode::PAYLOAD_TOO_LARGE,
@@ -356,7 +307,7 @@ async fn handle(
     let action = router::parse_request(&parts.method, &parts.uri, &parts.headers, &body)?;
     let caller_uid = match via {
         Via::Unix { uid } => Some(uid),
-        Via::Tcp { .. } => None,
+        Via::Tcp { .. } | Via::Tls => None,
     };
     handlers::handle(&shared.svc, action, caller_uid).await
 }

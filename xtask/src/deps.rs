@@ -1,5 +1,6 @@
-//! `cargo xtask deps`: installs the Debian packages the build and the daemon need, and the
-//! MCP Python SDK the MCP end-to-end test drives the server with.
+//! `cargo xtask deps`: installs the Debian packages the build and the daemon need, the MCP
+//! Python SDK the MCP end-to-end test drives the server with, and schemathesis, which
+//! `tests/api_schemathesis.rs` runs against `api/openapi.yaml` and the live daemon.
 //!
 //! Idempotent and quick: asks `dpkg-query` once and runs `apt-get` only when something is
 //! missing. Adds the `bookworm-backports` source (for QEMU 10) if absent. Never removes
@@ -55,7 +56,21 @@ const E2FSPROGS_TAR: &str = "1.47.1";
 
 pub fn run() -> Result<()> {
     debian()?;
-    python_mcp_sdk()
+    python_mcp_sdk()?;
+    python_venv_package(
+        "deps: schemathesis",
+        &schemathesis_venv(),
+        SCHEMATHESIS,
+        "import schemathesis",
+    )
+}
+
+/// The property-based API tester, pinned (PyPI, through the machine's pip configuration).
+const SCHEMATHESIS: &str = "schemathesis==4.32.5";
+
+/// The venv holding schemathesis (`tests/api_schemathesis.rs` looks here).
+pub fn schemathesis_venv() -> PathBuf {
+    crate::util::out_dir().join("schemathesis-venv")
 }
 
 /// The official MCP Python SDK, pinned (tests/mcp_e2e.rs checks the protocol version it
@@ -70,12 +85,22 @@ pub fn mcp_venv() -> PathBuf {
 }
 
 fn python_mcp_sdk() -> Result<()> {
-    let step = Step::start("deps: MCP Python SDK");
-    let venv = mcp_venv();
+    python_venv_package(
+        "deps: MCP Python SDK",
+        &mcp_venv(),
+        MCP_SDK,
+        "import mcp.client",
+    )
+}
+
+/// Install `spec` (`name==version`) into the venv `venv` (made if absent); skipped when that
+/// venv already has this version and `import` runs.
+fn python_venv_package(title: &str, venv: &Path, spec: &str, import: &str) -> Result<()> {
+    let step = Step::start(title);
     let python = venv.join("bin/python3");
-    let wanted = MCP_SDK.trim_start_matches("mcp==");
+    let (name, wanted) = spec.split_once("==").context("pinned spec")?;
     let check = format!(
-        "import importlib.metadata as m, mcp.client; assert m.version('mcp') == '{wanted}'"
+        "import importlib.metadata as m\n{import}\nassert m.version('{name}') == '{wanted}'"
     );
     let present = Command::new(&python)
         .args(["-c", &check])
@@ -83,17 +108,17 @@ fn python_mcp_sdk() -> Result<()> {
         .status()
         .is_ok_and(|s| s.success());
     if present {
-        step.done(&format!("{MCP_SDK} in {}", venv.display()));
+        step.done(&format!("{spec} in {}", venv.display()));
         return Ok(());
     }
     if !python.exists() {
         println!("    python3 -m venv {}", venv.display());
         run_inherit(
-            Command::new("python3").arg("-m").arg("venv").arg(&venv),
+            Command::new("python3").arg("-m").arg("venv").arg(venv),
             "python3 -m venv",
         )?;
     }
-    println!("    pip install {MCP_SDK}");
+    println!("    pip install {spec}");
     run_inherit(
         Command::new(&python).args([
             "-m",
@@ -101,11 +126,11 @@ fn python_mcp_sdk() -> Result<()> {
             "install",
             "--quiet",
             "--disable-pip-version-check",
-            MCP_SDK,
+            spec,
         ]),
-        "pip install mcp",
+        &format!("pip install {spec}"),
     )?;
-    step.done(&format!("installed {MCP_SDK} in {}", venv.display()));
+    step.done(&format!("installed {spec} in {}", venv.display()));
     Ok(())
 }
 

@@ -1,6 +1,10 @@
-//! Typed HTTP client for the daemon's unix socket, used by the CLI and the MCP server.
+//! Typed HTTP client for the daemon, used by the CLI and the MCP server: over its unix socket,
+//! or over TCP (`TRYBOXI_URL`, TLS with a pinned certificate off loopback; see `transport`).
+
+pub mod transport;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -9,14 +13,16 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::net::UnixStream;
 
 use crate::api;
+use crate::config::Paths;
+use transport::Endpoint;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("cannot reach the tryboxi daemon at {socket}: {source}. Start it with `tryboxi serve`")]
     Unreachable {
+        /// The unix socket, or the `TRYBOXI_URL`.
         socket: PathBuf,
         #[source]
         source: std::io::Error,
@@ -33,17 +39,27 @@ pub enum ClientError {
 
 #[derive(Debug, Clone)]
 pub struct Client {
-    socket: PathBuf,
+    endpoint: Arc<Endpoint>,
     /// Sent as `x-tryboxi-face` (`mcp` for the MCP server).
     face: Option<&'static str>,
 }
 
 impl Client {
+    /// A client of the daemon listening on this unix socket.
     pub fn new(socket: &Path) -> Client {
         Client {
-            socket: socket.to_path_buf(),
+            endpoint: Arc::new(Endpoint::Unix(socket.to_path_buf())),
             face: None,
         }
+    }
+
+    /// A client of the daemon `TRYBOXI_URL` names (with `TRYBOXI_TOKEN`, and
+    /// `TRYBOXI_FINGERPRINT` for https), else of this data root's unix socket.
+    pub fn from_env(paths: &Paths) -> Result<Client, String> {
+        Ok(Client {
+            endpoint: Arc::new(Endpoint::from_env(paths)?),
+            face: None,
+        })
     }
 
     /// Say which face this client is (the daemon refuses some routes to `mcp`).
@@ -58,23 +74,21 @@ impl Client {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<Response<Incoming>, ClientError> {
-        let stream =
-            UnixStream::connect(&self.socket)
-                .await
-                .map_err(|source| ClientError::Unreachable {
-                    socket: self.socket.clone(),
-                    source,
-                })?;
+        let stream = self.endpoint.connect().await?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| ClientError::Protocol(e.to_string()))?;
         tokio::spawn(async move {
             let _ = conn.await;
         });
+        let (host, token) = self.endpoint.headers();
         let mut req = Request::builder()
             .method(method)
             .uri(path)
-            .header("host", "localhost");
+            .header("host", host);
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
         if let Some(f) = self.face {
             req = req.header(api::CLIENT_FACE_HEADER, f);
         }
@@ -228,7 +242,7 @@ impl Client {
         let resp = self
             .request(
                 Method::POST,
-                &format!("/v1/sandboxes/{id}/exec"),
+                &format!("/v1/sandboxes/{}/exec", seg(id)),
                 Some(body),
             )
             .await?;
