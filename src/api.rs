@@ -400,10 +400,24 @@ pub struct FileChange {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct DiffReport {
     pub files: Vec<FileChange>,
+    /// VM files over `sync.max_file_mib`: not read, and apply/pull leave the host's copy as it
+    /// is (absent when none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub too_big: Vec<TooBigFile>,
     /// Changes apply and pull never bring back, with the reason (`path: reason`): git metadata
-    /// below the root or a bare-repository layout, devices, FIFOs and sockets.
+    /// below the root or a bare-repository layout, devices, FIFOs and sockets, symlinks that
+    /// would resolve outside the repo (absent when none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub refused: Vec<String>,
+}
+
+/// A VM file over `sync.max_file_mib`: too big, not brought back (the host's copy, if any, is
+/// left untouched).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TooBigFile {
+    pub path: String,
+    /// Its size in the VM, in bytes.
+    pub size: u64,
 }
 
 /// `POST /v1/sandboxes/{id}/apply` (`paths` empty = everything) and
@@ -426,6 +440,9 @@ pub struct ApplyReport {
     pub conflicts: Vec<String>,
     /// Refused, with the reason (`path: reason`).
     pub refused: Vec<String>,
+    /// VM files over `sync.max_file_mib`: not brought back; the host's copy is left untouched.
+    #[serde(default)]
+    pub too_big: Vec<TooBigFile>,
 }
 
 /// `POST /v1/artifacts/{art_id}/undo`.

@@ -273,7 +273,8 @@ pub struct SyncConfig {
     pub secrets: Vec<String>,
     /// Secret paths the user explicitly allows into the VM (same pattern syntax). Default: none.
     pub allow_secrets: Vec<String>,
-    /// Largest single file apply/pull bring back from a VM, in MiB. Default: 64.
+    /// Largest single file apply/pull bring back from a VM, in MiB. Default: 64. Larger ones are
+    /// not read: diff and apply list them as too big and leave the host's copy untouched.
     pub max_file_mib: u64,
 }
 

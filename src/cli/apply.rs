@@ -36,6 +36,12 @@ pub fn print_report(r: &api::ApplyReport, json: bool) -> Result<(), TopError> {
         for p in &r.refused {
             eprintln!("refused  {p}");
         }
+        for t in &r.too_big {
+            eprintln!(
+                "too big  {} ({} bytes, over sync.max_file_mib): not brought back, the host's copy left as it is",
+                t.path, t.size
+            );
+        }
         if let Some(a) = &r.artifact_id {
             eprintln!("undo with: tryboxi undo {a}");
         }

@@ -89,6 +89,8 @@ struct Changes {
     special: Vec<String>,
     /// Never brought back, `path: reason` (git metadata).
     refused: Vec<String>,
+    /// VM files over `sync.max_file_mib`: not fetched, never brought back.
+    too_big: Vec<api::TooBigFile>,
 }
 
 impl Changes {
@@ -556,8 +558,9 @@ impl Service {
                 .get(p)
                 .and_then(|e| base.blob(&e.sha256).ok())
         });
-        let s = diff::suspects(&manifest, &walk, &rules, &ignores, paths);
+        let mut s = diff::suspects(&manifest, &walk, &rules, &ignores, paths);
         let max = self.max_file_bytes();
+        let too_big = diff::take_too_big(&mut s, max);
         let wanted: Vec<String> = s
             .changed
             .iter()
@@ -591,6 +594,7 @@ impl Service {
             changes,
             special,
             refused,
+            too_big,
         })
     }
 
@@ -605,9 +609,19 @@ impl Service {
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
         let ch = self.changes(&rec, &vm, &paths).await?;
-        let refused = ch.refused().collect();
-        let files = blocking(move || diff::report(&ch.base, &ch.changes, stat)).await?;
-        Ok(api::DiffReport { files, refused })
+        let mut refused: Vec<String> = ch.refused().collect();
+        let root = PathBuf::from(&rec.api.workspace.host_path);
+        let (files, links) = blocking(move || {
+            let links = apply::link_refusals(&root, &ch.changes);
+            Ok((diff::report(&ch.base, &ch.changes, stat)?, links))
+        })
+        .await?;
+        refused.extend(links);
+        Ok(api::DiffReport {
+            files,
+            too_big: ch.too_big,
+            refused,
+        })
     }
 
     /// `POST /v1/sandboxes/{id}/apply`.
@@ -661,16 +675,22 @@ impl Service {
         let _g = lock.lock().await;
         let ch = self.changes(&rec, &vm, &ok_paths).await?;
         let rules = self.rules(&rec)?;
-        let max = self.max_file_bytes();
         let ch_refused: Vec<String> = ch.refused().collect();
-        let (r2, b2) = (root.clone(), ch.base.clone());
-        let plan = blocking(move || apply::plan(&r2, &b2, ch.changes, &rules, mode, max)).await?;
+        let opts = apply::PlanOpts {
+            mode,
+            max_bytes: self.max_file_bytes(),
+            umask: apply::process_umask(),
+        };
+        let (r2, b2, tb) = (root.clone(), ch.base.clone(), ch.too_big.clone());
+        let plan = blocking(move || apply::plan(&r2, &b2, ch.changes, &rules, opts, &tb)).await?;
         let mut report = api::ApplyReport {
             artifact_id: None,
             applied: plan.applied.clone(),
             conflicts: plan.conflicts.clone(),
             refused: refused_early,
+            too_big: ch.too_big,
         };
+        report.too_big.extend(plan.too_big.iter().cloned());
         report.refused.extend(plan.refused.iter().cloned());
         report.refused.extend(ch_refused);
         if !plan.ops.is_empty() {

@@ -6,14 +6,16 @@
 //! `git merge-file` on temporary files (no commit, checkout, reset, clean or index access) and
 //! never plans anything under `.git/`.
 
+use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Component, Path};
+use std::path::Path;
 
 use super::diff::{Change, VmItem, is_binary};
+use super::links::{After, Planned};
 use super::manifest::{Base, Entry, Kind};
 use super::rules::{Rules, is_git_path};
 use super::{WorkspaceError, sha256};
-use crate::api::ChangeKind;
+use crate::api::{ChangeKind, TooBigFile};
 
 /// What to do to one host path.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,12 +39,22 @@ pub enum Mode {
     Pull { force: bool },
 }
 
+/// How to plan: apply or pull, the largest file brought back, the umask new host modes respect.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanOpts {
+    pub mode: Mode,
+    pub max_bytes: u64,
+    pub umask: u32,
+}
+
 #[derive(Debug, Default)]
 pub struct Plan {
     pub ops: Vec<Op>,
     pub applied: Vec<String>,
     pub conflicts: Vec<String>,
     pub refused: Vec<String>,
+    /// VM files over the size limit: not brought back, the host's copy untouched.
+    pub too_big: Vec<TooBigFile>,
     /// Paths whose base becomes the VM's version (`Some`) or is dropped (`None`) once written.
     pub base_updates: Vec<(String, Option<VmItem>)>,
 }
@@ -69,32 +81,6 @@ pub fn check_path(rel: &str) -> Result<(), String> {
                     any depth, in any spelling)"
                 .into(),
         );
-    }
-    Ok(())
-}
-
-/// A symlink from the VM may only point inside the repo, by a relative target.
-pub fn check_symlink(rel: &str, target: &str) -> Result<(), String> {
-    if target.starts_with('/') {
-        return Err(format!(
-            "symlink to `{target}` points outside the repo (absolute target)"
-        ));
-    }
-    let mut depth: i64 = rel.matches('/').count() as i64; // directories above the link
-    for c in Path::new(target).components() {
-        match c {
-            Component::ParentDir => depth -= 1,
-            Component::Normal(_) => depth += 1,
-            Component::CurDir => {}
-            _ => {
-                return Err(format!(
-                    "symlink to `{target}` is not a plain relative path"
-                ));
-            }
-        }
-        if depth < 0 {
-            return Err(format!("symlink to `{target}` escapes the repo"));
-        }
     }
     Ok(())
 }
@@ -208,28 +194,76 @@ pub fn merge3(host: &[u8], base: &[u8], vm: &[u8]) -> Result<(Vec<u8>, bool), St
     }
 }
 
-fn vm_action(v: &VmItem) -> Action {
+/// The umask of this process, read from `/proc/self/status` (calling `umask(2)` to read it
+/// would change it for every thread meanwhile). 0o022 when it cannot be read.
+pub fn process_umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Umask:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .map_or(0o022, |m| m & 0o777)
+}
+
+/// The mode a host file gets when it takes the VM's version. Only the executable bit comes from
+/// the VM: never setuid, setgid, sticky or the VM's read/write bits. A new file gets 0o755 or
+/// 0o644 less `umask`; an existing one keeps its permission bits, with `x` added where it has
+/// `r` (less `umask`) or taken away when the VM flipped the executable bit.
+pub fn host_mode(vm_mode: u32, host: Option<u32>, umask: u32) -> u32 {
+    let exec = vm_mode & 0o111 != 0;
+    match host {
+        None if exec => 0o777 & !umask,
+        None => 0o666 & !umask,
+        Some(h) => {
+            let h = h & 0o777;
+            match (h & 0o111 != 0, exec) {
+                (false, true) => h | ((h & 0o444) >> 2 & !umask),
+                (true, false) => h & !0o111,
+                _ => h,
+            }
+        }
+    }
+}
+
+fn vm_action(v: &VmItem, host: &HostState, umask: u32) -> Action {
     match v.kind {
         Kind::Symlink => Action::Symlink {
             target: v.link.clone().unwrap_or_default(),
         },
         _ => Action::Write {
             content: v.content.clone(),
-            mode: v.mode,
+            mode: host_mode(v.mode, host_file_mode(host), umask),
         },
     }
 }
 
-/// Decide what to do with each change.
+fn host_file_mode(host: &HostState) -> Option<u32> {
+    match host {
+        HostState::File { mode, .. } => Some(*mode),
+        _ => None,
+    }
+}
+
+/// Decide what to do with each change. `too_big` are the VM's files over the size limit (not
+/// fetched): never written, and a deletion that may be their rename is kept back.
 pub fn plan(
     root: &Path,
     base: &Base,
     changes: Vec<Change>,
     rules: &Rules,
-    mode: Mode,
-    max_bytes: u64,
+    opts: PlanOpts,
+    too_big: &[TooBigFile],
 ) -> Result<Plan, WorkspaceError> {
+    let PlanOpts {
+        mode,
+        max_bytes,
+        umask,
+    } = opts;
     let mut plan = Plan::default();
+    // New path -> old path of each rename taken (the old path's delete goes with it).
+    let mut renames: HashMap<String, String> = HashMap::new();
     for c in changes {
         let refuse = |plan: &mut Plan, why: String| plan.refused.push(format!("{}: {why}", c.path));
         if let Err(why) = check_path(&c.path) {
@@ -251,20 +285,12 @@ pub fn plan(
             if v.kind == Kind::Dir {
                 continue;
             }
-            if v.kind == Kind::Symlink
-                && let Err(why) = check_symlink(&c.path, v.link.as_deref().unwrap_or(""))
-            {
-                refuse(&mut plan, why);
-                continue;
-            }
-            if v.content.len() as u64 > max_bytes {
-                refuse(
-                    &mut plan,
-                    format!(
-                        "{} bytes is over the limit of {max_bytes} (sync.max_file_mib)",
-                        v.content.len()
-                    ),
-                );
+            let size = v.walk.size.max(v.content.len() as u64);
+            if v.kind == Kind::File && size > max_bytes {
+                plan.too_big.push(TooBigFile {
+                    path: c.path.clone(),
+                    size,
+                });
                 continue;
             }
         }
@@ -288,6 +314,18 @@ pub fn plan(
                     );
                     continue;
                 }
+                if let Some(b) = c.base.as_ref().filter(|b| b.kind == Kind::File)
+                    && let Some(t) = too_big.iter().find(|t| t.size == b.guest_size)
+                {
+                    refuse(
+                        &mut plan,
+                        format!(
+                            "deleted in the sandbox, maybe renamed to `{}` (too big to compare); kept the host's",
+                            t.path
+                        ),
+                    );
+                    continue;
+                }
                 if host != HostState::Absent {
                     plan.ops.push(Op {
                         path: c.path.clone(),
@@ -300,7 +338,7 @@ pub fn plan(
             Some(v) => {
                 let same_as_vm = match (&host, v.kind) {
                     (HostState::File { content, mode }, Kind::File) => {
-                        *content == v.content && *mode == v.mode
+                        *content == v.content && *mode == host_mode(v.mode, Some(*mode), umask)
                     }
                     (HostState::Symlink(t), Kind::Symlink) => v.link.as_deref() == Some(t),
                     _ => false,
@@ -310,7 +348,7 @@ pub fn plan(
                 } else if !changed_on_host || force {
                     plan.ops.push(Op {
                         path: c.path.clone(),
-                        action: vm_action(v),
+                        action: vm_action(v, &host, umask),
                     });
                     plan.applied.push(c.path.clone());
                 } else if let (
@@ -337,9 +375,9 @@ pub fn plan(
                                 action: Action::Write {
                                     content: merged,
                                     mode: if c.base.as_ref().is_some_and(|b| b.mode != v.mode) {
-                                        v.mode
+                                        host_mode(v.mode, Some(*hm), umask)
                                     } else {
-                                        *hm
+                                        *hm & 0o777
                                     },
                                 },
                             });
@@ -382,6 +420,7 @@ pub fn plan(
                             });
                         }
                         plan.base_updates.push((old.clone(), None));
+                        renames.insert(c.path.clone(), old.clone());
                     } else {
                         plan.refused.push(format!(
                             "{old}: renamed in the sandbox but changed on the host; kept"
@@ -391,79 +430,89 @@ pub fn plan(
             }
         }
     }
+    refuse_escapes(root, &mut plan, &renames);
     Ok(plan)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// What `ops` leave at each path they touch.
+fn planned(ops: &[Op]) -> Vec<(String, Planned)> {
+    ops.iter()
+        .map(|op| {
+            let p = match &op.action {
+                Action::Write { .. } => Planned::File,
+                Action::Symlink { target } => Planned::Symlink(target.clone()),
+                Action::Delete => Planned::Absent,
+            };
+            (op.path.clone(), p)
+        })
+        .collect()
+}
 
-    #[test]
-    fn every_unsafe_path_form_is_refused() {
-        for p in [
-            "",
-            "/etc/passwd",
-            "../x",
-            "a/../../x",
-            "a/./b",
-            ".git/config",
-            ".git/hooks/pre-commit",
-            ".git",
-        ] {
-            assert!(check_path(p).is_err(), "{p:?} should be refused");
+/// Take out of `plan` every symlink that would resolve outside the repo once the apply is done
+/// (through the host's links and the ones the plan creates) and every write below a link or
+/// file the plan creates; they become refused. Repeated until none is left, since taking one
+/// out changes what the others resolve through.
+fn refuse_escapes(root: &Path, plan: &mut Plan, renames: &HashMap<String, String>) {
+    loop {
+        let after = After::new(root, planned(&plan.ops));
+        let bad: Vec<(String, String)> = plan
+            .ops
+            .iter()
+            .filter_map(|op| {
+                let r = match &op.action {
+                    Action::Symlink { target } => after
+                        .check_parents(&op.path)
+                        .and_then(|()| after.check_link(&op.path, target)),
+                    Action::Write { .. } => after.check_parents(&op.path),
+                    Action::Delete => Ok(()),
+                };
+                r.err().map(|why| (op.path.clone(), why))
+            })
+            .collect();
+        if bad.is_empty() {
+            return;
         }
-        for p in [
-            "a",
-            "src/main.rs",
-            ".github/workflows/ci.yml",
-            ".gitignore",
-            "a/.git-keep",
-        ] {
-            assert!(check_path(p).is_ok(), "{p:?} should be fine");
+        for (path, why) in bad {
+            let mut gone = vec![path.clone()];
+            gone.extend(renames.get(&path).cloned());
+            plan.ops.retain(|o| !gone.contains(&o.path));
+            plan.applied.retain(|p| *p != path);
+            plan.conflicts.retain(|p| *p != path);
+            plan.base_updates.retain(|(p, _)| !gone.contains(p));
+            plan.refused.push(format!("{path}: {why}"));
         }
-    }
-
-    #[test]
-    fn symlinks_leaving_the_repo_are_refused() {
-        assert!(check_symlink("link", "/etc/passwd").is_err());
-        assert!(check_symlink("link", "../outside").is_err());
-        assert!(check_symlink("a/b/link", "../../../x").is_err());
-        assert!(check_symlink("a/link", "../../x").is_err());
-        assert!(check_symlink("a/b/link", "../../x").is_ok());
-        assert!(check_symlink("link", "src/main.rs").is_ok());
-        assert!(check_symlink("a/link", "./b/../c").is_ok());
-    }
-
-    #[test]
-    fn a_symlinked_parent_on_the_host_is_refused() {
-        let d = tempfile::tempdir().unwrap();
-        let out = tempfile::tempdir().unwrap();
-        std::os::unix::fs::symlink(out.path(), d.path().join("evil")).unwrap();
-        std::fs::create_dir(d.path().join("ok")).unwrap();
-        assert!(check_host_parents(d.path(), "evil/x").is_err());
-        assert!(check_host_parents(d.path(), "ok/x").is_ok());
-        assert!(check_host_parents(d.path(), "new/dir/x").is_ok());
-    }
-
-    #[test]
-    fn clean_merge_combines_both_sides() {
-        let base = b"a\nb\nc\nd\ne\nf\ng\n";
-        let host = b"A\nb\nc\nd\ne\nf\ng\n";
-        let vm = b"a\nb\nc\nd\ne\nf\nG\n";
-        let (m, conflict) = merge3(host, base, vm).unwrap();
-        assert!(!conflict);
-        assert_eq!(m, b"A\nb\nc\nd\ne\nf\nG\n");
-    }
-
-    #[test]
-    fn conflicting_merge_leaves_markers_naming_both_sides() {
-        let (m, conflict) = merge3(b"x = 1\n", b"x = 0\n", b"x = 2\n").unwrap();
-        assert!(conflict);
-        let s = String::from_utf8(m).unwrap();
-        assert!(
-            s.contains("<<<<<<< host") && s.contains(">>>>>>> sandbox"),
-            "{s}"
-        );
-        assert!(s.contains("x = 1") && s.contains("x = 2"), "{s}");
     }
 }
+
+/// Changes an apply would refuse because a symlink leaves the repo (or a path lies below a
+/// link or file the apply creates), `path: reason`, for the diff to show: as if every change
+/// were taken.
+pub fn link_refusals(root: &Path, changes: &[Change]) -> Vec<String> {
+    let mut plan = Plan::default();
+    for c in changes {
+        if check_path(&c.path).is_err() {
+            continue;
+        }
+        let action = match &c.vm {
+            None => Action::Delete,
+            Some(v) if v.kind == Kind::Symlink => Action::Symlink {
+                target: v.link.clone().unwrap_or_default(),
+            },
+            Some(v) if v.kind == Kind::File => Action::Write {
+                content: Vec::new(),
+                mode: 0,
+            },
+            Some(_) => continue,
+        };
+        plan.ops.push(Op {
+            path: c.path.clone(),
+            action,
+        });
+    }
+    refuse_escapes(root, &mut plan, &HashMap::new());
+    plan.refused
+}
+
+#[cfg(test)]
+#[path = "apply_tests.rs"]
+mod tests;

@@ -3,7 +3,8 @@
 //! Layout: `<data root>/artifacts/<art_id>/record.json` (the [`ArtifactRecord`], also kept in
 //! the store's `artifacts` table) and `<data root>/artifacts/<art_id>/files/<n>` (the host's
 //! content of entry `n` before the change). The record and every backup are written and synced
-//! *before* the first host file changes, and each host write is atomic (temp + rename), so a
+//! *before* the first host file changes, and each host write is atomic (temp + rename, through [`super::hostfs`]: never via a symlinked
+//! parent), so a
 //! daemon killed mid-apply leaves old or new content per file and `undo` still restores all.
 //! Deletes go only through `crate::safefs::remove_under`.
 
@@ -13,7 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::WorkspaceError;
 use super::apply::{Action, HostState, Op, check_host_parents, host_state};
-use super::manifest::{symlink_atomic, write_atomic};
+use super::hostfs;
+use super::manifest::write_atomic;
 use crate::api::UndoReport;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -172,13 +174,8 @@ pub fn execute(
         let p = root.join(&op.path);
         check_host_parents(root, &op.path).map_err(WorkspaceError::Refused)?;
         match &op.action {
-            Action::Write { content, mode } => write_atomic(&p, content, *mode)?,
-            Action::Symlink { target } => {
-                if let Some(d) = p.parent() {
-                    std::fs::create_dir_all(d).map_err(WorkspaceError::io("create", d))?;
-                }
-                symlink_atomic(&p, target)?
-            }
+            Action::Write { content, mode } => hostfs::write_file(root, &op.path, content, *mode)?,
+            Action::Symlink { target } => hostfs::symlink(root, &op.path, target)?,
             Action::Delete => crate::safefs::remove_under(root, &p)
                 .map_err(|e| WorkspaceError::Refused(e.to_string()))?,
         }
@@ -324,14 +321,11 @@ pub fn undo(
                     crate::safefs::remove_under(&root, &p)
                         .map_err(|e| WorkspaceError::Refused(e.to_string()))?;
                 }
-                write_atomic(&p, &data, *mode)?;
+                hostfs::write_file(&root, &e.path, &data, *mode)?;
                 report.restored.push(e.path.clone());
             }
             Before::Symlink { target } => {
-                if let Some(d) = p.parent() {
-                    std::fs::create_dir_all(d).map_err(WorkspaceError::io("create", d))?;
-                }
-                symlink_atomic(&p, target)?;
+                hostfs::symlink(&root, &e.path, target)?;
                 report.restored.push(e.path.clone());
             }
         }

@@ -217,6 +217,23 @@ pub fn classify(
     out.into_values().collect()
 }
 
+/// Take the suspect files over `max` bytes out of `s`: they are not fetched, and listed as too
+/// big instead of as changes (an unread file must never look empty to apply).
+pub fn take_too_big(s: &mut Suspects, max: u64) -> Vec<crate::api::TooBigFile> {
+    let mut out = Vec::new();
+    s.changed.retain(|w| {
+        let big = w.kind == FileKind::File && w.size > max;
+        if big {
+            out.push(crate::api::TooBigFile {
+                path: w.path.clone(),
+                size: w.size,
+            });
+        }
+        !big
+    });
+    out
+}
+
 /// Binary: not UTF-8 or holds a NUL byte.
 pub fn is_binary(data: &[u8]) -> bool {
     data.contains(&0) || std::str::from_utf8(data).is_err()

@@ -364,19 +364,6 @@ impl ManifestCache {
     }
 }
 
-/// Replace `path` with a symlink to `target` atomically.
-pub fn symlink_atomic(path: &Path, target: &str) -> Result<(), WorkspaceError> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut rnd = [0u8; 6];
-    let _ = getrandom::fill(&mut rnd);
-    let tmp = dir.join(format!(".tryboxi-link-{}", hex::encode(rnd)));
-    let res = std::os::unix::fs::symlink(target, &tmp).and_then(|()| std::fs::rename(&tmp, path));
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    res.map_err(WorkspaceError::io("create the symlink", path))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,8 +5,9 @@
 //! sync base of a sandbox ([`manifest`]: the manifest last synced plus content-addressed blobs
 //! of what was sent), git config sanitizing ([`gitconfig`]), the git metadata apply refuses
 //! ([`gitmeta`]), the delta ([`sync`]), the diff of the VM against the base ([`diff`]),
-//! bringing changes back ([`apply`]), backups ([`backup`]) and the ext4 image of a first big
-//! sync ([`basedisk`]).
+//! bringing changes back ([`apply`], with [`links`] resolving symlinks against the repo as the
+//! apply leaves it), backups ([`backup`], writing through [`hostfs`]) and the ext4 image of a
+//! first big sync ([`basedisk`]).
 //! Never: talks HTTP or to the VM itself (the service moves bytes), commits, switches branches,
 //! resets, cleans or touches a git index, writes under `.git/`, or deletes except through
 //! `crate::safefs`.
@@ -17,6 +18,8 @@ pub mod basedisk;
 pub mod diff;
 pub mod gitconfig;
 pub mod gitmeta;
+pub mod hostfs;
+pub mod links;
 pub mod manifest;
 pub mod rules;
 pub mod sync;
