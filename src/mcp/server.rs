@@ -506,6 +506,15 @@ fn diff_result(report: &api::DiffReport) -> CallToolResult {
             }
         }
     }
+    for t in &report.too_big {
+        text.push_str(&format!(
+            "too big, not brought back: {} ({} bytes)\n",
+            t.path, t.size
+        ));
+    }
+    for p in &report.refused {
+        text.push_str(&format!("refused by apply: {p}\n"));
+    }
     if text.len() > DIFF_SHOWN {
         let (cut, _) = super::outputs::excerpt(text.as_bytes(), DIFF_SHOWN);
         text = format!("{cut}\n[diff cut: ask for `stat` or narrow with `paths`]\n");

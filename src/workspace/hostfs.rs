@@ -40,7 +40,9 @@ fn parent_dir<'r>(root: &Path, rel: &'r str) -> Result<(OwnedFd, &'r str), Works
             "`{rel}`: not a plain relative path"
         )));
     }
-    let mut fd = open(root, DIR_FLAGS, Mode::empty()).map_err(|e| io_err("open", root, e))?;
+    // The root itself may be reached through a link (the user chose it); nothing below it is.
+    let mut fd = open(root, DIR_FLAGS.difference(OFlag::O_NOFOLLOW), Mode::empty())
+        .map_err(|e| io_err("open", root, e))?;
     let mut here = root.to_path_buf();
     for d in dirs {
         here.push(d);
@@ -152,5 +154,10 @@ mod tests {
         assert!(write_file(d.path(), "file/x", b"x", 0o644).is_err());
         assert!(write_file(d.path(), "a/../x", b"x", 0o644).is_err());
         assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 0);
+        // A root reached through a link is fine.
+        let via = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(d.path(), via.path().join("repo")).unwrap();
+        write_file(&via.path().join("repo"), "ok/y", b"y", 0o644).unwrap();
+        assert_eq!(std::fs::read(d.path().join("ok/y")).unwrap(), b"y");
     }
 }
