@@ -72,8 +72,12 @@ pub fn check_path(rel: &str) -> Result<(), String> {
             ".." => return Err("`..` in the path is refused".into()),
             "" | "." => return Err("not a plain relative path (empty or `.` component)".into()),
             s if s.contains('\0') => return Err("NUL byte in the path".into()),
+            s if s.len() > 255 => return Err("a path component over 255 bytes".into()),
             _ => {}
         }
+    }
+    if rel.len() > 4095 {
+        return Err("a path over 4095 bytes".into());
     }
     if is_git_path(rel) {
         return Err(

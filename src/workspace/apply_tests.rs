@@ -13,6 +13,8 @@ fn every_unsafe_path_form_is_refused() {
         ".git/config",
         ".git/hooks/pre-commit",
         ".git",
+        &*"n".repeat(256),
+        &*format!("{}x", "d/".repeat(2100)),
     ] {
         assert!(check_path(p).is_err(), "{p:?} should be refused");
     }
@@ -22,6 +24,7 @@ fn every_unsafe_path_form_is_refused() {
         ".github/workflows/ci.yml",
         ".gitignore",
         "a/.git-keep",
+        &*"n".repeat(255),
     ] {
         assert!(check_path(p).is_ok(), "{p:?} should be fine");
     }

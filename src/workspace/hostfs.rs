@@ -70,10 +70,12 @@ fn parent_dir<'r>(root: &Path, rel: &'r str) -> Result<(OwnedFd, &'r str), Works
     Ok((fd, name))
 }
 
-fn temp_name(name: &str) -> String {
-    let mut rnd = [0u8; 6];
+/// A fresh name in the same directory (not derived from the target's: a 255-byte name must
+/// still get a temp name that fits).
+fn temp_name() -> String {
+    let mut rnd = [0u8; 8];
     let _ = getrandom::fill(&mut rnd);
-    format!(".{name}.tryboxi-{}", hex::encode(rnd))
+    format!(".tryboxi-{}", hex::encode(rnd))
 }
 
 /// Write `data` to `root/rel` with exactly `mode` (`& 0o7777`: undo restores the host's own
@@ -81,7 +83,7 @@ fn temp_name(name: &str) -> String {
 /// fsynced, atomically.
 pub fn write_file(root: &Path, rel: &str, data: &[u8], mode: u32) -> Result<(), WorkspaceError> {
     let (dir, name) = parent_dir(root, rel)?;
-    let tmp = temp_name(name);
+    let tmp = temp_name();
     let res = (|| -> Result<(), Errno> {
         let fd = openat(
             &dir,
@@ -105,7 +107,7 @@ pub fn write_file(root: &Path, rel: &str, data: &[u8], mode: u32) -> Result<(), 
 /// Make `root/rel` a symlink to `target` (replacing a file or link there), atomically.
 pub fn symlink(root: &Path, rel: &str, target: &str) -> Result<(), WorkspaceError> {
     let (dir, name) = parent_dir(root, rel)?;
-    let tmp = temp_name(name);
+    let tmp = temp_name();
     let res = symlinkat(target, &dir, tmp.as_str())
         .and_then(|()| renameat(&dir, tmp.as_str(), &dir, name));
     if res.is_err() {
@@ -131,6 +133,8 @@ mod tests {
         assert_eq!(md.permissions().mode() & 0o7777, 0o755);
         assert_eq!(std::fs::read(d.path().join("a/b/c.txt")).unwrap(), b"again");
         assert_eq!(std::fs::read_dir(d.path().join("a/b")).unwrap().count(), 1);
+        let long = "n".repeat(255);
+        write_file(d.path(), &long, b"long name", 0o644).unwrap();
         symlink(d.path(), "a/l", "b/c.txt").unwrap();
         symlink(d.path(), "a/l", "b").unwrap();
         assert_eq!(

@@ -79,6 +79,9 @@ impl<'a> After<'a> {
         if target.is_empty() {
             return Err("symlink with an empty target".into());
         }
+        if target.contains('\0') || target.len() > 4095 {
+            return Err("symlink target with a NUL byte or over 4095 bytes".into());
+        }
         if target.starts_with('/') {
             return Err(format!(
                 "symlink to `{target}` points outside the repo (absolute target)"
@@ -191,6 +194,8 @@ mod tests {
         assert!(a.check_link("t", "../x").is_err());
         assert!(a.check_link("t", "/etc/passwd").is_err());
         assert!(a.check_link("t", "").is_err());
+        assert!(a.check_link("t", "a\0b").is_err());
+        assert!(a.check_link("t", &"a/".repeat(3000)).is_err());
     }
 
     #[test]
