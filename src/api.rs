@@ -440,8 +440,9 @@ pub struct ApplyReport {
     pub conflicts: Vec<String>,
     /// Refused, with the reason (`path: reason`).
     pub refused: Vec<String>,
-    /// VM files over `sync.max_file_mib`: not brought back; the host's copy is left untouched.
-    #[serde(default)]
+    /// VM files over `sync.max_file_mib`: not brought back; the host's copy is left untouched
+    /// (absent when none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub too_big: Vec<TooBigFile>,
 }
 
