@@ -6,7 +6,7 @@
 //! `git merge-file` on temporary files (no commit, checkout, reset, clean or index access) and
 //! never plans anything under `.git/`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
@@ -476,15 +476,16 @@ fn refuse_escapes(root: &Path, plan: &mut Plan, renames: &HashMap<String, String
         if bad.is_empty() {
             return;
         }
-        for (path, why) in bad {
-            let mut gone = vec![path.clone()];
-            gone.extend(renames.get(&path).cloned());
-            plan.ops.retain(|o| !gone.contains(&o.path));
-            plan.applied.retain(|p| *p != path);
-            plan.conflicts.retain(|p| *p != path);
-            plan.base_updates.retain(|(p, _)| !gone.contains(p));
-            plan.refused.push(format!("{path}: {why}"));
-        }
+        // One pass per round: a VM full of bad links costs O(n) per round, not O(n^2).
+        let refused: HashSet<String> = bad.iter().map(|(p, _)| p.clone()).collect();
+        let mut gone = refused.clone();
+        gone.extend(refused.iter().filter_map(|p| renames.get(p).cloned()));
+        plan.ops.retain(|o| !gone.contains(&o.path));
+        plan.applied.retain(|p| !refused.contains(p));
+        plan.conflicts.retain(|p| !refused.contains(p));
+        plan.base_updates.retain(|(p, _)| !gone.contains(p));
+        plan.refused
+            .extend(bad.into_iter().map(|(path, why)| format!("{path}: {why}")));
     }
 }
 
