@@ -17,19 +17,6 @@ pub struct Args {
     json: bool,
 }
 
-/// What apply would not bring back (on stderr, so stdout stays the patch).
-fn print_left_out(r: &api::DiffReport) {
-    for t in &r.too_big {
-        eprintln!(
-            "too big  {} ({} bytes, over sync.max_file_mib): not brought back",
-            t.path, t.size
-        );
-    }
-    for p in &r.refused {
-        eprintln!("refused  {p}");
-    }
-}
-
 /// `/v1/sandboxes/{id}/diff?stat=..&path=..`
 pub fn query(id: &str, stat: bool, paths: &[String]) -> String {
     let mut q = form_urlencoded::Serializer::new(String::new());
@@ -57,7 +44,6 @@ pub async fn run(a: Args) -> Result<(), TopError> {
         );
         return Ok(());
     }
-    print_left_out(&r);
     if a.stat {
         let (mut add, mut del) = (0, 0);
         for f in &r.files {
@@ -108,5 +94,11 @@ pub async fn run(a: Args) -> Result<(), TopError> {
 fn print_refused(r: &api::DiffReport) {
     for p in &r.refused {
         eprintln!("refused  {p}");
+    }
+    for t in &r.too_big {
+        eprintln!(
+            "too big  {} ({} bytes, over sync.max_file_mib): not brought back",
+            t.path, t.size
+        );
     }
 }

@@ -480,11 +480,17 @@ fn json_result<T: Serialize>(v: &T) -> CallToolResult {
 /// A diff as the model reads it: one header line per file, then its patch.
 fn diff_result(report: &api::DiffReport) -> CallToolResult {
     let mut text = String::new();
-    if report.files.is_empty() && report.refused.is_empty() {
+    if report.files.is_empty() && report.refused.is_empty() && report.too_big.is_empty() {
         text.push_str("No changes in the sandbox's workspace.\n");
     }
     for p in &report.refused {
         text.push_str(&format!("refused (apply will not bring it back): {p}\n"));
+    }
+    for t in &report.too_big {
+        text.push_str(&format!(
+            "too big, not brought back (over sync.max_file_mib): {} ({} bytes)\n",
+            t.path, t.size
+        ));
     }
     for f in &report.files {
         let kind = serde_json::to_value(f.kind).unwrap_or_default();
@@ -505,15 +511,6 @@ fn diff_result(report: &api::DiffReport) -> CallToolResult {
                 text.push('\n');
             }
         }
-    }
-    for t in &report.too_big {
-        text.push_str(&format!(
-            "too big, not brought back: {} ({} bytes)\n",
-            t.path, t.size
-        ));
-    }
-    for p in &report.refused {
-        text.push_str(&format!("refused by apply: {p}\n"));
     }
     if text.len() > DIFF_SHOWN {
         let (cut, _) = super::outputs::excerpt(text.as_bytes(), DIFF_SHOWN);
