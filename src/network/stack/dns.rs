@@ -16,6 +16,16 @@ use crate::network::gate::SharedGate;
 
 /// Largest DNS message (the 2-byte length allows 65535).
 const DNS_MAX: usize = 65_535;
+/// DNS over TCP: answer bytes queued for a guest that does not read them fast enough. While a
+/// flow holds [`DNS_TCP_READ_PAUSE`] or more, no further query is read (the guest's sends back
+/// up into its own socket); an answer that would take the queue past this cap is dropped (the
+/// guest's resolver times out and asks again), so a guest that never reads holds at most this
+/// much of the daemon's memory per flow.
+pub(super) const DNS_TCP_PENDING_MAX: usize = 128 * 1024;
+/// See [`DNS_TCP_PENDING_MAX`].
+pub(super) const DNS_TCP_READ_PAUSE: usize = 64 * 1024;
+/// DNS over TCP: queries of one flow being answered at once; no more are read meanwhile.
+pub(super) const DNS_TCP_INFLIGHT_PER_FLOW: usize = 8;
 
 impl Engine {
     /// Take the guest's UDP queries and start answering them.
@@ -68,6 +78,15 @@ impl Engine {
         if reply.len() > DNS_MAX {
             return;
         }
+        let queued = f.pending_down.as_ref().map_or(0, Bytes::len);
+        if queued + 2 + reply.len() > DNS_TCP_PENDING_MAX {
+            tracing::debug!(
+                queued,
+                answer = reply.len(),
+                "the guest does not read its DNS-over-TCP answers; dropping one"
+            );
+            return;
+        }
         let mut out = f
             .pending_down
             .take()
@@ -88,8 +107,14 @@ pub(super) fn tcp_step(
     inflight: &mut usize,
     max_inflight: usize,
 ) {
-    // Input is bounded by one message plus its length.
-    while s.can_recv() && f.held.len() < DNS_MAX + 2 {
+    flush(f, s);
+    // Input is bounded by one message plus its length, and not read at all while the guest
+    // leaves its answers unread or many of its queries are still being answered.
+    let backlogged = |f: &TcpFlow| {
+        f.pending_down.as_ref().map_or(0, Bytes::len) >= DNS_TCP_READ_PAUSE
+            || f.dns_pending >= DNS_TCP_INFLIGHT_PER_FLOW
+    };
+    while s.can_recv() && f.held.len() < DNS_MAX + 2 && !backlogged(f) {
         let room = DNS_MAX + 2 - f.held.len();
         let _ = s.recv(|b| {
             let n = b.len().min(room);
@@ -97,7 +122,7 @@ pub(super) fn tcp_step(
             (n, ())
         });
     }
-    while f.held.len() >= 2 {
+    while f.held.len() >= 2 && !backlogged(f) {
         let len = u16::from_be_bytes([f.held[0], f.held[1]]) as usize;
         if f.held.len() < 2 + len {
             break;
@@ -119,6 +144,20 @@ pub(super) fn tcp_step(
             let _ = tx.send(Event::DnsTcp { key, id, reply });
         });
     }
+    flush(f, s);
+    // The guest is done asking and every answer went out.
+    if super::engine::guest_finished(s)
+        && f.dns_pending == 0
+        && f.pending_down.is_none()
+        && !f.closing
+    {
+        f.closing = true;
+        s.close();
+    }
+}
+
+/// Queue as much of the pending answers as the guest's socket takes.
+fn flush(f: &mut TcpFlow, s: &mut tcp::Socket) {
     if let Some(b) = f.pending_down.take() {
         let n = if s.can_send() {
             s.send_slice(&b).unwrap_or(0)
@@ -128,15 +167,6 @@ pub(super) fn tcp_step(
         if n < b.len() {
             f.pending_down = Some(b.slice(n..));
         }
-    }
-    // The guest is done asking and every answer went out.
-    if super::engine::guest_finished(s)
-        && f.dns_pending == 0
-        && f.pending_down.is_none()
-        && !f.closing
-    {
-        f.closing = true;
-        s.close();
     }
 }
 

@@ -26,6 +26,7 @@ struct TestGate {
     allow: Mutex<Vec<(SocketAddr, SocketAddr, Inspect)>>,
     events: Mutex<Vec<FlowEvent>>,
     inspected: AtomicUsize,
+    dns_queries: AtomicUsize,
 }
 
 impl TestGate {
@@ -71,6 +72,7 @@ impl Gate for TestGate {
     }
     fn dns(&self, mut query: Vec<u8>) -> BoxFuture<'static, Option<Vec<u8>>> {
         // "Answer": the query with the response bit set.
+        self.dns_queries.fetch_add(1, Ordering::Relaxed);
         if query.len() > 2 {
             query[2] |= 0x80;
         }
@@ -519,6 +521,64 @@ async fn gateway_answers_dns_over_tcp_and_refuses_other_ports() {
     .await;
     assert_eq!(&back[..4], &[0, q.len() as u8, 0xab, 0xcd]);
     assert_eq!(back[4] & 0x80, 0x80);
+}
+
+#[tokio::test]
+async fn dns_over_tcp_stops_reading_queries_while_the_guest_leaves_answers_unread() {
+    let gate = Arc::new(TestGate::default());
+    let cfg = StackConfig::default();
+    let tcp_buffer = cfg.tcp_buffer;
+    let (mut g, _) = start(gate.clone(), cfg);
+    // A guest that asks and asks over one connection and never reads: a 4 KiB receive buffer
+    // it never empties.
+    let guest_rx = 4096;
+    let h = g.tcp("10.0.2.2:53", guest_rx);
+    g.until("established", |g| g.t(h).state() == tcp::State::Established)
+        .await;
+    let mut q = vec![0u8; 1000];
+    q[..4].copy_from_slice(&[0xab, 0xcd, 0x01, 0x00]);
+    let mut framed = (q.len() as u16).to_be_bytes().to_vec();
+    framed.extend_from_slice(&q);
+    let total = 2000;
+    let (mut sent, mut stalled) = (0usize, 0);
+    // Until every query went out (the stack reads without limit) or the guest's own send
+    // buffer stays full for 300 turns (the stack stopped reading).
+    g.until("all queries sent or the guest blocked", |g| {
+        let s = g.t(h);
+        let before = sent;
+        while sent < total * framed.len() && s.can_send() {
+            let off = sent % framed.len();
+            let n = s.send_slice(&framed[off..]).unwrap();
+            if n == 0 {
+                break;
+            }
+            sent += n;
+        }
+        stalled = if sent == before { stalled + 1 } else { 0 };
+        sent == total * framed.len() || stalled >= 300
+    })
+    .await;
+    let answered = gate.dns_queries.load(Ordering::Relaxed);
+    // What the stack may hold: the guest's window, its own send buffer and the pending cap,
+    // plus the queries in flight.
+    let bound = (guest_rx + tcp_buffer + super::dns::DNS_TCP_PENDING_MAX) / framed.len()
+        + super::dns::DNS_TCP_INFLIGHT_PER_FLOW;
+    assert!(
+        answered <= bound,
+        "{answered} of {total} queries answered for a guest that reads nothing (bound {bound})"
+    );
+    assert!(answered > 0);
+    // Reading again releases the held answers and the stack reads queries again.
+    let mut back = 0usize;
+    g.until("more answers after reading", |g| {
+        let s = g.t(h);
+        while s.can_recv() {
+            back += s.recv(|b| (b.len(), b.len())).unwrap();
+        }
+        gate.dns_queries.load(Ordering::Relaxed) > answered
+    })
+    .await;
+    assert!(back > 0);
 }
 
 #[tokio::test]
