@@ -85,6 +85,8 @@ pub struct Config {
     pub network: NetworkConfig,
     /// Limits of the daemon's HTTP listeners (`[http]` table).
     pub http: HttpConfig,
+    /// Retention of events and traces (`[telemetry]` table).
+    pub telemetry: TelemetryConfig,
 }
 
 /// `[http]`: what one client may hold of the daemon's HTTP listeners. Each listener (the unix
@@ -253,6 +255,35 @@ impl Default for NetworkConfig {
     }
 }
 
+/// `[telemetry]`: how much of the event log and the traces is kept, so that a
+/// guest (or a client) producing events or output without end cannot fill the disk or memory.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// Newest events kept in the store (each new one past it deletes the oldest). Default:
+    /// 100000.
+    pub event_max_count: u64,
+    /// Events older than this many days are deleted (at start and as events come); 0 = never
+    /// by age. Default: 30.
+    pub event_max_age_days: u64,
+    /// Traces kept in memory (`GET /v1/traces/{id}`). Default: 1024.
+    pub trace_max_count: usize,
+    /// Traces older than this many seconds are dropped as new ones come; 0 = never by age.
+    /// Default: 86400.
+    pub trace_max_age_s: u64,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            event_max_count: 100_000,
+            event_max_age_days: 30,
+            trace_max_count: crate::telemetry::traces::MAX_TRACES,
+            trace_max_age_s: crate::telemetry::traces::MAX_AGE.as_secs(),
+        }
+    }
+}
+
 /// `[sync]`: what of the host repo goes into the VM, and limits on what comes back.
 ///
 /// Patterns are globs on the path relative to the repo root, `/`-separated. A pattern without
@@ -342,6 +373,7 @@ impl Default for Config {
             pool: PoolConfig::default(),
             network: NetworkConfig::default(),
             http: HttpConfig::default(),
+            telemetry: TelemetryConfig::default(),
         }
     }
 }

@@ -210,18 +210,51 @@ impl Store {
         Ok(existed)
     }
 
-    /// Append an event; returns its sequence number (1, 2, ...).
-    pub fn append_event<T: Serialize>(&self, event: &T) -> Result<u64, StoreError> {
+    /// Append an event; returns its sequence number (1, 2, ...). With `keep`, the same
+    /// transaction then deletes the oldest events past that many, at most [`PRUNE_ON_APPEND`]
+    /// of them (one at a time in the steady state; a lowered cap is caught up by
+    /// [`Store::prune_events`]).
+    pub fn append_event<T: Serialize>(
+        &self,
+        event: &T,
+        keep: Option<u64>,
+    ) -> Result<u64, StoreError> {
         let bytes = serde_json::to_vec(event).expect("events serialize to JSON");
         let txn = self.db.begin_write()?;
         let seq = {
             let mut t = txn.open_table(EVENTS)?;
             let next = t.last()?.map(|(k, _)| k.value() + 1).unwrap_or(1);
             t.insert(next, bytes.as_slice())?;
+            if let Some(keep) = keep {
+                prune_oldest(&mut t, keep, PRUNE_ON_APPEND, |_| false)?;
+            }
             next
         };
         txn.commit()?;
         Ok(seq)
+    }
+
+    /// Delete the oldest events past `keep` and, from the oldest on, those `expired` says are
+    /// (it gets the stored bytes; the first one it keeps ends the walk): at most `batch` in one
+    /// transaction, so a long backlog is pruned in many small transactions, never one huge one
+    /// (call again while it returns `batch`). Returns how many were deleted.
+    pub fn prune_events(
+        &self,
+        keep: u64,
+        batch: usize,
+        expired: impl Fn(&[u8]) -> bool,
+    ) -> Result<usize, StoreError> {
+        let txn = self.db.begin_write()?;
+        let n = prune_oldest(&mut txn.open_table(EVENTS)?, keep, batch.max(1), expired)?;
+        txn.commit()?;
+        Ok(n)
+    }
+
+    /// How many events are stored.
+    #[cfg(test)]
+    pub fn event_count(&self) -> Result<u64, StoreError> {
+        let txn = self.db.begin_read()?;
+        Ok(redb::ReadableTableMetadata::len(&txn.open_table(EVENTS)?)?)
     }
 
     /// The newest event's sequence number (0 when there is none).
@@ -249,6 +282,42 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+/// Most events one append deletes to get back under the count cap.
+pub const PRUNE_ON_APPEND: usize = 64;
+
+/// Delete up to `max` of the oldest events: those past `keep` (counted from the newest), then
+/// those `expired` says are, oldest first, never the newest one (the next number is one more
+/// than the newest, so numbers are never reused and followers' cursors stay valid). Event keys are consecutive (only the oldest are
+/// ever deleted), so the count is `last - first + 1` without walking the table.
+fn prune_oldest(
+    t: &mut redb::Table<u64, &[u8]>,
+    keep: u64,
+    max: usize,
+    expired: impl Fn(&[u8]) -> bool,
+) -> Result<usize, StoreError> {
+    let mut n = 0;
+    while n < max {
+        let first = t.first()?.map(|(k, _)| k.value());
+        let last = t.last()?.map(|(k, _)| k.value());
+        let (Some(first), Some(last)) = (first, last) else {
+            break;
+        };
+        let count = last - first + 1;
+        // The newest event always stays, whatever its age: it carries the sequence on.
+        let drop = count > keep
+            || count > 1 && {
+                let v = t.get(first)?;
+                v.is_some_and(|v| expired(v.value()))
+            };
+        if !drop {
+            break;
+        }
+        t.remove(first)?;
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// The schema version of an existing store file, read without writing to it. `None` when the
@@ -310,10 +379,36 @@ mod tests {
     fn events_are_sequenced_and_resumable() {
         let s = Store::in_memory();
         for i in 0..5u32 {
-            assert_eq!(s.append_event(&i).unwrap(), u64::from(i) + 1);
+            assert_eq!(s.append_event(&i, None).unwrap(), u64::from(i) + 1);
         }
         let after: Vec<(u64, u32)> = s.events_after(3, 10).unwrap();
         assert_eq!(after, vec![(4, 3), (5, 4)]);
+    }
+
+    #[test]
+    fn appends_keep_the_newest_events_and_pruning_goes_by_count_then_age() {
+        let s = Store::in_memory();
+        for i in 0..50u32 {
+            s.append_event(&i, Some(10)).unwrap();
+        }
+        assert_eq!(s.event_count().unwrap(), 10);
+        let kept: Vec<(u64, u32)> = s.events_after(0, 100).unwrap();
+        assert_eq!(kept.first(), Some(&(41, 40)));
+        assert_eq!(kept.last(), Some(&(50, 49)));
+        // Numbering goes on after pruning.
+        assert_eq!(s.append_event(&50u32, Some(10)).unwrap(), 51);
+        // A lowered cap is caught up in batches; then the "expired" ones (here: < 47) go.
+        assert_eq!(s.prune_events(6, 3, |_| false).unwrap(), 3);
+        assert_eq!(s.prune_events(6, 3, |_| false).unwrap(), 1);
+        assert_eq!(s.event_count().unwrap(), 6);
+        let old = |b: &[u8]| serde_json::from_slice::<u32>(b).unwrap() < 47;
+        assert_eq!(s.prune_events(100, 10, old).unwrap(), 2);
+        assert_eq!(s.prune_events(100, 10, old).unwrap(), 0);
+        let kept: Vec<(u64, u32)> = s.events_after(0, 100).unwrap();
+        assert_eq!(
+            kept.iter().map(|k| k.1).collect::<Vec<_>>(),
+            [47, 48, 49, 50]
+        );
     }
 
     #[test]

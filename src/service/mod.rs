@@ -33,6 +33,7 @@ use crate::config::{Config, Paths};
 use crate::store::{Store, StoreError};
 use crate::telemetry::Telemetry;
 
+pub use gc::parse_rfc3339;
 pub use observe::{ExecOutput, OutputQuery};
 pub use pause::ServicePauser;
 pub use sandboxes::now_rfc3339;
@@ -150,6 +151,7 @@ impl Service {
         let telemetry = Arc::new(Telemetry::new(
             store.clone(),
             config.exec_log_max_bytes,
+            &config.telemetry,
             trace_exporter,
         ));
         let vms = Vms::new(

@@ -37,12 +37,23 @@ impl Telemetry {
     pub fn new(
         store: Arc<Store>,
         exec_log_max_bytes: u64,
+        retention: &crate::config::TelemetryConfig,
         exporter: Option<Box<dyn traces::Exporter>>,
     ) -> Telemetry {
         metrics::install();
+        let secs = std::time::Duration::from_secs;
+        let events = events::Retention {
+            max_count: retention.event_max_count,
+            max_age: (retention.event_max_age_days > 0)
+                .then(|| secs(retention.event_max_age_days.saturating_mul(86_400))),
+        };
         Telemetry {
-            events: EventBus::new(store),
-            traces: Traces::new(exporter),
+            events: EventBus::with_retention(store, events),
+            traces: Traces::with_retention(
+                exporter,
+                retention.trace_max_count,
+                (retention.trace_max_age_s > 0).then(|| secs(retention.trace_max_age_s)),
+            ),
             logs: ExecLogs::default(),
             exec_log_max_bytes,
         }

@@ -1,18 +1,24 @@
 //! Per-phase traces: spans (`scheduler.reserve`, `vm.boot`, `guest.connect`,
 //! `workspace.sync`, `exec.spawn`, `exec`, `output.flush`, ...) kept per sandbox id and per
-//! exec id, in memory with a bound (the newest [`MAX_TRACES`] traces, [`MAX_SPANS`] spans each).
+//! exec id, in memory with a bound (the newest [`MAX_TRACES`] traces, or `[telemetry]`
+//! `trace_max_count`, none older than `trace_max_age_s`, [`MAX_SPANS`] spans each, attribute
+//! values cut to [`MAX_ATTR_BYTES`]).
 //! A finished trace is also handed to the OTLP exporter when one is configured.
 //!
 //! Never: blocks on export (the exporter batches in the background) or keeps unbounded state.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Mutex;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
 pub const MAX_TRACES: usize = 1024;
 pub const MAX_SPANS: usize = 128;
+/// Longest attribute value kept (longer ones are cut at a character boundary).
+pub const MAX_ATTR_BYTES: usize = 1024;
+/// Default age past which a trace is dropped (when a new one comes).
+pub const MAX_AGE: Duration = Duration::from_secs(86_400);
 
 /// One timed phase.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -42,13 +48,33 @@ pub trait Exporter: Send + Sync {
 pub struct Traces {
     inner: Mutex<Inner>,
     exporter: Option<Box<dyn Exporter>>,
+    max_traces: usize,
+    /// `None`: traces are dropped by count only.
+    max_age: Option<Duration>,
 }
 
 #[derive(Default)]
 struct Inner {
     traces: HashMap<String, Trace>,
-    /// Insertion order, oldest first, for eviction.
-    order: VecDeque<String>,
+    /// Insertion order and time, oldest first, for eviction.
+    order: VecDeque<(String, Instant)>,
+}
+
+/// `v` cut to at most [`MAX_ATTR_BYTES`] at a character boundary.
+fn cap_attr(mut v: String) -> String {
+    if v.len() > MAX_ATTR_BYTES {
+        let mut end = MAX_ATTR_BYTES;
+        while !v.is_char_boundary(end) {
+            end -= 1;
+        }
+        v.truncate(end);
+    }
+    v
+}
+
+/// Seconds since the Unix epoch, now.
+pub fn unix_secs_now() -> u64 {
+    unix_ns(SystemTime::now()) / 1_000_000_000
 }
 
 pub fn unix_ns(t: SystemTime) -> u64 {
@@ -63,10 +89,22 @@ fn instant_to_unix_ns(i: Instant) -> u64 {
 }
 
 impl Traces {
+    #[cfg(test)]
     pub fn new(exporter: Option<Box<dyn Exporter>>) -> Traces {
+        Traces::with_retention(exporter, MAX_TRACES, Some(MAX_AGE))
+    }
+
+    /// Keep at most `max_traces` (at least 1), none older than `max_age` once a newer one comes.
+    pub fn with_retention(
+        exporter: Option<Box<dyn Exporter>>,
+        max_traces: usize,
+        max_age: Option<Duration>,
+    ) -> Traces {
         Traces {
             inner: Mutex::new(Inner::default()),
             exporter,
+            max_traces: max_traces.max(1),
+            max_age,
         }
     }
 
@@ -82,7 +120,7 @@ impl Traces {
             duration_ns: (start.elapsed().as_nanos() as u64).max(1),
             attrs: attrs
                 .iter()
-                .map(|(k, v)| ((*k).to_owned(), v.clone()))
+                .map(|(k, v)| ((*k).to_owned(), cap_attr(v.clone())))
                 .collect(),
         };
         self.push(trace_id, span);
@@ -102,13 +140,17 @@ impl Traces {
     pub fn push(&self, trace_id: &str, span: Span) {
         let mut g = self.lock();
         if !g.traces.contains_key(trace_id) {
-            while g.traces.len() >= MAX_TRACES {
-                let Some(old) = g.order.pop_front() else {
+            let now = Instant::now();
+            let expired = |t: Instant| self.max_age.is_some_and(|a| now.duration_since(t) > a);
+            while g.traces.len() >= self.max_traces
+                || g.order.front().is_some_and(|(_, t)| expired(*t))
+            {
+                let Some((old, _)) = g.order.pop_front() else {
                     break;
                 };
                 g.traces.remove(&old);
             }
-            g.order.push_back(trace_id.to_owned());
+            g.order.push_back((trace_id.to_owned(), now));
             g.traces.insert(
                 trace_id.to_owned(),
                 Trace {
@@ -274,6 +316,33 @@ mod tests {
             t.record("exe_5", "x", Instant::now(), &[]);
         }
         assert_eq!(t.get("exe_5").unwrap().spans.len(), MAX_SPANS);
+    }
+
+    #[test]
+    fn traces_past_the_count_or_age_are_dropped_and_long_attributes_cut() {
+        let t = Traces::with_retention(None, 3, Some(Duration::from_millis(50)));
+        let long = "é".repeat(MAX_ATTR_BYTES);
+        for i in 0..10 {
+            t.record(
+                &format!("exe_{i}"),
+                "exec",
+                Instant::now(),
+                &[("error", long.clone())],
+            );
+        }
+        assert!(t.get("exe_6").is_none());
+        assert!(t.get("exe_7").is_some() && t.get("exe_9").is_some());
+        let v = &t.get("exe_9").unwrap().spans[0].attrs["error"];
+        assert!(
+            v.len() <= MAX_ATTR_BYTES && v.len() >= MAX_ATTR_BYTES - 1,
+            "{}",
+            v.len()
+        );
+        std::thread::sleep(Duration::from_millis(80));
+        t.record("exe_new", "exec", Instant::now(), &[]);
+        assert!(t.get("exe_9").is_none(), "an old trace outlived its age");
+        assert!(t.get("exe_new").is_some());
+        assert_eq!(t.lock().traces.len(), 1);
     }
 
     struct Collect(Arc<StdMutex<Vec<Trace>>>);
