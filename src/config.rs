@@ -85,7 +85,7 @@ pub struct Config {
     pub network: NetworkConfig,
     /// Limits of the daemon's HTTP listeners (`[http]` table).
     pub http: HttpConfig,
-    /// Retention of events and traces (`[telemetry]` table).
+    /// Retention of events, traces and VM logs (`[telemetry]` table).
     pub telemetry: TelemetryConfig,
 }
 
@@ -255,7 +255,7 @@ impl Default for NetworkConfig {
     }
 }
 
-/// `[telemetry]`: how much of the event log and the traces is kept, so that a
+/// `[telemetry]`: how much of the event log, the traces and each VM's logs is kept, so that a
 /// guest (or a client) producing events or output without end cannot fill the disk or memory.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -271,6 +271,9 @@ pub struct TelemetryConfig {
     /// Traces older than this many seconds are dropped as new ones come; 0 = never by age.
     /// Default: 86400.
     pub trace_max_age_s: u64,
+    /// Cap in bytes of each VM's `console.log` and `qemu.log`: past it the file is rotated to
+    /// `<name>.1` (one previous file is kept). Default: 1 MiB.
+    pub vm_log_max_bytes: u64,
 }
 
 impl Default for TelemetryConfig {
@@ -280,6 +283,7 @@ impl Default for TelemetryConfig {
             event_max_age_days: 30,
             trace_max_count: crate::telemetry::traces::MAX_TRACES,
             trace_max_age_s: crate::telemetry::traces::MAX_AGE.as_secs(),
+            vm_log_max_bytes: 1 << 20,
         }
     }
 }

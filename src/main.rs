@@ -15,6 +15,7 @@ mod ids;
 mod mcp;
 #[allow(dead_code)] // the stack and the policy engine land next; see docs/NETWORK.md
 mod network;
+mod oom;
 mod rpc;
 mod safefs;
 mod service;

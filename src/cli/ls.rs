@@ -1,4 +1,4 @@
-//! `tryboxi ls`: one line per sandbox.
+//! `tryboxi ls`: one line per sandbox (and, under a failed one, why it failed).
 
 use crate::api;
 use crate::error::TopError;
@@ -35,6 +35,14 @@ pub async fn run(a: Args) -> Result<(), TopError> {
             s.created_at,
             s.workspace.host_path
         );
+        // Why a sandbox failed, on its own line under it.
+        if let Some(e) = s
+            .error
+            .as_deref()
+            .filter(|_| s.state == api::SandboxState::Failed)
+        {
+            println!("  error: {}", e.lines().next().unwrap_or_default());
+        }
     }
     Ok(())
 }

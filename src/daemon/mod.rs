@@ -100,6 +100,8 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
     std::fs::set_permissions(&paths.root, std::fs::Permissions::from_mode(0o700))
         .map_err(io_err("cannot restrict", &paths.root))?;
     let _lock = acquire_lock(&paths)?;
+    // The OOM killer takes a sandbox's QEMU before the daemon (see `oom.rs`).
+    crate::oom::protect_daemon();
     let config = Config::load(&paths)?;
     check_tcp_listen(&config)?;
     let store = Store::open(&paths.store_file())?;

@@ -157,6 +157,7 @@ impl Service {
         let vms = Vms::new(
             &config.qemu_binary,
             std::time::Duration::from_secs(config.boot_timeout_s),
+            config.telemetry.vm_log_max_bytes,
         );
         let limits = &config.limits;
         let ledger = scheduler::Ledger::new(

@@ -14,6 +14,9 @@ use crate::rpc::AgentClient;
 use crate::store::SANDBOXES;
 use crate::vmm::{Accel, Images, QemuDriver, VmInfo, VmSpec, VmmDriver};
 
+/// How long a dead VM's watcher waits for the reaper to report QEMU's exit status.
+const EXIT_STATUS_WAIT: Duration = Duration::from_secs(2);
+
 /// A sandbox whose VM runs and whose agent answers.
 pub struct LiveVm {
     pub info: VmInfo,
@@ -29,9 +32,9 @@ pub struct Vms {
 }
 
 impl Vms {
-    pub fn new(qemu_binary: &str, boot_timeout: Duration) -> Vms {
+    pub fn new(qemu_binary: &str, boot_timeout: Duration, log_cap: u64) -> Vms {
         let driver = QemuDriver::new(qemu_binary)
-            .map(|d| Arc::new(d.with_boot_timeout(boot_timeout)))
+            .map(|d| Arc::new(d.with_boot_timeout(boot_timeout).with_log_cap(log_cap)))
             .map_err(|e| e.to_string());
         match &driver {
             Ok(d) => tracing::info!(driver = d.name(), version = %d.version(), "VMM ready"),
@@ -252,15 +255,22 @@ impl Service {
             }
             svc.vms.take(&id);
             let alive = svc.vms.driver.as_ref().is_ok_and(|d| d.is_alive(&vm.info));
+            let exit = match (&svc.vms.driver, alive) {
+                (Ok(d), false) => d.exit_of(&vm.info, EXIT_STATUS_WAIT).await,
+                _ => None,
+            };
             let why = if let Some(reason) = vm.agent.close_reason() {
                 // The host cut a misbehaving agent off: it broke the protocol or missed a
                 // deadline (`rpc::Deadlines`). The VM cannot be trusted to serve again.
                 format!("the guest agent was cut off: {reason}")
             } else if alive {
                 "the guest agent connection broke".to_owned()
+            } else if let Some(exit @ crate::vmm::qemu::QemuExit::KilledFromOutside) = exit {
+                format!("{exit}; console: {}", tail(&vm.info.console_log))
             } else {
+                let how = exit.map(|e| format!(" ({e})")).unwrap_or_default();
                 format!(
-                    "the VM stopped unexpectedly; console: {}",
+                    "the VM stopped unexpectedly{how}; console: {}",
                     tail(&vm.info.console_log)
                 )
             };
@@ -423,9 +433,12 @@ async fn wait_dead(driver: &QemuDriver, info: &VmInfo) {
     }
 }
 
+/// How much of a log's end [`tail`] reads (with a seek, never the whole file).
+const TAIL_BYTES: u64 = 4096;
+
 /// The last lines of a log file, for error messages.
 pub fn tail(path: &Path) -> String {
-    let text = std::fs::read(path)
+    let text = crate::vmm::qemu::logs::read_tail(path, TAIL_BYTES)
         .map(|b| String::from_utf8_lossy(&b).into_owned())
         .unwrap_or_default();
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();

@@ -41,6 +41,8 @@ const QMP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long `kill` waits for the process to disappear after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(10);
 const LOG_TAIL: usize = 2048;
+/// Default cap of each VM log (see [`QemuDriver::with_log_cap`]).
+pub const DEFAULT_LOG_CAP: u64 = 1 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct QemuVersion {
@@ -105,14 +107,52 @@ fn our_process(vm: &VmInfo) -> Option<Pidfd> {
     cmdline_matches(&cmd, &vm.dir).then_some(fd)
 }
 
-/// The last `max` bytes of a file, for error messages.
+/// The last `max` bytes of a log (read with a seek), for error messages.
 fn tail(path: &Path, max: usize) -> String {
-    match std::fs::read(path) {
-        Ok(b) => {
-            let start = b.len().saturating_sub(max);
-            String::from_utf8_lossy(&b[start..]).trim().to_owned()
+    logs::tail(path, max)
+}
+
+type Exited = watch::Receiver<Option<std::process::ExitStatus>>;
+
+/// Exit statuses of the QEMUs this daemon started (by pid; the reaper thread fills them in),
+/// and the pids it SIGKILLed itself: what tells a QEMU the kernel killed from one we stopped.
+#[derive(Default)]
+struct Exits {
+    status: std::collections::HashMap<u32, Exited>,
+    killed_by_us: std::collections::HashSet<u32>,
+}
+
+fn exits() -> std::sync::MutexGuard<'static, Exits> {
+    static EXITS: std::sync::LazyLock<std::sync::Mutex<Exits>> =
+        std::sync::LazyLock::new(Default::default);
+    EXITS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Drop what is kept of `pid`'s exit: the driver itself ended it.
+fn forget_exit(pid: u32) {
+    let mut ex = exits();
+    ex.status.remove(&pid);
+    ex.killed_by_us.remove(&pid);
+}
+
+/// How a QEMU this daemon started ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QemuExit {
+    /// Killed by SIGKILL that tryboxi did not send: the kernel's OOM killer (or another user).
+    KilledFromOutside,
+    /// Any other end (its status as text).
+    Other(std::process::ExitStatus),
+}
+
+impl std::fmt::Display for QemuExit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QemuExit::KilledFromOutside => f.write_str(
+                "QEMU was killed by SIGKILL that tryboxi did not send: killed by the kernel \
+                 (out of memory?)",
+            ),
+            QemuExit::Other(st) => write!(f, "QEMU exited with {st}"),
         }
-        Err(e) => format!("({}: {e})", path.display()),
     }
 }
 
@@ -159,6 +199,9 @@ pub struct QemuDriver {
     binary: PathBuf,
     version: QemuVersion,
     boot_timeout: Duration,
+    /// Cap of each VM's `console.log` and `qemu.log` (see [`logs`]).
+    log_cap: u64,
+    followers: logs::Followers,
 }
 
 impl QemuDriver {
@@ -192,6 +235,8 @@ impl QemuDriver {
             binary,
             version,
             boot_timeout: BOOT_TIMEOUT,
+            log_cap: DEFAULT_LOG_CAP,
+            followers: logs::Followers::default(),
         })
     }
 
@@ -201,6 +246,35 @@ impl QemuDriver {
 
     pub fn binary(&self) -> &Path {
         &self.binary
+    }
+
+    /// Cap in bytes of each VM's `console.log` and `qemu.log` (default 1 MiB; rotated to
+    /// `<name>.1` past it).
+    pub fn with_log_cap(mut self, bytes: u64) -> Self {
+        self.log_cap = bytes.max(logs::MIN_CAP);
+        self
+    }
+
+    /// How `vm`'s QEMU ended, if this daemon started it and it has exited (waiting up to
+    /// `wait` for the reaper to see it); `None` for a QEMU started by an earlier daemon.
+    pub async fn exit_of(&self, vm: &VmInfo, wait: Duration) -> Option<QemuExit> {
+        let rx = exits().status.get(&vm.pid).cloned()?;
+        let mut rx = rx;
+        let st = tokio::time::timeout(wait, rx.wait_for(Option::is_some))
+            .await
+            .ok()?
+            .ok()?
+            .as_ref()
+            .copied()?;
+        let mut ex = exits();
+        ex.status.remove(&vm.pid);
+        let ours = ex.killed_by_us.remove(&vm.pid);
+        use std::os::unix::process::ExitStatusExt;
+        Some(if st.signal() == Some(libc::SIGKILL) && !ours {
+            QemuExit::KilledFromOutside
+        } else {
+            QemuExit::Other(st)
+        })
     }
 
     /// How long `boot` waits for QMP and the agent socket (default 30 s).
@@ -252,16 +326,21 @@ impl QemuDriver {
             .open(log)
             .map_err(io_err(log))?;
         let err = out.try_clone().map_err(io_err(log))?;
+        let score = crate::oom::ChildScore::new(crate::oom::QEMU_OOM_SCORE_ADJ);
         let mut cmd = std::process::Command::new(&self.binary);
         cmd.args(args)
             .current_dir(cwd)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err);
-        // SAFETY: the closure runs in the forked child before exec and only calls setsid(2)
-        // and prctl(2), which are async-signal-safe and touch no memory of the parent.
+        // SAFETY: the closure runs in the forked child before exec and only calls setsid(2),
+        // prctl(2) and (in `apply_in_child`) open/write/close(2), which are async-signal-safe,
+        // on memory prepared before the fork.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
+                // QEMU goes before the host's other processes (and the daemon) when memory
+                // runs out; it would otherwise inherit the daemon's protection.
+                score.apply_in_child();
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -282,6 +361,18 @@ impl QemuDriver {
         })?;
         let pid = child.id();
         let (tx, rx) = watch::channel(None);
+        {
+            let mut ex = exits();
+            ex.status.insert(pid, rx.clone());
+            ex.killed_by_us.remove(&pid);
+        }
+        let p = VmPaths::new(cwd);
+        self.followers.spawn(
+            pid,
+            cwd,
+            (p.console_sock, p.console, p.qemu_log),
+            self.log_cap,
+        );
         std::thread::Builder::new()
             .name(format!("qemu-reaper-{pid}"))
             .stack_size(64 * 1024)
@@ -347,10 +438,14 @@ impl QemuDriver {
         let Some(p) = our_process(vm) else {
             return Ok(());
         };
+        exits().killed_by_us.insert(vm.pid);
         p.signal(libc::SIGKILL)
             .map_err(|e| VmmError::Other(format!("cannot kill QEMU (pid {}): {e}", vm.pid)))?;
         match p.wait_exit(KILL_WAIT).await {
-            Ok(true) => Ok(()),
+            Ok(true) => {
+                forget_exit(vm.pid);
+                Ok(())
+            }
             Ok(false) => Err(VmmError::Timeout(KILL_WAIT, "QEMU to exit after SIGKILL")),
             Err(e) => Err(VmmError::Other(format!(
                 "cannot wait for QEMU pid {}: {e}",
@@ -420,6 +515,7 @@ impl VmmDriver for QemuDriver {
         }
         let left = grace.saturating_sub(started.elapsed());
         if p.wait_exit(left).await.unwrap_or(false) {
+            forget_exit(vm.pid);
             tracing::info!(vm = %vm.id, pid = vm.pid, "QEMU stopped");
             return Ok(());
         }
@@ -451,12 +547,20 @@ impl VmmDriver for QemuDriver {
         let c = QmpClient::connect(&info.qmp_socket, QMP_TIMEOUT).await?;
         let st = c.query_status().await?;
         tracing::info!(vm = %info.id, pid = info.pid, status = %st.status, "reattached to QEMU");
+        let p = VmPaths::new(&info.dir);
+        self.followers.spawn(
+            info.pid,
+            &info.dir,
+            (p.console_sock, p.console, p.qemu_log),
+            self.log_cap,
+        );
         Ok(Some(info))
     }
 }
 
 mod args;
 mod clone;
+pub mod logs;
 pub mod ramfile;
 mod snapshot;
 #[cfg(test)]

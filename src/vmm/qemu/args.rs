@@ -21,7 +21,10 @@ pub struct VmPaths {
     /// The VM's NIC: QEMU connects here (`-netdev stream`); the daemon's network stack listens
     /// on it before QEMU starts. Never removed by the driver (the listener owns it).
     pub net: PathBuf,
-    /// Guest serial console (kernel messages, agent's early log).
+    /// QEMU serves the guest serial console here; the daemon follows it into `console`.
+    pub console_sock: PathBuf,
+    /// Guest serial console (kernel messages, agent's early log), written by the daemon and
+    /// kept to a cap (see [`super::logs`]).
     pub console: PathBuf,
     /// QEMU's own stdout/stderr.
     pub qemu_log: PathBuf,
@@ -70,6 +73,7 @@ impl VmPaths {
             qmp: dir.join("qmp.sock"),
             agent: dir.join("agent.sock"),
             net: dir.join("net.sock"),
+            console_sock: dir.join("console.sock"),
             console: dir.join("console.log"),
             qemu_log: dir.join("qemu.log"),
             pidfile: dir.join("qemu.pid"),
@@ -154,7 +158,13 @@ impl VmPaths {
 
     /// Remove leftovers of an earlier run of this VM (they would fool the readiness checks).
     pub(super) fn clear_stale(&self) -> Result<(), VmmError> {
-        for stale in [&self.qmp, &self.agent, &self.pidfile, &self.vm_json] {
+        for stale in [
+            &self.qmp,
+            &self.agent,
+            &self.console_sock,
+            &self.pidfile,
+            &self.vm_json,
+        ] {
             match std::fs::remove_file(stale) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -180,7 +190,7 @@ impl VmPaths {
     /// Unix socket paths must fit `sun_path`; we refuse long ones rather than play tricks with
     /// symlinks or `/proc/self/fd` (both sides of each socket would need the trick).
     pub(super) fn check_socket_lengths(&self) -> Result<(), VmmError> {
-        for p in [&self.qmp, &self.agent, &self.net] {
+        for p in [&self.qmp, &self.agent, &self.net, &self.console_sock] {
             let n = p.as_os_str().len();
             if n > SUN_PATH_MAX {
                 return Err(VmmError::Other(format!(
@@ -307,7 +317,11 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
     ]);
     push(&[
         "-chardev".as_ref(),
-        &opt("file,id=console,path=", &paths.console, ""),
+        &opt(
+            "socket,id=console,path=",
+            &paths.console_sock,
+            ",server=on,wait=off",
+        ),
         "-serial".as_ref(),
         "chardev:console".as_ref(),
     ]);

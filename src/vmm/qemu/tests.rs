@@ -102,7 +102,10 @@ fn command_line_has_devices_sockets_and_accel() {
         chardevs.contains(&"socket,id=agent,path=/data/vms/sbx_1/agent.sock,server=on,wait=off")
     );
     assert!(chardevs.contains(&"socket,id=qmp,path=/data/vms/sbx_1/qmp.sock,server=on,wait=off"));
-    assert!(chardevs.contains(&"file,id=console,path=/data/vms/sbx_1/console.log"));
+    assert!(
+        chardevs
+            .contains(&"socket,id=console,path=/data/vms/sbx_1/console.sock,server=on,wait=off")
+    );
     let devices = values_of(&a, "-device");
     assert!(devices.contains(&"virtio-blk-device,drive=root,serial=tryboxi-root"));
     assert!(devices.contains(&"virtio-blk-device,drive=xfer,serial=tryboxi-xfer"));
@@ -196,6 +199,8 @@ async fn reused_pid_is_not_alive_and_is_never_killed() {
         binary: "qemu-system-x86_64".into(),
         version: MIN_VERSION,
         boot_timeout: BOOT_TIMEOUT,
+        log_cap: DEFAULT_LOG_CAP,
+        followers: Default::default(),
     };
     assert!(!d.is_alive(&vm));
     d.kill(&vm).await.expect("kill is a no-op");
