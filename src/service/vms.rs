@@ -265,10 +265,8 @@ impl Service {
                 format!("the guest agent was cut off: {reason}")
             } else if alive {
                 "the guest agent connection broke".to_owned()
-            } else if let Some(exit @ crate::vmm::qemu::QemuExit::KilledFromOutside) = exit {
-                format!("{exit}; console: {}", tail(&vm.info.console_log))
             } else {
-                let how = exit.map(|e| format!(" ({e})")).unwrap_or_default();
+                let how = exit.map(|e| format!(": {e}")).unwrap_or_default();
                 format!(
                     "the VM stopped unexpectedly{how}; console: {}",
                     tail(&vm.info.console_log)

@@ -148,7 +148,7 @@ impl std::fmt::Display for QemuExit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             QemuExit::KilledFromOutside => f.write_str(
-                "QEMU was killed by SIGKILL that tryboxi did not send: killed by the kernel \
+                "QEMU was killed by a SIGKILL tryboxi did not send: killed by the kernel \
                  (out of memory?)",
             ),
             QemuExit::Other(st) => write!(f, "QEMU exited with {st}"),

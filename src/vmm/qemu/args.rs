@@ -73,7 +73,7 @@ impl VmPaths {
             qmp: dir.join("qmp.sock"),
             agent: dir.join("agent.sock"),
             net: dir.join("net.sock"),
-            console_sock: dir.join("console.sock"),
+            console_sock: dir.join("tty.sock"),
             console: dir.join("console.log"),
             qemu_log: dir.join("qemu.log"),
             pidfile: dir.join("qemu.pid"),

@@ -1,6 +1,6 @@
 //! A VM's two logs, kept to a cap: the guest's serial console and QEMU's own output.
 //!
-//! Owns: the console follower (QEMU serves the serial console on `console.sock`; the daemon
+//! Owns: the console follower (QEMU serves the serial console on `tty.sock`; the daemon
 //! reads it and writes `console.log`, rotating it to `console.log.1` at the cap), the rotation of
 //! `qemu.log` (QEMU appends to it with `O_APPEND`; the follower copies it to `qemu.log.1` and
 //! empties it once it passes the cap), and reading a log's tail with a seek.
@@ -221,7 +221,7 @@ mod tests {
     #[tokio::test]
     async fn the_follower_keeps_a_flooded_console_and_qemu_log_at_the_cap() {
         let d = tempfile::tempdir().unwrap();
-        let sock = d.path().join("console.sock");
+        let sock = d.path().join("tty.sock");
         let (console, qemu_log) = (d.path().join("console.log"), d.path().join("qemu.log"));
         // QEMU's side: the console server, and a qemu.log something keeps appending to.
         let listener = tokio::net::UnixListener::bind(&sock).unwrap();

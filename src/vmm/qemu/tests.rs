@@ -103,8 +103,7 @@ fn command_line_has_devices_sockets_and_accel() {
     );
     assert!(chardevs.contains(&"socket,id=qmp,path=/data/vms/sbx_1/qmp.sock,server=on,wait=off"));
     assert!(
-        chardevs
-            .contains(&"socket,id=console,path=/data/vms/sbx_1/console.sock,server=on,wait=off")
+        chardevs.contains(&"socket,id=console,path=/data/vms/sbx_1/tty.sock,server=on,wait=off")
     );
     let devices = values_of(&a, "-device");
     assert!(devices.contains(&"virtio-blk-device,drive=root,serial=tryboxi-root"));
