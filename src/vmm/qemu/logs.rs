@@ -89,7 +89,12 @@ impl RotatingLog {
             data = &data[data.len() - self.cap as usize..];
         }
         if self.len + data.len() as u64 > self.cap {
-            std::fs::rename(&self.path, rotated(&self.path))?;
+            match std::fs::rename(&self.path, rotated(&self.path)) {
+                Ok(()) => {}
+                // Someone deleted the log: start a new one.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
             self.file = std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
