@@ -40,7 +40,9 @@ impl Service {
         id: &str,
         req: api::ExecRequest,
     ) -> Result<mpsc::Receiver<api::ExecEvent>, ServiceError> {
-        let (rec, vm) = self.ready_vm(id).await?;
+        // The lifecycle lock is held until the command has started (resume on use, sync);
+        // the command's output stream then holds only the VM (a remove ends it with `vm_lost`).
+        let (life, rec, vm) = self.ready_vm(id).await?;
         let wire = to_wire(&req, self.config.exec_timeout_s)?;
         // The VM sees the host repo as it is now (one-way delta sync).
         self.sync_before_exec(&rec, &vm, &req.sync_exclude).await?;
@@ -76,6 +78,7 @@ impl Service {
             duration_ms: None,
             error: None,
         };
+        drop(life);
         self.store.put(EXECS, &exec_id, &exec_rec)?;
         let obs = self
             .telemetry

@@ -52,20 +52,10 @@ impl Service {
                 "count must be 1-{MAX_FORK}, got {count}"
             )));
         }
-        self.ensure_running(id).await?;
-        let lock = self.life.lock_of(id);
-        let guard = lock.lock().await;
-        let parent = self.record(id)?;
-        if parent.api.state != SandboxState::Ready {
-            return Err(ServiceError::Conflict(format!(
-                "sandbox `{id}` is {}, not ready",
-                parent.api.state
-            )));
-        }
-        let vm = self
-            .vms
-            .get(id)
-            .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
+        // The parent's lock is held until every child has its record (and lineage): a remove
+        // of the parent waits, then sees the children that depend on its files. Each child's
+        // own lock is taken under it (parent before child, never the reverse).
+        let (_life, parent, vm) = self.hold_ready(id).await?;
         // All children together must be able to fit next to the parent; otherwise refuse now
         // (before the checkpoint) rather than queue children that can never start.
         self.ledger
@@ -83,7 +73,6 @@ impl Service {
             .checkpoint(&vm.info, &base_dir, &next)
             .await
             .map_err(|e| ServiceError::Internal(format!("cannot checkpoint `{id}`: {e}")))?;
-        drop(guard);
         let checkpoint_ms = t0.elapsed().as_millis() as u64;
         // The parent's sync base goes with the fork base (the children's /workspace is the
         // parent's at this instant).
@@ -131,6 +120,7 @@ impl Service {
     ) -> Result<api::Sandbox, ServiceError> {
         let started = Instant::now();
         let id = ids::new_id(ids::SANDBOX);
+        let _life = self.hold_new(&id).await;
         // Each child is a VM of its own in the host's ledger (waits or is refused like a create).
         let reservation = self
             .ledger

@@ -331,6 +331,17 @@ impl Service {
                 error: None,
             };
             if !req.dry_run {
+                // A snapshot goes under its sandbox's lifecycle lock: never from under a
+                // restore from it. A sandbox that is gone took its snapshots' files with it.
+                let _life = match (p.kind, &p.record) {
+                    ("snapshot", Some(snap)) => {
+                        match self.store.get::<SnapshotRecord>(SNAPSHOTS, snap) {
+                            Ok(Some(s)) => self.hold(&s.api.sandbox_id).await.ok().map(|(g, _)| g),
+                            _ => None,
+                        }
+                    }
+                    _ => None,
+                };
                 if p.kind == "orphan_vm_dir" {
                     // Only a QEMU that this directory's vm.json proves is ours.
                     self.kill_leftover(&p.path).await;

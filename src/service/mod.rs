@@ -9,6 +9,7 @@ mod exec;
 mod fork;
 mod gc;
 mod golden;
+mod locks;
 pub mod netpolicy;
 mod network;
 mod observe;

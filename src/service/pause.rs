@@ -4,8 +4,9 @@
 //! which files and why it was paused.
 //!
 //! Owns: the `ready <-> paused` transitions (user pause/resume, pause on daemon shutdown,
-//! automatic idle pause, transparent resume on use), the per-sandbox lifecycle lock that keeps
-//! those from overlapping, and the last-use clock behind idle pause.
+//! automatic idle pause, transparent resume on use) and the last-use clock behind idle pause.
+//! Every transition runs under the sandbox's lifecycle lock (`locks.rs`); idle and pressure
+//! pauses skip a sandbox whose lock is held (it is in use).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::locks::LifeGuard;
 use super::vms::LiveVm;
 use super::{SandboxRecord, Service, ServiceError};
 use crate::api::{self, SandboxState};
@@ -48,7 +50,7 @@ struct PauseRecord {
 /// watchers of resumed VMs).
 #[derive(Default)]
 pub struct Lifecycle {
-    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    pub(super) locks: super::locks::LifeLocks,
     last_used: Mutex<HashMap<String, Instant>>,
     me: OnceLock<Weak<Service>>,
     stopping: std::sync::atomic::AtomicBool,
@@ -56,11 +58,6 @@ pub struct Lifecycle {
 }
 
 impl Lifecycle {
-    pub(super) fn lock_of(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut m = self.locks.lock().unwrap_or_else(|p| p.into_inner());
-        m.entry(id.to_owned()).or_default().clone()
-    }
-
     /// Note that `id` was used now (idle pause counts from here).
     pub(super) fn touch(&self, id: &str) {
         let mut m = self.last_used.lock().unwrap_or_else(|p| p.into_inner());
@@ -72,11 +69,9 @@ impl Lifecycle {
         m.get(id).map(Instant::elapsed)
     }
 
+    /// The sandbox is removed: its lock refuses new holders (the caller holds it).
     pub(super) fn forget(&self, id: &str) {
-        self.locks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(id);
+        self.locks.tombstone(id);
         self.last_used
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -158,10 +153,11 @@ impl Service {
                 self.life.touch(id);
                 continue;
             }
-            match self.pause_with(id, PauseReason::Idle).await {
-                Ok(_) => {
+            match self.pause_if_free(id, PauseReason::Idle).await {
+                Ok(Some(_)) => {
                     tracing::info!(sandbox = %id, idle_s = idle.as_secs(), "idle sandbox paused")
                 }
+                Ok(None) => tracing::debug!(sandbox = %id, "in use; not idle-paused"),
                 Err(e) => tracing::warn!(sandbox = %id, error = %e, "idle pause failed"),
             }
         }
@@ -177,9 +173,34 @@ impl Service {
         id: &str,
         reason: PauseReason,
     ) -> Result<api::Sandbox, ServiceError> {
-        let lock = self.life.lock_of(id);
-        let _g = lock.lock().await;
-        let mut rec = self.record(id)?;
+        let (g, rec) = self.hold(id).await?;
+        self.pause_locked(&g, rec, reason).await
+    }
+
+    /// Idle and memory-pressure pauses: `None` (nothing done) when the sandbox's lifecycle
+    /// lock is held, i.e. something is using or changing it right now.
+    pub(super) async fn pause_if_free(
+        &self,
+        id: &str,
+        reason: PauseReason,
+    ) -> Result<Option<api::Sandbox>, ServiceError> {
+        self.record(id)?;
+        let Some(g) = self.life.locks.try_hold(id) else {
+            return Ok(None);
+        };
+        let rec = self.record(id)?;
+        self.pause_locked(&g, rec, reason).await.map(Some)
+    }
+
+    /// Pause `rec` to disk; the caller holds its lifecycle lock.
+    async fn pause_locked(
+        &self,
+        _held: &LifeGuard,
+        mut rec: SandboxRecord,
+        reason: PauseReason,
+    ) -> Result<api::Sandbox, ServiceError> {
+        let id = rec.api.id.clone();
+        let id = id.as_str();
         match rec.api.state {
             SandboxState::Ready => {}
             SandboxState::Paused => return Ok(rec.api),
@@ -233,12 +254,24 @@ impl Service {
 
     /// `POST /v1/sandboxes/{id}/resume`; also what using a paused sandbox does.
     pub async fn resume_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
-        let lock = self.life.lock_of(id);
-        let _g = lock.lock().await;
-        let mut rec = self.record(id)?;
+        let (g, rec) = self.hold(id).await?;
+        if rec.api.state == SandboxState::Ready && self.vms.get(id).is_some() {
+            return Ok(rec.api);
+        }
+        self.resume_locked(&g, rec).await.map(|r| r.api)
+    }
+
+    /// Resume the paused sandbox `rec`; the caller holds its lifecycle lock (a resume on use
+    /// runs inside the operation that needs the VM, under the lock that operation took).
+    pub(super) async fn resume_locked(
+        &self,
+        _held: &LifeGuard,
+        mut rec: SandboxRecord,
+    ) -> Result<SandboxRecord, ServiceError> {
+        let id = rec.api.id.clone();
+        let id = id.as_str();
         match rec.api.state {
             SandboxState::Paused => {}
-            SandboxState::Ready if self.vms.get(id).is_some() => return Ok(rec.api),
             s => {
                 return Err(ServiceError::Conflict(format!(
                     "sandbox `{id}` is {s}, not paused"
@@ -285,18 +318,7 @@ impl Service {
             serde_json::json!({"ms": ms, "paused_for": pr.reason}),
         );
         tracing::info!(sandbox = %id, ms, "sandbox resumed");
-        Ok(rec.api)
-    }
-
-    /// Before using a sandbox: resume it if it is paused, and reset its idle clock.
-    pub(super) async fn ensure_running(&self, id: &str) -> Result<(), ServiceError> {
-        let rec = self.record(id)?;
-        if rec.api.state == SandboxState::Paused {
-            tracing::info!(sandbox = %id, "resuming a paused sandbox on use");
-            self.resume_sandbox(id).await?;
-        }
-        self.life.touch(id);
-        Ok(())
+        Ok(rec)
     }
 
     /// Daemon shutdown with `shutdown = "pause"`: pause every running sandbox to disk.
@@ -402,9 +424,10 @@ pub struct ServicePauser(pub std::sync::Weak<Service>);
 impl super::scheduler::Pauser for ServicePauser {
     async fn pause(&self, id: &str) -> Result<(), String> {
         let svc = self.0.upgrade().ok_or("the daemon is shutting down")?;
-        svc.pause_with(id, PauseReason::Idle)
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+        match svc.pause_if_free(id, PauseReason::Idle).await {
+            Ok(Some(_)) => Ok(()),
+            Ok(None) => Err(format!("sandbox `{id}` is in use right now")),
+            Err(e) => Err(e.to_string()),
+        }
     }
 }

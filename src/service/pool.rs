@@ -257,6 +257,8 @@ impl Service {
             self.drop_pool_vm(&p.id, &p.dir).await;
         };
         let id = pvm.id.clone();
+        // Held until the sandbox is ready or discarded (as in a create).
+        let _life = self.hold_new(&id).await;
         let mut rec = SandboxRecord::creating(
             &id,
             pvm.dir.clone(),

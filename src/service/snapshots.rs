@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::vms::LiveVm;
-use super::{SandboxRecord, Service, ServiceError};
+use super::{Service, ServiceError};
 use crate::api::{self, SandboxState};
 use crate::ids;
 use crate::rpc::AgentClient;
@@ -42,14 +42,9 @@ impl Service {
         id: &str,
         req: api::SnapshotRequest,
     ) -> Result<api::Snapshot, ServiceError> {
-        self.ensure_running(id).await?;
-        let rec = self.record(id)?;
-        if rec.api.state != SandboxState::Ready {
-            return Err(ServiceError::Conflict(format!(
-                "sandbox `{id}` is {}, not ready",
-                rec.api.state
-            )));
-        }
+        // Held throughout: the checkpoint and the sync base saved with it are of one instant
+        // (no sync or apply moves the base in between, no pause or restore swaps the VM).
+        let (_life, rec, vm) = self.hold_ready(id).await?;
         if let Some(name) = &req.name {
             if name.is_empty() || name.len() > 64 || name.starts_with(ids::SNAPSHOT) {
                 return Err(ServiceError::BadRequest(format!(
@@ -67,10 +62,6 @@ impl Service {
                 )));
             }
         }
-        let vm = self
-            .vms
-            .get(id)
-            .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
         let driver = self.driver()?;
         let snap_id = ids::new_id(ids::SNAPSHOT);
         let dir = rec.dir.join("snapshots").join(&snap_id);
@@ -139,7 +130,9 @@ impl Service {
         id: &str,
         req: api::RestoreRequest,
     ) -> Result<api::Sandbox, ServiceError> {
-        let mut rec: SandboxRecord = self.record(id)?;
+        // Held throughout: a restore never overlaps an apply or sync (whose sync base it puts
+        // back), a pause, or a remove.
+        let (_life, mut rec) = self.hold(id).await?;
         if !matches!(
             rec.api.state,
             SandboxState::Ready | SandboxState::Failed | SandboxState::Paused

@@ -142,6 +142,8 @@ impl Service {
             return done;
         }
         let id = ids::new_id(ids::SANDBOX);
+        // Held until the sandbox is ready or discarded: a remove of the `creating` record waits.
+        let _life = self.hold_new(&id).await;
         // Waits in the host's queue when full (pool VMs are evicted first to make room);
         // released on drop unless the create succeeds.
         let reservation = self.ledger.reserve(&id, need).await?;
@@ -246,11 +248,18 @@ impl Service {
         tokio::spawn(async move {
             vm.agent.closed().await;
             let Some(svc) = svc.upgrade() else { return };
-            // A remove takes the VM out of the map first; then this is expected.
-            let Some(current) = svc.vms.get(&id) else {
+            // A remove, pause or restore takes the VM out of the map first; then this is
+            // expected.
+            let current = |svc: &Service| svc.vms.get(&id).is_some_and(|c| Arc::ptr_eq(&c, &vm));
+            if !current(&svc) {
+                return;
+            }
+            // Whoever holds the lock may be replacing this VM on purpose; once it is done the
+            // map says whether this VM is still the sandbox's.
+            let Some(_life) = svc.life.locks.hold(&id).await else {
                 return;
             };
-            if !Arc::ptr_eq(&current, &vm) {
+            if !current(&svc) {
                 return;
             }
             svc.vms.take(&id);
@@ -318,8 +327,10 @@ impl Service {
     }
 
     /// `DELETE /v1/sandboxes/{id}`: kill the VM, delete its directory and its record.
+    /// Waits for the operation in flight on the sandbox (its lifecycle lock); callers queued
+    /// behind the remove then find no sandbox.
     pub async fn remove_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
-        let mut rec = self.record(id)?;
+        let (_life, mut rec) = self.hold(id).await?;
         self.check_no_dependents(&rec)?;
         rec.api.state = SandboxState::Removing;
         self.store.put(SANDBOXES, id, &rec)?;
@@ -386,6 +397,7 @@ impl Service {
     }
 
     async fn reattach(self: &Arc<Self>, id: &str, dir: &Path) {
+        let _life = self.hold_new(id).await;
         let Ok(d) = self.vms.driver.clone() else {
             self.mark_failed(id, "no VMM is usable after the daemon restart".into());
             return;

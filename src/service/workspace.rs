@@ -14,7 +14,7 @@ use futures_util::StreamExt;
 
 use super::vms::LiveVm;
 use super::{SandboxRecord, Service, ServiceError};
-use crate::api::{self, SandboxState};
+use crate::api;
 use crate::ids;
 use crate::rpc::{FileKind, RpcError, WalkCursor, WalkEntry};
 use crate::store::ARTIFACTS;
@@ -105,7 +105,7 @@ impl Changes {
 }
 
 impl Service {
-    fn ws_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+    pub(super) fn ws_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut m = self.ws_locks.lock().unwrap_or_else(|p| p.into_inner());
         m.entry(id.to_owned()).or_default().clone()
     }
@@ -126,31 +126,13 @@ impl Service {
         self.config.sync.max_file_mib.saturating_mul(1024 * 1024)
     }
 
-    /// The sandbox record and its live VM; 409 unless it is ready.
-    /// The record and live VM of a ready sandbox; a paused one is resumed first.
+    /// The lifecycle guard, record and live VM of a ready sandbox; a paused one is resumed
+    /// first (409 unless it is ready). Lock order: the guard is taken before the workspace lock.
     pub(super) async fn ready_vm(
         &self,
         id: &str,
-    ) -> Result<(SandboxRecord, Arc<LiveVm>), ServiceError> {
-        self.ensure_running(id).await?;
-        let rec = self.record(id)?;
-        if rec.api.state != SandboxState::Ready {
-            let why = rec
-                .api
-                .error
-                .clone()
-                .map(|e| format!(": {e}"))
-                .unwrap_or_default();
-            return Err(ServiceError::Conflict(format!(
-                "sandbox `{id}` is {}{why}",
-                rec.api.state
-            )));
-        }
-        let vm = self
-            .vms
-            .get(id)
-            .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
-        Ok((rec, vm))
+    ) -> Result<(super::locks::LifeGuard, SandboxRecord, Arc<LiveVm>), ServiceError> {
+        self.hold_ready(id).await
     }
 
     fn host_root(rec: &SandboxRecord) -> Result<PathBuf, ServiceError> {
@@ -171,7 +153,7 @@ impl Service {
         req: api::SyncRequest,
     ) -> Result<api::SyncReport, ServiceError> {
         self.check_exclude(&req.exclude)?;
-        let (rec, vm) = self.ready_vm(id).await?;
+        let (_life, rec, vm) = self.ready_vm(id).await?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
         self.sync_locked(&rec, &vm, &req.exclude).await
@@ -605,7 +587,7 @@ impl Service {
         stat: bool,
         paths: Vec<String>,
     ) -> Result<api::DiffReport, ServiceError> {
-        let (rec, vm) = self.ready_vm(id).await?;
+        let (_life, rec, vm) = self.ready_vm(id).await?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
         let ch = self.changes(&rec, &vm, &paths).await?;
@@ -669,7 +651,7 @@ impl Service {
                 refused_early.join("; ")
             )));
         }
-        let (rec, vm) = self.ready_vm(id).await?;
+        let (_life, rec, vm) = self.ready_vm(id).await?;
         let root = Self::host_root(&rec)?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
@@ -805,7 +787,8 @@ impl Service {
         path: &str,
     ) -> Result<api::FileContent, ServiceError> {
         check_guest_path(path)?;
-        let (_rec, vm) = self.ready_vm(id).await?;
+        // A single agent call on this VM: no lock held (a VM replaced meanwhile fails it).
+        let (_, _rec, vm) = self.ready_vm(id).await?;
         let st = vm.agent.stat(path).await.map_err(not_found_or(path))?;
         if st.kind != FileKind::File {
             return Err(ServiceError::BadRequest(format!(
@@ -865,7 +848,8 @@ impl Service {
                 "mode {mode:o} is not a permission mode"
             )));
         }
-        let (_rec, vm) = self.ready_vm(id).await?;
+        // A single agent call on this VM: no lock held (a VM replaced meanwhile fails it).
+        let (_, _rec, vm) = self.ready_vm(id).await?;
         if let Some(parent) = std::path::Path::new(path).parent().and_then(|p| p.to_str()) {
             vm.agent.mkdir(parent, 0o755).await.map_err(agent_err)?;
         }
