@@ -45,6 +45,15 @@ impl Service {
         id: &str,
         req: api::ForkRequest,
     ) -> Result<api::ForkResult, ServiceError> {
+        let (svc, id) = (self.clone(), id.to_owned());
+        super::locks::to_the_end(async move { svc.fork_held(&id, req).await }).await
+    }
+
+    async fn fork_held(
+        self: &Arc<Self>,
+        id: &str,
+        req: api::ForkRequest,
+    ) -> Result<api::ForkResult, ServiceError> {
         let t0 = Instant::now();
         let count = req.count.unwrap_or(1);
         if count == 0 || count > MAX_FORK {

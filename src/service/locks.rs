@@ -7,6 +7,7 @@
 //! Never: decides what an operation does under the lock (that is each use case).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -68,6 +69,17 @@ impl LifeLocks {
     }
 }
 
+/// Run a lifecycle operation on its own task and wait for it. The caller may go away (an HTTP
+/// client that disconnects drops the request's future) without cutting the operation in half,
+/// which could leave a QEMU that no record tracks, or a record that names a VM that is gone.
+pub(super) async fn to_the_end<T: Send + 'static>(
+    f: impl Future<Output = Result<T, ServiceError>> + Send + 'static,
+) -> Result<T, ServiceError> {
+    tokio::spawn(f)
+        .await
+        .map_err(|e| ServiceError::Internal(format!("a lifecycle task failed: {e}")))?
+}
+
 impl Service {
     /// Take `id`'s lifecycle lock and read its record under it. 404 when there is no such
     /// sandbox, including one removed while this caller waited.
@@ -106,10 +118,24 @@ impl Service {
         &self,
         id: &str,
     ) -> Result<(LifeGuard, SandboxRecord, Arc<LiveVm>), ServiceError> {
-        let (g, mut rec) = self.hold(id).await?;
+        let (mut g, mut rec) = self.hold(id).await?;
         if rec.api.state == SandboxState::Paused {
             tracing::info!(sandbox = %id, "resuming a paused sandbox on use");
-            rec = self.resume_locked(&g, rec).await?;
+            // The resume finishes (and then lets go of the lock) even if our caller goes away.
+            let (g2, resumed) = match self.life.service() {
+                Some(svc) => tokio::spawn(async move {
+                    let r = svc.resume_locked(&g, rec).await;
+                    (g, r)
+                })
+                .await
+                .map_err(|e| ServiceError::Internal(format!("a resume task failed: {e}")))?,
+                None => {
+                    let r = self.resume_locked(&g, rec).await;
+                    (g, r)
+                }
+            };
+            g = g2;
+            rec = resumed?;
         }
         self.life.touch(id);
         if rec.api.state != SandboxState::Ready {

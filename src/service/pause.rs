@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::locks::LifeGuard;
+use super::locks::{LifeGuard, to_the_end};
 use super::vms::LiveVm;
 use super::{SandboxRecord, Service, ServiceError};
 use crate::api::{self, SandboxState};
@@ -87,7 +87,7 @@ impl Lifecycle {
             .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
-    fn service(&self) -> Option<Arc<Service>> {
+    pub(super) fn service(&self) -> Option<Arc<Service>> {
         self.me.get().and_then(Weak::upgrade)
     }
 }
@@ -165,7 +165,13 @@ impl Service {
 
     /// `POST /v1/sandboxes/{id}/pause`.
     pub async fn pause_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
-        self.pause_with(id, PauseReason::User).await
+        match self.life.service() {
+            Some(svc) => {
+                let id = id.to_owned();
+                to_the_end(async move { svc.pause_with(&id, PauseReason::User).await }).await
+            }
+            None => self.pause_with(id, PauseReason::User).await,
+        }
     }
 
     pub(super) async fn pause_with(
@@ -254,6 +260,16 @@ impl Service {
 
     /// `POST /v1/sandboxes/{id}/resume`; also what using a paused sandbox does.
     pub async fn resume_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
+        match self.life.service() {
+            Some(svc) => {
+                let id = id.to_owned();
+                to_the_end(async move { svc.resume_held(&id).await }).await
+            }
+            None => self.resume_held(id).await,
+        }
+    }
+
+    async fn resume_held(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
         let (g, rec) = self.hold(id).await?;
         if rec.api.state == SandboxState::Ready && self.vms.get(id).is_some() {
             return Ok(rec.api);

@@ -42,6 +42,20 @@ impl Service {
         id: &str,
         req: api::SnapshotRequest,
     ) -> Result<api::Snapshot, ServiceError> {
+        match self.life.service() {
+            Some(svc) => {
+                let id = id.to_owned();
+                super::locks::to_the_end(async move { svc.snapshot_held(&id, req).await }).await
+            }
+            None => self.snapshot_held(id, req).await,
+        }
+    }
+
+    async fn snapshot_held(
+        &self,
+        id: &str,
+        req: api::SnapshotRequest,
+    ) -> Result<api::Snapshot, ServiceError> {
         // Held throughout: the checkpoint and the sync base saved with it are of one instant
         // (no sync or apply moves the base in between, no pause or restore swaps the VM).
         let (_life, rec, vm) = self.hold_ready(id).await?;
@@ -126,6 +140,15 @@ impl Service {
 
     /// `POST /v1/sandboxes/{id}/restore`: replace the sandbox's VM by one started from the snapshot.
     pub async fn restore_snapshot(
+        self: &Arc<Self>,
+        id: &str,
+        req: api::RestoreRequest,
+    ) -> Result<api::Sandbox, ServiceError> {
+        let (svc, id) = (self.clone(), id.to_owned());
+        super::locks::to_the_end(async move { svc.restore_held(&id, req).await }).await
+    }
+
+    async fn restore_held(
         self: &Arc<Self>,
         id: &str,
         req: api::RestoreRequest,

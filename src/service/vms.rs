@@ -114,6 +114,15 @@ impl Service {
         req: api::CreateSandboxRequest,
         caller_uid: Option<u32>,
     ) -> Result<api::Sandbox, ServiceError> {
+        let svc = self.clone();
+        super::locks::to_the_end(async move { svc.create_held(req, caller_uid).await }).await
+    }
+
+    async fn create_held(
+        self: &Arc<Self>,
+        req: api::CreateSandboxRequest,
+        caller_uid: Option<u32>,
+    ) -> Result<api::Sandbox, ServiceError> {
         let t0 = std::time::Instant::now();
         let (vcpus, memory_mib, workspace) = self.validate_create(&req, caller_uid)?;
         self.check_exclude(&req.workspace.exclude)?;
@@ -330,6 +339,16 @@ impl Service {
     /// Waits for the operation in flight on the sandbox (its lifecycle lock); callers queued
     /// behind the remove then find no sandbox.
     pub async fn remove_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
+        match self.life.service() {
+            Some(svc) => {
+                let id = id.to_owned();
+                super::locks::to_the_end(async move { svc.remove_held(&id).await }).await
+            }
+            None => self.remove_held(id).await,
+        }
+    }
+
+    async fn remove_held(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
         let (_life, mut rec) = self.hold(id).await?;
         self.check_no_dependents(&rec)?;
         rec.api.state = SandboxState::Removing;
