@@ -342,6 +342,19 @@ impl Service {
                     }
                     _ => None,
                 };
+                // A backup goes under its sandbox's workspace lock: never from under its undo.
+                let ws = match (p.kind, &p.record) {
+                    ("backup", Some(art)) => match self.store.get::<ArtifactRecord>(ARTIFACTS, art)
+                    {
+                        Ok(Some(a)) => Some(self.ws_lock(&a.sandbox_id)),
+                        _ => None,
+                    },
+                    _ => None,
+                };
+                let _ws = match &ws {
+                    Some(l) => Some(l.lock().await),
+                    None => None,
+                };
                 if p.kind == "orphan_vm_dir" {
                     // Only a QEMU that this directory's vm.json proves is ours.
                     self.kill_leftover(&p.path).await;
