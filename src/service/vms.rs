@@ -269,6 +269,10 @@ impl Service {
                 return;
             };
             if !current(&svc) {
+                // Removed meanwhile: the lock entry this made is stale.
+                if svc.record(&id).is_err() {
+                    svc.life.locks.tombstone(&id);
+                }
                 return;
             }
             svc.vms.take(&id);
