@@ -95,19 +95,26 @@ impl Service {
         let results = futures_util::future::join_all(kids).await;
         let mut sandboxes = Vec::new();
         let mut errors = Vec::new();
+        let mut all_busy = true;
         for r in results {
             match r {
                 Ok(sb) => sandboxes.push(sb),
-                Err(e) => errors.push(e.to_string()),
+                Err(e) => {
+                    all_busy &= matches!(e, ServiceError::Busy(_));
+                    errors.push(e.to_string());
+                }
             }
         }
         let duration_ms = t0.elapsed().as_millis() as u64;
         tracing::info!(parent = %id, children = sandboxes.len(), failed = errors.len(), checkpoint_ms, duration_ms, "sandbox forked");
         if sandboxes.is_empty() {
-            return Err(ServiceError::Internal(format!(
-                "no child could be started: {}",
-                errors.join("; ")
-            )));
+            let why = format!("no child could be started: {}", errors.join("; "));
+            // A full host is a 429 as for a create, not a daemon error.
+            return Err(if all_busy {
+                ServiceError::Busy(why)
+            } else {
+                ServiceError::Internal(why)
+            });
         }
         for e in &errors {
             tracing::warn!(parent = %id, error = %e, "a fork child failed");
