@@ -58,6 +58,10 @@ struct World {
     outcomes: Mutex<BTreeMap<(String, u16), u32>>,
     /// Calls that break the contract: unanswered, 500, an exec stream without an end.
     problems: Mutex<Vec<String>>,
+    /// Set when the daemon stopped answering at all (the run ends).
+    dead: std::sync::atomic::AtomicBool,
+    /// One error message per (op, status) seen, for the run's summary.
+    samples: Mutex<BTreeMap<(String, u16), String>>,
     workspaces: tempfile::TempDir,
 }
 
@@ -80,9 +84,23 @@ impl World {
         match r {
             Err(e) => {
                 self.problem(format!("{op} {path}: no answer after {ms} ms: {e}"));
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+                ) {
+                    // The daemon is gone: stop the run rather than spin.
+                    self.dead.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 None
             }
             Ok(r) => {
+                if r.status >= 400 {
+                    self.samples
+                        .lock()
+                        .unwrap()
+                        .entry((op.to_owned(), r.status))
+                        .or_insert_with(|| r.text().chars().take(300).collect());
+                }
                 if r.status >= 500 && r.status != 503 {
                     self.problem(format!(
                         "{op} {path}: {} after {ms} ms: {}",
@@ -361,7 +379,7 @@ fn env_u64(name: &str) -> Option<u64> {
 
 #[test]
 fn random_lifecycle_calls_leave_the_books_balanced() {
-    let Some(d) = vm_daemon(CONFIG) else {
+    let Some(mut d) = vm_daemon(CONFIG) else {
         return;
     };
     let seed = env_u64("TRYBOXI_TORTURE_SEED").unwrap_or_else(|| {
@@ -377,6 +395,8 @@ fn random_lifecycle_calls_leave_the_books_balanced() {
         sandboxes: Mutex::new(Vec::new()),
         outcomes: Mutex::new(BTreeMap::new()),
         problems: Mutex::new(Vec::new()),
+        samples: Mutex::new(BTreeMap::new()),
+        dead: Default::default(),
         workspaces: tempfile::tempdir().unwrap(),
     });
     // Two sandboxes to start from (not counted in the run's time).
@@ -396,7 +416,8 @@ fn random_lifecycle_calls_leave_the_books_balanced() {
             std::thread::spawn(move || {
                 let mut rng = Rng(seed ^ (w as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407));
                 let mut calls = 0u32;
-                while Instant::now() < end {
+                while Instant::now() < end && !world.dead.load(std::sync::atomic::Ordering::Relaxed)
+                {
                     world.step(&mut rng);
                     calls += 1;
                 }
@@ -405,11 +426,23 @@ fn random_lifecycle_calls_leave_the_books_balanced() {
         })
         .collect();
     let calls: u32 = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    let log = d.root().join("daemon.log");
+    if let Some(st) = d.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+        let keep = std::env::temp_dir().join(format!("torture-daemon-{seed}.log"));
+        let _ = std::fs::copy(&log, &keep);
+        panic!(
+            "seed {seed}: the daemon exited ({st}) during the run; its log: {}",
+            keep.display()
+        );
+    }
     println!(
         "{calls} steps in {} s; outcomes (op, status): {:?}",
         t0.elapsed().as_secs(),
         world.outcomes.lock().unwrap()
     );
+    for ((op, status), msg) in world.samples.lock().unwrap().iter() {
+        println!("  {op} {status}: {msg}");
+    }
 
     // Let in-flight background work (a VM's exit after a pause, an idle pause) land, then the
     // books must balance; an idle pause between two reads is retried, never excused.
@@ -420,6 +453,11 @@ fn random_lifecycle_calls_leave_the_books_balanced() {
         bad = imbalances(&d);
     }
     let problems = world.problems.lock().unwrap().clone();
+    if !bad.is_empty() || !problems.is_empty() {
+        let keep = std::env::temp_dir().join(format!("torture-daemon-{seed}.log"));
+        let _ = std::fs::copy(&log, &keep);
+        eprintln!("the daemon's log: {}", keep.display());
+    }
     assert!(
         bad.is_empty() && problems.is_empty(),
         "seed {seed}: imbalances {bad:#?}\nproblems {problems:#?}\n{}",
