@@ -266,3 +266,31 @@ fn a_state_that_does_not_fit_is_refused_and_loses_nothing() {
     assert_eq!(sh_out(&d, &id, "cat /root/f").1, "one\n");
     assert!(d.cli(&["rm", &id]).status.success());
 }
+
+/// A fork child's diff and apply read its sync base, whose contents the parent stored (the
+/// first sync's pack): the child has them too (it had only the manifest, so its apply failed
+/// with "cannot read the sync base blob", found by tests/lifecycle_torture_e2e.rs).
+#[test]
+fn a_fork_child_applies_against_the_sync_base_it_inherited() {
+    let Some(d) = vm_daemon(LIGHT) else {
+        return;
+    };
+    let ws = tempfile::tempdir().unwrap();
+    std::fs::write(ws.path().join("README"), "hello\n").unwrap();
+    let parent = create(&d, ws.path());
+    let r = d.request(
+        "POST",
+        &format!("/v1/sandboxes/{parent}/fork"),
+        Some(r#"{"count":1}"#),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let child = r.json()["sandboxes"][0]["id"].as_str().unwrap().to_owned();
+    let (code, _) = sh_out(&d, &child, "echo changed > /workspace/README");
+    assert_eq!(code, Some(0));
+    let r = d.request("POST", &format!("/v1/sandboxes/{child}/apply"), Some("{}"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("README")).unwrap(),
+        "changed\n"
+    );
+}

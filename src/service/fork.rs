@@ -163,6 +163,15 @@ impl Service {
             self.ensure_network(&id, &dir)?;
             let vm = self.start_clone(&spec, cp, true).await?;
             if let Ok(m) = Base::new(saved_base.to_owned()).load() {
+                // The manifest names contents kept in the parent's blobs and packs: the child
+                // gets them too (hard links; they are write-once and named by their hash), or
+                // its diff and apply cannot read its own base. The parent's lock is held.
+                let ws = parent.dir.join("workspace");
+                for sub in ["blobs", "packs"] {
+                    link_tree(&ws.join(sub), &dir.join("workspace").join(sub)).map_err(|e| {
+                        ServiceError::Internal(format!("cannot share the parent's sync base: {e}"))
+                    })?;
+                }
                 Base::new(dir.join("workspace")).save(&m).map_err(|e| {
                     ServiceError::Internal(format!("cannot copy the parent's sync base: {e}"))
                 })?;
@@ -249,6 +258,28 @@ impl Service {
             )))
         }
     }
+}
+
+/// Hard-link every regular file under `from` to the same place under `to` (copied where a link
+/// cannot be made); a missing `from` is an empty tree. Symlinks and other files are skipped.
+fn link_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    let rd = match std::fs::read_dir(from) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    std::fs::create_dir_all(to)?;
+    for e in rd {
+        let e = e?;
+        let (src, dst) = (e.path(), to.join(e.file_name()));
+        let ft = e.file_type()?;
+        if ft.is_dir() {
+            link_tree(&src, &dst)?;
+        } else if ft.is_file() && !dst.exists() && std::fs::hard_link(&src, &dst).is_err() {
+            std::fs::copy(&src, &dst)?;
+        }
+    }
+    Ok(())
 }
 
 fn write_lineage(dir: &Path, parent_dir: &Path) -> Result<(), ServiceError> {
