@@ -278,6 +278,11 @@ fn a_fork_child_applies_against_the_sync_base_it_inherited() {
     let ws = tempfile::tempdir().unwrap();
     std::fs::write(ws.path().join("README"), "hello\n").unwrap();
     let parent = create(&d, ws.path());
+    // An apply stores what it brings back in the parent's base (a blob).
+    let (code, _) = sh_out(&d, &parent, "echo one > /workspace/out.txt");
+    assert_eq!(code, Some(0));
+    let r = d.request("POST", &format!("/v1/sandboxes/{parent}/apply"), Some("{}"));
+    assert_eq!(r.status, 200, "{}", r.text());
     let r = d.request(
         "POST",
         &format!("/v1/sandboxes/{parent}/fork"),
@@ -285,12 +290,33 @@ fn a_fork_child_applies_against_the_sync_base_it_inherited() {
     );
     assert_eq!(r.status, 201, "{}", r.text());
     let child = r.json()["sandboxes"][0]["id"].as_str().unwrap().to_owned();
-    let (code, _) = sh_out(&d, &child, "echo changed > /workspace/README");
+    let (code, _) = sh_out(
+        &d,
+        &child,
+        "echo changed > /workspace/README; echo two > /workspace/out.txt",
+    );
     assert_eq!(code, Some(0));
+    // The parent's next apply changes the host under the child (they share the folder), so
+    // the child's apply of the same file merges against its base's content.
+    let (code, _) = sh_out(&d, &parent, "echo three > /workspace/out.txt");
+    assert_eq!(code, Some(0));
+    let r = d.request("POST", &format!("/v1/sandboxes/{parent}/apply"), Some("{}"));
+    assert_eq!(r.status, 200, "{}", r.text());
     let r = d.request("POST", &format!("/v1/sandboxes/{child}/apply"), Some("{}"));
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(
         std::fs::read_to_string(ws.path().join("README")).unwrap(),
         "changed\n"
+    );
+    // Both changed out.txt since the base: a conflict, reported and marked in the file.
+    assert!(
+        r.json()["conflicts"].to_string().contains("out.txt"),
+        "{}",
+        r.text()
+    );
+    let merged = std::fs::read_to_string(ws.path().join("out.txt")).unwrap();
+    assert!(
+        merged.contains("three") && merged.contains("two"),
+        "{merged}"
     );
 }
