@@ -4,9 +4,10 @@
 //! and its disk layer frozen by `blockdev-snapshot-sync`; the parent goes on running on a new
 //! overlay). Each child is a clone of that checkpoint: a private copy-on-write mapping of the
 //! frozen RAM file and its own qcow2 overlay over the frozen layer, its own id, directory,
-//! agent channel and a copy of the parent's workspace sync base. The children's disk chains
-//! and RAM files live in the parent's directory, so the parent cannot be removed while a child
-//! exists (`lineage.json` in the child's directory records this).
+//! agent channel and the parent's workspace sync base (manifest copied, blobs and packs
+//! hard-linked). The children's disk chains and RAM files live in the parent's directory, so
+//! the parent cannot be removed while a child exists (`lineage.json` in the child's directory
+//! records this).
 //!
 //! Also here: what makes a clone its own machine (hostname, a fresh random seed), shared with
 //! golden-snapshot creates.
