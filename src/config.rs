@@ -311,6 +311,15 @@ pub struct SyncConfig {
     /// Largest single file apply/pull bring back from a VM, in MiB. Default: 64. Larger ones are
     /// not read: diff and apply list them as too big and leave the host's copy untouched.
     pub max_file_mib: u64,
+    /// Most file content one diff, apply or pull reads from a VM, in MiB: the sum of the changed
+    /// files' sizes. Over it the request is refused with an error (narrow it to some paths);
+    /// the files are read into a spill directory in the sandbox's directory, not into memory
+    /// (apply and pull then hold what they bring back in memory). Default: 1024.
+    pub max_diff_mib: u64,
+    /// Most file content one host -> VM sync sends, in MiB (a first sync sends the whole
+    /// workspace): over it the sync, or the create, is refused before any file is read. The
+    /// daemon holds what one sync sends in memory while it sends it. Default: 1024.
+    pub max_sync_mib: u64,
 }
 
 impl Default for SyncConfig {
@@ -320,6 +329,8 @@ impl Default for SyncConfig {
             secrets: DEFAULT_SECRETS.iter().map(|s| s.to_string()).collect(),
             allow_secrets: Vec::new(),
             max_file_mib: 64,
+            max_diff_mib: 1024,
+            max_sync_mib: 1024,
         }
     }
 }
@@ -515,6 +526,7 @@ mod tests {
         assert_eq!(c.sync.allow_secrets, [".env.example"]);
         assert!(c.sync.secrets.iter().any(|s| s == "*.pem"));
         assert_eq!(c.sync.max_file_mib, 64);
+        assert_eq!((c.sync.max_diff_mib, c.sync.max_sync_mib), (1024, 1024));
         assert!(Config::parse("[sync]\nexclud = []").is_err());
     }
 

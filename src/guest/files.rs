@@ -170,19 +170,38 @@ pub fn simple(req: crate::rpc::msg::Request) -> Result<Reply, RemoteError> {
     }
 }
 
-/// Streams a file to the host as `Data` chunks within the stream's credit, then `DataEnd`.
+/// Streams a regular file to the host as `Data` chunks within the stream's credit, then
+/// `DataEnd`. A symlink at the last component is not followed and anything but a regular file
+/// (a device such as `/dev/zero`, a FIFO) is refused: the host reads what the walk listed.
 pub async fn read(path: String, outbox: Arc<Outbox>, stream: u32, credit: Arc<Semaphore>) {
     let res: Result<(), RemoteError> = async {
         let p = check_path(&path)?;
-        let mut f = tokio::fs::File::open(&p)
+        let ctx = |e: std::io::Error| RemoteError::from_io(&format!("read {}", p.display()), &e);
+        let mut f = tokio::fs::OpenOptions::new()
+            .read(true)
+            // O_NONBLOCK: opening a FIFO must not wait for a writer (regular files ignore it).
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&p)
             .await
-            .map_err(|e| RemoteError::from_io(&format!("read {}", p.display()), &e))?;
+            .map_err(|e| {
+                if e.raw_os_error() == Some(libc::ELOOP) {
+                    RemoteError::new(
+                        ErrorKind::InvalidRequest,
+                        format!("read {}: a symlink (not followed)", p.display()),
+                    )
+                } else {
+                    ctx(e)
+                }
+            })?;
+        if !f.metadata().await.map_err(ctx)?.is_file() {
+            return Err(RemoteError::new(
+                ErrorKind::InvalidRequest,
+                format!("read {}: not a regular file", p.display()),
+            ));
+        }
         let mut buf = vec![0u8; CHUNK];
         loop {
-            let n = f
-                .read(&mut buf)
-                .await
-                .map_err(|e| RemoteError::from_io(&format!("read {}", p.display()), &e))?;
+            let n = f.read(&mut buf).await.map_err(ctx)?;
             if n == 0 {
                 break;
             }

@@ -283,6 +283,26 @@ async fn binary_output_and_files_are_intact() {
     );
 }
 
+/// A file swapped for a symlink to `/dev/zero` (or a FIFO, or the device itself) between the
+/// host's walk and its read gives an error at once, not endless bytes or a hang.
+#[tokio::test]
+async fn read_file_follows_no_symlink_and_reads_only_regular_files() {
+    let a = agent();
+    let (c, _w, _s) = link(&a).await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_string_lossy().into_owned();
+    std::fs::write(p("real"), b"x").unwrap();
+    std::os::unix::fs::symlink("/dev/zero", p("zero")).unwrap();
+    std::os::unix::fs::symlink(p("real"), p("to-real")).unwrap();
+    nix::unistd::mkfifo(p("fifo").as_str(), nix::sys::stat::Mode::S_IRWXU).unwrap();
+    for bad in [p("zero"), p("to-real"), p("fifo"), "/dev/zero".into()] {
+        let r = tokio::time::timeout(Duration::from_secs(5), c.read_file(&bad, 1 << 20)).await;
+        let r = r.unwrap_or_else(|_| panic!("reading {bad} does not end"));
+        assert!(matches!(r, Err(RpcError::Remote(_))), "{bad}: {r:?}");
+    }
+    assert_eq!(c.read_file(&p("real"), 1 << 20).await.unwrap(), b"x");
+}
+
 #[tokio::test]
 async fn file_operations_work_and_reject_relative_paths() {
     let a = agent();

@@ -21,7 +21,7 @@ pub mod msg;
 pub mod outbox;
 
 #[allow(unused_imports)]
-pub use client::{AgentClient, Deadlines, ExecEvent, ExecRequest, ExecStream};
+pub use client::{AgentClient, Deadlines, ExecEvent, ExecRequest, ExecStream, FileChunks};
 pub use frame::FrameError;
 #[allow(unused_imports)]
 pub use msg::{

@@ -22,6 +22,7 @@ mod snapshots;
 pub mod templates;
 mod vms;
 mod workspace;
+mod workspace_fetch;
 pub mod wsguard;
 
 use std::path::{Path, PathBuf};

@@ -10,9 +10,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures_util::StreamExt;
-
 use super::vms::LiveVm;
+use super::workspace_fetch as fetch;
 use super::{SandboxRecord, Service, ServiceError};
 use crate::api;
 use crate::ids;
@@ -23,10 +22,8 @@ use crate::workspace::backup::{self, ArtifactRecord, ArtifactState};
 use crate::workspace::diff::{self, Change};
 use crate::workspace::manifest::{Base, Entry, Kind, Manifest};
 use crate::workspace::rules::{self, Ignores, Rules, Skip};
+use crate::workspace::spill::Spill;
 use crate::workspace::{GUEST_ROOT, WorkspaceError, basedisk, sync};
-
-/// VM files fetched at once for a diff.
-const FETCH_CONCURRENCY: usize = 8;
 
 /// Archives from this size on go through the VM's transfer disk instead of the RPC channel.
 const DISK_TRANSFER_MIN: u64 = 1 << 20;
@@ -39,6 +36,7 @@ impl From<WorkspaceError> for ServiceError {
                 ServiceError::Conflict(e.to_string())
             }
             WorkspaceError::Refused(_) => ServiceError::BadRequest(e.to_string()),
+            WorkspaceError::TooBig(_) => ServiceError::Unprocessable(e.to_string()),
             WorkspaceError::CorruptBase(..) | WorkspaceError::Store(_) => {
                 ServiceError::Internal(e.to_string())
             }
@@ -49,14 +47,14 @@ impl From<WorkspaceError> for ServiceError {
     }
 }
 
-fn agent_err(e: RpcError) -> ServiceError {
+pub(super) fn agent_err(e: RpcError) -> ServiceError {
     match e {
         RpcError::Remote(r) => ServiceError::Unprocessable(format!("the sandbox refused: {r}")),
         e => ServiceError::Unavailable(format!("cannot reach the sandbox's agent: {e}")),
     }
 }
 
-async fn blocking<T: Send + 'static>(
+pub(super) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, WorkspaceError> + Send + 'static,
 ) -> Result<T, ServiceError> {
     tokio::task::spawn_blocking(f)
@@ -65,7 +63,7 @@ async fn blocking<T: Send + 'static>(
         .map_err(ServiceError::from)
 }
 
-fn guest_path(rel: &str) -> String {
+pub(super) fn guest_path(rel: &str) -> String {
     format!("{GUEST_ROOT}/{rel}")
 }
 
@@ -91,6 +89,8 @@ struct Changes {
     refused: Vec<String>,
     /// VM files over `sync.max_file_mib`: not fetched, never brought back.
     too_big: Vec<api::TooBigFile>,
+    /// Where the VM content of `changes` is; removed when this is dropped.
+    _spill: Arc<Spill>,
 }
 
 impl Changes {
@@ -124,6 +124,10 @@ impl Service {
 
     fn max_file_bytes(&self) -> u64 {
         self.config.sync.max_file_mib.saturating_mul(1024 * 1024)
+    }
+
+    fn max_diff_bytes(&self) -> u64 {
+        self.config.sync.max_diff_mib.saturating_mul(1024 * 1024)
     }
 
     /// The lifecycle guard, record and live VM of a ready sandbox; a paused one is resumed
@@ -187,8 +191,9 @@ impl Service {
         let vm_changed = self.vm_changed(&rec.api.id, vm, &old, candidates).await?;
         let r2 = root.clone();
         let first = old.entries.is_empty();
+        let max_sync = self.config.sync.max_sync_mib.saturating_mul(1024 * 1024);
         let (mut delta, secrets) = blocking(move || {
-            let d = sync::compute_keeping(&r2, &scan, &old, &vm_changed, &skip)?;
+            let d = sync::compute_keeping(&r2, &scan, &old, &vm_changed, &skip, max_sync)?;
             Ok((d, scan.secrets_skipped))
         })
         .await?;
@@ -533,43 +538,35 @@ impl Service {
         let base = Base::new(rec.dir.join("workspace"));
         let (b2, cache) = (base.clone(), self.manifests.clone());
         let manifest = blocking(move || cache.load(&b2)).await?;
+        let t0 = Instant::now();
         let walk = self.vm_walk(&rec.api.id, vm).await?;
-        let ignores = Ignores::from_base(&manifest, |p| {
-            manifest
-                .entries
-                .get(p)
-                .and_then(|e| base.blob(&e.sha256).ok())
-        });
-        let mut s = diff::suspects(&manifest, &walk, &rules, &ignores, paths);
+        let t_walk = t0.elapsed().as_millis() as u64;
+        let (m2, b2, paths) = (manifest.clone(), base.clone(), paths.to_vec());
+        let mut s = blocking(move || {
+            let ignores = Ignores::from_base(&m2, |p| {
+                m2.entries.get(p).and_then(|e| b2.blob(&e.sha256).ok())
+            });
+            Ok(diff::suspects(&m2, &walk, &rules, &ignores, &paths))
+        })
+        .await?;
         let max = self.max_file_bytes();
         let too_big = diff::take_too_big(&mut s, max);
-        let wanted: Vec<String> = s
+        let wanted: Vec<(String, u64)> = s
             .changed
             .iter()
             .filter(|w| w.kind == FileKind::File && w.size <= max)
-            .map(|w| w.path.clone())
+            .map(|w| (w.path.clone(), w.size))
             .collect();
-        let agent = &vm.agent;
-        let fetched: Vec<Result<(String, Vec<u8>), ServiceError>> =
-            futures_util::stream::iter(wanted)
-                .map(|p| async move {
-                    let data = agent
-                        .read_file(&guest_path(&p), max)
-                        .await
-                        .map_err(agent_err)?;
-                    Ok((p, data))
-                })
-                .buffer_unordered(FETCH_CONCURRENCY)
-                .collect()
-                .await;
-        let mut contents = HashMap::new();
-        for f in fetched {
-            let (p, d) = f?;
-            contents.insert(p, d);
-        }
+        let (dir, budget) = (rec.dir.clone(), self.max_diff_bytes());
+        let spill = Arc::new(blocking(move || Spill::new(&dir, budget)).await?);
+        let announced = wanted.iter().fold(0u64, |t, w| t.saturating_add(w.1));
+        spill.check_announced(announced)?;
+        let contents = fetch::into_spill(&vm.agent, &spill, wanted, max).await?;
+        tracing::debug!(sandbox = %rec.api.id, files = contents.len(), bytes = spill.used(), walk_ms = t_walk, ms = t0.elapsed().as_millis() as u64, "fetched the VM's changed files");
         let special = s.special.clone();
         let refused = s.refused.clone();
-        let changes = diff::classify(&manifest, s, contents);
+        let m2 = manifest.clone();
+        let changes = blocking(move || Ok(diff::classify(&m2, s, contents))).await?;
         Ok(Changes {
             base,
             manifest,
@@ -577,6 +574,7 @@ impl Service {
             special,
             refused,
             too_big,
+            _spill: spill,
         })
     }
 
@@ -590,7 +588,9 @@ impl Service {
         let (_life, rec, vm) = self.ready_vm(id).await?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
+        let t = Instant::now();
         let ch = self.changes(&rec, &vm, &paths).await?;
+        let changes_ms = t.elapsed().as_millis() as u64;
         let mut refused: Vec<String> = ch.refused().collect();
         let root = PathBuf::from(&rec.api.workspace.host_path);
         let (files, links) = blocking(move || {
@@ -599,6 +599,7 @@ impl Service {
         })
         .await?;
         refused.extend(links);
+        tracing::info!(sandbox = %id, files = files.len(), changes_ms, ms = t.elapsed().as_millis() as u64, "diff done");
         Ok(api::DiffReport {
             files,
             too_big: ch.too_big,
@@ -664,7 +665,12 @@ impl Service {
             umask: apply::process_umask(),
         };
         let (r2, b2, tb) = (root.clone(), ch.base.clone(), ch.too_big.clone());
-        let plan = blocking(move || apply::plan(&r2, &b2, ch.changes, &rules, opts, &tb)).await?;
+        let mut changes = ch.changes;
+        let plan = blocking(move || {
+            diff::load_contents(&mut changes)?;
+            apply::plan(&r2, &b2, changes, &rules, opts, &tb)
+        })
+        .await?;
         let mut report = api::ApplyReport {
             artifact_id: None,
             applied: plan.applied.clone(),

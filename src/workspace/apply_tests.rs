@@ -127,6 +127,11 @@ fn vm_item(path: &str, kind: Kind, mode: u32, content: &[u8], link: Option<&str>
         kind,
         mode,
         content: content.to_vec(),
+        spill: None,
+        sha256: match kind {
+            Kind::File => crate::workspace::sha256(content),
+            _ => String::new(),
+        },
         link: link.map(str::to_owned),
         walk: WalkEntry {
             path: path.into(),

@@ -2,15 +2,23 @@
 //!
 //! Three steps so the VM round trips stay in the service: [`suspects`] compares the VM's
 //! tree manifest (from the guest's `Walk`) with the base by stat and names the files worth
-//! fetching; [`classify`] compares their fetched content with the base (an mtime-only change
-//! is no change) and finds renames; [`report`] renders the API view (unified diffs via
-//! `similar`). Never touches the host repo.
+//! fetching (the service fetches them into a [`super::spill::Spill`], hashing as they arrive);
+//! [`classify`] compares their hashes with the base (an mtime-only change is no change) and
+//! finds renames by hash (one map lookup per deleted file); [`report`] renders the API view
+//! (unified diffs via `similar`, one file in memory at a time, text over [`TEXT_DIFF_MAX`]
+//! shown as binary). Never touches the host repo.
 
-use std::collections::{BTreeMap, HashMap};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use super::manifest::{Base, Entry, Kind, Manifest};
 use super::rules::{Ignores, Rules};
+use super::spill::Spilled;
 use super::{WorkspaceError, sha256};
+
+/// Files larger than this (either side) get no line diff: they are reported as binary, without
+/// being read (a line diff of a huge text file takes time and memory out of proportion).
+pub const TEXT_DIFF_MAX: u64 = 8 << 20;
 use crate::api::{ChangeKind, FileChange};
 use crate::rpc::{FileKind, WalkEntry};
 
@@ -55,18 +63,19 @@ pub fn suspects(
 ) -> Suspects {
     let mut s = Suspects::default();
     let mut seen: HashMap<&str, ()> = HashMap::new();
-    let mut dropped_dirs: Vec<&str> = Vec::new();
+    // Directories left out: everything under them is too (one lookup per ancestor).
+    let mut dropped_dirs: HashSet<&str> = HashSet::new();
     for w in walk {
         let is_dir = w.kind == FileKind::Dir;
-        if dropped_dirs
-            .iter()
-            .any(|d| w.path.starts_with(&format!("{d}/")))
+        if w.path
+            .match_indices('/')
+            .any(|(i, _)| dropped_dirs.contains(&w.path[..i]))
         {
             continue;
         }
         if !rules.keeps(ignores, &w.path, is_dir) {
             if is_dir {
-                dropped_dirs.push(&w.path);
+                dropped_dirs.insert(&w.path);
             }
             continue;
         }
@@ -112,10 +121,43 @@ pub fn suspects(
 pub struct VmItem {
     pub kind: Kind,
     pub mode: u32,
-    /// File content (empty for symlinks).
+    /// File content, once [`load_contents`] read it from `spill` (empty for symlinks, and for
+    /// files until loaded: a diff never loads them all).
     pub content: Vec<u8>,
+    /// Where the fetched file content is (files only).
+    pub spill: Option<Spilled>,
+    /// SHA-256 of the file content (empty for symlinks).
+    pub sha256: String,
     pub link: Option<String>,
     pub walk: WalkEntry,
+}
+
+impl VmItem {
+    /// Length of the file content (0 for symlinks).
+    pub fn len(&self) -> u64 {
+        self.spill
+            .as_ref()
+            .map_or(self.content.len() as u64, |s| s.len)
+    }
+
+    /// The file content: loaded, or read from the spill file.
+    pub fn bytes(&self) -> Result<Cow<'_, [u8]>, WorkspaceError> {
+        match &self.spill {
+            Some(s) if self.content.len() as u64 != s.len => Ok(Cow::Owned(s.read()?)),
+            _ => Ok(Cow::Borrowed(&self.content)),
+        }
+    }
+}
+
+/// Read the VM content of every change into memory (apply and pull work on it there); the
+/// sum is bounded by the spill's budget (`sync.max_diff_mib`).
+pub fn load_contents(changes: &mut [Change]) -> Result<(), WorkspaceError> {
+    for v in changes.iter_mut().filter_map(|c| c.vm.as_mut()) {
+        if let Some(s) = &v.spill {
+            v.content = s.read()?;
+        }
+    }
+    Ok(())
 }
 
 /// One change of the VM against the base, with everything apply needs.
@@ -129,26 +171,34 @@ pub struct Change {
     pub vm: Option<VmItem>,
 }
 
-/// Compare fetched content with the base; detect renames (a deleted path and an added one with
-/// the same content). `contents` holds the VM content of every suspect file.
+/// Compare fetched content with the base by hash; detect renames (a deleted path and an added
+/// one with the same content; each deleted file takes the first such added path, by path
+/// order). `contents` holds the fetched VM content of every suspect file. O(n log n): one
+/// hash map of the added files' hashes, no content is read.
 pub fn classify(
     base: &Manifest,
     s: Suspects,
-    mut contents: HashMap<String, Vec<u8>>,
+    mut contents: HashMap<String, Spilled>,
 ) -> Vec<Change> {
+    let empty = sha256(b"");
     let mut out: BTreeMap<String, Change> = BTreeMap::new();
     for w in s.changed {
         let Some(kind) = kind_of(w.kind) else {
             continue;
         };
-        let content = contents.remove(&w.path).unwrap_or_default();
+        let spill = contents.remove(&w.path);
+        let sha = match (kind, &spill) {
+            (Kind::File, Some(sp)) => sp.sha256.clone(),
+            (Kind::File, None) => empty.clone(),
+            _ => String::new(),
+        };
         let b = base.entries.get(&w.path).cloned();
         let ck = match &b {
             None => ChangeKind::Added,
             Some(b) if b.kind != kind => ChangeKind::Modified,
             Some(b) => {
                 let same_content = match kind {
-                    Kind::File => b.sha256 == sha256(&content),
+                    Kind::File => b.sha256 == sha,
                     _ => b.link == w.link,
                 };
                 match (same_content, b.mode == w.mode) {
@@ -168,38 +218,45 @@ pub fn classify(
                 vm: Some(VmItem {
                     kind,
                     mode: w.mode,
-                    content,
+                    content: Vec::new(),
+                    spill,
+                    sha256: sha,
                     link: w.link.clone(),
                     walk: w,
                 }),
             },
         );
     }
+    // Added files by content hash, in path order.
+    let mut added: HashMap<&str, VecDeque<&str>> = HashMap::new();
+    for c in out.values() {
+        if let Some(v) = c.vm.as_ref().filter(|v| v.kind == Kind::File)
+            && c.kind == ChangeKind::Added
+        {
+            added.entry(&v.sha256).or_default().push_back(&c.path);
+        }
+    }
+    let mut renames: Vec<(String, String)> = Vec::new();
     let mut deleted: Vec<String> = Vec::new();
     for d in s.deleted {
         let Some(b) = base.entries.get(&d) else {
             continue;
         };
-        // A rename: an added file with exactly the deleted file's content.
-        let renamed_to = out
-            .values()
-            .find(|c| {
-                c.kind == ChangeKind::Added
-                    && b.kind == Kind::File
-                    && c.vm
-                        .as_ref()
-                        .is_some_and(|v| v.kind == Kind::File && sha256(&v.content) == b.sha256)
-            })
-            .map(|c| c.path.clone());
-        match renamed_to {
-            Some(to) => {
-                if let Some(c) = out.get_mut(&to) {
-                    c.kind = ChangeKind::Renamed;
-                    c.old_path = Some(d.clone());
-                    c.base = Some(b.clone());
-                }
-            }
+        let to = (b.kind == Kind::File)
+            .then(|| added.get_mut(b.sha256.as_str()).and_then(|q| q.pop_front()))
+            .flatten();
+        match to {
+            Some(to) => renames.push((to.to_owned(), d)),
             None => deleted.push(d),
+        }
+    }
+    drop(added);
+    for (to, from) in renames {
+        let b = base.entries.get(&from).cloned();
+        if let Some(c) = out.get_mut(&to) {
+            c.kind = ChangeKind::Renamed;
+            c.old_path = Some(from);
+            c.base = b;
         }
     }
     for d in deleted {
@@ -247,17 +304,39 @@ pub fn report(
 ) -> Result<Vec<FileChange>, WorkspaceError> {
     let mut out = Vec::new();
     for c in changes {
-        let old: Vec<u8> = match &c.base {
-            Some(b) if b.kind == Kind::File => base.blob(&b.sha256)?,
-            Some(b) => b.link.clone().unwrap_or_default().into_bytes(),
-            None => Vec::new(),
+        // Over TEXT_DIFF_MAX on either side: binary, nothing read.
+        let big = c
+            .base
+            .as_ref()
+            .is_some_and(|b| b.kind == Kind::File && b.size.max(b.guest_size) > TEXT_DIFF_MAX)
+            || c.vm
+                .as_ref()
+                .is_some_and(|v| v.kind == Kind::File && v.len() > TEXT_DIFF_MAX);
+        // Same content as the base (a rename, a mode change): no line changes, and the base's
+        // copy need not be read.
+        let same = matches!((&c.base, &c.vm), (Some(b), Some(v))
+            if b.kind == Kind::File && v.kind == Kind::File && b.sha256 == v.sha256);
+        let none = || Cow::Borrowed(&b""[..]);
+        let (old, new, binary): (Cow<[u8]>, Cow<[u8]>, bool) = if big {
+            (none(), none(), true)
+        } else if same {
+            // Nothing to count: only whether the content is binary.
+            let new = c.vm.as_ref().map(|v| v.bytes()).transpose()?;
+            (none(), none(), new.is_some_and(|n| is_binary(&n)))
+        } else {
+            let old = match &c.base {
+                Some(b) if b.kind == Kind::File => Cow::Owned(base.blob(&b.sha256)?),
+                Some(b) => Cow::Owned(b.link.clone().unwrap_or_default().into_bytes()),
+                None => none(),
+            };
+            let new = match &c.vm {
+                Some(v) if v.kind == Kind::File => v.bytes()?,
+                Some(v) => Cow::Owned(v.link.clone().unwrap_or_default().into_bytes()),
+                None => none(),
+            };
+            let binary = is_binary(&old) || is_binary(&new);
+            (old, new, binary)
         };
-        let new: Vec<u8> = match &c.vm {
-            Some(v) if v.kind == Kind::File => v.content.clone(),
-            Some(v) => v.link.clone().unwrap_or_default().into_bytes(),
-            None => Vec::new(),
-        };
-        let binary = is_binary(&old) || is_binary(&new);
         let mut fc = FileChange {
             path: c.path.clone(),
             kind: c.kind,
@@ -308,6 +387,9 @@ pub fn report(
 mod tests {
     use super::*;
     use crate::config::SyncConfig;
+    use crate::workspace::spill::Spill;
+
+    use crate::workspace::spill::spilled_for_tests as spilled;
 
     fn we(path: &str, kind: FileKind, size: u64, mtime: i64, nsec: u32) -> WalkEntry {
         WalkEntry {
@@ -342,7 +424,7 @@ mod tests {
 
     #[test]
     fn stat_equal_files_are_not_fetched_and_changes_are_classified() {
-        let (_d, base, m) = setup();
+        let (d, base, m) = setup();
         let rules = Rules::new(&SyncConfig::default()).unwrap();
         let walk = vec![
             we("a.txt", FileKind::File, 12, 200, 5),       // modified
@@ -362,11 +444,14 @@ mod tests {
         assert_eq!(names, ["a.txt", "new.txt", "renamed.txt"]);
         assert_eq!(s.deleted, ["c.bin", "mv.txt"]);
         assert_eq!(s.special, ["fifo"]);
-        let contents = HashMap::from([
-            ("a.txt".to_string(), b"one\nTWO\nthree\n".to_vec()),
-            ("new.txt".to_string(), b"new\n".to_vec()),
-            ("renamed.txt".to_string(), b"moved content\n".to_vec()),
-        ]);
+        let (_spill, contents) = spilled(
+            d.path(),
+            &[
+                ("a.txt", b"one\nTWO\nthree\n"),
+                ("new.txt", b"new\n"),
+                ("renamed.txt", b"moved content\n"),
+            ],
+        );
         let ch = classify(&m, s, contents);
         let kinds: Vec<(&str, ChangeKind)> = ch.iter().map(|c| (c.path.as_str(), c.kind)).collect();
         assert_eq!(
@@ -391,7 +476,7 @@ mod tests {
 
     #[test]
     fn touched_but_identical_file_is_no_change_and_mode_change_is_reported() {
-        let (_d, _base, m) = setup();
+        let (d, _base, m) = setup();
         let rules = Rules::new(&SyncConfig::default()).unwrap();
         let mut exec = we("b.txt", FileKind::File, 5, 300, 1);
         exec.mode = 0o755;
@@ -403,10 +488,8 @@ mod tests {
             &Ignores::default(),
             &["a.txt".into(), "b.txt".into()],
         );
-        let contents = HashMap::from([
-            ("a.txt".to_string(), b"one\ntwo\n".to_vec()),
-            ("b.txt".to_string(), b"keep\n".to_vec()),
-        ]);
+        let (_spill, contents) =
+            spilled(d.path(), &[("a.txt", b"one\ntwo\n"), ("b.txt", b"keep\n")]);
         let ch = classify(&m, s, contents);
         assert_eq!(ch.len(), 1);
         assert_eq!(
@@ -420,5 +503,82 @@ mod tests {
         assert!(is_binary(b"a\0b"));
         assert!(is_binary(&[0xff, 0xfe]));
         assert!(!is_binary("héllo\n".as_bytes()));
+    }
+
+    /// 5,000 files moved plus 5,000 deleted and 5,000 added with other content: every move is
+    /// found as a rename, each deleted file pairs with at most one added file, and files with
+    /// the same content pair in path order. (The old pairwise search hashed every added file
+    /// once per deleted file: 25 million hashes here, minutes in a debug build.)
+    #[test]
+    fn renames_among_thousands_of_adds_and_deletes_pair_by_hash() {
+        let d = tempfile::tempdir().unwrap();
+        let spill = Spill::new(d.path(), u64::MAX).unwrap();
+        let (n, mut m) = (5_000, Manifest::default());
+        let (mut walk, mut contents) = (Vec::new(), HashMap::new());
+        let mut put = |rel: String, content: String, walk: &mut Vec<WalkEntry>| {
+            let mut w = spill.writer(&rel, u64::MAX).unwrap();
+            w.write(content.as_bytes()).unwrap();
+            walk.push(we(&rel, FileKind::File, content.len() as u64, 300, 0));
+            contents.insert(rel, w.finish().unwrap());
+        };
+        for i in 0..n {
+            for (dir, what) in [("old", "moved"), ("gone", "deleted")] {
+                let c = format!("{what} {i}\n");
+                m.entries.insert(
+                    format!("{dir}/{i:05}"),
+                    Entry::file(0o644, c.len() as u64, 0, sha256(c.as_bytes())),
+                );
+            }
+            put(format!("new/{i:05}"), format!("moved {i}\n"), &mut walk);
+            put(format!("fresh/{i:05}"), format!("added {i}\n"), &mut walk);
+        }
+        // Two deleted files with one content, three added copies of it.
+        let twin = sha256(b"twin\n");
+        for p in ["t/a", "t/b"] {
+            m.entries
+                .insert(p.into(), Entry::file(0o644, 5, 0, twin.clone()));
+        }
+        for p in ["u/c", "u/a", "u/b"] {
+            put(p.into(), "twin\n".into(), &mut walk);
+        }
+        walk.sort_by(|a, b| a.path.cmp(&b.path));
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let s = suspects(&m, &walk, &rules, &Ignores::default(), &[]);
+        assert_eq!((s.changed.len(), s.deleted.len()), (2 * n + 3, 2 * n + 2));
+        let ch = classify(&m, s, contents);
+        let count = |k| ch.iter().filter(|c| c.kind == k).count();
+        assert_eq!(count(ChangeKind::Renamed), n + 2);
+        assert_eq!(count(ChangeKind::Deleted), n);
+        assert_eq!(count(ChangeKind::Added), n + 1);
+        for c in ch.iter().filter(|c| c.kind == ChangeKind::Renamed) {
+            let from = c.old_path.as_deref().unwrap();
+            if let Some(i) = c.path.strip_prefix("new/") {
+                assert_eq!(from, format!("old/{i}"));
+            }
+        }
+        let pairs: Vec<(&str, &str)> = ch
+            .iter()
+            .filter(|c| c.path.starts_with("u/"))
+            .map(|c| (c.path.as_str(), c.old_path.as_deref().unwrap_or("-")))
+            .collect();
+        assert_eq!(pairs, [("u/a", "t/a"), ("u/b", "t/b"), ("u/c", "-")]);
+    }
+
+    #[test]
+    fn text_over_the_line_diff_limit_is_reported_as_binary_without_reading_it() {
+        let (d, base, m) = setup();
+        let big = TEXT_DIFF_MAX as usize + 1;
+        let (_spill, mut contents) =
+            spilled(d.path(), &[("a.txt", "x\n".repeat(big / 2 + 1).as_bytes())]);
+        let sp = contents.get_mut("a.txt").unwrap();
+        let s = Suspects {
+            changed: vec![we("a.txt", FileKind::File, sp.len, 400, 0)],
+            ..Default::default()
+        };
+        let ch = classify(&m, s, contents);
+        // Its spill file is gone: a report that read it would fail.
+        std::fs::remove_file(&ch[0].vm.as_ref().unwrap().spill.as_ref().unwrap().path).unwrap();
+        let r = report(&base, &ch, false).unwrap();
+        assert!(r[0].binary && r[0].patch.is_none(), "{:?}", r[0]);
     }
 }

@@ -210,7 +210,6 @@ mod tests {
 
 #[cfg(test)]
 mod diff_tests {
-    use std::collections::HashMap;
 
     use super::super::diff::{classify, suspects};
     use super::super::manifest::{Entry, Manifest};
@@ -296,10 +295,11 @@ mod diff_tests {
         let changed: Vec<&str> = s.changed.iter().map(|w| w.path.as_str()).collect();
         assert_eq!(changed, ["src/a.rs", "src/new.rs"]);
         assert!(s.deleted.is_empty(), "{:?}", s.deleted);
-        let contents = HashMap::from([
-            ("src/a.rs".to_string(), b"new a".to_vec()),
-            ("src/new.rs".to_string(), b"fresh".to_vec()),
-        ]);
+        let d = tempfile::tempdir().unwrap();
+        let (_spill, contents) = crate::workspace::spill::spilled_for_tests(
+            d.path(),
+            &[("src/a.rs", b"new a"), ("src/new.rs", b"fresh")],
+        );
         let ch = classify(&base, s, contents);
         for c in &ch {
             assert!(c.path.starts_with("src/"), "{} would be applied", c.path);

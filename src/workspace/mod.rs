@@ -4,7 +4,8 @@
 //! Owns: the rules of what is synced ([`rules`]: `.gitignore`, `sync.exclude`, secrets), the
 //! sync base of a sandbox ([`manifest`]: the manifest last synced plus content-addressed blobs
 //! of what was sent), git config sanitizing ([`gitconfig`]), the git metadata apply refuses
-//! ([`gitmeta`]), the delta ([`sync`]), the diff of the VM against the base ([`diff`]),
+//! ([`gitmeta`]), the delta ([`sync`]), the diff of the VM against the base ([`diff`],
+//! with [`spill`] holding the VM's changed files on disk while it runs),
 //! bringing changes back ([`apply`], with [`links`] resolving symlinks against the repo as the
 //! apply leaves it), backups ([`backup`], writing through [`hostfs`]) and the ext4 image of a
 //! first big sync ([`basedisk`]).
@@ -22,6 +23,7 @@ pub mod hostfs;
 pub mod links;
 pub mod manifest;
 pub mod rules;
+pub mod spill;
 pub mod sync;
 
 #[cfg(test)]
@@ -51,6 +53,10 @@ pub enum WorkspaceError {
     AlreadyUndone(String),
     #[error("{0}")]
     Refused(String),
+    /// Over a size limit of the config (`sync.max_diff_mib`, `sync.max_sync_mib`,
+    /// `sync.max_file_mib`); nothing was changed.
+    #[error("{0}")]
+    TooBig(String),
     /// Undo would overwrite host changes made after the apply.
     #[error("{0}")]
     HostEdited(String),

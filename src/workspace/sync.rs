@@ -35,25 +35,87 @@ pub struct Delta {
 }
 
 /// Read a host file as it goes into the VM (git config files sanitized: see
-/// [`gitconfig::is_git_config`]).
-fn read_for_vm(root: &Path, rel: &str) -> Result<Vec<u8>, WorkspaceError> {
+/// [`gitconfig::is_git_config`]), taking its size from
+/// `budget` (bytes this sync may still read). `None` when it is no regular file any more
+/// (removed, or swapped for a symlink, FIFO or device since the scan: the next sync sees
+/// what it became). Never follows a symlink at the last component and never reads more than
+/// the size the file has when opened.
+fn read_for_vm(root: &Path, rel: &str, budget: &Budget) -> Result<Option<Vec<u8>>, WorkspaceError> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt;
     let p = root.join(rel);
-    let data = std::fs::read(&p).map_err(WorkspaceError::io("read", &p))?;
-    if gitconfig::is_git_config(root, rel) {
-        return Ok(gitconfig::sanitize(&String::from_utf8_lossy(&data)).into_bytes());
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        // O_NONBLOCK: opening a FIFO swapped in must not wait for a writer.
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&p);
+    let f = match f {
+        Ok(f) => f,
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                || e.raw_os_error() == Some(libc::ELOOP) =>
+        {
+            return Ok(None);
+        }
+        Err(e) => return Err(WorkspaceError::io("read", &p)(e)),
+    };
+    let md = f.metadata().map_err(WorkspaceError::io("read", &p))?;
+    if !md.is_file() {
+        return Ok(None);
     }
-    Ok(data)
+    budget.take(md.len())?;
+    let mut data = Vec::with_capacity(md.len() as usize);
+    f.take(md.len())
+        .read_to_end(&mut data)
+        .map_err(WorkspaceError::io("read", &p))?;
+    if gitconfig::is_git_config(root, rel) {
+        return Ok(Some(
+            gitconfig::sanitize(&String::from_utf8_lossy(&data)).into_bytes(),
+        ));
+    }
+    Ok(Some(data))
 }
 
-/// Content and SHA-256 of a file as it goes into the VM.
-type Read = Result<(Vec<u8>, String), WorkspaceError>;
+/// What one sync may still read (`sync.max_sync_mib`), shared by the reading threads.
+struct Budget {
+    left: std::sync::atomic::AtomicU64,
+    max: u64,
+}
+
+impl Budget {
+    fn take(&self, n: u64) -> Result<(), WorkspaceError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.left
+            .fetch_update(Relaxed, Relaxed, |l| l.checked_sub(n))
+            .map(|_| ())
+            .map_err(|_| over_sync_cap(self.max, "grew past it while being read"))
+    }
+}
+
+/// The error of a sync over `sync.max_sync_mib`.
+fn over_sync_cap(max: u64, what: &str) -> WorkspaceError {
+    WorkspaceError::TooBig(format!(
+        "the workspace files to send {what}: over sync.max_sync_mib ({} MiB); leave big \
+         paths out (`.gitignore`, `sync.exclude`, `--exclude`) or raise the limit",
+        max >> 20
+    ))
+}
+
+/// Content and SHA-256 of a file as it goes into the VM; `None`: no regular file any more.
+type Read = Result<Option<(Vec<u8>, String)>, WorkspaceError>;
 
 /// Read and hash `paths`, spread over the CPUs (a first sync reads the whole repo).
-fn read_all<'a>(root: &Path, paths: &[&'a str]) -> std::collections::HashMap<&'a str, Read> {
+fn read_all<'a>(
+    root: &Path,
+    paths: &[&'a str],
+    budget: &Budget,
+) -> std::collections::HashMap<&'a str, Read> {
     let read = |rel: &str| -> Read {
-        let d = read_for_vm(root, rel)?;
+        let Some(d) = read_for_vm(root, rel, budget)? else {
+            return Ok(None);
+        };
         let sha = super::sha256(&d);
-        Ok((d, sha))
+        Ok(Some((d, sha)))
     };
     if paths.len() < 64 {
         return paths.iter().map(|p| (*p, read(p))).collect();
@@ -93,7 +155,14 @@ pub fn compute(
     scan: &Scan,
     base: &super::manifest::Base,
 ) -> Result<Delta, WorkspaceError> {
-    compute_keeping(root, scan, &base.load()?, &HashSet::new(), &Skip::default())
+    compute_keeping(
+        root,
+        scan,
+        &base.load()?,
+        &HashSet::new(),
+        &Skip::default(),
+        u64::MAX,
+    )
 }
 
 /// Every path of the host scan and of the base once, in order, with what each side has there
@@ -147,12 +216,15 @@ pub fn overwrite_candidates(scan: &Scan, old: &Manifest) -> Vec<String> {
 /// change and apply merges both. They are listed in [`Delta::kept_vm_changes`].
 /// Paths of the base that `skip` matches stay as they are (not sent, not deleted); the scan
 /// is expected to have left them out.
+/// At most `max_bytes` of file content is read (`sync.max_sync_mib`): over it, by the scan's
+/// sizes, [`WorkspaceError::TooBig`] before any file is read.
 pub fn compute_keeping(
     root: &Path,
     scan: &Scan,
     old: &Manifest,
     vm_changed: &HashSet<String>,
     skip: &Skip,
+    max_bytes: u64,
 ) -> Result<Delta, WorkspaceError> {
     let mut kept_vm_changes = Vec::new();
     let mut pack_index = Vec::new();
@@ -167,18 +239,35 @@ pub fn compute_keeping(
             source: e,
         }
     };
+    let mut announced = 0u64;
     let to_read: Vec<&str> = merged(scan, old)
         .filter(|(rel, h, p)| {
             h.is_some_and(|h| h.kind == Kind::File && !p.is_some_and(|p| same_stat(h, p)))
                 && !skip.skips(rel)
         })
-        .map(|(rel, _, _)| rel.as_str())
+        .map(|(rel, h, _)| {
+            announced = announced.saturating_add(h.map_or(0, |h| h.size));
+            rel.as_str()
+        })
         .collect();
-    let mut reads = read_all(root, &to_read);
+    if announced > max_bytes {
+        return Err(over_sync_cap(
+            max_bytes,
+            &format!("are {} MiB", announced.div_ceil(1 << 20)),
+        ));
+    }
+    let budget = Budget {
+        left: max_bytes.into(),
+        max: max_bytes,
+    };
+    let mut reads = read_all(root, &to_read, &budget);
     // Sized once: growing a 100 MB archive by doubling copies it over and over.
     let data: usize = reads
         .values()
-        .map(|r| r.as_ref().map_or(0, |(d, _)| d.len().next_multiple_of(512)))
+        .map(|r| match r {
+            Ok(Some((d, _))) => d.len().next_multiple_of(512),
+            _ => 0,
+        })
         .sum();
     let mut b = tar::Builder::new(Vec::with_capacity(data + (to_read.len() + 64) * 512));
     let mut delete: Vec<String> = Vec::new();
@@ -253,15 +342,9 @@ pub fn compute_keeping(
                 let Some(read) = reads.remove(rel.as_str()) else {
                     continue;
                 };
-                let (data, sha) = match read {
-                    Ok(d) => d,
-                    // Removed between the scan and now: the next sync deletes it.
-                    Err(WorkspaceError::Io { source, .. })
-                        if source.kind() == std::io::ErrorKind::NotFound =>
-                    {
-                        continue;
-                    }
-                    Err(e) => return Err(e),
+                // Removed (or no regular file any more) since the scan: the next sync sees it.
+                let Some((data, sha)) = read? else {
+                    continue;
                 };
                 let mut e = Entry::file(h.mode, h.size, h.mtime_ns, sha.clone());
                 e.guest_size = data.len() as u64;
@@ -434,7 +517,8 @@ mod tests {
             ["a.txt", "b.txt"]
         );
         let vm = HashSet::from(["a.txt".to_string()]);
-        let d = compute_keeping(root, &s, &first.manifest, &vm, &Skip::default()).unwrap();
+        let d =
+            compute_keeping(root, &s, &first.manifest, &vm, &Skip::default(), u64::MAX).unwrap();
         assert_eq!(names(&d.archive), ["b.txt"]);
         assert_eq!(d.kept_vm_changes, ["a.txt"]);
         assert_eq!(d.manifest.entries["a.txt"], first.manifest.entries["a.txt"]);
@@ -457,7 +541,8 @@ mod tests {
         let skip = Skip::new(&["big".into()]).unwrap();
         let scan_rules = rules.with_exclude(&["big".into()]).unwrap();
         let s = scan(root, &scan_rules).unwrap();
-        let d = compute_keeping(root, &s, &first.manifest, &HashSet::new(), &skip).unwrap();
+        let d =
+            compute_keeping(root, &s, &first.manifest, &HashSet::new(), &skip, u64::MAX).unwrap();
         assert_eq!(names(&d.archive), ["src/x.txt"]);
         assert!(d.delete.is_empty(), "{:?}", d.delete);
         for p in ["big", "big/a.bin"] {
@@ -516,5 +601,66 @@ mod tests {
             }
         }
         assert!(found);
+    }
+
+    #[test]
+    fn a_sync_over_its_byte_cap_is_refused_before_any_file_is_read() {
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        write(root, "small.txt", "x");
+        // 1 GiB announced, nothing allocated on disk: a read of it would fill memory.
+        let big = std::fs::File::create(root.join("huge.bin")).unwrap();
+        big.set_len(1 << 30).unwrap();
+        let s = scan(root, &rules).unwrap();
+        let old = Base::new(data.path().join("ws")).load().unwrap();
+        let t = std::time::Instant::now();
+        let e = compute_keeping(root, &s, &old, &HashSet::new(), &Skip::default(), 1 << 20)
+            .err()
+            .expect("refused");
+        assert!(matches!(e, WorkspaceError::TooBig(_)), "{e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("sync.max_sync_mib (1 MiB)") && m.contains("1025 MiB"),
+            "{m}"
+        );
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
+        // Under the cap it goes through.
+        std::fs::remove_file(root.join("huge.bin")).unwrap();
+        let s = scan(root, &rules).unwrap();
+        compute_keeping(root, &s, &old, &HashSet::new(), &Skip::default(), 1 << 20).unwrap();
+    }
+
+    #[test]
+    fn a_file_swapped_after_the_scan_for_a_symlink_or_fifo_is_not_followed() {
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let root = repo.path().to_owned();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        write(outside.path(), "secret", "not in the repo");
+        write(&root, "link", "a file when scanned");
+        write(&root, "fifo", "a file when scanned");
+        write(&root, "kept", "kept");
+        let s = scan(&root, &rules).unwrap();
+        std::fs::remove_file(root.join("link")).unwrap();
+        std::os::unix::fs::symlink(outside.path().join("secret"), root.join("link")).unwrap();
+        std::fs::remove_file(root.join("fifo")).unwrap();
+        nix::unistd::mkfifo(&root.join("fifo"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let old = Base::new(data.path().join("ws")).load().unwrap();
+        // On a thread: a read that opens the FIFO waits for a writer forever.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let d = compute_keeping(&root, &s, &old, &HashSet::new(), &Skip::default(), 1 << 20);
+            let _ = tx.send(d.map(|d| (names(&d.archive), d.manifest)));
+        });
+        let (names, manifest) = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("the sync opened the FIFO and waits")
+            .unwrap();
+        assert_eq!(names, ["kept"]);
+        assert!(!manifest.entries.contains_key("link"));
+        assert!(!manifest.entries.contains_key("fifo"));
     }
 }

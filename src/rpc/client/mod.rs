@@ -50,6 +50,34 @@ impl std::fmt::Debug for AgentClient {
     }
 }
 
+/// A file being read from the guest ([`AgentClient::read_file_chunks`]).
+pub struct FileChunks {
+    s: OpenStream,
+    done: bool,
+}
+
+impl FileChunks {
+    /// The next chunk of the file, `None` at its end. Credit for a chunk goes back as it is
+    /// handed over: the guest sends at most a window ahead of what the caller took.
+    pub async fn next(&mut self) -> Result<Option<Vec<u8>>, RpcError> {
+        if self.done {
+            return Ok(None);
+        }
+        match self.s.recv_within("read_file").await? {
+            Body::Data(d) => {
+                self.s.grant(d.len())?;
+                Ok(Some(d))
+            }
+            Body::DataEnd => {
+                self.done = true;
+                Ok(None)
+            }
+            Body::Error(e) => Err(RpcError::Remote(e)),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
 /// A walk answer: exactly one bincode value, nothing after it, decoded within [`MAX_ANSWER`]
 /// bytes whatever lengths it declares.
 fn decode_walk<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, RpcError> {
@@ -184,6 +212,14 @@ impl AgentClient {
     ) -> Result<u64, RpcError> {
         self.read_stream(Request::ReadFile { path: path.into() }, max, w)
             .await
+    }
+
+    /// Reads a file chunk by chunk, as it arrives: the caller decides where the bytes go and
+    /// when to stop (dropping the [`FileChunks`] ends the read on the host's side).
+    pub async fn read_file_chunks(&self, path: &str) -> Result<FileChunks, RpcError> {
+        let s = self.open()?;
+        s.send(Body::Request(Request::ReadFile { path: path.into() }))?;
+        Ok(FileChunks { s, done: false })
     }
 
     /// A manifest of the tree under `path` (directories named in `skip` are left out).
