@@ -144,6 +144,23 @@ pub struct LimitsConfig {
     pub pressure_min_available_mib: u64,
     /// A sandbox idle for less than this is never paused for memory. Default: 120.
     pub pressure_min_idle_s: u64,
+    /// Free space (MiB) on the data root's filesystem below which a create is refused up front
+    /// with `no_space` (nothing half-made) and `tryboxi doctor` fails its disk check.
+    /// Default: 1024.
+    pub min_free_disk_mib: u64,
+    /// Free space (MiB) below which `tryboxi doctor` warns. Default: 4096.
+    pub warn_free_disk_mib: u64,
+    /// Space (MiB) every big write (snapshot, pause, fork, first sync's base disk, apply
+    /// backup) must leave free after its known size, so the store and logs can still be
+    /// written; a write that would eat into it is refused with `no_space`. Default: 64.
+    pub disk_reserve_mib: u64,
+}
+
+impl LimitsConfig {
+    /// [`LimitsConfig::disk_reserve_mib`] in bytes.
+    pub fn disk_reserve(&self) -> u64 {
+        self.disk_reserve_mib.saturating_mul(1 << 20)
+    }
 }
 
 impl Default for LimitsConfig {
@@ -164,6 +181,9 @@ impl Default for LimitsConfig {
             pressure_psi_avg10: 10.0,
             pressure_min_available_mib: total / 20,
             pressure_min_idle_s: 120,
+            min_free_disk_mib: 1024,
+            warn_free_disk_mib: 4096,
+            disk_reserve_mib: 64,
         }
     }
 }

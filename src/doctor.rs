@@ -48,7 +48,7 @@ pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> 
         data_root(&paths),
         daemon(&paths).await,
         memory(),
-        disk(&paths.root),
+        disk(&paths.root, &config.limits),
         e2fsprogs(),
     ];
     checks.sort_by_key(|c| c.status == Status::Ok);
@@ -317,29 +317,75 @@ fn e2fsprogs() -> Check {
     }
 }
 
-fn disk(root: &Path) -> Check {
+/// Free space on the data root's filesystem: fail below `[limits] min_free_disk_mib` (creates
+/// are refused there), warn below `warn_free_disk_mib`.
+fn disk(root: &Path, limits: &crate::config::LimitsConfig) -> Check {
     let at = if root.exists() { root } else { Path::new("/") };
-    match nix::sys::statvfs::statvfs(at) {
-        Ok(s) => {
-            let free_mib = s.blocks_available() * s.fragment_size() / (1024 * 1024);
-            if free_mib >= 4096 {
-                Check::new(
-                    "disk",
-                    Status::Ok,
-                    format!("{free_mib} MiB free at {}", at.display()),
-                )
-            } else {
-                Check::new(
-                    "disk",
-                    Status::Fail,
-                    format!("only {free_mib} MiB free at {}; need 4096", at.display()),
-                )
-            }
-        }
+    match crate::diskspace::free_bytes(at) {
+        Ok(free) => disk_verdict(at, free >> 20, limits),
         Err(e) => Check::new(
             "disk",
             Status::Warn,
             format!("statvfs {}: {e}", at.display()),
         ),
+    }
+}
+
+fn disk_verdict(at: &Path, free_mib: u64, limits: &crate::config::LimitsConfig) -> Check {
+    if free_mib < limits.min_free_disk_mib {
+        Check::new(
+            "disk",
+            Status::Fail,
+            format!(
+                "only {free_mib} MiB free at {}; creates are refused below {} MiB \
+                 ([limits] min_free_disk_mib): free space or run `tryboxi gc`",
+                at.display(),
+                limits.min_free_disk_mib
+            ),
+        )
+    } else if free_mib < limits.warn_free_disk_mib {
+        Check::new(
+            "disk",
+            Status::Warn,
+            format!(
+                "only {free_mib} MiB free at {} (below {} MiB, [limits] warn_free_disk_mib): \
+                 snapshots and pauses may fail with no_space; creates stop below {} MiB",
+                at.display(),
+                limits.warn_free_disk_mib,
+                limits.min_free_disk_mib
+            ),
+        )
+    } else {
+        Check::new(
+            "disk",
+            Status::Ok,
+            format!("{free_mib} MiB free at {}", at.display()),
+        )
+    }
+}
+
+#[cfg(test)]
+mod disk_tests {
+    use super::*;
+
+    #[test]
+    fn doctor_warns_then_fails_as_free_space_drops() {
+        let limits = crate::config::LimitsConfig {
+            min_free_disk_mib: 1024,
+            warn_free_disk_mib: 4096,
+            ..Default::default()
+        };
+        let at = Path::new("/data");
+        assert_eq!(disk_verdict(at, 8000, &limits).status, Status::Ok);
+        let warn = disk_verdict(at, 2000, &limits);
+        assert_eq!(warn.status, Status::Warn, "{}", warn.detail);
+        assert!(
+            warn.detail.contains("warn_free_disk_mib"),
+            "{}",
+            warn.detail
+        );
+        let fail = disk_verdict(at, 500, &limits);
+        assert_eq!(fail.status, Status::Fail, "{}", fail.detail);
+        assert!(fail.detail.contains("min_free_disk_mib"), "{}", fail.detail);
     }
 }

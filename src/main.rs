@@ -8,6 +8,7 @@ mod cli;
 mod client;
 mod config;
 mod daemon;
+mod diskspace;
 mod doctor;
 mod error;
 mod guest;

@@ -72,6 +72,7 @@ impl From<ServiceError> for ApiError {
             ServiceError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             ServiceError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ServiceError::Busy(_) => (StatusCode::TOO_MANY_REQUESTS, "host_full"),
+            ServiceError::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
             ServiceError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         ApiError::new(status, code, e.to_string())

@@ -5,6 +5,7 @@
 //! Never: parses HTTP (that is `daemon`), builds QEMU command lines (that is `vmm`), or deletes
 //! anything except through `safefs`.
 
+mod diskroom;
 mod exec;
 mod fork;
 mod gc;
@@ -58,8 +59,30 @@ pub enum ServiceError {
     /// The host is full and the request could not be queued or waited too long (429).
     #[error("{0}")]
     Busy(String),
+    /// The data root's filesystem is (nearly) full: the operation was refused before it wrote
+    /// anything, or ran out of space and removed what it had written (507 `no_space`).
+    #[error("{0}")]
+    NoSpace(String),
     #[error("{0}")]
     Internal(String),
+}
+
+impl From<crate::diskspace::NoSpace> for ServiceError {
+    fn from(e: crate::diskspace::NoSpace) -> Self {
+        ServiceError::NoSpace(e.to_string())
+    }
+}
+
+impl ServiceError {
+    /// The error of a big write under `at` that failed with `err`: [`ServiceError::NoSpace`]
+    /// (naming the filesystem and what is free now) when it ran out of space, else
+    /// [`ServiceError::Internal`] with `context: err`.
+    pub(crate) fn of_write(at: &Path, what: &str, context: &str, err: &str) -> ServiceError {
+        match crate::diskspace::after_failure(at, what, err) {
+            Some(ns) => ns.into(),
+            None => ServiceError::Internal(format!("{context}: {err}")),
+        }
+    }
 }
 
 impl From<scheduler::SchedError> for ServiceError {
@@ -74,7 +97,11 @@ impl From<scheduler::SchedError> for ServiceError {
 
 impl From<StoreError> for ServiceError {
     fn from(e: StoreError) -> Self {
-        ServiceError::Internal(e.to_string())
+        let msg = e.to_string();
+        if crate::diskspace::mentions_no_space(&msg) {
+            return ServiceError::NoSpace(format!("the store cannot be written: {msg}"));
+        }
+        ServiceError::Internal(msg)
     }
 }
 

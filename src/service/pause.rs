@@ -217,6 +217,14 @@ impl Service {
             }
         }
         let driver = self.driver()?;
+        // What it writes is known up front (a small state file, or the whole RAM for a VM on
+        // a borrowed mapping): a pause that cannot fit is refused with the VM still running.
+        let what = format!("pausing {id}");
+        self.ensure_room_for(
+            &rec.dir,
+            &what,
+            super::diskroom::checkpoint_bytes(&rec, false),
+        )?;
         // Out of the live map first, so its watcher takes the agent link closing as expected.
         let vm = self
             .vms
@@ -228,14 +236,22 @@ impl Service {
             Ok(cp) => cp,
             Err(e) => {
                 // The driver continued the VM if it could; give it back unless it died.
-                if driver.is_alive(&vm.info) {
+                let alive = driver.is_alive(&vm.info);
+                if alive {
                     self.vms.insert(id, vm);
+                    // A partial state file must not be taken for a pause later.
+                    if let Err(rm) = crate::safefs::remove_under(&rec.dir, &dir) {
+                        tracing::warn!(sandbox = %id, error = %rm, "cannot remove a failed pause's files");
+                    }
                 } else {
                     self.mark_failed(id, format!("pause failed and the VM is gone: {e}"));
                 }
-                return Err(ServiceError::Internal(format!(
-                    "cannot pause sandbox `{id}`: {e}"
-                )));
+                return Err(ServiceError::of_write(
+                    &rec.dir,
+                    &what,
+                    &format!("cannot pause sandbox `{id}`"),
+                    &e.to_string(),
+                ));
             }
         };
         let pr = PauseRecord {

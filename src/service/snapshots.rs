@@ -80,19 +80,46 @@ impl Service {
         let snap_id = ids::new_id(ids::SNAPSHOT);
         let dir = rec.dir.join("snapshots").join(&snap_id);
         let next = rec.dir.join(format!("disk-{snap_id}.qcow2"));
+        // Its size is known before anything is written: a snapshot that cannot fit is refused
+        // with the sandbox untouched.
+        let what = format!("a snapshot of {id}");
+        self.ensure_room_for(
+            &rec.dir,
+            &what,
+            super::diskroom::checkpoint_bytes(&rec, true),
+        )?;
         let t0 = Instant::now();
         let cp = driver
             .checkpoint(&vm.info, &dir, &next)
             .await
             .map_err(|e| {
-                ServiceError::Internal(format!("cannot checkpoint sandbox `{id}`: {e}"))
+                // The driver removed its partial files; the VM runs on.
+                ServiceError::of_write(
+                    &rec.dir,
+                    &what,
+                    &format!("cannot checkpoint sandbox `{id}`"),
+                    &e.to_string(),
+                )
             })?;
+        // From here a failure leaves no half snapshot behind: its directory goes (the VM runs
+        // on its new overlay, over the now frozen layer, as after any snapshot).
+        let discard = |e: ServiceError| {
+            if let Err(rm) = crate::safefs::remove_under(&rec.dir, &dir) {
+                tracing::warn!(sandbox = %id, error = %rm, "cannot remove a failed snapshot's files");
+            }
+            e
+        };
         // The workspace sync base goes with the snapshot (its blobs are write-once, so the
         // manifest is enough): after a restore, diff and sync compare against what the VM had.
         let base = Base::new(rec.dir.join("workspace"));
         if let Ok(m) = base.load() {
             Base::new(dir.join("workspace")).save(&m).map_err(|e| {
-                ServiceError::Internal(format!("cannot save the sync base with the snapshot: {e}"))
+                discard(ServiceError::of_write(
+                    &rec.dir,
+                    &what,
+                    "cannot save the sync base with the snapshot",
+                    &e.to_string(),
+                ))
             })?;
         }
         let snap = SnapshotRecord {
@@ -106,7 +133,9 @@ impl Service {
             },
             checkpoint: cp,
         };
-        self.store.put(SNAPSHOTS, &snap_id, &snap)?;
+        self.store
+            .put(SNAPSHOTS, &snap_id, &snap)
+            .map_err(|e| discard(e.into()))?;
         tracing::info!(sandbox = %id, snapshot = %snap_id, ms = snap.api.duration_ms, bytes = snap.api.state_bytes, "snapshot taken");
         Ok(snap.api)
     }

@@ -128,6 +128,8 @@ impl Service {
         self.check_exclude(&req.workspace.exclude)?;
         let net_policy = self.validate_network(req.network.as_ref())?;
         let need = Resources::new(vcpus, memory_mib as u64);
+        // A nearly full data root: refused before anything is made (507 `no_space`).
+        self.ensure_create_room()?;
         // Bigger than the host: refused before any work (503).
         self.ledger.group_ever_fits(need, 1, &[])?;
         let images = self.images()?;

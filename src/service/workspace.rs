@@ -30,6 +30,18 @@ const DISK_TRANSFER_MIN: u64 = 1 << 20;
 
 impl From<WorkspaceError> for ServiceError {
     fn from(e: WorkspaceError) -> Self {
+        // A full data root (an apply backup, a first sync's files): 507 `no_space`.
+        if let WorkspaceError::Io { what, path, source } = &e
+            && crate::diskspace::is_no_space(source)
+        {
+            let what = format!("{what} {}", path.display());
+            return crate::diskspace::after_io(path, &what, source).into();
+        }
+        if let WorkspaceError::Store(m) = &e
+            && crate::diskspace::mentions_no_space(m)
+        {
+            return ServiceError::NoSpace(e.to_string());
+        }
         match e {
             WorkspaceError::NoArtifact(_) => ServiceError::NotFound(e.to_string()),
             WorkspaceError::AlreadyUndone(_) | WorkspaceError::HostEdited(_) => {

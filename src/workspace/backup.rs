@@ -137,6 +137,44 @@ pub fn execute(
     ops: &[Op],
     persist: &mut dyn FnMut(&ArtifactRecord) -> Result<(), WorkspaceError>,
 ) -> Result<ArtifactRecord, WorkspaceError> {
+    // Until the record says `applying`, no host file has changed: a backup that fails (e.g.
+    // the data root is full) removes what it wrote and leaves the host repo as it was.
+    if let Err(e) = back_up(root, dir, &mut rec, ops, persist) {
+        if let Some(parent) = dir.parent()
+            && let Err(rm) = crate::safefs::remove_under(parent, dir)
+        {
+            tracing::warn!(dir = %dir.display(), error = %rm, "cannot remove a failed backup");
+        }
+        return Err(e);
+    }
+    let kill_after = kill_after_writes();
+    for (n, op) in ops.iter().enumerate() {
+        if kill_after == Some(n) {
+            crash_for_test();
+        }
+        let p = root.join(&op.path);
+        check_host_parents(root, &op.path).map_err(WorkspaceError::Refused)?;
+        match &op.action {
+            Action::Write { content, mode } => hostfs::write_file(root, &op.path, content, *mode)?,
+            Action::Symlink { target } => hostfs::symlink(root, &op.path, target)?,
+            Action::Delete => crate::safefs::remove_under(root, &p)
+                .map_err(|e| WorkspaceError::Refused(e.to_string()))?,
+        }
+    }
+    rec.state = ArtifactState::Applied;
+    save(dir, &rec, persist)?;
+    Ok(rec)
+}
+
+/// The first half of [`execute`]: back up what the host has at every path `ops` touch, then
+/// record it (state `applying`). Writes only under `dir`.
+fn back_up(
+    root: &Path,
+    dir: &Path,
+    rec: &mut ArtifactRecord,
+    ops: &[Op],
+    persist: &mut dyn FnMut(&ArtifactRecord) -> Result<(), WorkspaceError>,
+) -> Result<(), WorkspaceError> {
     std::fs::create_dir_all(dir.join("files")).map_err(WorkspaceError::io("create", dir))?;
     for (n, op) in ops.iter().enumerate() {
         let before = match host_state(root, &op.path)? {
@@ -165,24 +203,7 @@ pub fn execute(
         });
     }
     rec.state = ArtifactState::Applying;
-    save(dir, &rec, persist)?;
-    let kill_after = kill_after_writes();
-    for (n, op) in ops.iter().enumerate() {
-        if kill_after == Some(n) {
-            crash_for_test();
-        }
-        let p = root.join(&op.path);
-        check_host_parents(root, &op.path).map_err(WorkspaceError::Refused)?;
-        match &op.action {
-            Action::Write { content, mode } => hostfs::write_file(root, &op.path, content, *mode)?,
-            Action::Symlink { target } => hostfs::symlink(root, &op.path, target)?,
-            Action::Delete => crate::safefs::remove_under(root, &p)
-                .map_err(|e| WorkspaceError::Refused(e.to_string()))?,
-        }
-    }
-    rec.state = ArtifactState::Applied;
-    save(dir, &rec, persist)?;
-    Ok(rec)
+    save(dir, rec, persist)
 }
 
 /// Crash-consistency test hook: with `TRYBOXI_TEST_KILL_AFTER_WRITES=N` in the daemon's
@@ -551,5 +572,99 @@ mod tests {
         let rep = undo_quiet(art.path(), r, false).unwrap();
         assert!(rep.overwritten.is_empty() && rep.overwritten_backup.is_none());
         assert_eq!(std::fs::read(root.join("a.txt")).unwrap(), b"before");
+    }
+}
+
+#[cfg(test)]
+mod full_disk_tests {
+    use super::*;
+
+    fn rec(root: &Path) -> ArtifactRecord {
+        ArtifactRecord {
+            id: "art_full".into(),
+            sandbox_id: "sbx_full".into(),
+            kind: "apply".into(),
+            created_at: "now".into(),
+            host_root: root.to_path_buf(),
+            state: ArtifactState::Applying,
+            entries: vec![],
+            overwritten_by_undo: vec![],
+        }
+    }
+
+    fn write_op(path: &str, content: &[u8]) -> Op {
+        Op {
+            path: path.into(),
+            action: Action::Write {
+                content: content.to_vec(),
+                mode: 0o644,
+            },
+        }
+    }
+
+    #[test]
+    fn a_backup_that_cannot_be_recorded_removes_its_files_and_leaves_the_host_alone() {
+        let repo = tempfile::tempdir().unwrap();
+        let arts = tempfile::tempdir().unwrap();
+        std::fs::write(repo.path().join("a.txt"), "host\n").unwrap();
+        let dir = arts.path().join("art_full");
+        let ops = [write_op("a.txt", b"vm\n"), write_op("new.txt", b"vm\n")];
+        let err = execute(repo.path(), &dir, rec(repo.path()), &ops, &mut |_| {
+            Err(WorkspaceError::Store(
+                "No space left on device (os error 28)".into(),
+            ))
+        })
+        .unwrap_err();
+        assert!(matches!(err, WorkspaceError::Store(_)), "{err}");
+        assert_eq!(
+            std::fs::read_to_string(repo.path().join("a.txt")).unwrap(),
+            "host\n"
+        );
+        assert!(!repo.path().join("new.txt").exists());
+        assert!(!dir.exists(), "the partial backup is left behind");
+    }
+
+    /// A real ENOSPC: the artifacts directory is a 64 KiB tmpfs (root only).
+    #[test]
+    fn a_backup_that_runs_out_of_space_removes_its_files_and_leaves_the_host_alone() {
+        if !nix::unistd::geteuid().is_root() {
+            assert!(std::env::var_os("CI").is_none(), "needs root under CI");
+            eprintln!("skipped: needs root to mount a size-limited tmpfs");
+            return;
+        }
+        let repo = tempfile::tempdir().unwrap();
+        let arts = tempfile::tempdir().unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            arts.path(),
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=64k"),
+        )
+        .unwrap();
+        struct Unmount<'a>(&'a Path);
+        impl Drop for Unmount<'_> {
+            fn drop(&mut self) {
+                let _ = nix::mount::umount2(self.0, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+        let _u = Unmount(arts.path());
+        let big = vec![7u8; 256 << 10];
+        std::fs::write(repo.path().join("small.txt"), "host\n").unwrap();
+        std::fs::write(repo.path().join("big.bin"), &big).unwrap();
+        let dir = arts.path().join("art_full");
+        let ops = [write_op("small.txt", b"vm\n"), write_op("big.bin", b"vm\n")];
+        let err = execute(repo.path(), &dir, rec(repo.path()), &ops, &mut |_| Ok(())).unwrap_err();
+        let WorkspaceError::Io { source, .. } = &err else {
+            panic!("{err}")
+        };
+        assert!(crate::diskspace::is_no_space(source), "{err}");
+        assert_eq!(std::fs::read(repo.path().join("big.bin")).unwrap(), big);
+        assert_eq!(
+            std::fs::read_to_string(repo.path().join("small.txt")).unwrap(),
+            "host\n"
+        );
+        assert!(!dir.exists(), "the partial backup is left behind");
+        assert!(crate::diskspace::free_bytes(arts.path()).unwrap() >= 32 << 10);
     }
 }

@@ -28,10 +28,17 @@ impl Daemon {
     /// [`Daemon::start`] with extra environment variables for this first start only (a test
     /// hook such as `TRYBOXI_TEST_KILL_AFTER_WRITES`).
     pub fn start_env(config: Option<&str>, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
-        let home = tempfile::Builder::new()
-            .prefix("tbx-test-")
-            .tempdir()
-            .expect("tempdir");
+        Daemon::start_in(new_home(), config, extra, env)
+    }
+
+    /// [`Daemon::start_env`] on a data root the test made (e.g. a size-limited tmpfs mounted on
+    /// a [`new_home`]).
+    pub fn start_in(
+        home: tempfile::TempDir,
+        config: Option<&str>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         // No golden snapshot builds and no warm pool unless a test asks for them (each is a
         // background boot or a running QEMU: CI stays light; tests/fork_e2e.rs covers them).
         const NO_POOL: &str = "\n[pool]\ngolden = false\nsize = 0\n";
@@ -175,6 +182,14 @@ impl Drop for Daemon {
         }
         let _ = self.stop();
     }
+}
+
+/// A new empty directory for a data root.
+pub fn new_home() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("tbx-test-")
+        .tempdir()
+        .expect("tempdir")
 }
 
 pub fn wait_bounded(child: &mut Child, limit: Duration) -> std::process::ExitStatus {

@@ -83,6 +83,7 @@ impl QemuDriver {
         let frozen_ram = dest.join(RAM_FILE);
         let t0 = Instant::now();
         qmp.stop().await?;
+        let mut switched = false;
         let res = async {
             save_state(&qmp, &state, ram.is_some()).await?;
             qmp.execute(
@@ -94,6 +95,7 @@ impl QemuDriver {
                 })),
             )
             .await?;
+            switched = true;
             if let Some(r) = &ram {
                 let bytes = ramfile::copy_sparse_async(r, &frozen_ram).await?;
                 tracing::debug!(vm = %vm.id, bytes, "RAM file frozen");
@@ -103,7 +105,10 @@ impl QemuDriver {
         .await;
         // Whatever happened, the VM must not stay paused.
         let cont = qmp.cont().await;
-        res?;
+        if let Err(e) = res {
+            discard_failed_checkpoint(&dest, (!switched).then_some(next_overlay.as_path()));
+            return Err(e);
+        }
         cont?;
         tracing::debug!(vm = %vm.id, paused_ms = t0.elapsed().as_millis() as u64, "checkpoint taken");
         let state_bytes = std::fs::metadata(&state)
@@ -246,6 +251,24 @@ impl QemuDriver {
         };
         tracing::info!(vm = %info.id, pid, restore_ms = t0.elapsed().as_millis() as u64, agent_early = agent.is_some(), "VM started from a state file");
         Ok(Resumed { info, agent })
+    }
+}
+
+/// Remove what a checkpoint that failed (e.g. ran out of space) had written: its directory
+/// (a partial state file, a partial RAM copy) and, when the VM did not switch to it, the new
+/// overlay. When the switch happened the overlay is the VM's live disk and stays (the layer
+/// below it is then an ordinary backing file of the chain).
+fn discard_failed_checkpoint(dest: &Path, unused_overlay: Option<&Path>) {
+    if let Err(e) = std::fs::remove_dir_all(dest)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(dir = %dest.display(), error = %e, "cannot remove a failed checkpoint");
+    }
+    if let Some(o) = unused_overlay
+        && let Err(e) = std::fs::remove_file(o)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(file = %o.display(), error = %e, "cannot remove a failed checkpoint's overlay");
     }
 }
 

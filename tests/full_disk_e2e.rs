@@ -1,0 +1,300 @@
+//! A full data root loses nothing: the data root is a size-limited tmpfs, a ballast file fills
+//! it, and a snapshot, pause and create fail with `no_space` (naming the filesystem and what is
+//! free), leave no partial files, leave the sandbox as it was and the store readable; once the
+//! ballast is gone the same operations work. Needs root (to mount the tmpfs) and the guest
+//! images; a real VM under TCG.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{Daemon, artifacts, create, new_home, sh_out};
+
+const MIB: u64 = 1 << 20;
+/// The tmpfs: enough for a 256 MiB guest's directory after boot (its RAM file holds only the
+/// pages it touched), the store and the logs.
+const TMPFS_MIB: u64 = 256;
+/// Free space the ballast leaves: enough for execs (logs, a few guest pages), far less than a
+/// snapshot's copy of the guest RAM.
+const LEAVE_MIB: u64 = 24;
+
+const CONFIG: &str = "default_memory_mib = 256\ndefault_vcpus = 1\nboot_timeout_s = 180\n\
+                      [limits]\nmin_free_disk_mib = 16\ndisk_reserve_mib = 32\n";
+
+/// A tmpfs of `TMPFS_MIB` mounted on a fresh data root, unmounted on drop (after the daemon,
+/// which is declared after it, has removed its sandboxes and stopped).
+struct Tmpfs(PathBuf);
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// Root and the images, or `None` with the reason printed on its own line (under CI both are
+/// required).
+fn can_run() -> Option<PathBuf> {
+    if !nix::unistd::geteuid().is_root() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "full_disk_e2e needs root under CI (it mounts a tmpfs)"
+        );
+        eprintln!(
+            "skipped: full_disk_e2e needs root to mount a size-limited tmpfs as the data root"
+        );
+        return None;
+    }
+    artifacts()
+}
+
+/// A daemon whose data root is a fresh `TMPFS_MIB` tmpfs, with `env` for this start.
+fn daemon_on_tmpfs(art: &Path, env: &[(&str, &str)]) -> (Tmpfs, Daemon) {
+    let home = new_home();
+    let opts = format!("size={TMPFS_MIB}m,mode=0700");
+    nix::mount::mount(
+        Some("tmpfs"),
+        home.path(),
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some(opts.as_str()),
+    )
+    .expect("mount tmpfs");
+    let fs = Tmpfs(home.path().to_owned());
+    let d = Daemon::start_in(
+        home,
+        Some(CONFIG),
+        &["--artifacts", art.to_str().unwrap()],
+        env,
+    );
+    (fs, d)
+}
+
+fn free_bytes(p: &Path) -> u64 {
+    let s = nix::sys::statvfs::statvfs(p).unwrap();
+    s.blocks_available() as u64 * s.fragment_size() as u64
+}
+
+/// Fill the filesystem of `root` until `LEAVE_MIB` are free; the ballast's path.
+fn fill(root: &Path) -> PathBuf {
+    let ballast = root.join("ballast");
+    let free = free_bytes(root);
+    assert!(
+        free > LEAVE_MIB * MIB,
+        "only {free} bytes free before the ballast"
+    );
+    let f = std::fs::File::create(&ballast).unwrap();
+    nix::fcntl::fallocate(
+        &f,
+        nix::fcntl::FallocateFlags::empty(),
+        0,
+        (free - LEAVE_MIB * MIB) as i64,
+    )
+    .expect("fallocate the ballast");
+    let left = free_bytes(root);
+    assert!(left <= (LEAVE_MIB + 1) * MIB, "{left} bytes still free");
+    ballast
+}
+
+/// Sizes of everything in a sandbox's directory (for the failure messages).
+fn listing(dir: &Path) -> String {
+    let mut out = String::new();
+    for e in walk(dir) {
+        use std::os::unix::fs::MetadataExt as _;
+        let m = std::fs::symlink_metadata(&e).unwrap();
+        out.push_str(&format!(
+            "{:>8} KiB {}\n",
+            m.blocks() / 2,
+            e.strip_prefix(dir).unwrap().display()
+        ));
+    }
+    out
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut all = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if e.file_type().unwrap().is_dir() {
+            all.extend(walk(&p));
+        }
+        all.push(p);
+    }
+    all.sort();
+    all
+}
+
+/// The files of any snapshot in a sandbox's directory (`snapshots/...`).
+fn snapshot_files(dir: &Path) -> Vec<PathBuf> {
+    walk(&dir.join("snapshots"))
+}
+
+fn state(d: &Daemon, id: &str) -> String {
+    let r = d.request("GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["state"].as_str().unwrap().to_owned()
+}
+
+/// A `no_space` answer: 507, the code, and a message naming the filesystem and what is free.
+fn assert_no_space(r: &common::Resp, d: &Daemon) {
+    assert_eq!(r.status, 507, "{}\n{}", r.text(), d.log_text());
+    assert_eq!(r.error_code(), "no_space", "{}", r.text());
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        msg.contains("no space left on the filesystem of ") && msg.contains("MiB are free"),
+        "{msg}"
+    );
+}
+
+fn snapshot_count(d: &Daemon, id: &str) -> usize {
+    let r = d.request("GET", &format!("/v1/sandboxes/{id}/snapshots"), None);
+    assert_eq!(r.status, 200, "the store must stay readable: {}", r.text());
+    r.json()["snapshots"].as_array().unwrap().len()
+}
+
+/// Wait (bounded) until the sandbox is in `want`.
+fn wait_state(d: &Daemon, id: &str, want: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while state(d, id) != want {
+        assert!(Instant::now() < deadline, "{id} never became {want}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_full_data_root_refuses_snapshot_pause_and_create_up_front_and_loses_nothing() {
+    let Some(art) = can_run() else { return };
+    let (_fs, d) = daemon_on_tmpfs(&art, &[]);
+    let root = d.root().to_owned();
+    let ws = tempfile::tempdir().unwrap();
+    std::fs::write(ws.path().join("a.txt"), "host\n").unwrap();
+    let id = create(&d, ws.path());
+    let dir = root.join("sandboxes").join(&id);
+    assert_eq!(sh_out(&d, &id, "echo before > /root/f; echo ok").1, "ok\n");
+    eprintln!(
+        "after boot: {} MiB free of {TMPFS_MIB}; sandbox dir:\n{}",
+        free_bytes(&root) / MIB,
+        listing(&dir)
+    );
+
+    let ballast = fill(&root);
+
+    // Snapshot: refused before writing anything; the sandbox runs on.
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some("{}"));
+    assert_no_space(&r, &d);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(msg.contains(&id), "names what was written: {msg}");
+    assert_eq!(state(&d, &id), "ready");
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "before\n");
+    assert!(snapshot_files(&dir).is_empty(), "{}", listing(&dir));
+    assert_eq!(snapshot_count(&d, &id), 0);
+    // The CLI says it in words.
+    let o = d.cli(&["snapshot", "create", &id]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no_space"), "{err}");
+
+    // Pause: refused; the VM keeps running, no pause state is left behind.
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_no_space(&r, &d);
+    assert_eq!(state(&d, &id), "ready");
+    assert!(!dir.join("paused").exists(), "{}", listing(&dir));
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "before\n");
+
+    // Create: refused up front, nothing half-made (no record, no directory).
+    let before: Vec<_> = walk(&root.join("sandboxes"));
+    let body = format!(
+        r#"{{"workspace":{{"host_path":"{}"}}}}"#,
+        ws.path().display()
+    );
+    // Above this daemon's `min_free_disk_mib` (16) there is room; below it, none.
+    let f = std::fs::File::create(root.join("ballast2")).unwrap();
+    nix::fcntl::fallocate(
+        &f,
+        nix::fcntl::FallocateFlags::empty(),
+        0,
+        (free_bytes(&root) - 8 * MIB) as i64,
+    )
+    .unwrap();
+    let r = d.request("POST", "/v1/sandboxes", Some(&body));
+    assert_no_space(&r, &d);
+    let list = d.request("GET", "/v1/sandboxes", None).json();
+    assert_eq!(list["sandboxes"].as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(walk(&root.join("sandboxes")), before);
+    std::fs::remove_file(root.join("ballast2")).unwrap();
+
+    // Space freed: the same operations work.
+    std::fs::remove_file(&ballast).unwrap();
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some("{}"));
+    assert_eq!(r.status, 201, "{}\n{}", r.text(), d.log_text());
+    assert_eq!(snapshot_count(&d, &id), 1);
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(r.status, 200, "{}\n{}", r.text(), d.log_text());
+    wait_state(&d, &id, "paused");
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "before\n");
+    assert_eq!(state(&d, &id), "ready");
+}
+
+#[test]
+fn a_snapshot_that_runs_out_of_space_removes_its_partial_files() {
+    let Some(art) = can_run() else { return };
+    // The free-space check is skipped, so the snapshot really runs into the full disk.
+    let (_fs, d) = daemon_on_tmpfs(&art, &[("TRYBOXI_TEST_SKIP_ROOM_CHECK", "1")]);
+    let root = d.root().to_owned();
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+    let dir = root.join("sandboxes").join(&id);
+    assert_eq!(sh_out(&d, &id, "echo before > /root/f; echo ok").1, "ok\n");
+    let ram = common_ram(&dir);
+    assert!(
+        ram > LEAVE_MIB * MIB,
+        "the guest touched only {ram} bytes of RAM: the snapshot would fit"
+    );
+    let ballast = fill(&root);
+
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some("{}"));
+    assert_no_space(&r, &d);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        msg.to_ascii_lowercase().contains("no space left on device"),
+        "says what the write hit: {msg}"
+    );
+    // No partial snapshot: no files, no record; the space it took is free again.
+    assert!(snapshot_files(&dir).is_empty(), "{}", listing(&dir));
+    assert_eq!(snapshot_count(&d, &id), 0);
+    assert!(
+        free_bytes(&root) >= (LEAVE_MIB - 8) * MIB,
+        "partial files left: {} MiB free\n{}",
+        free_bytes(&root) / MIB,
+        listing(&dir)
+    );
+    // The sandbox runs on, with its files.
+    assert_eq!(state(&d, &id), "ready");
+    assert_eq!(
+        sh_out(&d, &id, "cat /root/f; echo x >> /root/f; echo ok").1,
+        "before\nok\n"
+    );
+
+    std::fs::remove_file(&ballast).unwrap();
+    let r = d.request(
+        "POST",
+        &format!("/v1/sandboxes/{id}/snapshots"),
+        Some(r#"{"name":"after"}"#),
+    );
+    assert_eq!(r.status, 201, "{}\n{}", r.text(), d.log_text());
+    assert_eq!(snapshot_count(&d, &id), 1);
+    // And it restores.
+    assert_eq!(sh_out(&d, &id, "echo later > /root/f; echo ok").1, "ok\n");
+    let o = d.cli(&["restore", &id, "after"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "before\nx\n");
+}
+
+/// Bytes the guest's RAM file takes (what a snapshot copies).
+fn common_ram(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(dir.join("mem.ram"))
+        .map(|m| m.blocks() * 512)
+        .unwrap_or(0)
+}
