@@ -51,8 +51,13 @@ fn can_run() -> Option<PathBuf> {
 
 /// A daemon whose data root is a fresh `TMPFS_MIB` tmpfs, with `env` for this start.
 fn daemon_on_tmpfs(art: &Path, env: &[(&str, &str)]) -> (Tmpfs, Daemon) {
+    daemon_on_tmpfs_of(TMPFS_MIB, art, env)
+}
+
+/// [`daemon_on_tmpfs`] with a tmpfs of `mib`.
+fn daemon_on_tmpfs_of(mib: u64, art: &Path, env: &[(&str, &str)]) -> (Tmpfs, Daemon) {
     let home = new_home();
-    let opts = format!("size={TMPFS_MIB}m,mode=0700");
+    let opts = format!("size={mib}m,mode=0700");
     nix::mount::mount(
         Some("tmpfs"),
         home.path(),
@@ -297,4 +302,100 @@ fn common_ram(dir: &Path) -> u64 {
     std::fs::metadata(dir.join("mem.ram"))
         .map(|m| m.blocks() * 512)
         .unwrap_or(0)
+}
+
+/// Size of the big files of the sync/apply test: more than the ballast leaves free.
+const BIG: usize = 20 << 20;
+
+#[test]
+fn a_full_data_root_refuses_sync_fork_and_apply_and_loses_nothing() {
+    let Some(art) = can_run() else { return };
+    // Room for the VM, its base disk, a fork base and a child, a sync and a backup of `BIG`.
+    let (_fs, d) = daemon_on_tmpfs_of(640, &art, &[]);
+    let root = d.root().to_owned();
+    let ws = tempfile::tempdir().unwrap();
+    let mut big = vec![b'h'; BIG];
+    big.push(b'\n');
+    std::fs::write(ws.path().join("big.txt"), &big).unwrap();
+    std::fs::write(ws.path().join("a.txt"), "host\n").unwrap();
+    let id = create(&d, ws.path());
+    let dir = root.join("sandboxes").join(&id);
+    // The VM changes both files (apply would bring them back, backing up the host's first).
+    let (code, _) = sh_out(
+        &d,
+        &id,
+        "echo vm >> /workspace/big.txt && echo vm > /workspace/a.txt",
+    );
+    assert_eq!(code, Some(0));
+    // A new host file for the next sync.
+    std::fs::write(ws.path().join("new.txt"), vec![b'n'; BIG]).unwrap();
+    let ballast = fill(&root);
+
+    // Sync: refused before sending; the VM has not got the file; the sandbox runs on.
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/sync"), None);
+    assert_no_space(&r, &d);
+    assert_eq!(state(&d, &id), "ready");
+
+    // Fork: refused before the checkpoint; no fork base left, no child.
+    let r = d.request(
+        "POST",
+        &format!("/v1/sandboxes/{id}/fork"),
+        Some(r#"{"count":1}"#),
+    );
+    assert_no_space(&r, &d);
+    assert!(walk(&dir.join("forks")).is_empty(), "{}", listing(&dir));
+    let list = d.request("GET", "/v1/sandboxes", None).json();
+    assert_eq!(list["sandboxes"].as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(state(&d, &id), "ready");
+
+    // Apply: refused before the backup; the host repo is unchanged, no backup left.
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/apply"), Some("{}"));
+    assert_no_space(&r, &d);
+    assert_eq!(std::fs::read(ws.path().join("big.txt")).unwrap(), big);
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("a.txt")).unwrap(),
+        "host\n"
+    );
+    assert!(walk(&root.join("artifacts")).is_empty());
+    // An exec syncs first: with the host's new file pending it says no_space too...
+    let o = d.cli(&["exec", &id, "--", "true"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no_space"), "{err}");
+    // ... and runs when that file is left out: the VM still has its changes and not the file.
+    let body = r#"{"cmd":"cat /workspace/a.txt; test -e /workspace/new.txt && echo sent || echo unsent","sync_exclude":["new.txt"]}"#;
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/exec"), Some(body));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let out: String = (r.text().lines())
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|e| e["type"] == "stdout")
+        .map(|e| e["data"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(out, "vm\nunsent\n", "{}", r.text());
+
+    // Space freed: all three work.
+    std::fs::remove_file(&ballast).unwrap();
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/sync"), None);
+    assert_eq!(r.status, 200, "{}\n{}", r.text(), d.log_text());
+    assert_eq!(
+        sh_out(&d, &id, "wc -c < /workspace/new.txt").1.trim(),
+        BIG.to_string()
+    );
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/apply"), Some("{}"));
+    assert_eq!(r.status, 200, "{}\n{}", r.text(), d.log_text());
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("a.txt")).unwrap(),
+        "vm\n"
+    );
+    assert!(
+        std::fs::read(ws.path().join("big.txt"))
+            .unwrap()
+            .ends_with(b"h\nvm\n")
+    );
+    let r = d.request(
+        "POST",
+        &format!("/v1/sandboxes/{id}/fork"),
+        Some(r#"{"count":1}"#),
+    );
+    assert_eq!(r.status, 201, "{}\n{}", r.text(), d.log_text());
 }

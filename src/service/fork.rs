@@ -79,17 +79,41 @@ impl Service {
         let base_id = ids::new_id("fork_");
         let base_dir = parent.dir.join("forks").join(&base_id);
         let next = parent.dir.join(format!("disk-{base_id}.qcow2"));
+        // The fork base copies the parent's RAM, like a snapshot; refused up front when it
+        // cannot fit (the parent runs on untouched).
+        let what = format!("a fork of {id}");
+        self.ensure_room_for(
+            &parent.dir,
+            &what,
+            super::diskroom::checkpoint_bytes(&parent, true),
+        )?;
         let cp = driver
             .checkpoint(&vm.info, &base_dir, &next)
             .await
-            .map_err(|e| ServiceError::Internal(format!("cannot checkpoint `{id}`: {e}")))?;
+            .map_err(|e| {
+                ServiceError::of_write(
+                    &parent.dir,
+                    &what,
+                    &format!("cannot checkpoint `{id}`"),
+                    &e.to_string(),
+                )
+            })?;
         let checkpoint_ms = t0.elapsed().as_millis() as u64;
         // The parent's sync base goes with the fork base (the children's /workspace is the
         // parent's at this instant).
         let saved_base = base_dir.join("workspace");
         if let Ok(m) = Base::new(parent.dir.join("workspace")).load() {
             Base::new(saved_base.clone()).save(&m).map_err(|e| {
-                ServiceError::Internal(format!("cannot save the sync base with the fork: {e}"))
+                // No child uses the fork base yet: it goes.
+                if let Err(rm) = crate::safefs::remove_under(&parent.dir, &base_dir) {
+                    tracing::warn!(sandbox = %id, error = %rm, "cannot remove a failed fork base");
+                }
+                ServiceError::of_write(
+                    &parent.dir,
+                    &what,
+                    "cannot save the sync base with the fork",
+                    &e.to_string(),
+                )
             })?;
         }
         let kids = (0..count).map(|_| self.start_child(&parent, &cp, &saved_base));

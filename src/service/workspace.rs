@@ -276,6 +276,13 @@ impl Service {
         first: bool,
     ) -> Result<api::SyncVia, ServiceError> {
         let mut via = api::SyncVia::Nothing;
+        // What is sent lands on the data root (the base disk image, or the VM's disk overlay
+        // growing as the guest writes it): a sync that cannot fit is refused before it starts
+        // (a VM whose overlay hits a full disk would stop on the I/O error).
+        if delta.entries > 0 {
+            let what = format!("the sync of {}", vm.info.id);
+            self.ensure_room_for(&vm.info.dir, &what, archive.len() as u64)?;
+        }
         // The first big sync: an ext4 image of the tree on the base disk, mounted by the guest.
         if first
             && delta.delete.is_empty()
@@ -694,6 +701,15 @@ impl Service {
         report.refused.extend(plan.refused.iter().cloned());
         report.refused.extend(ch_refused);
         if !plan.ops.is_empty() {
+            // The backup's size is known (the host files it copies): refused up front when it
+            // cannot fit, with the host repo untouched.
+            let need: u64 = (plan.ops.iter())
+                .filter_map(|op| std::fs::symlink_metadata(root.join(&op.path)).ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum();
+            let what = format!("the backup of this {kind}");
+            self.ensure_room_for(&self.paths.artifacts_dir(), &what, need)?;
             let art_id = ids::new_id(ids::ARTIFACT);
             let dir = self.paths.artifacts_dir().join(&art_id);
             let rec0 = ArtifactRecord {
