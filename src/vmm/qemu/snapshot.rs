@@ -214,7 +214,7 @@ impl QemuDriver {
         args.push(OsString::from("-incoming"));
         args.push(OsString::from("defer"));
         let t0 = Instant::now();
-        let (pid, exited) = self.spawn_detached(&args, &dir, &paths.qemu_log)?;
+        let (pid, exited) = self.spawn_detached(&spec, &args, &dir, &paths.qemu_log)?;
         let info = paths.info(&spec, pid);
         let res = async {
             let qmp = connect_until(&paths.qmp, &exited, paths).await?;

@@ -200,6 +200,7 @@ async fn reused_pid_is_not_alive_and_is_never_killed() {
         boot_timeout: BOOT_TIMEOUT,
         log_cap: DEFAULT_LOG_CAP,
         followers: Default::default(),
+        jail: std::sync::Arc::new(crate::vmm::jail::Jail::detect()),
     };
     assert!(!d.is_alive(&vm));
     d.kill(&vm).await.expect("kill is a no-op");
