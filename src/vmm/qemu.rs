@@ -234,13 +234,14 @@ impl QemuDriver {
                 binary.display()
             )));
         }
+        let jail = std::sync::Arc::new(Jail::detect(&binary));
         Ok(QemuDriver {
             binary,
             version,
             boot_timeout: BOOT_TIMEOUT,
             log_cap: DEFAULT_LOG_CAP,
             followers: logs::Followers::default(),
-            jail: std::sync::Arc::new(Jail::detect()),
+            jail,
         })
     }
 
@@ -327,12 +328,12 @@ impl QemuDriver {
     pub(crate) fn spawn_detached(
         &self,
         spec: &VmSpec,
+        paths: &VmPaths,
+        incoming: Option<&Path>,
         args: &[OsString],
-        cwd: &Path,
-        log: &Path,
     ) -> Result<(u32, watch::Receiver<Option<std::process::ExitStatus>>), VmmError> {
-        let fence = std::sync::Arc::new(self.jail.prepare(spec)?);
-        let res = self.spawn_fenced(args, cwd, log, fence.clone());
+        let fence = std::sync::Arc::new(self.jail.prepare(spec, paths, incoming)?);
+        let res = self.spawn_fenced(args, &paths.dir, &paths.qemu_log, fence.clone());
         fence.launched();
         if res.is_err() {
             jail::cgroup::remove_dirs(&fence.cgroup_dirs());
@@ -507,7 +508,7 @@ impl VmmDriver for QemuDriver {
 
         let args = qemu_args(&spec, &paths);
         let t0 = Instant::now();
-        let (pid, mut exited) = self.spawn_detached(&spec, &args, &dir, &paths.qemu_log)?;
+        let (pid, mut exited) = self.spawn_detached(&spec, &paths, None, &args)?;
         let info = paths.info(&spec, pid);
         let ready = match self.wait_ready(&paths, &mut exited).await {
             Ok(()) => write_vm_json(&paths, &info),
