@@ -161,8 +161,9 @@ impl Jail {
         spec: &VmSpec,
         paths: &VmPaths,
         incoming: Option<&Path>,
+        ram_read_only: bool,
     ) -> Result<Prepared, VmmError> {
-        let needs = Needs::of(spec, paths, incoming)?;
+        let needs = Needs::of(spec, paths, incoming, ram_read_only)?;
         let creds = match self.vm_user()? {
             Some(u) => Some(grant(&needs, u, spec.accel)?),
             None => None,
@@ -301,6 +302,36 @@ fn qemu_prefix(binary: &Path) -> Option<PathBuf> {
     Some(bin.parent().unwrap_or(bin).to_owned())
 }
 
+/// QEMU from which on a memory backend can open its file read-only and still give the guest
+/// writable (private, copy-on-write) RAM: `readonly=on,rom=off` (the `rom` property, 8.2).
+pub const READONLY_TEMPLATE_SINCE: super::qemu::QemuVersion = super::qemu::QemuVersion {
+    major: 8,
+    minor: 2,
+    micro: 0,
+};
+
+/// A borrowed (frozen, shared with other clones) RAM file is opened read-only by QEMU when it
+/// can: `readonly=on,rom=off` appended to the memory backend of `args`. A clone then cannot
+/// write the file its siblings map (QEMU would otherwise open it read-write even though its
+/// mapping is private). Returns whether it did.
+pub(crate) fn borrowed_ram_read_only(
+    args: &mut [std::ffi::OsString],
+    paths: &VmPaths,
+    version: super::qemu::QemuVersion,
+) -> bool {
+    if !matches!(paths.ram, RamBacking::Borrowed(_)) || version < READONLY_TEMPLATE_SINCE {
+        return false;
+    }
+    let prefix = format!("memory-backend-file,id={},", super::qemu::RAM_OBJECT);
+    for a in args.iter_mut() {
+        if a.as_encoded_bytes().starts_with(prefix.as_bytes()) {
+            a.push(",readonly=on,rom=off");
+            return true;
+        }
+    }
+    false
+}
+
 /// What one QEMU touches.
 #[derive(Debug)]
 struct Needs {
@@ -317,7 +348,14 @@ struct Needs {
 const MAX_CHAIN: usize = 1024;
 
 impl Needs {
-    fn of(spec: &VmSpec, paths: &VmPaths, incoming: Option<&Path>) -> Result<Needs, VmmError> {
+    /// `ram_read_only`: a borrowed RAM file is opened read-only (see
+    /// [`borrowed_ram_read_only`]); otherwise QEMU opens it read-write and must own it.
+    fn of(
+        spec: &VmSpec,
+        paths: &VmPaths,
+        incoming: Option<&Path>,
+        ram_read_only: bool,
+    ) -> Result<Needs, VmmError> {
         let mut writes = vec![paths.disk.clone(), paths.console.clone(), paths.net.clone()];
         let mut reads = vec![
             spec.kernel.clone(),
@@ -327,7 +365,8 @@ impl Needs {
         ];
         match &paths.ram {
             RamBacking::Owned(p) => writes.push(p.clone()),
-            RamBacking::Borrowed(p) => reads.push(p.clone()),
+            RamBacking::Borrowed(p) if ram_read_only => reads.push(p.clone()),
+            RamBacking::Borrowed(p) => writes.push(p.clone()),
         }
         reads.extend(incoming.map(Path::to_owned));
         reads.extend(backing_chain(&paths.disk)?);

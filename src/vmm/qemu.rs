@@ -332,8 +332,10 @@ impl QemuDriver {
         incoming: Option<&Path>,
         args: &[OsString],
     ) -> Result<(u32, watch::Receiver<Option<std::process::ExitStatus>>), VmmError> {
-        let fence = std::sync::Arc::new(self.jail.prepare(spec, paths, incoming)?);
-        let res = self.spawn_fenced(args, &paths.dir, &paths.qemu_log, fence.clone());
+        let mut args = args.to_vec();
+        let ram_ro = jail::borrowed_ram_read_only(&mut args, paths, self.version);
+        let fence = std::sync::Arc::new(self.jail.prepare(spec, paths, incoming, ram_ro)?);
+        let res = self.spawn_fenced(&args, &paths.dir, &paths.qemu_log, fence.clone());
         fence.launched();
         if res.is_err() {
             jail::cgroup::remove_dirs(&fence.cgroup_dirs());

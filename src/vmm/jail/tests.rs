@@ -362,3 +362,41 @@ async fn qemu_sees_only_its_vm_dir_its_images_and_system_files() {
     // The skeleton is read-only; the VM dir is writable only where QEMU owns files.
     q.end().await;
 }
+
+#[test]
+fn a_borrowed_ram_file_is_opened_read_only_from_qemu_8_2() {
+    use crate::vmm::qemu::{QemuVersion, RamBacking};
+    let dir = Path::new("/data/sandboxes/c");
+    let spec = VmSpec {
+        id: "c".into(),
+        dir: dir.into(),
+        kernel: "/k".into(),
+        initramfs: "/i".into(),
+        rootfs: "/r".into(),
+        vcpus: 1,
+        memory_mib: 256,
+        accel: Accel::Tcg,
+    };
+    let mut paths = VmPaths::new(dir);
+    let v = |major, minor| QemuVersion {
+        major,
+        minor,
+        micro: 0,
+    };
+    let backend = |args: &[OsString]| {
+        args.iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .find(|a| a.starts_with("memory-backend-file"))
+            .expect("memory backend")
+    };
+    // The VM's own RAM file is shared and written: left as it is.
+    let mut args = qemu_args(&spec, &paths);
+    assert!(!super::borrowed_ram_read_only(&mut args, &paths, v(10, 0)));
+    assert!(backend(&args).ends_with("share=on"));
+    paths.ram = RamBacking::Borrowed("/data/sandboxes/p/forks/f/mem.ram".into());
+    let mut args = qemu_args(&spec, &paths);
+    assert!(!super::borrowed_ram_read_only(&mut args, &paths, v(8, 1)));
+    assert!(backend(&args).ends_with("share=off"));
+    assert!(super::borrowed_ram_read_only(&mut args, &paths, v(8, 2)));
+    assert!(backend(&args).ends_with("share=off,readonly=on,rom=off"));
+}
