@@ -29,6 +29,16 @@ use super::qemu::{RamBacking, VmPaths};
 use super::{Accel, VmSpec, VmmError};
 use user::VmUser;
 
+/// How old an empty QEMU cgroup must be before [`Jail::sweep`] removes it.
+pub const SWEEP_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+
+fn unix_nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
 /// Names of cgroups made for launches not yet running: [`Jail::sweep`] leaves them alone.
 static IN_FLIGHT: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
 
@@ -233,11 +243,7 @@ impl Jail {
                 return Ok(None);
             }
         };
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let name = format!("{}.{nanos:x}", spec.id);
+        let name = format!("{}.{:x}", spec.id, unix_nanos());
         let limits = cgroup::Limits::for_vm(spec.vcpus, spec.memory_mib, spec.accel == Accel::Tcg);
         in_flight().insert(name.clone());
         match cgroup::VmCgroup::create(h, &name, limits) {
@@ -261,7 +267,16 @@ impl Jail {
             return 0;
         };
         let busy = in_flight().clone();
-        let n = cgroup::sweep(h, |name| busy.contains(name));
+        let now = unix_nanos();
+        // Only our names (`<vm id>.<hex nanos>`), made over a minute ago: another daemon on
+        // this host may be between making a cgroup and moving its QEMU in.
+        let n = cgroup::sweep(h, |name| {
+            let made = name
+                .rsplit_once('.')
+                .and_then(|(_, hex)| u128::from_str_radix(hex, 16).ok());
+            busy.contains(name)
+                || made.is_none_or(|t| now.saturating_sub(t) < SWEEP_GRACE.as_nanos())
+        });
         if n > 0 {
             tracing::info!(removed = n, "removed the cgroups of ended VMs");
         }

@@ -216,20 +216,15 @@ async fn empty_leftover_cgroups_are_swept_and_busy_ones_kept() {
     }
     let h = cgroup::detect(true).expect("cgroup controllers on this host");
     // A leftover of a QEMU that ended while no daemon ran, and one with a live process.
-    let left = cgroup::VmCgroup::create(
-        &h,
-        &format!("sweep-left.{}", std::process::id()),
-        Limits::for_vm(1, 64, false),
-    )
-    .expect("make");
-    let busy = std::sync::Arc::new(
-        cgroup::VmCgroup::create(
-            &h,
-            &format!("sweep-busy.{}", std::process::id()),
-            Limits::for_vm(1, 64, false),
-        )
-        .expect("make"),
-    );
+    // Names as launches make them (`<id>.<hex nanos>`): two minutes old, and just made.
+    let old = super::unix_nanos() - 120_000_000_000;
+    let pid = std::process::id();
+    let make = |name: String| {
+        cgroup::VmCgroup::create(&h, &name, Limits::for_vm(1, 64, false)).expect("make")
+    };
+    let left = make(format!("sweep-left-{pid}.{old:x}"));
+    let young = make(format!("sweep-young-{pid}.{:x}", super::unix_nanos()));
+    let busy = std::sync::Arc::new(make(format!("sweep-busy-{pid}.{old:x}")));
     let mut sleeper = {
         use std::os::unix::process::CommandExt;
         let c = busy.clone();
@@ -244,6 +239,11 @@ async fn empty_leftover_cgroups_are_swept_and_busy_ones_kept() {
     let jail = super::Jail::detect(Path::new("qemu-system-x86_64"));
     assert!(jail.sweep() >= 1, "the empty leftover was not swept");
     assert!(left.dirs().iter().all(|d| !d.exists()));
+    assert!(
+        young.dirs().iter().all(|d| d.exists()),
+        "a cgroup made a moment ago (another daemon's launch in flight) was removed"
+    );
+    cgroup::remove_dirs(young.dirs());
     assert!(
         busy.dirs().iter().all(|d| d.exists()),
         "a cgroup with a live process was removed"
