@@ -371,7 +371,8 @@ impl Needs {
         incoming: Option<&Path>,
         ram_read_only: bool,
     ) -> Result<Needs, VmmError> {
-        let mut writes = vec![paths.disk.clone(), paths.console.clone(), paths.net.clone()];
+        // The console log is the daemon's (it follows QEMU's console socket into it).
+        let mut writes = vec![paths.disk.clone(), paths.net.clone()];
         let mut reads = vec![
             spec.kernel.clone(),
             spec.initramfs.clone(),
