@@ -98,9 +98,21 @@ async fn start_paused(id: &str) -> Result<Paused, String> {
 }
 
 impl Paused {
-    async fn end(self) {
+    async fn end(&self) {
         self.driver.kill(&self.vm).await.expect("kill");
         assert!(testkit::processes_mentioning(self.dir.path()).is_empty());
+    }
+}
+
+/// A failed assertion must not leave the QEMU running.
+impl Drop for Paused {
+    fn drop(&mut self) {
+        if self.driver.is_alive(&self.vm) {
+            // SAFETY: kill(2) on the pid `is_alive` just proved to be this test's QEMU.
+            unsafe {
+                libc::kill(self.vm.pid as i32, libc::SIGKILL);
+            }
+        }
     }
 }
 
