@@ -26,7 +26,9 @@ pub const TCG_CACHE_MIB: u64 = 1024;
 /// workers, plus the main loop, RCU, call-RCU, migration and chardev threads, with headroom.
 /// QEMU's seccomp filter (`spawn=deny`) forbids fork and exec, so these are all threads.
 pub const PIDS_BASE: u64 = 128;
-/// CFS period; the quota is `vcpus` periods (QEMU may use at most `vcpus` host CPUs).
+/// CFS period; the quota is `vcpus + 1` periods: one host CPU per vCPU thread plus one for
+/// QEMU's main loop, I/O and migration threads (a restore or fork loads its state there while
+/// the vCPUs start; a quota of `vcpus` alone throttled that and slowed forks).
 pub const CPU_PERIOD_US: u64 = 100_000;
 /// Name of the parent cgroup of every QEMU's cgroup, in each hierarchy.
 pub const PARENT: &str = "tryboxi";
@@ -42,14 +44,14 @@ pub struct Limits {
 
 impl Limits {
     /// Memory: guest RAM + [`QEMU_OVERHEAD_MIB`] (+ [`TCG_CACHE_MIB`] under TCG); pids:
-    /// [`PIDS_BASE`] + vCPUs; CPU: `vcpus` full host CPUs.
+    /// [`PIDS_BASE`] + vCPUs; CPU: `vcpus + 1` full host CPUs.
     pub fn for_vm(vcpus: u32, memory_mib: u32, tcg: bool) -> Limits {
         let overhead = QEMU_OVERHEAD_MIB + if tcg { TCG_CACHE_MIB } else { 0 };
         let vcpus = u64::from(vcpus.max(1));
         Limits {
             memory_bytes: (u64::from(memory_mib) + overhead) << 20,
             pids: PIDS_BASE + vcpus,
-            cpu_quota_us: vcpus * CPU_PERIOD_US,
+            cpu_quota_us: (vcpus + 1) * CPU_PERIOD_US,
             cpu_period_us: CPU_PERIOD_US,
         }
     }
@@ -453,7 +455,7 @@ mod tests {
             (512 + QEMU_OVERHEAD_MIB + TCG_CACHE_MIB) << 20
         );
         assert_eq!(l.pids, PIDS_BASE + 2);
-        assert_eq!(l.cpu_quota_us, 200_000);
+        assert_eq!(l.cpu_quota_us, 300_000);
         assert_eq!(
             Limits::for_vm(1, 256, false).memory_bytes,
             (256 + 256) << 20

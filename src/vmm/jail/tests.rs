@@ -198,7 +198,7 @@ async fn qemu_runs_in_its_own_cgroup_with_limits_from_the_vm_size() {
                 want.memory_bytes.to_string()
             );
             assert_eq!(read(&pids.join("pids.max")), want.pids.to_string());
-            assert_eq!(read(&cpu.join("cpu.cfs_quota_us")), "200000");
+            assert_eq!(read(&cpu.join("cpu.cfs_quota_us")), "300000");
             assert_eq!(read(&cpu.join("cpu.cfs_period_us")), "100000");
             // Every QEMU thread is in it.
             let tasks: u64 = read(&pids.join("pids.current")).parse().expect("pids");
@@ -209,7 +209,7 @@ async fn qemu_runs_in_its_own_cgroup_with_limits_from_the_vm_size() {
             let d = cgroup_dir_of(pid, &h, "");
             assert_eq!(read(&d.join("memory.max")), want.memory_bytes.to_string());
             assert_eq!(read(&d.join("pids.max")), want.pids.to_string());
-            assert_eq!(read(&d.join("cpu.max")), "200000 100000");
+            assert_eq!(read(&d.join("cpu.max")), "300000 100000");
             vec![d]
         }
     };
