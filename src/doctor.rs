@@ -50,6 +50,7 @@ pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> 
         memory(),
         disk(&paths.root, &config.limits),
         e2fsprogs(),
+        fence(&config.qemu_binary),
     ];
     checks.sort_by_key(|c| c.status == Status::Ok);
     let failed = checks.iter().filter(|c| c.status == Status::Fail).count();
@@ -67,6 +68,36 @@ pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> 
         )));
     }
     Ok(())
+}
+
+/// Which fences QEMU starts in on this host, for this user (see `vmm/jail.rs`). A root
+/// daemon refuses to start QEMU without them (fail); any other user runs without a fence the
+/// host does not allow (warn, with the reason).
+fn fence(binary: &str) -> Check {
+    let jail = crate::vmm::jail::Jail::detect(std::path::Path::new(binary));
+    let r = jail.report();
+    let root = nix::unistd::geteuid().is_root();
+    let mut parts = Vec::new();
+    let mut missing = Vec::new();
+    match r.user {
+        Ok(u) => parts.push(u),
+        Err(e) => missing.push(format!("no VM user: {e}")),
+    }
+    match r.namespace {
+        Ok(n) => parts.push(n),
+        Err(e) => missing.push(format!("no mount namespace: {e}")),
+    }
+    match r.cgroup {
+        Ok(c) => parts.push(c),
+        Err(e) => missing.push(format!("no cgroup: {e}")),
+    }
+    let status = match (missing.is_empty(), root) {
+        (true, _) => Status::Ok,
+        (false, true) => Status::Fail,
+        (false, false) => Status::Warn,
+    };
+    parts.extend(missing);
+    Check::new("fence", status, parts.join("; "))
 }
 
 fn qemu(config: &Config) -> Check {

@@ -511,6 +511,7 @@ fn install_copies_verified_images_and_doctor_checks_the_host() {
         "daemon",
         "memory",
         "disk",
+        "fence",
     ] {
         assert!(
             text.lines().any(|l| l.contains(&format!(" {name} "))),

@@ -389,6 +389,13 @@ impl Service {
             }
             report.items.push(item);
         }
+        // Cgroups of QEMUs that are gone (a VM that ended while no daemon ran). Not a file
+        // under the data root, so not an item: an empty cgroup holds nothing.
+        if !req.dry_run
+            && let Ok(d) = &self.vms.driver
+        {
+            d.jail().sweep();
+        }
         Ok(report)
     }
 }

@@ -47,6 +47,9 @@ impl Service {
         let path = VmPaths::new(dir).net;
         let stack = NetStack::listen(&path, self.gate_for(id), StackConfig::default())
             .map_err(|e| ServiceError::Internal(e.to_string()))?;
+        // QEMU (the VM user under a root daemon) connects to it, also after a daemon restart.
+        crate::vmm::jail::give_socket(&path)
+            .map_err(|e| ServiceError::Internal(format!("{}: {e}", path.display())))?;
         tracing::debug!(sandbox = %id, socket = %path.display(), "network stack listening");
         self.nets.lock().insert(id.to_owned(), Arc::new(stack));
         Ok(())

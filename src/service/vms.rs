@@ -408,6 +408,10 @@ impl Service {
             }
         }
         self.clean_incomplete_golden().await;
+        // Cgroups of QEMUs that ended while no daemon ran (a running one is never removed).
+        if let Ok(d) = &self.vms.driver {
+            d.jail().sweep();
+        }
         // Directories nobody owns (e.g. a crash between mkdir and the first store write).
         if let Ok(entries) = std::fs::read_dir(self.paths.sandboxes_dir()) {
             for e in entries.flatten() {

@@ -7,9 +7,10 @@
 //!
 //! Files: `qemu.rs` (the QEMU `microvm` driver), `qmp.rs` (QMP client), `probe.rs` (KVM probe
 //! and the `accel` setting), `images.rs` (guest image manifest), `pidfd.rs` (pid-reuse-proof
-//! process handles). The design is written down in docs/VMM.md.
+//! process handles), `jail.rs` (the fences around each QEMU). The design is written down in docs/VMM.md.
 
 pub mod images;
+pub mod jail;
 mod pidfd;
 pub mod probe;
 pub mod qcow2;
@@ -115,6 +116,10 @@ pub enum VmmError {
         #[source]
         source: std::io::Error,
     },
+    /// A fence around QEMU (cgroup, user, mount namespace) could not be set up; QEMU is not
+    /// started without it (see `jail.rs`).
+    #[error("cannot fence QEMU: {0}")]
+    Fence(String),
     #[error("{0}")]
     Other(String),
 }

@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use super::jail::{Jail, Prepared};
 use super::pidfd::Pidfd;
 use super::qmp::{QmpClient, QmpError};
-use super::{VmInfo, VmSpec, VmmDriver, VmmError};
+use super::{VmInfo, VmSpec, VmmDriver, VmmError, jail};
 
 /// Oldest QEMU we accept: `-netdev stream`, `file:` migration and microvm fixes arrived by 7.2.
 pub const MIN_VERSION: QemuVersion = QemuVersion {
@@ -202,6 +203,8 @@ pub struct QemuDriver {
     /// Cap of each VM's `console.log` and `qemu.log` (see [`logs`]).
     log_cap: u64,
     followers: logs::Followers,
+    /// The fences every QEMU of this driver starts in.
+    jail: std::sync::Arc<Jail>,
 }
 
 impl QemuDriver {
@@ -231,12 +234,14 @@ impl QemuDriver {
                 binary.display()
             )));
         }
+        let jail = std::sync::Arc::new(Jail::detect(&binary));
         Ok(QemuDriver {
             binary,
             version,
             boot_timeout: BOOT_TIMEOUT,
             log_cap: DEFAULT_LOG_CAP,
             followers: logs::Followers::default(),
+            jail,
         })
     }
 
@@ -277,6 +282,11 @@ impl QemuDriver {
         })
     }
 
+    /// The fences QEMU starts in (for `doctor` and the garbage collector).
+    pub fn jail(&self) -> &Jail {
+        &self.jail
+    }
+
     /// How long `boot` waits for QMP and the agent socket (default 30 s).
     pub fn with_boot_timeout(mut self, t: Duration) -> Self {
         self.boot_timeout = t;
@@ -313,12 +323,32 @@ impl QemuDriver {
     }
 
     /// Start QEMU in its own session (no controlling terminal, not in the daemon's process
-    /// group) so that it survives the daemon; a thread reaps it if it exits while we run.
+    /// group) so that it survives the daemon, inside the fences `spec` gets (see `jail.rs`);
+    /// a thread reaps it if it exits while we run and then removes its cgroup.
     pub(crate) fn spawn_detached(
+        &self,
+        spec: &VmSpec,
+        paths: &VmPaths,
+        incoming: Option<&Path>,
+        args: &[OsString],
+    ) -> Result<(u32, watch::Receiver<Option<std::process::ExitStatus>>), VmmError> {
+        let mut args = args.to_vec();
+        let ram_ro = jail::borrowed_ram_read_only(&mut args, paths, self.version);
+        let fence = std::sync::Arc::new(self.jail.prepare(spec, paths, incoming, ram_ro)?);
+        let res = self.spawn_fenced(&args, &paths.dir, &paths.qemu_log, fence.clone());
+        fence.launched();
+        if res.is_err() {
+            jail::cgroup::remove_dirs(&fence.cgroup_dirs());
+        }
+        res
+    }
+
+    fn spawn_fenced(
         &self,
         args: &[OsString],
         cwd: &Path,
         log: &Path,
+        fence: std::sync::Arc<Prepared>,
     ) -> Result<(u32, watch::Receiver<Option<std::process::ExitStatus>>), VmmError> {
         let out = std::fs::OpenOptions::new()
             .create(true)
@@ -333,13 +363,16 @@ impl QemuDriver {
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err);
+        let child_fence = fence.clone();
         // SAFETY: the closure runs in the forked child before exec and only calls setsid(2),
-        // prctl(2) and (in `apply_in_child`) open/write/close(2), which are async-signal-safe,
-        // on memory prepared before the fork.
+        // prctl(2), open/write/close(2) (in `apply_in_child`) and the system calls of
+        // `Prepared::enter` (async-signal-safe, on data made before the fork; nothing is
+        // allocated).
         unsafe {
             cmd.pre_exec(move || {
                 // QEMU goes before the host's other processes (and the daemon) when memory
-                // runs out; it would otherwise inherit the daemon's protection.
+                // runs out; it would otherwise inherit the daemon's protection. Before the
+                // fences: /proc is not visible inside QEMU's mount namespace.
                 score.apply_in_child();
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
@@ -352,7 +385,7 @@ impl QemuDriver {
                 if libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                Ok(())
+                child_fence.enter()
             });
         }
         let mut child = cmd.spawn().map_err(|source| VmmError::Spawn {
@@ -380,6 +413,7 @@ impl QemuDriver {
                 let st = child.wait();
                 if let Ok(st) = st {
                     tracing::debug!(pid, status = %st, "QEMU exited");
+                    jail::cgroup::remove_dirs(&fence.cgroup_dirs());
                     let _ = tx.send(Some(st));
                 }
             })
@@ -476,7 +510,7 @@ impl VmmDriver for QemuDriver {
 
         let args = qemu_args(&spec, &paths);
         let t0 = Instant::now();
-        let (pid, mut exited) = self.spawn_detached(&args, &dir, &paths.qemu_log)?;
+        let (pid, mut exited) = self.spawn_detached(&spec, &paths, None, &args)?;
         let info = paths.info(&spec, pid);
         let ready = match self.wait_ready(&paths, &mut exited).await {
             Ok(()) => write_vm_json(&paths, &info),

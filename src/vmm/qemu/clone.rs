@@ -50,11 +50,20 @@ impl QemuDriver {
         std::fs::create_dir_all(dest).map_err(super::io_err(dest))?;
         let dest = abs(dest)?;
         let state = dest.join("state.bin");
+        // QEMU sees only its own directory (jail.rs): a state file meant for elsewhere (a
+        // golden snapshot's) is written there first and moved once QEMU has gone.
+        let staged = if dest.starts_with(&vm.dir) {
+            self.jail.share_dir(&dest)?;
+            None
+        } else {
+            Some(vm.dir.join("state.bin.pausing"))
+        };
+        let written = staged.as_ref().unwrap_or(&state);
         let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
         let disk = active_disk(&qmp).await?;
         let ram = owned_ram(&qmp).await;
         qmp.stop().await?;
-        if let Err(e) = save_state(&qmp, &state, ram.is_some()).await {
+        if let Err(e) = save_state(&qmp, written, ram.is_some()).await {
             let _ = qmp.cont().await;
             return Err(e);
         }
@@ -65,6 +74,9 @@ impl QemuDriver {
         {
             tracing::warn!(vm = %vm.id, "QEMU did not exit after quit; killing it");
             Self::kill_and_wait(vm).await?;
+        }
+        if let Some(tmp) = &staged {
+            std::fs::rename(tmp, &state).map_err(super::io_err(&state))?;
         }
         let state_bytes = std::fs::metadata(&state)
             .map_err(super::io_err(&state))?

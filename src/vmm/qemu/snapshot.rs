@@ -75,6 +75,8 @@ impl QemuDriver {
     ) -> Result<Checkpoint, VmmError> {
         std::fs::create_dir_all(dest).map_err(super::io_err(dest))?;
         let dest = abs(dest)?;
+        // QEMU writes the state file there (as the VM user under a root daemon).
+        self.jail.share_dir(&dest)?;
         let next_overlay = absolute(next_overlay)?;
         let state = dest.join("state.bin");
         let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
@@ -219,7 +221,7 @@ impl QemuDriver {
         args.push(OsString::from("-incoming"));
         args.push(OsString::from("defer"));
         let t0 = Instant::now();
-        let (pid, exited) = self.spawn_detached(&args, &dir, &paths.qemu_log)?;
+        let (pid, exited) = self.spawn_detached(&spec, paths, Some(state), &args)?;
         let info = paths.info(&spec, pid);
         let res = async {
             let qmp = connect_until(&paths.qmp, &exited, paths).await?;

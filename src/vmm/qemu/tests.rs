@@ -200,6 +200,9 @@ async fn reused_pid_is_not_alive_and_is_never_killed() {
         boot_timeout: BOOT_TIMEOUT,
         log_cap: DEFAULT_LOG_CAP,
         followers: Default::default(),
+        jail: std::sync::Arc::new(crate::vmm::jail::Jail::detect(Path::new(
+            "qemu-system-x86_64",
+        ))),
     };
     assert!(!d.is_alive(&vm));
     d.kill(&vm).await.expect("kill is a no-op");
