@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 
+use super::dns::DNS_TCP_PENDING_MAX;
 use super::engine::{DNS_UDP_MAX, Engine, UDP_DENIED_MEMORY};
+use super::flow::Phase;
 use super::frames::{FrameReader, MTU, TX_CAP};
 use super::{StackConfig, StackStats};
 use crate::network::dns::{self, Rcode, Rec, RecData};
@@ -139,6 +141,13 @@ fn check_bounds(e: &Engine, cfg: &StackConfig) {
             "{} bytes held",
             f.held.len()
         );
+        if f.phase == Phase::Dns {
+            let pending = f.pending_down.as_ref().map_or(0, |b| b.len());
+            assert!(
+                pending <= DNS_TCP_PENDING_MAX,
+                "{pending} DNS answer bytes queued"
+            );
+        }
     }
     // Everything queued for QEMU is whole frames no bigger than the MTU allows.
     assert!(
