@@ -1,9 +1,10 @@
 //! `cargo xtask`: the project's build automation (host side only).
 //!
 //! Owns: installing Debian build dependencies (`deps`), the static release binary (`dist`),
-//! the guest images (`images`) and the CI pipeline (`ci`). Never touches anything outside the
-//! checkout, the image cache (`/var/cache/tryboxi` or `$TRYBOXI_IMAGE_CACHE`) and, for `deps`,
-//! apt's sources and packages.
+//! the guest images (`images`), the CI pipeline (`ci`) and on-demand fuzzing (`fuzz`). Never
+//! touches anything outside the checkout, the image cache (`/var/cache/tryboxi` or
+//! `$TRYBOXI_IMAGE_CACHE`), for `deps` apt's sources and packages, and for `fuzz` the cargo-fuzz
+//! install in `~/.cargo/bin`.
 
 mod bench;
 mod bench_net;
@@ -14,6 +15,7 @@ mod demo;
 mod deps;
 mod dist;
 mod elf;
+mod fuzz;
 mod http;
 mod images;
 mod util;
@@ -58,6 +60,29 @@ enum Cmd {
         #[arg(long)]
         repo: Option<std::path::PathBuf>,
     },
+    /// Run the cargo-fuzz targets in fuzz/ (installs cargo-fuzz if absent), one at a time, each
+    /// for a CPU budget; prints execs, coverage, peak RSS and crashes per target. New inputs go
+    /// to target/fuzz-scratch/<target>/new/ (and into fuzz/corpus/<target>/ with --save).
+    Fuzz {
+        /// Only this target (repeatable; default: all of them).
+        #[arg(long = "target")]
+        targets: Vec<String>,
+        /// CPU-minutes per target.
+        #[arg(long, default_value_t = 10.0)]
+        minutes: f64,
+        /// Wall-clock minutes per target at most (default: 4x --minutes).
+        #[arg(long)]
+        wall_minutes: Option<f64>,
+        /// Merge new interesting inputs into the repository's corpus.
+        #[arg(long)]
+        save: bool,
+        /// libFuzzer's -rss_limit_mb.
+        #[arg(long, default_value_t = 2048)]
+        rss_limit_mb: u64,
+        /// libFuzzer's -malloc_limit_mb (one allocation above it is a crash).
+        #[arg(long, default_value_t = 256)]
+        malloc_limit_mb: u64,
+    },
     /// Boot and exec benchmarks against a bare-QEMU baseline; writes BENCHMARKS.md.
     Bench {
         /// Repetitions per measurement (at least 5).
@@ -88,6 +113,21 @@ fn main() -> Result<()> {
         }
         Cmd::Ci => ci::run(),
         Cmd::Demo { repo } => demo::run(repo),
+        Cmd::Fuzz {
+            targets,
+            minutes,
+            wall_minutes,
+            save,
+            rss_limit_mb,
+            malloc_limit_mb,
+        } => fuzz::run(fuzz::Options {
+            targets,
+            minutes,
+            wall_minutes,
+            save,
+            rss_limit_mb,
+            malloc_limit_mb,
+        }),
         Cmd::Bench {
             reps,
             workspace_only: false,

@@ -38,7 +38,7 @@ pub(super) fn dns_timeout() -> Duration {
 /// Largest DNS message over UDP we send back: one unfragmented datagram.
 pub(super) const DNS_UDP_MAX: usize = 1500 - 20 - 8;
 /// Distinct denied UDP flows remembered, so a flood records one event per flow, not per packet.
-const UDP_DENIED_MEMORY: usize = 1024;
+pub(super) const UDP_DENIED_MEMORY: usize = 1024;
 
 /// Results that tasks send back to the loop.
 pub(super) enum Event {
@@ -86,11 +86,23 @@ pub(super) struct Engine {
 
 impl Engine {
     pub fn new(gate: SharedGate, cfg: StackConfig, stats: Arc<StackStats>) -> Engine {
-        let mut dev = FrameDevice::default();
-        let mut config = Config::new(HardwareAddress::Ethernet(EthernetAddress(GATEWAY_MAC)));
         let mut seed = [0u8; 8];
         let _ = getrandom::fill(&mut seed);
-        config.random_seed = u64::from_le_bytes(seed);
+        Engine::with_seed(gate, cfg, stats, u64::from_le_bytes(seed))
+    }
+
+    /// An engine whose smoltcp randomness (TCP initial sequence numbers, IP ids) comes from
+    /// `seed`: the fuzz target uses a fixed one, so a saved input that completes a handshake
+    /// replays the same way.
+    pub(super) fn with_seed(
+        gate: SharedGate,
+        cfg: StackConfig,
+        stats: Arc<StackStats>,
+        seed: u64,
+    ) -> Engine {
+        let mut dev = FrameDevice::default();
+        let mut config = Config::new(HardwareAddress::Ethernet(EthernetAddress(GATEWAY_MAC)));
+        config.random_seed = seed;
         let epoch = std::time::Instant::now();
         let mut iface = Interface::new(config, &mut dev, Instant::from_micros(0));
         iface.update_ip_addrs(|a| {
@@ -208,7 +220,7 @@ impl Engine {
     /// answer, ~300 blocks of kernel code to translate under TCG. A guest that changed its MAC
     /// is learned again from its own ARP traffic (smoltcp fills its cache from every ARP packet
     /// aimed at the gateway, and Linux revalidates its gateway entry by ARP).
-    fn learn_guest(&mut self) {
+    pub(super) fn learn_guest(&mut self) {
         use smoltcp::wire::{ArpOperation, ArpPacket, ArpRepr, EthernetFrame, EthernetProtocol};
         let arp = ArpRepr::EthernetIpv4 {
             operation: ArpOperation::Reply,
@@ -393,6 +405,22 @@ impl Engine {
         self.flows
             .insert((flow.src, flow.dst), TcpFlow::new(handle, flow, id, phase));
         Some(id)
+    }
+
+    /// Handle every result the tasks sent so far (the fuzz target's stand-in for the loop's
+    /// wake-ups); returns how many there were.
+    pub(super) fn pump_events(&mut self) -> usize {
+        let mut n = 0;
+        while let Ok(ev) = self.events_rx.try_recv() {
+            self.handle_event(ev);
+            n += 1;
+        }
+        n
+    }
+
+    /// Distinct denied UDP flows remembered (bounded by `UDP_DENIED_MEMORY`).
+    pub(super) fn udp_denied_len(&self) -> usize {
+        self.udp_denied.len()
     }
 
     pub(super) fn handle_event(&mut self, ev: Event) {

@@ -15,7 +15,7 @@ pub const MAX_FRAME: usize = 65_535;
 pub const MTU: usize = 1500;
 /// Bytes waiting to be written to QEMU before smoltcp is told the device is busy (it then
 /// keeps segments in its socket buffers and retransmits later).
-const TX_CAP: usize = 256 * 1024;
+pub const TX_CAP: usize = 256 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 #[error("QEMU sent a frame of {0} bytes (more than {MAX_FRAME}): not a -netdev stream peer")]

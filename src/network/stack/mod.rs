@@ -23,6 +23,7 @@ mod dns;
 mod engine;
 mod flow;
 mod frames;
+pub mod fuzzing;
 #[cfg(test)]
 mod tests;
 
