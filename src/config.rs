@@ -324,9 +324,11 @@ pub struct SyncConfig {
     /// `id_deploy`, ...), `.npmrc`, `.pypirc`, `.netrc`, `_netrc`, `.git-credentials`, `.aws`,
     /// `.ssh`, `.gnupg`, `.azure`, `**/.kube/config`, `**/.docker/config.json`,
     /// `**/.config/gcloud`, `**/.config/gh/hosts.yml`, `credentials.json`, `secrets.*`,
-    /// `*.keystore`, `.htpasswd` (all at any depth). Setting this replaces the whole list.
+    /// `*.keystore`, `.htpasswd` (all at any depth). Matched in any case (`.ENV`, `ID_RSA`,
+    /// `Credentials.json` are secrets too). Setting this replaces the whole list.
     pub secrets: Vec<String>,
-    /// Secret paths the user explicitly allows into the VM (same pattern syntax). Default: none.
+    /// Secret paths the user explicitly allows into the VM (same pattern syntax, but matched
+    /// case-sensitively: only the spelling the user wrote is let through). Default: none.
     pub allow_secrets: Vec<String>,
     /// Largest single file apply/pull bring back from a VM, in MiB. Default: 64. Larger ones are
     /// not read: diff and apply list them as too big and leave the host's copy untouched.
