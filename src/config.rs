@@ -56,6 +56,12 @@ pub struct Config {
     pub max_memory_mib: u32,
     /// Seconds to wait for a new VM's agent to answer. Default: 120 (TCG boots are slow).
     pub boot_timeout_s: u64,
+    /// Seconds the daemon waits for a guest agent's answer to any request (a reply, the next
+    /// chunk of a read, credit for the next chunk of a write; an unpack from a disk gets 1 s
+    /// more per MiB): past it the agent counts as hung or hostile, its connection is closed
+    /// and the sandbox becomes `failed`. Exec output and stdin have no deadline. Default: 120
+    /// (a first walk of a big tree under TCG takes tens of seconds); at least 1.
+    pub agent_timeout_s: u64,
     /// Default exec timeout in seconds when the request has none; 0 = no limit. Default: 0.
     pub exec_timeout_s: u64,
     /// Where guest images live when `serve --artifacts` is not given. Default: `<data root>/artifacts`.
@@ -398,6 +404,7 @@ impl Default for Config {
                 .unwrap_or(2),
             max_memory_mib: 16384,
             boot_timeout_s: 120,
+            agent_timeout_s: 120,
             exec_timeout_s: 0,
             artifacts: None,
             exec_log_max_bytes: 16 << 20,
