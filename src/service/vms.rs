@@ -115,7 +115,8 @@ impl Service {
     }
 
     /// `POST /v1/sandboxes`: boot a VM and return once its agent answers. `caller_uid`: the
-    /// unix-socket peer (`None`: a TCP client, i.e. the daemon's own user); that user's home
+    /// unix-socket peer or loopback TCP client's uid (`None`: a remote client with the token);
+    /// that user's home
     /// folder may not be the workspace.
     pub async fn create_sandbox(
         self: &Arc<Self>,
