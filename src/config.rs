@@ -56,6 +56,12 @@ pub struct Config {
     pub max_memory_mib: u32,
     /// Seconds to wait for a new VM's agent to answer. Default: 120 (TCG boots are slow).
     pub boot_timeout_s: u64,
+    /// Seconds the daemon waits for a guest agent's answer to any request (a reply, the next
+    /// chunk of a read, credit for the next chunk of a write; an unpack from a disk gets 1 s
+    /// more per MiB): past it the agent counts as hung or hostile, its connection is closed
+    /// and the sandbox becomes `failed`. Exec output and stdin have no deadline. Default: 120
+    /// (a first walk of a big tree under TCG takes tens of seconds); at least 1.
+    pub agent_timeout_s: u64,
     /// Default exec timeout in seconds when the request has none; 0 = no limit. Default: 0.
     pub exec_timeout_s: u64,
     /// Where guest images live when `serve --artifacts` is not given. Default: `<data root>/artifacts`.
@@ -324,9 +330,11 @@ pub struct SyncConfig {
     /// `id_deploy`, ...), `.npmrc`, `.pypirc`, `.netrc`, `_netrc`, `.git-credentials`, `.aws`,
     /// `.ssh`, `.gnupg`, `.azure`, `**/.kube/config`, `**/.docker/config.json`,
     /// `**/.config/gcloud`, `**/.config/gh/hosts.yml`, `credentials.json`, `secrets.*`,
-    /// `*.keystore`, `.htpasswd` (all at any depth). Setting this replaces the whole list.
+    /// `*.keystore`, `.htpasswd` (all at any depth). Matched in any case (`.ENV`, `ID_RSA`,
+    /// `Credentials.json` are secrets too). Setting this replaces the whole list.
     pub secrets: Vec<String>,
-    /// Secret paths the user explicitly allows into the VM (same pattern syntax). Default: none.
+    /// Secret paths the user explicitly allows into the VM (same pattern syntax, but matched
+    /// case-sensitively: only the spelling the user wrote is let through). Default: none.
     pub allow_secrets: Vec<String>,
     /// Largest single file apply/pull bring back from a VM, in MiB. Default: 64. Larger ones are
     /// not read: diff and apply list them as too big and leave the host's copy untouched.
@@ -396,6 +404,7 @@ impl Default for Config {
                 .unwrap_or(2),
             max_memory_mib: 16384,
             boot_timeout_s: 120,
+            agent_timeout_s: 120,
             exec_timeout_s: 0,
             artifacts: None,
             exec_log_max_bytes: 16 << 20,

@@ -5,6 +5,9 @@
 //! the kernel lets this user set) and the value every QEMU sets for itself before `exec`
 //! ([`QEMU_OOM_SCORE_ADJ`]; raising one's own value needs no privilege, and without it QEMU
 //! would inherit the daemon's protection).
+//! Also tells who sent a SIGKILL tryboxi did not send ([`sigkill_cause`]): the kernel's OOM
+//! killer when `/proc/vmstat`'s `oom_kill` counter moved while the QEMU ran, another process
+//! otherwise.
 //! Never: changes the score of any other process.
 
 use std::io::Write;
@@ -101,9 +104,81 @@ impl ChildScore {
     }
 }
 
+const VMSTAT: &str = "/proc/vmstat";
+
+/// The `oom_kill` counter of a `/proc/vmstat` text (kills by the kernel's OOM killer since
+/// boot, host-wide); `None` when absent (kernels before 4.13) or unreadable.
+fn parse_oom_kill(vmstat: &str) -> Option<u64> {
+    vmstat.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == "oom_kill").then(|| v.trim().parse().ok())?
+    })
+}
+
+/// The host's OOM kill count now (`/proc/vmstat` `oom_kill`); `None` when unknown.
+pub fn kill_count() -> Option<u64> {
+    parse_oom_kill(&std::fs::read_to_string(VMSTAT).ok()?)
+}
+
+/// Who sent a SIGKILL tryboxi did not send to a QEMU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SigkillCause {
+    /// The kernel's OOM killer: its kill counter moved while the QEMU ran (host-wide, so
+    /// another process killed for memory meanwhile reads the same; the QEMU's raised score
+    /// makes it the likely victim).
+    OutOfMemory,
+    /// Another process (a user's `kill -9`, a supervisor): the OOM counter did not move.
+    AnotherProcess,
+    /// The counter cannot be read: either.
+    Unknown,
+}
+
+/// The cause of an outside SIGKILL from the OOM kill count when the QEMU started (`before`)
+/// and after it died (`after`).
+pub fn sigkill_cause(before: Option<u64>, after: Option<u64>) -> SigkillCause {
+    match (before, after) {
+        (Some(b), Some(a)) if a > b => SigkillCause::OutOfMemory,
+        (Some(_), Some(_)) => SigkillCause::AnotherProcess,
+        _ => SigkillCause::Unknown,
+    }
+}
+
+impl std::fmt::Display for SigkillCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SigkillCause::OutOfMemory => "killed by the kernel's OOM killer (out of memory)",
+            SigkillCause::AnotherProcess => "killed by another process (SIGKILL)",
+            SigkillCause::Unknown => "killed by the kernel (out of memory?) or another process",
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_oom_counter_is_read_from_vmstat() {
+        let text = "nr_free_pages 12\noom_kill_extra 9\noom_kill 7\npgfault 3\n";
+        assert_eq!(parse_oom_kill(text), Some(7));
+        assert_eq!(parse_oom_kill("nr_free_pages 12\n"), None);
+        assert_eq!(parse_oom_kill("oom_kill x\n"), None);
+        // This host's kernel has the counter (4.13+).
+        assert!(kill_count().is_some(), "no oom_kill in {VMSTAT}");
+    }
+
+    #[test]
+    fn an_outside_sigkill_is_the_oom_killer_only_when_its_counter_moved() {
+        use SigkillCause::*;
+        assert_eq!(sigkill_cause(Some(3), Some(4)), OutOfMemory);
+        assert_eq!(sigkill_cause(Some(3), Some(9)), OutOfMemory);
+        assert_eq!(sigkill_cause(Some(3), Some(3)), AnotherProcess);
+        assert_eq!(sigkill_cause(None, Some(3)), Unknown);
+        assert_eq!(sigkill_cause(Some(3), None), Unknown);
+        assert!(OutOfMemory.to_string().contains("OOM killer"));
+        assert!(AnotherProcess.to_string().contains("another process"));
+        assert!(!AnotherProcess.to_string().contains("memory"));
+    }
 
     #[test]
     fn a_child_sets_its_own_score_and_the_parent_keeps_its_own() {

@@ -8,6 +8,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -433,5 +434,51 @@ fn plain_tcp_off_loopback_is_refused_at_startup() {
     assert!(
         TcpStream::connect(("127.0.0.1", port)).is_err(),
         "the plain listener was opened"
+    );
+}
+
+/// A local user reaching the daemon over loopback TCP (with the token) is refused its own home
+/// folder as a workspace, as over the unix socket: the socket's owner is looked up (sock_diag),
+/// not taken to be the daemon's user. Needs root to run the client under another uid.
+#[test]
+fn a_loopback_tcp_client_is_refused_its_own_home_folder() {
+    if !nix::unistd::geteuid().is_root() {
+        println!("skipped: needs root to run a client under another uid");
+        return;
+    }
+    // Another user whose home folder exists (and is not `/`, refused for its own reason).
+    let Some(user) = (1..65534)
+        .filter_map(|u| nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(u)).ok()?)
+        .filter(|u| u.dir.is_dir() && u.dir.canonicalize().is_ok_and(|d| d != Path::new("/")))
+        .max_by_key(|u| u.uid.as_raw() >= 1000)
+    else {
+        println!("skipped: no user other than root has a home folder here");
+        return;
+    };
+    let port = free_port();
+    let d = Daemon::start(Some(&format!("tcp_listen = \"127.0.0.1:{port}\"\n")), &[]);
+    let token = String::from_utf8(d.cli(&["token"]).stdout)
+        .unwrap()
+        .trim()
+        .to_owned();
+    let client_home = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["create", "--vcpus", "0", "--workspace"])
+        .arg(&user.dir)
+        .env("TRYBOXI_HOME", client_home.path())
+        .env("TRYBOXI_URL", format!("http://127.0.0.1:{port}"))
+        .env("TRYBOXI_TOKEN", &token)
+        .uid(user.uid.as_raw())
+        .gid(user.gid.as_raw())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "created: {err}");
+    assert!(
+        err.contains("home folder"),
+        "uid {} over loopback TCP, workspace {}: {err}",
+        user.uid,
+        user.dir.display()
     );
 }

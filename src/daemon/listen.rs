@@ -83,7 +83,12 @@ pub async fn run(
             accepted = accept_tcp(l.tcp.as_ref()) => match accepted {
                 Ok((stream, peer)) => {
                     let Some(local) = tcp_local else { continue };
-                    let permit = match tcp_budget.try_acquire(limits::tcp_peer(local, peer)) {
+                    let key = limits::tcp_peer(local, peer);
+                    let uid = match key {
+                        limits::PeerKey::Uid(u) => Some(u),
+                        limits::PeerKey::Ip(_) => None,
+                    };
+                    let permit = match tcp_budget.try_acquire(key) {
                         Ok(p) => p,
                         Err(hit) => {
                             // A TLS client would read plain text as a broken handshake: it
@@ -100,12 +105,12 @@ pub async fn run(
                     let rx = shutdown_tx.subscribe();
                     match l.tls.clone() {
                         None => {
-                            conns.spawn(connection(stream, Via::Tcp { port: local.port() }, t, shared, rx, permit));
+                            conns.spawn(connection(stream, Via::Tcp { port: local.port(), uid }, t, shared, rx, permit));
                         }
                         Some(acceptor) => {
                             conns.spawn(async move {
                                 match tokio::time::timeout(t.header, acceptor.accept(stream)).await {
-                                    Ok(Ok(tls)) => connection(tls, Via::Tls, t, shared, rx, permit).await,
+                                    Ok(Ok(tls)) => connection(tls, Via::Tls { uid }, t, shared, rx, permit).await,
                                     Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                                     Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                                 }

@@ -81,10 +81,15 @@ enum Via {
     Unix {
         uid: u32,
     },
+    /// `uid`: the client socket's owner when it is on this machine (a loopback peer, looked up
+    /// with sock_diag: [`limits::tcp_peer`]); `None` for a remote client.
     Tcp {
         port: u16,
+        uid: Option<u32>,
     },
-    Tls,
+    Tls {
+        uid: Option<u32>,
+    },
 }
 
 struct Shared {
@@ -281,8 +286,8 @@ async fn handle(
 ) -> Result<Response<Body>, ApiError> {
     match via {
         Via::Unix { .. } => {}
-        Via::Tcp { port } => middleware::check_tcp(req.headers(), &shared.token, port)?,
-        Via::Tls => middleware::check_tls(req.headers(), &shared.token)?,
+        Via::Tcp { port, .. } => middleware::check_tcp(req.headers(), &shared.token, port)?,
+        Via::Tls { .. } => middleware::check_tls(req.headers(), &shared.token)?,
     }
     let (parts, body) = req.into_parts();
     let limit = std::time::Duration::from_secs(shared.svc.config.http.body_timeout_s.max(1));
@@ -307,9 +312,10 @@ async fn handle(
         })?
         .to_bytes();
     let action = router::parse_request(&parts.method, &parts.uri, &parts.headers, &body)?;
+    // A loopback TCP/TLS client is refused its own home folder like a unix-socket one.
     let caller_uid = match via {
         Via::Unix { uid } => Some(uid),
-        Via::Tcp { .. } | Via::Tls => None,
+        Via::Tcp { uid, .. } | Via::Tls { uid } => uid,
     };
     handlers::handle(&shared.svc, action, caller_uid).await
 }

@@ -117,9 +117,15 @@ impl SandboxServer {
                         ToolError::from_client(e, "list", "GET /v1/sandboxes", None)
                     })?;
                 let current = self.remembered(&me.opts.workspace);
+                // Only the sandboxes on folders this server may use: others belong to other
+                // clients of the daemon (and may hold the user's home or another repo).
                 let rows: Vec<serde_json::Value> = list
                     .sandboxes
                     .iter()
+                    .filter(|s| {
+                        scope::allowed_workspace(&me.opts, Path::new(&s.workspace.host_path))
+                            .is_ok()
+                    })
                     .map(|s| {
                         let mut v = serde_json::to_value(s).unwrap_or_default();
                         v["this_workspace"] = (current.as_deref() == Some(s.id.as_str())).into();

@@ -399,24 +399,44 @@ mod tests {
     /// A stand-in daemon on the server's socket: every request gets `sandbox` (a sandbox whose
     /// workspace is `/`); the request lines it saw are returned by the handle.
     fn fake_daemon(socket: &std::path::Path) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+        fake_daemon_listing(socket, None)
+    }
+
+    fn fake_daemon_listing(
+        socket: &std::path::Path,
+        listed_ws: Option<String>,
+    ) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
         let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let l = tokio::net::UnixListener::bind(socket).unwrap();
         let s2 = seen.clone();
         tokio::spawn(async move {
             while let Ok((mut c, _)) = l.accept().await {
                 let seen = s2.clone();
+                let listed_ws = listed_ws.clone();
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 8192];
                     let n = tokio::io::AsyncReadExt::read(&mut c, &mut buf)
                         .await
                         .unwrap_or(0);
                     let head = String::from_utf8_lossy(&buf[..n]);
-                    seen.lock()
-                        .unwrap()
-                        .push(head.lines().next().unwrap_or("").to_owned());
-                    let body = json!({"id": "sbx_0000000000000001", "state": "ready",
-                        "workspace": {"host_path": "/"}, "template": "base", "vcpus": 1,
+                    let line = head.lines().next().unwrap_or("").to_owned();
+                    seen.lock().unwrap().push(line.clone());
+                    let sandbox = |id: &str, ws: &str| {
+                        json!({"id": id, "state": "ready",
+                        "workspace": {"host_path": ws}, "template": "base", "vcpus": 1,
                         "memory_mib": 512, "accel": null, "created_at": "2026-01-01T00:00:00Z"})
+                    };
+                    // The list holds a sandbox on `/` (another client's) and one on
+                    // `listed_ws`, if any.
+                    let body = if line.starts_with("GET /v1/sandboxes ") {
+                        let mut all = vec![sandbox("sbx_0000000000000001", "/")];
+                        if let Some(ws) = &listed_ws {
+                            all.push(sandbox("sbx_0000000000000002", ws));
+                        }
+                        json!({ "sandboxes": all })
+                    } else {
+                        sandbox("sbx_0000000000000001", "/")
+                    }
                     .to_string();
                     let resp = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
@@ -502,5 +522,38 @@ mod tests {
                 .all(|l| l.starts_with("GET /v1/sandboxes/sbx_0000000000000001 ")),
             "only the sandbox was looked up: {seen:?}"
         );
+    }
+
+    /// `list` shows only the sandboxes whose workspace this server may use: not another
+    /// client's sandbox on `/` (or the user's home).
+    #[tokio::test]
+    async fn list_shows_only_sandboxes_of_the_allowed_folders() {
+        let dir = tempfile::tempdir().unwrap();
+        let ws = dir.path().join("repo");
+        std::fs::create_dir_all(ws.join("sub")).unwrap();
+        let sock = dir.path().join("d.sock");
+        let _seen = fake_daemon_listing(&sock, Some(ws.join("sub").display().to_string()));
+        let opts = Options::new(sock, ws.clone());
+        let (tx, server_in) = tokio::io::duplex(1 << 16);
+        let (server_out, rx) = tokio::io::duplex(1 << 16);
+        tokio::spawn(serve(SandboxServer::new(opts), server_in, server_out));
+        let mut p = Peer {
+            tx,
+            rx: BufReader::new(rx).lines(),
+            _dir: tempfile::tempdir().unwrap(),
+        };
+        p.initialize("2025-06-18").await;
+        let r = p
+            .request(2, "tools/call", json!({"name": "list", "arguments": {}}))
+            .await;
+        let text = r["result"]["content"][0]["text"].as_str().unwrap();
+        let v: Value = serde_json::from_str(text).unwrap();
+        let ids: Vec<&str> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, ["sbx_0000000000000002"], "{text}");
     }
 }

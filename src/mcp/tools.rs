@@ -310,7 +310,7 @@ pub fn all(allow_apply: bool) -> Vec<Tool> {
         annotated(
             tool::<ListArgs>(
                 "list",
-                "List sandboxes: id, state, workspace, resources; marks this workspace's one.",
+                "List the sandboxes on folders this server may use: id, state, workspace, resources; marks this workspace's one.",
             ),
             true,
             false,

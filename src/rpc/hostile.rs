@@ -11,22 +11,25 @@ use tokio::net::UnixStream;
 /// A client connected to a fake guest over a socket pair; the returned stream is the guest's end,
 /// past the handshake.
 pub async fn fake_guest() -> (AgentClient, UnixStream) {
-    let (host, mut guest) = UnixStream::pair().expect("socket pair");
-    let handshake = tokio::spawn(async move {
-        let hello = read_frame(&mut guest).await.unwrap().expect("a Hello");
-        let Body::Hello { nonce, .. } = hello.body else {
-            panic!("expected Hello, got {:?}", hello.body);
-        };
-        let ack = Body::HelloAck {
-            protocol: PROTOCOL_VERSION,
-            version: "hostile".into(),
-            nonce,
-        };
-        send(&mut guest, 0, ack).await;
-        guest
-    });
+    let (host, guest) = UnixStream::pair().expect("socket pair");
+    let handshake = tokio::spawn(answer_hello(guest));
     let client = AgentClient::connect(host).await.expect("handshake");
     (client, handshake.await.unwrap())
+}
+
+/// The guest's side of the handshake on `guest`; returns it past the handshake.
+pub async fn answer_hello(mut guest: UnixStream) -> UnixStream {
+    let hello = read_frame(&mut guest).await.unwrap().expect("a Hello");
+    let Body::Hello { nonce, .. } = hello.body else {
+        panic!("expected Hello, got {:?}", hello.body);
+    };
+    let ack = Body::HelloAck {
+        protocol: PROTOCOL_VERSION,
+        version: "hostile".into(),
+        nonce,
+    };
+    send(&mut guest, 0, ack).await;
+    guest
 }
 
 /// Writes one frame (errors ignored: the host may have hung up on the attacker).

@@ -253,7 +253,9 @@ impl Service {
         .map_err(|e| ServiceError::Internal(format!("cannot start the clone: {e}")))?;
         drop(span);
         let span = self.telemetry.traces.span(&spec.id, "guest.connect");
-        let (info, agent) = super::snapshots::agent_or_kill(&driver, started, "clone").await?;
+        let (info, agent) =
+            super::snapshots::agent_or_kill(&driver, started, "clone", self.agent_deadlines())
+                .await?;
         drop(span);
         let span = self.telemetry.traces.span(&spec.id, "guest.identity");
         if let Err(e) = set_identity(&agent, &spec.id).await {

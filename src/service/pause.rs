@@ -327,7 +327,9 @@ impl Service {
             .resume_from_disk(&spec, &pr.checkpoint)
             .await
             .map_err(|e| ServiceError::Internal(format!("cannot resume sandbox `{id}`: {e}")))?;
-        let (info, agent) = super::snapshots::agent_or_kill(&driver, started, "resumed").await?;
+        let (info, agent) =
+            super::snapshots::agent_or_kill(&driver, started, "resumed", self.agent_deadlines())
+                .await?;
         let vm = Arc::new(LiveVm { info, agent });
         self.vms.insert(id, vm.clone());
         match self.life.service() {

@@ -261,7 +261,8 @@ impl Service {
                     ServiceError::Internal(format!("cannot restore `{}`: {e}", snap.api.id))
                 })?;
             let vm_ms = t0.elapsed().as_millis() as u64;
-            let (info, agent) = agent_or_kill(&driver, started, "restored").await?;
+            let (info, agent) =
+                agent_or_kill(&driver, started, "restored", self.agent_deadlines()).await?;
             Ok::<_, ServiceError>((
                 LiveVm { info, agent },
                 vm_ms,
@@ -328,6 +329,17 @@ impl Service {
 /// connection the driver made before the VM continued when there is one; a VM whose agent does
 /// not answer is killed, never left running unowned. `what` names it in the error.
 pub(super) async fn agent_or_kill(
+    driver: &crate::vmm::QemuDriver,
+    started: Resumed,
+    what: &str,
+    deadlines: crate::rpc::Deadlines,
+) -> Result<(crate::vmm::VmInfo, AgentClient), ServiceError> {
+    let (info, client) = connect_checkpointed(driver, started, what).await?;
+    client.set_deadlines(deadlines);
+    Ok((info, client))
+}
+
+async fn connect_checkpointed(
     driver: &crate::vmm::QemuDriver,
     started: Resumed,
     what: &str,

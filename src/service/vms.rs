@@ -10,7 +10,7 @@ use super::scheduler::Resources;
 use super::{SandboxRecord, Service, ServiceError};
 use crate::api::{self, SandboxState};
 use crate::ids;
-use crate::rpc::AgentClient;
+use crate::rpc::{AgentClient, Deadlines};
 use crate::store::SANDBOXES;
 use crate::vmm::{Accel, Images, QemuDriver, VmInfo, VmSpec, VmmDriver};
 
@@ -102,12 +102,21 @@ impl Service {
             .await
     }
 
+    /// The deadlines every agent connection of this service gets (`agent_timeout_s`).
+    pub(super) fn agent_deadlines(&self) -> Deadlines {
+        Deadlines {
+            reply: Duration::from_secs(self.config.agent_timeout_s.max(1)),
+            ..Deadlines::default()
+        }
+    }
+
     pub fn accel_if_known(&self) -> Option<Accel> {
         self.vms.accel.get().copied()
     }
 
     /// `POST /v1/sandboxes`: boot a VM and return once its agent answers. `caller_uid`: the
-    /// unix-socket peer (`None`: a TCP client, i.e. the daemon's own user); that user's home
+    /// unix-socket peer or loopback TCP client's uid (`None`: a remote client with the token);
+    /// that user's home
     /// folder may not be the workspace.
     pub async fn create_sandbox(
         self: &Arc<Self>,
@@ -240,7 +249,10 @@ impl Service {
             }
         };
         match agent {
-            Ok(agent) => Ok(LiveVm { info, agent }),
+            Ok(agent) => {
+                agent.set_deadlines(self.agent_deadlines());
+                Ok(LiveVm { info, agent })
+            }
             Err(e) => {
                 let _ = driver.kill(&info).await;
                 Err(ServiceError::Internal(format!(
@@ -449,6 +461,7 @@ impl Service {
         }
         match AgentClient::connect_unix(&info.agent_socket, Duration::from_secs(20)).await {
             Ok(agent) => {
+                agent.set_deadlines(self.agent_deadlines());
                 tracing::info!(sandbox = %id, pid = info.pid, "reattached to a running VM");
                 let vm = Arc::new(LiveVm { info, agent });
                 self.vms.insert(id, vm.clone());

@@ -168,3 +168,54 @@ async fn a_silent_agent_no_longer_holds_the_workspace_lock() {
     let why = failed_with(&svc, &id).await;
     assert!(why.contains("did not answer walk_since"), "{why}");
 }
+
+/// `agent_timeout_s` is the deadline of the agent connections the service makes: here a
+/// restored VM's (the early connection the driver hands over), whose agent then goes silent.
+#[tokio::test]
+async fn agent_timeout_s_is_the_deadline_of_a_restored_vms_agent() {
+    let config = Config::parse("agent_timeout_s = 1").expect("agent_timeout_s is a config key");
+    let dir = tempfile::tempdir().unwrap();
+    let svc = Service::new(
+        Paths {
+            root: dir.path().to_path_buf(),
+        },
+        config,
+        Store::in_memory(),
+        dir.path().join("artifacts"),
+        None,
+    );
+    let Ok(driver) = crate::vmm::QemuDriver::new("qemu-system-x86_64") else {
+        println!("skipped: no qemu-system-x86_64 (agent_or_kill takes a driver)");
+        return;
+    };
+    let (host, guest) = std::os::unix::net::UnixStream::pair().unwrap();
+    guest.set_nonblocking(true).unwrap();
+    let guest = tokio::net::UnixStream::from_std(guest).unwrap();
+    tokio::spawn(async move {
+        let mut g = hostile::answer_hello(guest).await;
+        ignore_all(&mut g).await;
+    });
+    let started = crate::vmm::qemu::Resumed {
+        info: VmInfo {
+            id: "sbx_t".into(),
+            dir: dir.path().to_path_buf(),
+            pid: 0,
+            accel: Accel::Tcg,
+            agent_socket: dir.path().join("agent.sock"),
+            qmp_socket: dir.path().join("qmp.sock"),
+            console_log: dir.path().join("console.log"),
+        },
+        agent: Some(host),
+    };
+    let (_, agent) =
+        super::super::snapshots::agent_or_kill(&driver, started, "restored", svc.agent_deadlines())
+            .await
+            .expect("the handshake");
+    let t0 = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(30), agent.stat("/etc/hostname"))
+        .await
+        .expect("the stat waited past 30 s for a silent agent");
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("did not answer stat within 1s"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+}

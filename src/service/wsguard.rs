@@ -11,8 +11,8 @@
 
 use std::path::{Path, PathBuf};
 
-/// Home folders that may not be a workspace for a request from `caller_uid` (`None`: a TCP
-/// client with the token, i.e. the daemon's own user): that user's, the daemon user's and the
+/// Home folders that may not be a workspace for a request from `caller_uid` (the unix-socket
+/// peer or loopback TCP client's uid; `None`: a remote TLS client with the token): that user's, the daemon user's and the
 /// daemon's `$HOME`, symlinks resolved.
 pub fn forbidden_homes(caller_uid: Option<u32>) -> Vec<PathBuf> {
     let own = nix::unistd::geteuid();

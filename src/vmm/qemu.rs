@@ -121,6 +121,8 @@ type Exited = watch::Receiver<Option<std::process::ExitStatus>>;
 struct Exits {
     status: std::collections::HashMap<u32, Exited>,
     killed_by_us: std::collections::HashSet<u32>,
+    /// The host's OOM kill count when each QEMU started ([`crate::oom::kill_count`]).
+    oom_kills_at_start: std::collections::HashMap<u32, Option<u64>>,
 }
 
 fn exits() -> std::sync::MutexGuard<'static, Exits> {
@@ -134,13 +136,15 @@ fn forget_exit(pid: u32) {
     let mut ex = exits();
     ex.status.remove(&pid);
     ex.killed_by_us.remove(&pid);
+    ex.oom_kills_at_start.remove(&pid);
 }
 
 /// How a QEMU this daemon started ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QemuExit {
-    /// Killed by SIGKILL that tryboxi did not send: the kernel's OOM killer (or another user).
-    KilledFromOutside,
+    /// Killed by SIGKILL that tryboxi did not send: the kernel's OOM killer or another
+    /// process, told apart by the host's OOM kill counter ([`crate::oom::sigkill_cause`]).
+    KilledFromOutside(crate::oom::SigkillCause),
     /// Any other end (its status as text).
     Other(std::process::ExitStatus),
 }
@@ -148,10 +152,12 @@ pub enum QemuExit {
 impl std::fmt::Display for QemuExit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            QemuExit::KilledFromOutside => f.write_str(
-                "QEMU was killed by a SIGKILL tryboxi did not send: killed by the kernel \
-                 (out of memory?)",
-            ),
+            QemuExit::KilledFromOutside(cause) => {
+                write!(
+                    f,
+                    "QEMU was killed by a SIGKILL tryboxi did not send: {cause}"
+                )
+            }
             QemuExit::Other(st) => write!(f, "QEMU exited with {st}"),
         }
     }
@@ -274,9 +280,12 @@ impl QemuDriver {
         let mut ex = exits();
         ex.status.remove(&vm.pid);
         let ours = ex.killed_by_us.remove(&vm.pid);
+        let oom_before = ex.oom_kills_at_start.remove(&vm.pid).flatten();
+        drop(ex);
         use std::os::unix::process::ExitStatusExt;
         Some(if st.signal() == Some(libc::SIGKILL) && !ours {
-            QemuExit::KilledFromOutside
+            let after = crate::oom::kill_count();
+            QemuExit::KilledFromOutside(crate::oom::sigkill_cause(oom_before, after))
         } else {
             QemuExit::Other(st)
         })
@@ -388,6 +397,7 @@ impl QemuDriver {
                 child_fence.enter()
             });
         }
+        let oom_kills = crate::oom::kill_count();
         let mut child = cmd.spawn().map_err(|source| VmmError::Spawn {
             binary: self.binary.display().to_string(),
             source,
@@ -398,6 +408,7 @@ impl QemuDriver {
             let mut ex = exits();
             ex.status.insert(pid, rx.clone());
             ex.killed_by_us.remove(&pid);
+            ex.oom_kills_at_start.insert(pid, oom_kills);
         }
         let p = VmPaths::new(cwd);
         self.followers.spawn(

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use globset::{Glob, GlobSet, GlobSetBuilder};
+use globset::{GlobSet, GlobSetBuilder};
 use ignore::gitignore::{Gitignore, GitignoreBuilder};
 
 use super::manifest::{Kind, Manifest};
@@ -25,7 +25,10 @@ pub struct Rules {
     allow: GlobSet,
 }
 
-fn globset(patterns: &[String]) -> Result<GlobSet, WorkspaceError> {
+/// Compiles `patterns` (a name without `/` matches at any depth). `any_case`: match letters in
+/// either case (the secret patterns: `.ENV`, `ID_RSA` and `Credentials.json` are secrets too,
+/// and a case-folding host file system serves them under either spelling).
+fn globset(patterns: &[String], any_case: bool) -> Result<GlobSet, WorkspaceError> {
     let mut b = GlobSetBuilder::new();
     for p in patterns {
         let trimmed = p.trim_matches('/');
@@ -39,8 +42,13 @@ fn globset(patterns: &[String]) -> Result<GlobSet, WorkspaceError> {
         };
         let g = globset::GlobBuilder::new(&pat)
             .literal_separator(true)
+            .case_insensitive(any_case)
             .build()
-            .or_else(|_| Glob::new(&pat))
+            .or_else(|_| {
+                globset::GlobBuilder::new(&pat)
+                    .case_insensitive(any_case)
+                    .build()
+            })
             .map_err(|e| WorkspaceError::Pattern {
                 pattern: p.clone(),
                 message: e.to_string(),
@@ -67,7 +75,7 @@ impl Skip {
         if patterns.is_empty() {
             return Ok(Skip(None));
         }
-        Ok(Skip(Some(globset(patterns)?)))
+        Ok(Skip(Some(globset(patterns, false)?)))
     }
 
     /// `rel` or one of its ancestors matches.
@@ -82,9 +90,9 @@ impl Rules {
     pub fn new(cfg: &SyncConfig) -> Result<Rules, WorkspaceError> {
         Ok(Rules {
             exclude_patterns: cfg.exclude.clone(),
-            exclude: globset(&cfg.exclude)?,
-            secrets: globset(&cfg.secrets)?,
-            allow: globset(&cfg.allow_secrets)?,
+            exclude: globset(&cfg.exclude, false)?,
+            secrets: globset(&cfg.secrets, true)?,
+            allow: globset(&cfg.allow_secrets, false)?,
         })
     }
 
@@ -96,7 +104,7 @@ impl Rules {
         let mut all = self.exclude_patterns.clone();
         all.extend(more.iter().cloned());
         Ok(Rules {
-            exclude: globset(&all)?,
+            exclude: globset(&all, false)?,
             exclude_patterns: all,
             secrets: self.secrets.clone(),
             allow: self.allow.clone(),

@@ -82,3 +82,14 @@ never_sent! {
     secret_pfx: ["cert.pfx", "win/store.pfx"];
     secret_credentials_json: ["credentials.json", "gcp/credentials.json"];
 }
+
+// Host file systems that fold case (macOS, Windows shares) and people who type in capitals:
+// the secret patterns match in any case.
+never_sent! {
+    secret_env_any_case: [".ENV", ".Env.Local", "app/.ENV-DEV"];
+    secret_id_any_case: ["ID_RSA", "Id_Ed25519.PUB", "keys/ID_DEPLOY"];
+    secret_credentials_any_case: ["Credentials.json", "conf/CREDENTIALS.JSON"];
+    secret_pem_key_any_case: ["SERVER.PEM", "tls.Key", "cert.P12"];
+    secret_dirs_any_case: [".SSH/id_x", ".Aws/credentials", ".KUBE/config", ".Docker/Config.json"];
+    secret_netrc_npmrc_any_case: [".NETRC", ".NpmRC", ".PyPIrc"];
+}
