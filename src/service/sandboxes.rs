@@ -56,33 +56,26 @@ impl Service {
 
     /// Validate a create request: the workspace must be an existing directory (absolute path)
     /// that may be a workspace (see [`super::wsguard`]; `caller_uid` is the unix-socket peer,
-    /// `None` for a TCP client), and the resources within the configured limits.
-    pub fn validate_create(
+    /// `None` for a TCP client), and the resources within the configured limits. Resolving
+    /// the path and reading the password database (which may ask LDAP/NSS) run off the async
+    /// runtime.
+    pub async fn validate_create(
         &self,
         req: &api::CreateSandboxRequest,
         caller_uid: Option<u32>,
     ) -> Result<(u32, u32, std::path::PathBuf), ServiceError> {
-        let p = Path::new(&req.workspace.host_path);
+        let p = std::path::PathBuf::from(&req.workspace.host_path);
         if !p.is_absolute() {
             return Err(ServiceError::BadRequest(format!(
                 "workspace.host_path must be an absolute path, got `{}`",
                 req.workspace.host_path
             )));
         }
-        let canon = p.canonicalize().map_err(|e| {
-            ServiceError::Unprocessable(format!("workspace `{}` cannot be used: {e}", p.display()))
-        })?;
-        if !canon.is_dir() {
-            return Err(ServiceError::Unprocessable(format!(
-                "workspace `{}` is not a directory",
-                p.display()
-            )));
-        }
-        let homes = super::wsguard::forbidden_homes(caller_uid);
-        if let Some(why) = super::wsguard::refusal(&canon, &self.paths.root, &homes) {
-            tracing::warn!(workspace = %canon.display(), caller_uid, "refused a workspace");
-            return Err(ServiceError::Forbidden(why));
-        }
+        let data_root = self.paths.root.clone();
+        let canon =
+            tokio::task::spawn_blocking(move || check_workspace(&p, &data_root, caller_uid))
+                .await
+                .map_err(|e| ServiceError::Internal(format!("workspace check failed: {e}")))??;
         let vcpus = req.vcpus.unwrap_or(self.config.default_vcpus);
         let mem = req.memory_mib.unwrap_or(self.config.default_memory_mib);
         if vcpus == 0 || vcpus > self.config.max_vcpus {
@@ -99,6 +92,29 @@ impl Service {
         }
         Ok((vcpus, mem, canon))
     }
+}
+
+/// The workspace folder `p` resolved, if it is a directory that may be a workspace. Blocking.
+fn check_workspace(
+    p: &Path,
+    data_root: &Path,
+    caller_uid: Option<u32>,
+) -> Result<std::path::PathBuf, ServiceError> {
+    let canon = p.canonicalize().map_err(|e| {
+        ServiceError::Unprocessable(format!("workspace `{}` cannot be used: {e}", p.display()))
+    })?;
+    if !canon.is_dir() {
+        return Err(ServiceError::Unprocessable(format!(
+            "workspace `{}` is not a directory",
+            p.display()
+        )));
+    }
+    let homes = super::wsguard::forbidden_homes(caller_uid);
+    if let Some(why) = super::wsguard::refusal(&canon, data_root, &homes) {
+        tracing::warn!(workspace = %canon.display(), caller_uid, "refused a workspace");
+        return Err(ServiceError::Forbidden(why));
+    }
+    Ok(canon)
 }
 
 #[cfg(test)]

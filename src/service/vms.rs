@@ -133,7 +133,7 @@ impl Service {
         caller_uid: Option<u32>,
     ) -> Result<api::Sandbox, ServiceError> {
         let t0 = std::time::Instant::now();
-        let (vcpus, memory_mib, workspace) = self.validate_create(&req, caller_uid)?;
+        let (vcpus, memory_mib, workspace) = self.validate_create(&req, caller_uid).await?;
         self.check_exclude(&req.workspace.exclude)?;
         let net_policy = self.validate_network(req.network.as_ref())?;
         let need = Resources::new(vcpus, memory_mib as u64);

@@ -2,18 +2,25 @@
 //! and MCP too): a workspace is synced into a VM that may have network, and apply writes into
 //! it.
 //!
-//! Refused: the file system root `/`; the calling user's home folder itself (and the daemon
-//! user's), since it holds shell history, browser profiles, keys and dotfiles a later apply
-//! could replace (a project folder inside it is fine); the daemon's data root, anything inside
-//! it and any folder containing it (syncing it would copy every sandbox's data, disks and the
+//! Refused: the file system root `/`; any folder that is or contains a home folder of any
+//! user of the host (the password database as `getpwent` lists it, plus the calling user's,
+//! the daemon user's and `$HOME`), since it holds shell history, browser profiles, keys and
+//! dotfiles a later apply could replace, and syncing `/home` copies every home (a project
+//! folder inside a home is fine); any folder inside a home's dot-directory (`~/.ssh`,
+//! `~/.config`, `~/.local/bin`, `~/.gnupg`, any `~/.*`), where an apply could plant
+//! `authorized_keys` or an executable on `PATH`; the daemon's data root, anything inside it
+//! and any folder containing it (syncing it would copy every sandbox's data, disks and the
 //! API token, and build an archive of the whole tree). Paths are compared after symlinks are
-//! resolved. Pure apart from reading the password database.
+//! resolved. [`forbidden_homes`] reads the password database (which may ask LDAP/NSS) and
+//! resolves symlinks: call it off the async runtime.
 
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-/// Home folders that may not be a workspace for a request from `caller_uid` (the unix-socket
-/// peer or loopback TCP client's uid; `None`: a remote TLS client with the token): that user's, the daemon user's and the
-/// daemon's `$HOME`, symlinks resolved.
+/// Home folders no workspace may be or contain, nor reach into through a dot-directory: every
+/// user's from the password database, plus (for a request from `caller_uid`: the unix-socket
+/// peer or loopback TCP client's uid; `None`: a remote TLS client with the token) that user's, the daemon user's and the
+/// daemon's `$HOME`, symlinks resolved. Homes that do not exist are left out. Blocking.
 pub fn forbidden_homes(caller_uid: Option<u32>) -> Vec<PathBuf> {
     let own = nix::unistd::geteuid();
     let uids = [caller_uid.map(nix::unistd::Uid::from_raw), Some(own)];
@@ -23,20 +30,52 @@ pub fn forbidden_homes(caller_uid: Option<u32>) -> Vec<PathBuf> {
         .filter_map(|u| nix::unistd::User::from_uid(u).ok().flatten())
         .map(|u| u.dir)
         .collect();
+    homes.extend(all_homes());
     if let Some(h) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
         homes.push(PathBuf::from(h));
     }
     let mut out: Vec<PathBuf> = homes
         .into_iter()
         .filter(|h| h.is_absolute())
-        .map(|h| h.canonicalize().unwrap_or(h))
+        .filter_map(|h| h.canonicalize().ok())
         .collect();
     out.sort();
     out.dedup();
     out
 }
 
-/// Why `ws` (absolute, symlinks resolved) may not be a workspace, if it may not.
+/// Most entries read from the password database (a directory service may list many).
+const MAX_USERS: usize = 100_000;
+
+/// The home folder of every user `getpwent` lists.
+fn all_homes() -> Vec<PathBuf> {
+    // getpwent keeps one cursor per process: one caller at a time.
+    static CURSOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = CURSOR.lock().unwrap_or_else(|e| e.into_inner());
+    let mut out = Vec::new();
+    // SAFETY: setpwent/getpwent/endpwent share process-wide state, serialized by `CURSOR`
+    // (nothing else in tryboxi calls them; getpwuid_r, used elsewhere, has its own buffers).
+    // Each returned entry is read (its `pw_dir` copied) before the next call overwrites it.
+    unsafe {
+        libc::setpwent();
+        while out.len() < MAX_USERS {
+            let pw = libc::getpwent();
+            if pw.is_null() {
+                break;
+            }
+            let dir = (*pw).pw_dir;
+            if !dir.is_null() {
+                let bytes = std::ffi::CStr::from_ptr(dir).to_bytes();
+                out.push(PathBuf::from(std::ffi::OsStr::from_bytes(bytes)));
+            }
+        }
+        libc::endpwent();
+    }
+    out
+}
+
+/// Why `ws` (absolute, symlinks resolved) may not be a workspace, if it may not. `homes`:
+/// from [`forbidden_homes`].
 pub fn refusal(ws: &Path, data_root: &Path, homes: &[PathBuf]) -> Option<String> {
     let root = data_root
         .canonicalize()
@@ -47,10 +86,11 @@ pub fn refusal(ws: &Path, data_root: &Path, homes: &[PathBuf]) -> Option<String>
             "workspace `{shown}` is the file system root; use a project folder"
         ));
     }
-    if homes.iter().any(|h| h == ws) {
+    if let Some(h) = homes.iter().find(|h| *h == ws) {
         return Some(format!(
-            "workspace `{shown}` is a home folder (shell history, keys, dotfiles); use a \
-             project folder inside it"
+            "workspace `{shown}` is the home folder {} (shell history, keys, dotfiles); use a \
+             project folder inside it",
+            h.display()
         ));
     }
     if root.starts_with(ws) {
@@ -65,6 +105,29 @@ pub fn refusal(ws: &Path, data_root: &Path, homes: &[PathBuf]) -> Option<String>
              outside it",
             root.display()
         ));
+    }
+    if let Some(h) = homes.iter().find(|h| h.starts_with(ws)) {
+        return Some(format!(
+            "workspace `{shown}` holds the home folder {} (shell history, keys, dotfiles); \
+             use a project folder",
+            h.display()
+        ));
+    }
+    for h in homes {
+        let Ok(below) = ws.strip_prefix(h) else {
+            continue;
+        };
+        if let Some(dot) = below
+            .components()
+            .next()
+            .filter(|c| c.as_os_str().as_bytes().starts_with(b"."))
+        {
+            return Some(format!(
+                "workspace `{shown}` is inside the dot-directory {} of a home folder (keys, \
+                 settings, programs on PATH); use a project folder",
+                h.join(dot).display()
+            ));
+        }
     }
     None
 }
@@ -97,11 +160,58 @@ mod tests {
         }
         assert_eq!(refusal(&project, &data, &homes), None);
         assert_eq!(refusal(&home.join("src"), &data, &homes), None);
+        assert_eq!(refusal(&home.join("src/.hidden"), &data, &homes), None);
         // A symlinked data root is compared resolved.
         let link = base.join("data-link");
         std::os::unix::fs::symlink(&data, &link).unwrap();
         assert!(refusal(&data, &link, &homes).is_some());
         assert!(refusal(&home.join(".local/share"), &link, &homes).is_some());
+    }
+
+    #[test]
+    fn folders_holding_a_home_and_dot_directories_of_a_home_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let base = d.path().canonicalize().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let data = data.path().canonicalize().unwrap();
+        let (alice, bob) = (base.join("home/alice"), base.join("home/bob"));
+        let homes = vec![alice.clone(), bob.clone()];
+        for (ws, what) in [
+            (base.join("home"), "holds the home folder"),
+            (base.clone(), "holds the home folder"),
+            (bob.clone(), "is the home folder"),
+            (alice.join(".ssh"), "dot-directory"),
+            (alice.join(".config/systemd/user"), "dot-directory"),
+            (alice.join(".local/bin"), "dot-directory"),
+            (bob.join(".gnupg"), "dot-directory"),
+            (bob.join(".x"), "dot-directory"),
+        ] {
+            let why = refusal(&ws, &data, &homes).unwrap_or_default();
+            assert!(why.contains(what), "{}: {why:?}", ws.display());
+        }
+        for ok in [
+            alice.join("src/app"),
+            bob.join("work"),
+            base.join("srv/app"),
+            alice.join("src/.github"),
+        ] {
+            assert_eq!(refusal(&ok, &data, &homes), None, "{}", ok.display());
+        }
+    }
+
+    #[test]
+    fn every_users_home_from_the_password_database_is_found() {
+        let homes = forbidden_homes(None);
+        let listed: Vec<PathBuf> = std::fs::read_to_string("/etc/passwd")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(':').nth(5))
+            .filter_map(|h| Path::new(h).canonicalize().ok())
+            .collect();
+        assert!(!listed.is_empty());
+        for h in &listed {
+            assert!(homes.contains(h), "{} missing from {homes:?}", h.display());
+        }
     }
 
     #[test]
