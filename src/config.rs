@@ -317,8 +317,11 @@ impl Default for TelemetryConfig {
 /// `[sync]`: what of the host repo goes into the VM, and limits on what comes back.
 ///
 /// Patterns are globs on the path relative to the repo root, `/`-separated. A pattern without
-/// a `/` matches a name at any depth (`*.pem` matches `a/b/c.pem`); a pattern matching a
-/// directory covers everything under it (`.aws` covers `.aws/credentials`).
+/// a `/` matches a name at any depth (`*.pem` matches `a/b/c.pem`); an `exclude` pattern
+/// matching a directory covers everything under it (`vendor` covers `vendor/x.c`). A secret
+/// pattern (and an `allow_secrets` one) matches files only unless written with a trailing `/`:
+/// `.aws/` covers the directory and everything under it, `id_*` matches the file `id_rsa` but
+/// not a directory `id_service/` nor what is in it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SyncConfig {
@@ -327,14 +330,17 @@ pub struct SyncConfig {
     /// Secret files: never synced, never applied back unless allowed below. Default:
     /// `.env*` (`.env`, `.env.local`, `.env-dev`, `.env_local`, `.envrc`, ...), `*.pem`,
     /// `*.key`, `*.p12`, `*.pfx`, `id_*` (any name starting `id_`: `id_rsa`, `id_ed25519.pub`,
-    /// `id_deploy`, ...), `.npmrc`, `.pypirc`, `.netrc`, `_netrc`, `.git-credentials`, `.aws`,
-    /// `.ssh`, `.gnupg`, `.azure`, `**/.kube/config`, `**/.docker/config.json`,
-    /// `**/.config/gcloud`, `**/.config/gh/hosts.yml`, `credentials.json`, `secrets.*`,
-    /// `*.keystore`, `.htpasswd` (all at any depth). Matched in any case (`.ENV`, `ID_RSA`,
-    /// `Credentials.json` are secrets too). Setting this replaces the whole list.
+    /// `id_deploy`, ...), `.npmrc`, `.pypirc`, `.netrc`, `_netrc`, `.git-credentials`, the
+    /// directories `.aws/`, `.ssh/`, `.gnupg/`, `.azure/`, `**/.config/gcloud/`, and
+    /// `**/.kube/config`, `**/.docker/config.json`, `**/.config/gh/hosts.yml`,
+    /// `credentials.json`, `secrets.*`, `*.keystore`, `.htpasswd` (all at any depth). Matched in
+    /// any case (`.ENV`, `ID_RSA`, `Credentials.json` are secrets too). Setting this replaces
+    /// the whole list.
     pub secrets: Vec<String>,
     /// Secret paths the user explicitly allows into the VM (same pattern syntax, but matched
-    /// case-sensitively: only the spelling the user wrote is let through). Default: none.
+    /// case-sensitively: only the spelling the user wrote is let through). Default:
+    /// `.env.example`, `.env.sample`, `.env.template`, `.env.dist` (committed templates of a
+    /// `.env`, without values). Setting this replaces the whole list.
     pub allow_secrets: Vec<String>,
     /// Largest single file apply/pull bring back from a VM, in MiB. Default: 64. Larger ones are
     /// not read: diff and apply list them as too big and leave the host's copy untouched.
@@ -355,13 +361,21 @@ impl Default for SyncConfig {
         SyncConfig {
             exclude: Vec::new(),
             secrets: DEFAULT_SECRETS.iter().map(|s| s.to_string()).collect(),
-            allow_secrets: Vec::new(),
+            allow_secrets: DEFAULT_ALLOWED_SECRETS
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
             max_file_mib: 64,
             max_diff_mib: 1024,
             max_sync_mib: 1024,
         }
     }
 }
+
+/// The committed templates of `.env` files, not secrets by default (see
+/// [`SyncConfig::allow_secrets`]).
+pub const DEFAULT_ALLOWED_SECRETS: &[&str] =
+    &[".env.example", ".env.sample", ".env.template", ".env.dist"];
 
 /// The default secret patterns (see [`SyncConfig::secrets`]).
 pub const DEFAULT_SECRETS: &[&str] = &[
@@ -376,13 +390,13 @@ pub const DEFAULT_SECRETS: &[&str] = &[
     ".netrc",
     "_netrc",
     ".git-credentials",
-    ".aws",
-    ".ssh",
-    ".gnupg",
-    ".azure",
+    ".aws/",
+    ".ssh/",
+    ".gnupg/",
+    ".azure/",
     "**/.kube/config",
     "**/.docker/config.json",
-    "**/.config/gcloud",
+    "**/.config/gcloud/",
     "**/.config/gh/hosts.yml",
     "credentials.json",
     "secrets.*",

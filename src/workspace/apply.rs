@@ -274,7 +274,12 @@ pub fn plan(
             refuse(&mut plan, why);
             continue;
         }
-        if mode == Mode::Apply && rules.is_secret(&c.path) {
+        let is_dir =
+            c.vm.as_ref()
+                .map(|v| v.kind)
+                .or(c.base.as_ref().map(|b| b.kind))
+                == Some(Kind::Dir);
+        if mode == Mode::Apply && rules.is_secret(&c.path, is_dir) {
             refuse(
                 &mut plan,
                 "a secret file; bring it over explicitly with `pull`".into(),

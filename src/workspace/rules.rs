@@ -21,7 +21,12 @@ pub struct Rules {
     /// The `exclude` patterns as given (kept to build [`Rules::with_exclude`]).
     exclude_patterns: Vec<String>,
     exclude: GlobSet,
+    /// Secret patterns written with a trailing `/`: that directory (or file) and everything
+    /// below it.
     secrets: GlobSet,
+    /// The other secret patterns: files (and symlinks) only, never a directory or what is in
+    /// it (`id_*` must not take a directory `id_service/` with it).
+    secret_files: GlobSet,
     allow: GlobSet,
 }
 
@@ -61,6 +66,14 @@ fn globset(patterns: &[String], any_case: bool) -> Result<GlobSet, WorkspaceErro
     })
 }
 
+/// The secret patterns meant for directories (written with a trailing `/`), or the others.
+fn secret_patterns(all: &[String], dirs: bool) -> Vec<String> {
+    all.iter()
+        .filter(|p| p.trim_end().ends_with('/') == dirs)
+        .cloned()
+        .collect()
+}
+
 fn matches_any_ancestor(set: &GlobSet, rel: &str) -> bool {
     ancestors(rel).any(|a| set.is_match(a))
 }
@@ -91,7 +104,8 @@ impl Rules {
         Ok(Rules {
             exclude_patterns: cfg.exclude.clone(),
             exclude: globset(&cfg.exclude, false)?,
-            secrets: globset(&cfg.secrets, true)?,
+            secrets: globset(&secret_patterns(&cfg.secrets, true), true)?,
+            secret_files: globset(&secret_patterns(&cfg.secrets, false), true)?,
             allow: globset(&cfg.allow_secrets, false)?,
         })
     }
@@ -107,13 +121,16 @@ impl Rules {
             exclude: globset(&all, false)?,
             exclude_patterns: all,
             secrets: self.secrets.clone(),
+            secret_files: self.secret_files.clone(),
             allow: self.allow.clone(),
         })
     }
 
-    /// A secret the user has not allowed.
-    pub fn is_secret(&self, rel: &str) -> bool {
-        matches_any_ancestor(&self.secrets, rel) && !matches_any_ancestor(&self.allow, rel)
+    /// A secret the user has not allowed: `rel` or an ancestor matches a directory pattern
+    /// (`.ssh/`), or `rel` is not a directory and matches a file pattern (`id_*`).
+    pub fn is_secret(&self, rel: &str, is_dir: bool) -> bool {
+        (matches_any_ancestor(&self.secrets, rel) || (!is_dir && self.secret_files.is_match(rel)))
+            && !matches_any_ancestor(&self.allow, rel)
     }
 
     pub fn is_excluded(&self, rel: &str) -> bool {
@@ -283,7 +300,7 @@ pub fn scan(root: &Path, rules: &Rules) -> Result<Scan, WorkspaceError> {
             continue; // removed while scanning
         };
         let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
-        let secret = rules.is_secret(rel);
+        let secret = rules.is_secret(rel, is_dir);
         if secret || rules.is_excluded(rel) {
             if secret {
                 out.secrets_skipped.push(rel.to_owned());
@@ -372,7 +389,7 @@ mod tests {
             ".docker/config.json",
             "id_rsa",
         ] {
-            assert!(r.is_secret(p), "{p} should be a secret");
+            assert!(r.is_secret(p, false), "{p} should be a secret");
         }
         for p in [
             "src/main.rs",
@@ -381,7 +398,7 @@ mod tests {
             "docker/config.json",
             "id.rs",
         ] {
-            assert!(!r.is_secret(p), "{p} should not be a secret");
+            assert!(!r.is_secret(p, false), "{p} should not be a secret");
         }
     }
 
@@ -405,8 +422,8 @@ mod tests {
     #[test]
     fn allow_list_lets_a_secret_through() {
         let r = rules(&[], &[".env.example"]);
-        assert!(!r.is_secret(".env.example"));
-        assert!(r.is_secret(".env"));
+        assert!(!r.is_secret(".env.example", false));
+        assert!(r.is_secret(".env", false));
     }
 
     #[test]

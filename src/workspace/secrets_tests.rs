@@ -93,3 +93,46 @@ never_sent! {
     secret_dirs_any_case: [".SSH/id_x", ".Aws/credentials", ".KUBE/config", ".Docker/Config.json"];
     secret_netrc_npmrc_any_case: [".NETRC", ".NpmRC", ".PyPIrc"];
 }
+
+/// A secret pattern without a trailing `/` matches files only: a directory named like one
+/// (`id_service/`, `.env.d/`, `app.key/`) is synced with what is in it, and the committed
+/// `.env` templates are not secrets; the files themselves still are.
+#[test]
+fn file_patterns_spare_directories_and_env_templates_are_synced() {
+    let repo = tempfile::tempdir().unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let root = repo.path();
+    let synced = [
+        "id_service/main.go",
+        "svc/id_mapper/lib.rs",
+        ".env.d/README.md",
+        "certs.key/notes.txt",
+        ".env.example",
+        "web/.env.sample",
+        ".env.template",
+        ".env.dist",
+    ];
+    let secret = ["id_service/id_rsa", ".env.d/.env", "web/.env.local"];
+    for p in synced.iter().chain(&secret) {
+        let p = root.join(p);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, "x").unwrap();
+    }
+    let rules = Rules::new(&SyncConfig::default()).unwrap();
+    let s = scan(root, &rules).unwrap();
+    let d = compute(root, &s, &Base::new(data.path().join("ws"))).unwrap();
+    let mut sent = Vec::new();
+    for e in tar::Archive::new(d.archive.as_slice()).entries().unwrap() {
+        sent.push(e.unwrap().path().unwrap().to_string_lossy().into_owned());
+    }
+    for p in synced {
+        assert!(sent.iter().any(|s| s == p), "`{p}` was not sent: {sent:?}");
+    }
+    for p in secret {
+        assert!(!sent.iter().any(|s| s == p), "secret `{p}` was sent");
+        assert!(s.secrets_skipped.iter().any(|k| k == p), "{p}");
+    }
+    // Directory patterns still take the whole directory.
+    assert!(rules.is_secret(".ssh", true) && rules.is_secret("a/.aws/config", false));
+    assert!(!rules.is_secret("id_service", true) && rules.is_secret("id_service", false));
+}
