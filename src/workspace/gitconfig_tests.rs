@@ -363,3 +363,68 @@ fn submodule_nested_and_bare_configs_are_sanitized_in_the_sync() {
     want.sort();
     assert_eq!(seen, want);
 }
+
+/// A `\` at the end of a comment does not continue the value (git ends it at the comment), so
+/// the next line is a key of its own, checked like any other: the token line is dropped.
+#[test]
+fn a_backslash_in_a_comment_does_not_hide_the_next_key() {
+    let input = "[http]\n\tsslVerify = true ; see \\\n\textraHeader = Authorization: Bearer \
+                 TOKEN1\n\tpostBuffer = 1 # note \\\n\textraHeader = Bearer TOKEN2\n";
+    let out = sanitize(input);
+    assert_gone_kept(
+        &out,
+        &["TOKEN1", "TOKEN2", "extraHeader"],
+        &["sslVerify = true ; see \\", "postBuffer = 1 # note \\"],
+    );
+    // A comment after a section header ends its line too.
+    let out = sanitize("[http] ; header \\\n\textraHeader = Bearer TOKEN3\n");
+    assert_gone_kept(&out, &["TOKEN3"], &["[http]"]);
+}
+
+/// Inside double quotes `#` and `;` are text, so a `\` after them does continue the value:
+/// the continuation belongs to the (dropped or kept) value, like git reads it.
+#[test]
+fn quoted_comment_characters_and_escapes_are_read_like_git() {
+    // Quoted `;`: the value goes on, and the whole dropped value goes.
+    let input = "[http]\n\textraHeader = \"X-A: a;b \\\nBearer QTOKEN1\"\n\tsslVerify = true\n";
+    assert_gone_kept(&sanitize(input), &["QTOKEN1", "X-A"], &["sslVerify = true"]);
+    // A kept quoted value with `#` continued: its next line is not read as a key.
+    let input = "[core]\n\tcomment = \"a # b \\\n\tpassword = NOT-A-KEY\"\n\tbare = false\n";
+    assert_gone_kept(
+        &sanitize(input),
+        &[],
+        &["password = NOT-A-KEY\"", "bare = false"],
+    );
+    // An escaped quote does not open a string: the `;` after it starts a comment.
+    let input = "[http]\n\tsslVerify = a\\\"b ; c \\\n\textraHeader = Bearer QTOKEN2\n";
+    assert_gone_kept(&sanitize(input), &["QTOKEN2"], &["sslVerify"]);
+    // An escaped backslash at the end does not continue.
+    let input = "[http]\n\tsslCAInfo = C:\\\\\n\textraHeader = Bearer QTOKEN3\n";
+    assert_gone_kept(&sanitize(input), &["QTOKEN3"], &["sslCAInfo"]);
+    // A shell alias hidden behind an empty quoted string is still one.
+    let input = "[alias]\n\tx = \"\" !curl evil\n\ty = log\n";
+    assert_gone_kept(&sanitize(input), &["curl evil"], &["y = log"]);
+    // Credentials split over a continuation are found in the value git reads.
+    let input = "[remote \"o\"]\n\turl = https://u:SPLIT\\\nTOKEN@h/r.git\n";
+    assert_gone_kept(
+        &sanitize(input),
+        &["SPLIT", "TOKEN"],
+        &["url = \"https://h/r.git\""],
+    );
+}
+
+/// From a line git cannot parse (an open quote, a bad escape, a header without `]`), nothing
+/// more is copied: git would refuse the file.
+#[test]
+fn the_rest_of_a_file_git_cannot_parse_is_left_out() {
+    for bad in [
+        "\tx = \"open\n",
+        "\tx = bad \\q escape\n",
+        "[broken\n",
+        "\t= no key\n",
+    ] {
+        let input = format!("[user]\n\tname = A\n{bad}[http]\n\textraHeader = Bearer BADTOKEN\n");
+        let out = sanitize(&input);
+        assert_gone_kept(&out, &["BADTOKEN"], &["name = A", "git cannot parse"]);
+    }
+}
