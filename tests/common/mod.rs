@@ -309,6 +309,16 @@ pub fn artifacts() -> Option<PathBuf> {
     None
 }
 
+/// A test (or part of one) that cannot run here: prints why on a line of its own, except under
+/// CI (`CI` set), where every test runs and this is a failure.
+pub fn skip_unless_ci(why: &str) {
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "cannot run under CI, where every test runs: {why}"
+    );
+    eprintln!("skipped: {why}");
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
