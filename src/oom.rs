@@ -1,22 +1,32 @@
 //! Who the kernel's out-of-memory killer picks: never the daemon if it can help it, a sandbox's
 //! QEMU first.
 //!
-//! Owns: the daemon's `oom_score_adj` (set once at `serve` start: -1000 as root, else the lowest
-//! the kernel lets this user set) and the value every QEMU sets for itself before `exec`
-//! ([`QEMU_OOM_SCORE_ADJ`]; raising one's own value needs no privilege, and without it QEMU
-//! would inherit the daemon's protection).
+//! Owns: the daemon's `oom_score_adj` (set once at `serve` start: [`DAEMON_OOM_SCORE_ADJ`]
+//! (-900) with `CAP_SYS_RESOURCE`, else the lowest the kernel lets this user set), the value
+//! every QEMU sets for itself before `exec` ([`QEMU_OOM_SCORE_ADJ`]) and the value every other
+//! child the daemon spawns (git, mke2fs, debugfs, qemu-img, probes) starts with
+//! ([`CHILD_OOM_SCORE_ADJ`], through [`ResetOomScore`]): a child inherits its parent's score,
+//! and raising one's own value needs no privilege.
 //! Also tells who sent a SIGKILL tryboxi did not send ([`sigkill_cause`]): the kernel's OOM
 //! killer when `/proc/vmstat`'s `oom_kill` counter moved while the QEMU ran, another process
 //! otherwise.
 //! Never: changes the score of any other process.
+//!
+//! Why -900 and not -1000: -1000 exempts the daemon from the OOM killer entirely, so a daemon
+//! that itself runs away with memory (a bug, or an input that gets past a bound) would have
+//! the kernel kill every other process of the host, and panic when none is left. At -900 the
+//! daemon is still picked after everything else unless it alone holds over 90% of memory.
 
 use std::io::Write;
 
 /// What a sandbox's QEMU sets for itself: a guest that fills its RAM is killed before the host's
 /// other processes (and long before the daemon).
 pub const QEMU_OOM_SCORE_ADJ: i32 = 500;
-/// Most protected value (`OOM_SCORE_ADJ_MIN`).
-pub const MIN: i32 = -1000;
+/// What every other child of the daemon starts with: the kernel's default, as if started from
+/// a shell (never the daemon's protection).
+pub const CHILD_OOM_SCORE_ADJ: i32 = 0;
+/// What the daemon asks for itself (see the module docs for why not -1000).
+pub const DAEMON_OOM_SCORE_ADJ: i32 = -900;
 
 const SELF_PATH: &str = "/proc/self/oom_score_adj";
 
@@ -34,7 +44,7 @@ fn set(v: i32) -> std::io::Result<()> {
     f.write_all(v.to_string().as_bytes())
 }
 
-/// Protect the daemon from the OOM killer: -1000 when allowed (root, `CAP_SYS_RESOURCE`),
+/// Protect the daemon from the OOM killer: -900 when allowed (root, `CAP_SYS_RESOURCE`),
 /// otherwise the lowest value the kernel accepts from this user (it refuses going below the
 /// lowest value a privileged process set for us). Returns the value now in force; failures
 /// are logged, never fatal.
@@ -46,9 +56,9 @@ pub fn protect_daemon() -> Option<i32> {
             return None;
         }
     };
-    if set(MIN).is_err() {
+    if set(DAEMON_OOM_SCORE_ADJ).is_err() {
         // Lowering is refused below a floor we cannot read: find it by bisection (<= 11 writes).
-        let (mut lo, mut hi) = (MIN, before);
+        let (mut lo, mut hi) = (DAEMON_OOM_SCORE_ADJ, before);
         while lo + 1 < hi {
             let mid = lo + (hi - lo) / 2;
             if set(mid).is_ok() {
@@ -61,13 +71,13 @@ pub fn protect_daemon() -> Option<i32> {
     }
     let now = current().ok();
     match now {
-        Some(v) if v == MIN => {
+        Some(v) if v <= DAEMON_OOM_SCORE_ADJ => {
             tracing::info!(oom_score_adj = v, "daemon protected from the OOM killer")
         }
         Some(v) => tracing::info!(
             oom_score_adj = v,
             was = before,
-            "daemon's OOM score lowered as far as this user may (-1000 needs root)"
+            "daemon's OOM score lowered as far as this user may (-900 needs root)"
         ),
         None => {}
     }
@@ -153,6 +163,40 @@ impl std::fmt::Display for SigkillCause {
     }
 }
 
+/// Spawning a child of the daemon: it starts at [`CHILD_OOM_SCORE_ADJ`] instead of inheriting
+/// the daemon's protection. Every `Command` the daemon runs goes through this (QEMU sets its
+/// own [`QEMU_OOM_SCORE_ADJ`]).
+pub trait ResetOomScore {
+    /// Set the child's `oom_score_adj` to [`CHILD_OOM_SCORE_ADJ`] before `exec`.
+    fn reset_oom_score(&mut self) -> &mut Self;
+}
+
+impl ResetOomScore for std::process::Command {
+    fn reset_oom_score(&mut self) -> &mut Self {
+        let score = ChildScore::new(CHILD_OOM_SCORE_ADJ);
+        // SAFETY: the closure only calls `apply_in_child` (async-signal-safe, see there).
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(self, move || {
+                score.apply_in_child();
+                Ok(())
+            })
+        }
+    }
+}
+
+impl ResetOomScore for tokio::process::Command {
+    fn reset_oom_score(&mut self) -> &mut Self {
+        let score = ChildScore::new(CHILD_OOM_SCORE_ADJ);
+        // SAFETY: the closure only calls `apply_in_child` (async-signal-safe, see there).
+        unsafe {
+            self.pre_exec(move || {
+                score.apply_in_child();
+                Ok(())
+            })
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,5 +240,59 @@ mod tests {
         let out = cmd.output().unwrap();
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "500");
         assert_eq!(current().unwrap(), before);
+    }
+
+    const PROBE_OUT: &str = "TRYBOXI_TEST_OOM_PROBE_OUT";
+
+    /// A helper the daemon spawns (here `git merge-file`, the real call, with a `git` on PATH
+    /// that records its score) starts at 0, not at the score of the process that spawned it
+    /// (raised to 700 here: unprivileged, the daemon's own -900 cannot be set, but inheritance
+    /// shows the same way).
+    #[test]
+    fn a_spawned_helper_starts_at_zero_not_at_the_daemons_score() {
+        if std::env::var_os(PROBE_OUT).is_some() {
+            // The re-executed test process, at 700: spawn the helper as the daemon does.
+            let _ = crate::workspace::apply::merge3(b"a\n", b"b\n", b"c\n");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("score");
+        let git = d.path().join("git");
+        std::fs::write(
+            &git,
+            "#!/bin/sh\ncat /proc/self/oom_score_adj > \"$TRYBOXI_TEST_OOM_PROBE_OUT\"\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&git, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let path = format!(
+            "{}:{}",
+            d.path().display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let raised = ChildScore::new(700);
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args([
+            "oom::tests::a_spawned_helper_starts_at_zero_not_at_the_daemons_score",
+            "--exact",
+            "--test-threads=1",
+        ])
+        .env(PROBE_OUT, &out)
+        .env("PATH", path);
+        // SAFETY: the closure only calls `apply_in_child` (async-signal-safe, see there).
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                raised.apply_in_child();
+                Ok(())
+            });
+        }
+        let st = cmd.output().unwrap();
+        assert!(st.status.success(), "{st:?}");
+        let score = std::fs::read_to_string(&out).expect("the fake git ran");
+        assert_eq!(
+            score.trim(),
+            CHILD_OOM_SCORE_ADJ.to_string(),
+            "git merge-file inherited its parent's score"
+        );
     }
 }

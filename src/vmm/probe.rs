@@ -7,6 +7,7 @@
 //! Never: trusts `/dev/kvm` merely existing (a nested paravirtual KVM opens fine and then
 //! fails on real guests), or fails the daemon start: any probe trouble means TCG.
 
+use crate::oom::ResetOomScore as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -198,6 +199,7 @@ pub(crate) async fn probe_boot(
     let err = out.try_clone().map_err(io_err(&log))?;
     let t0 = Instant::now();
     let mut child = tokio::process::Command::new(qemu.binary())
+        .reset_oom_score()
         .args(machine_args(accel, 1, 256))
         .arg("-kernel")
         .arg(kernel)

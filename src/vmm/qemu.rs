@@ -6,6 +6,7 @@
 //! Never: deletes files (the caller removes the VM directory through `safefs`), writes the base
 //! rootfs (each VM gets a qcow2 overlay), or talks to the guest agent.
 
+use crate::oom::ResetOomScore as _;
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
@@ -218,6 +219,7 @@ impl QemuDriver {
     pub fn new(binary: impl Into<PathBuf>) -> Result<QemuDriver, VmmError> {
         let binary = binary.into();
         let out = std::process::Command::new(&binary)
+            .reset_oom_score()
             .arg("--version")
             .stdin(Stdio::null())
             .output()

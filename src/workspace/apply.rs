@@ -6,6 +6,7 @@
 //! `git merge-file` on temporary files (no commit, checkout, reset, clean or index access) and
 //! never plans anything under `.git/`.
 
+use crate::oom::ResetOomScore as _;
 use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -173,6 +174,7 @@ pub fn merge3(host: &[u8], base: &[u8], vm: &[u8]) -> Result<(Vec<u8>, bool), St
         std::fs::write(p, d).map_err(|e| format!("cannot write a merge temp file: {e}"))?;
     }
     let out = std::process::Command::new("git")
+        .reset_oom_score()
         .args([
             "merge-file",
             "-p",

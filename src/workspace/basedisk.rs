@@ -8,6 +8,7 @@
 //! directory) and writing the image into the VM's `wsbase.img` in place (QEMU has it open).
 //! Never touches the host repo; the staging directory is a temporary directory the caller owns.
 
+use crate::oom::ResetOomScore as _;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -155,6 +156,7 @@ pub fn tools() -> Result<(), BaseDiskError> {
 
 fn run(tool_name: &'static str, cmd: &mut Command) -> Result<(), BaseDiskError> {
     let out = cmd
+        .reset_oom_score()
         .stdin(Stdio::null())
         .output()
         .map_err(|_| BaseDiskError::NoTool(tool_name))?;
@@ -203,6 +205,7 @@ pub fn reads_tar() -> bool {
                 return false;
             };
             Command::new(mke2fs)
+                .reset_oom_score()
                 .arg("-V")
                 .stdin(Stdio::null())
                 .output()
