@@ -62,6 +62,29 @@ fn openapi_document_is_served_and_parses() {
     );
 }
 
+/// Every operation that takes a body documents the 408 of `[http] body_timeout_s`.
+#[test]
+fn every_operation_with_a_body_documents_the_body_timeout() {
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/api/openapi.yaml")).unwrap();
+    let doc = &yaml_rust2::YamlLoader::load_from_str(&text).unwrap()[0];
+    let mut with_body = 0;
+    for (path, item) in doc["paths"].as_hash().unwrap() {
+        for (method, op) in item.as_hash().unwrap() {
+            if op["requestBody"].is_badvalue() {
+                continue;
+            }
+            with_body += 1;
+            let r408 = &op["responses"]["408"];
+            assert!(
+                !r408.is_badvalue(),
+                "{method:?} {path:?} takes a body but does not document 408"
+            );
+        }
+    }
+    assert!(with_body >= 10, "{with_body}");
+}
+
 #[test]
 fn malformed_json_is_400_with_an_error_body() {
     let d = Daemon::start(None, &[]);
