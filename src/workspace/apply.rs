@@ -477,7 +477,7 @@ fn refuse_escapes(root: &Path, plan: &mut Plan, renames: &HashMap<String, String
                     Action::Write { .. } => after.check_parents(&op.path),
                     Action::Delete => Ok(()),
                 };
-                r.err().map(|why| (op.path.clone(), why))
+                r.err().map(|why| (op.path.clone(), why.to_string()))
             })
             .collect();
         if bad.is_empty() {

@@ -75,17 +75,15 @@ impl<'a> After<'a> {
     /// Resolve `target` as a symlink at `link` would: `Err` with the reason when it leads out
     /// of the repo (an absolute target, a `..` above the root, through links old or new) or
     /// follows more than [`MAX_HOPS`] links.
-    pub fn check_link(&self, link: &str, target: &str) -> Result<(), String> {
+    pub fn check_link(&self, link: &str, target: &str) -> Result<(), LinkError> {
         if target.is_empty() {
-            return Err("symlink with an empty target".into());
+            return Err(LinkError::EmptyTarget);
         }
         if target.contains('\0') || target.len() > 4095 {
-            return Err("symlink target with a NUL byte or over 4095 bytes".into());
+            return Err(LinkError::BadTarget);
         }
         if target.starts_with('/') {
-            return Err(format!(
-                "symlink to `{target}` points outside the repo (absolute target)"
-            ));
+            return Err(LinkError::Absolute(target.to_owned()));
         }
         let mut dir: Vec<String> = link.split('/').map(str::to_owned).collect();
         dir.pop();
@@ -96,7 +94,7 @@ impl<'a> After<'a> {
                 "" | "." => {}
                 ".." => {
                     if dir.pop().is_none() {
-                        return Err(format!("symlink to `{target}` escapes the repo"));
+                        return Err(LinkError::Escapes(target.to_owned()));
                     }
                 }
                 name => {
@@ -105,14 +103,14 @@ impl<'a> After<'a> {
                     if let Node::Link(t) = self.node(&here) {
                         hops += 1;
                         if hops > MAX_HOPS {
-                            return Err(format!(
-                                "symlink to `{target}` follows more than {MAX_HOPS} links"
-                            ));
+                            return Err(LinkError::TooManyHops(target.to_owned()));
                         }
                         if t.starts_with('/') {
-                            return Err(format!(
-                                "symlink to `{target}` escapes the repo through `{here}` -> `{t}`"
-                            ));
+                            return Err(LinkError::EscapesThrough {
+                                target: target.to_owned(),
+                                here,
+                                to: t.clone(),
+                            });
                         }
                         dir.pop();
                         for part in t.split('/').rev() {
@@ -127,20 +125,45 @@ impl<'a> After<'a> {
 
     /// Every parent of `rel` must end up a directory: refused when the apply itself puts a
     /// symlink or a file at one (the write would go through the link, or fail half-way).
-    pub fn check_parents(&self, rel: &str) -> Result<(), String> {
+    pub fn check_parents(&self, rel: &str) -> Result<(), LinkError> {
         for a in super::ancestors(rel).take_while(|a| *a != rel) {
             match self.planned.get(a) {
                 Some(Planned::Symlink(_)) => {
-                    return Err(format!("parent `{a}` is a symlink this apply would create"));
+                    return Err(LinkError::ParentSymlink(a.to_owned()));
                 }
                 Some(Planned::File) => {
-                    return Err(format!("parent `{a}` is a file this apply would write"));
+                    return Err(LinkError::ParentFile(a.to_owned()));
                 }
                 _ => {}
             }
         }
         Ok(())
     }
+}
+
+/// Why a planned symlink or write is refused (the text goes into the apply's `refused` list).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LinkError {
+    #[error("symlink with an empty target")]
+    EmptyTarget,
+    #[error("symlink target with a NUL byte or over 4095 bytes")]
+    BadTarget,
+    #[error("symlink to `{0}` points outside the repo (absolute target)")]
+    Absolute(String),
+    #[error("symlink to `{0}` escapes the repo")]
+    Escapes(String),
+    #[error("symlink to `{0}` follows more than {MAX_HOPS} links")]
+    TooManyHops(String),
+    #[error("symlink to `{target}` escapes the repo through `{here}` -> `{to}`")]
+    EscapesThrough {
+        target: String,
+        here: String,
+        to: String,
+    },
+    #[error("parent `{0}` is a symlink this apply would create")]
+    ParentSymlink(String),
+    #[error("parent `{0}` is a file this apply would write")]
+    ParentFile(String),
 }
 
 #[cfg(test)]
@@ -160,7 +183,7 @@ mod tests {
         let a = After::new(d.path(), [link("d/l", ".."), link("d/m", "l/../..")]);
         assert!(a.check_link("d/l", "..").is_ok());
         let e = a.check_link("d/m", "l/../..").unwrap_err();
-        assert!(e.contains("escapes the repo"), "{e}");
+        assert!(e.to_string().contains("escapes the repo"), "{e}");
         // Through a chain of new links, and through a link the host already has.
         let a = After::new(
             d.path(),
@@ -170,7 +193,7 @@ mod tests {
         symlink("/etc", d.path().join("hostlink")).unwrap();
         let a = After::new(d.path(), [link("d/n", "../hostlink/passwd")]);
         let e = a.check_link("d/n", "../hostlink/passwd").unwrap_err();
-        assert!(e.contains("hostlink"), "{e}");
+        assert!(e.to_string().contains("hostlink"), "{e}");
         // A host link the apply deletes is not followed; one it replaces by a file neither.
         let a = After::new(
             d.path(),
@@ -187,7 +210,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let a = After::new(d.path(), [link("a", "b"), link("b", "a")]);
         let e = a.check_link("a", "b").unwrap_err();
-        assert!(e.contains("more than 40 links"), "{e}");
+        assert!(e.to_string().contains("more than 40 links"), "{e}");
         let a = After::new(d.path(), [link("s/t", "../u/v")]);
         assert!(a.check_link("s/t", "../u/v").is_ok());
         assert!(a.check_link("s/t", "./x/../../y").is_ok());
@@ -205,8 +228,18 @@ mod tests {
             d.path(),
             [link("d", "sub"), ("f".to_string(), Planned::File)],
         );
-        assert!(a.check_parents("d/x").unwrap_err().contains("symlink"));
-        assert!(a.check_parents("f/x").unwrap_err().contains("file"));
+        assert!(
+            a.check_parents("d/x")
+                .unwrap_err()
+                .to_string()
+                .contains("symlink")
+        );
+        assert!(
+            a.check_parents("f/x")
+                .unwrap_err()
+                .to_string()
+                .contains("file")
+        );
         assert!(a.check_parents("d").is_ok());
         assert!(a.check_parents("sub/x").is_ok());
     }
