@@ -9,6 +9,7 @@
 //! Paths stay the same, so QMP commands naming files in the VM's directory keep working.
 //! Never: mounts anything in the daemon's namespace (the child's copy is made private first).
 
+use crate::oom::ResetOomScore as _;
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -419,7 +420,8 @@ unsafe fn write_proc(path: &std::ffi::CStr, data: &[u8]) -> std::io::Result<()> 
 pub fn userns_allowed() -> Result<(), String> {
     use std::os::unix::process::CommandExt;
     let mut cmd = std::process::Command::new("true");
-    cmd.stdin(std::process::Stdio::null())
+    cmd.reset_oom_score()
+        .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     // SAFETY: unshare(2) only, async-signal-safe.

@@ -7,6 +7,7 @@
 //! Never: changes a file outside a VM's directory except to let the VM user read it (group
 //! read on a file the daemon owns), and never grants write access to a shared read-only image.
 
+use crate::oom::ResetOomScore as _;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 
@@ -35,6 +36,7 @@ pub fn ensure() -> Result<VmUser, String> {
         return Ok(u);
     }
     let out = std::process::Command::new("useradd")
+        .reset_oom_score()
         .args([
             "--system",
             "--user-group",
