@@ -295,19 +295,29 @@ mod tests {
         }
     }
 
-    /// Same for walk answers: 3,000,000 removed paths of one byte encode to ~6 MB but claim
-    /// ~75 MB, past `MAX_ANSWER`, when decoded; the host answered "bad walk answer".
+    /// Same for walk answers: 2,000,000 entries with empty paths and small numbers encode to
+    /// ~16 MB but claim ~70 MB (each varint claims its full width), past `MAX_ANSWER`, when
+    /// decoded; the host answered "bad walk answer".
     #[test]
     fn an_answer_that_encodes_also_decodes() {
-        use crate::rpc::msg::{WalkCursor, WalkDelta};
+        use crate::rpc::msg::{FileKind, WalkCursor, WalkDelta, WalkEntry};
+        let e = WalkEntry {
+            path: String::new(),
+            kind: FileKind::File,
+            size: 0,
+            mode: 0,
+            mtime: 0,
+            mtime_nsec: 0,
+            link: None,
+        };
         let d = WalkDelta {
             cursor: WalkCursor {
                 epoch: 1,
                 generation: 2,
             },
-            full: false,
-            entries: Vec::new(),
-            removed: vec!["a".to_owned(); 3_000_000],
+            full: true,
+            entries: vec![e; 2_000_000],
+            removed: Vec::new(),
         };
         match encode_answer(&d) {
             Ok(bytes) => {
@@ -323,7 +333,7 @@ mod tests {
         }
         // A smaller one still goes through.
         let small = WalkDelta {
-            removed: vec!["a".to_owned(); 100_000],
+            entries: d.entries[..100_000].to_vec(),
             ..d
         };
         let bytes = encode_answer(&small).unwrap();
