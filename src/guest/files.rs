@@ -4,10 +4,10 @@
 //! (relative ones are refused: there is no meaningful cwd for the host). It never follows the
 //! host's idea of safety beyond that: inside the VM the host is root.
 
-use crate::rpc::WINDOW;
 use crate::rpc::frame::CHUNK;
 use crate::rpc::msg::{Body, DirEntry, ErrorKind, FileKind, FileStat, Frame, RemoteError, Reply};
 use crate::rpc::outbox::Outbox;
+use crate::rpc::{WINDOW, data_cost};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -28,8 +28,15 @@ pub enum WriteMsg {
 pub struct Inflow(AtomicUsize);
 
 impl Inflow {
-    /// Counts `n` received bytes: the credit owed for them, or `None` past the window.
-    pub fn receive(self: &Arc<Self>, n: usize, outbox: &Arc<Outbox>, stream: u32) -> Option<Owed> {
+    /// Counts a received `Data` frame of `len` bytes at its [`data_cost`] (so empty frames are
+    /// not free): the credit owed for it, or `None` past the window.
+    pub fn receive(
+        self: &Arc<Self>,
+        len: usize,
+        outbox: &Arc<Outbox>,
+        stream: u32,
+    ) -> Option<Owed> {
+        let n = data_cost(len);
         if self.0.fetch_add(n, Ordering::AcqRel) + n > WINDOW {
             return None;
         }
@@ -103,7 +110,11 @@ fn stat_of(md: &std::fs::Metadata) -> FileStat {
 }
 
 /// Answers stat/list/mkdir/remove (blocking file system calls; run on a blocking thread).
-pub fn simple(req: crate::rpc::msg::Request) -> Result<Reply, RemoteError> {
+/// A recursive remove counts each entry it removes in `work` (its progress).
+pub fn simple(
+    req: crate::rpc::msg::Request,
+    work: &std::sync::atomic::AtomicU64,
+) -> Result<Reply, RemoteError> {
     use crate::rpc::msg::Request as R;
     let ctx = |what: &str, p: &Path| format!("{what} {}", p.display());
     match req {
@@ -153,7 +164,7 @@ pub fn simple(req: crate::rpc::msg::Request) -> Result<Reply, RemoteError> {
                 .map_err(|e| RemoteError::from_io(&ctx("remove", &p), &e))?;
             let r = if md.is_dir() {
                 if recursive {
-                    std::fs::remove_dir_all(&p)
+                    super::progress::remove_tree(&p, work)
                 } else {
                     std::fs::remove_dir(&p)
                 }
@@ -173,8 +184,19 @@ pub fn simple(req: crate::rpc::msg::Request) -> Result<Reply, RemoteError> {
 /// Streams a regular file to the host as `Data` chunks within the stream's credit, then
 /// `DataEnd`. A symlink at the last component is not followed and anything but a regular file
 /// (a device such as `/dev/zero`, a FIFO) is refused: the host reads what the walk listed.
+///
+/// Ends quietly when the host cancels the stream (its semaphore is closed): the stream's task
+/// ends then, even inside a read that blocks.
 pub async fn read(path: String, outbox: Arc<Outbox>, stream: u32, credit: Arc<Semaphore>) {
-    let res: Result<(), RemoteError> = async {
+    let cancelled = {
+        let credit = credit.clone();
+        async move {
+            while !credit.is_closed() {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let work = async {
         let p = check_path(&path)?;
         let ctx = |e: std::io::Error| RemoteError::from_io(&format!("read {}", p.display()), &e);
         let mut f = tokio::fs::OpenOptions::new()
@@ -205,7 +227,7 @@ pub async fn read(path: String, outbox: Arc<Outbox>, stream: u32, credit: Arc<Se
             if n == 0 {
                 break;
             }
-            match credit.acquire_many(n as u32).await {
+            match credit.acquire_many(data_cost(n) as u32).await {
                 Ok(permit) => permit.forget(),
                 Err(_) => return Ok(()), // the connection is gone
             }
@@ -224,8 +246,11 @@ pub async fn read(path: String, outbox: Arc<Outbox>, stream: u32, credit: Arc<Se
             body: Body::DataEnd,
         });
         Ok(())
-    }
-    .await;
+    };
+    let res = tokio::select! {
+        r = work => r,
+        () = cancelled => Ok(()),
+    };
     if let Err(e) = res {
         let _ = outbox.send(Frame {
             stream,

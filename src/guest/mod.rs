@@ -17,12 +17,15 @@ pub mod files;
 pub mod init;
 pub mod net;
 pub mod port;
+pub mod progress;
 pub mod reaper;
 pub mod server;
 pub mod tree;
 pub mod watch;
 pub mod wsbase;
 
+#[cfg(test)]
+mod deadline_tests;
 #[cfg(test)]
 mod reconnect_tests;
 #[cfg(test)]

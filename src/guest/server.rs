@@ -274,6 +274,22 @@ async fn serve_inner<R: AsyncRead + Unpin>(
                     sem.add_permits(n as usize);
                 }
             }
+            // The host abandoned the request: stop reading (a read, a walk's sending) or
+            // end the content (a write or untar fails as if the host went away). Execs outlive
+            // their streams; one-shot requests run to their end (the answer is discarded).
+            Body::Cancel => {
+                let mut g = lock(routes);
+                match g.get(&stream) {
+                    Some(Route::Read(sem)) => {
+                        sem.close();
+                        g.remove(&stream);
+                    }
+                    Some(Route::Write(..)) => {
+                        g.remove(&stream);
+                    }
+                    _ => {}
+                }
+            }
             Body::Kill(sig) => {
                 if let Some(Route::Exec(e, _)) = lock(routes).get(&stream) {
                     e.kill(sig);
@@ -418,8 +434,10 @@ async fn request(
             lock(routes).insert(stream, Route::Busy);
             let (ob, rt) = (outbox.clone(), routes.clone());
             tokio::spawn(async move {
+                let work = super::progress::Work::default();
+                let _ticker = super::progress::Ticker::start(ob.clone(), stream, work.clone());
                 let r = tokio::task::spawn_blocking(move || {
-                    super::tree::untar_disk(&dir, &delete, &serial, len)
+                    super::tree::untar_disk(&dir, &delete, &serial, len, &work)
                 })
                 .await
                 .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())))
@@ -453,7 +471,10 @@ async fn request(
             lock(routes).insert(stream, Route::Busy);
             let (ob, rt) = (outbox.clone(), routes.clone());
             tokio::spawn(async move {
-                let r = tokio::task::spawn_blocking(move || files::simple(req))
+                // A recursive remove can take long: it reports progress.
+                let work = super::progress::Work::default();
+                let _ticker = super::progress::Ticker::start(ob.clone(), stream, work.clone());
+                let r = tokio::task::spawn_blocking(move || files::simple(req, &work))
                     .await
                     .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())));
                 lock(&rt).remove(&stream);

@@ -16,6 +16,8 @@ use std::sync::Arc;
 use tokio::sync::{Semaphore, mpsc};
 
 use super::files::{WriteMsg, check_path};
+use super::progress::{Ticker, Work, remove_tree};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Blocking reader over the `Data` frames of a stream; grants credit as it consumes.
 struct ChannelReader {
@@ -97,6 +99,8 @@ pub async fn untar(
     stream: u32,
 ) {
     let ob = outbox.clone();
+    let work = Work::default();
+    let _ticker = Ticker::start(outbox.clone(), stream, work.clone());
     let res = tokio::task::spawn_blocking(move || {
         let reader = ChannelReader {
             rx,
@@ -106,7 +110,7 @@ pub async fn untar(
             outbox: ob,
             stream,
         };
-        unpack(&dir, &delete, reader)
+        unpack(&dir, &delete, reader, &work)
     })
     .await
     .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())));
@@ -137,7 +141,13 @@ pub(super) fn disk_by_serial(serial: &str) -> Result<PathBuf, RemoteError> {
 }
 
 /// `UntarDisk`: removes `delete`, then unpacks the first `len` bytes of the transfer disk.
-pub fn untar_disk(dir: &str, delete: &[String], serial: &str, len: u64) -> Result<(), RemoteError> {
+pub fn untar_disk(
+    dir: &str,
+    delete: &[String],
+    serial: &str,
+    len: u64,
+    work: &AtomicU64,
+) -> Result<(), RemoteError> {
     let dev = disk_by_serial(serial)?;
     let ctx = |e: std::io::Error| RemoteError::from_io(&format!("read {}", dev.display()), &e);
     let f = std::fs::File::open(&dev).map_err(ctx)?;
@@ -146,20 +156,26 @@ pub fn untar_disk(dir: &str, delete: &[String], serial: &str, len: u64) -> Resul
     unsafe { blkflsbuf(std::os::fd::AsRawFd::as_raw_fd(&f)) }
         .map_err(|e| ctx(std::io::Error::from(e)))?;
     let reader = std::io::BufReader::with_capacity(1 << 20, f).take(len);
-    unpack(dir, delete, reader)
+    unpack(dir, delete, reader, work)
 }
 
-/// Removes `delete` under `dir`, then unpacks the tar archive read from `reader` into it.
-fn unpack(dir: &str, delete: &[String], reader: impl Read) -> Result<(), RemoteError> {
+/// Removes `delete` under `dir`, then unpacks the tar archive read from `reader` into it,
+/// counting each entry deleted or unpacked in `work`.
+fn unpack(
+    dir: &str,
+    delete: &[String],
+    reader: impl Read,
+    work: &AtomicU64,
+) -> Result<(), RemoteError> {
     let root = check_path(dir)?;
     std::fs::create_dir_all(&root)
         .map_err(|e| RemoteError::from_io(&format!("mkdir {}", root.display()), &e))?;
     for rel in delete {
         let p = root.join(relative(rel)?);
-        let r = match std::fs::symlink_metadata(&p) {
-            Ok(md) if md.is_dir() => std::fs::remove_dir_all(&p),
-            Ok(_) => std::fs::remove_file(&p),
-            Err(_) => Ok(()),
+        // One deleted directory can hold 100k files: count each (see `progress`).
+        let r = match remove_tree(&p, work) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            r => r,
         };
         r.map_err(|e| RemoteError::from_io(&format!("remove {}", p.display()), &e))?;
     }
@@ -202,6 +218,7 @@ fn unpack(dir: &str, delete: &[String], reader: impl Read) -> Result<(), RemoteE
             };
         }
         ent.unpack(&dst).map_err(ctx)?;
+        work.fetch_add(1, Ordering::Relaxed);
         if want_dir {
             ok_dirs.insert(rel);
         }
@@ -214,6 +231,7 @@ fn walk_into(
     dir: &Path,
     skip: &[String],
     out: &mut Vec<WalkEntry>,
+    work: &AtomicU64,
 ) -> std::io::Result<()> {
     let mut ents: Vec<_> = std::fs::read_dir(dir)?.flatten().collect();
     ents.sort_by_key(|e| e.file_name());
@@ -239,6 +257,7 @@ fn walk_into(
         } else {
             None
         };
+        work.fetch_add(1, Ordering::Relaxed);
         out.push(WalkEntry {
             path: rel,
             kind,
@@ -249,7 +268,7 @@ fn walk_into(
             link,
         });
         if kind == FileKind::Dir {
-            walk_into(root, &p, skip, out)?;
+            walk_into(root, &p, skip, out, work)?;
         }
     }
     Ok(())
@@ -266,16 +285,20 @@ pub async fn walk_since(
     stream: u32,
     credit: Arc<Semaphore>,
 ) {
+    let ticker = Ticker::watching(outbox.clone(), stream, || {
+        super::watch::SCANNED.load(Ordering::Relaxed)
+    });
     let res = tokio::task::spawn_blocking(move || {
         let root: PathBuf = check_path(&path)?;
         let mut slot = cache.lock().unwrap_or_else(|p| p.into_inner());
         let d = super::watch::walk_since(&mut slot, &root, &skip, since)
             .map_err(|e| RemoteError::from_io(&format!("walk {}", root.display()), &e))?;
-        crate::rpc::frame::encode_answer(&d)
-            .map_err(|e| RemoteError::new(ErrorKind::Other, e.to_string()))
+        let n = d.entries.len() + d.removed.len();
+        crate::rpc::frame::encode_answer(&d).map_err(|e| too_many(n, e))
     })
     .await
     .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())));
+    drop(ticker);
     send_bytes(res, outbox, stream, credit).await;
 }
 
@@ -287,19 +310,32 @@ pub async fn walk(
     stream: u32,
     credit: Arc<Semaphore>,
 ) {
+    let work = Work::default();
+    let ticker = Ticker::start(outbox.clone(), stream, work.clone());
     let res = tokio::task::spawn_blocking(move || {
         let root: PathBuf = check_path(&path)?;
         let mut out = Vec::new();
         if root.is_dir() {
-            walk_into(&root, &root, &skip, &mut out)
+            walk_into(&root, &root, &skip, &mut out, &work)
                 .map_err(|e| RemoteError::from_io(&format!("walk {}", root.display()), &e))?;
         }
-        crate::rpc::frame::encode_answer(&out)
-            .map_err(|e| RemoteError::new(ErrorKind::Other, e.to_string()))
+        crate::rpc::frame::encode_answer(&out).map_err(|e| too_many(out.len(), e))
     })
     .await
     .unwrap_or_else(|e| Err(RemoteError::new(ErrorKind::Other, e.to_string())));
+    drop(ticker);
     send_bytes(res, outbox, stream, credit).await;
+}
+
+/// The error for a walk answer that does not encode within what the host accepts.
+fn too_many(n: usize, e: crate::rpc::frame::FrameError) -> RemoteError {
+    match e {
+        crate::rpc::frame::FrameError::AnswerTooLarge(_) => RemoteError::new(
+            ErrorKind::InvalidRequest,
+            format!("the workspace has too many files for one walk: {n} ({e})"),
+        ),
+        e => RemoteError::new(ErrorKind::Other, e.to_string()),
+    }
 }
 
 /// Streams an encoded answer (or its error) within the stream's credit.
@@ -320,7 +356,10 @@ async fn send_bytes(
         }
     };
     for chunk in bytes.chunks(CHUNK) {
-        match credit.acquire_many(chunk.len() as u32).await {
+        match credit
+            .acquire_many(crate::rpc::data_cost(chunk.len()) as u32)
+            .await
+        {
             Ok(p) => p.forget(),
             Err(_) => return,
         }

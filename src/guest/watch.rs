@@ -40,6 +40,10 @@ fn mask() -> AddWatchFlags {
         | AddWatchFlags::IN_DONT_FOLLOW
 }
 
+/// Entries stated by every walk of this agent so far: the progress a `WalkSince` reports
+/// (`guest::progress`).
+pub static SCANNED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// The walk of one root, with the generation each entry last changed in.
 pub struct WalkCache {
     root: PathBuf,
@@ -195,6 +199,7 @@ impl WalkCache {
             self.remove_tree(rel, generation);
             return Ok(());
         }
+        SCANNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let was_dir = self.entries.get(rel).map(|(w, _)| w.kind == FileKind::Dir);
         if was_dir == Some(true) && e.kind != FileKind::Dir {
             self.remove_tree(rel, generation);

@@ -51,13 +51,25 @@ pub enum FrameError {
     Io(#[from] std::io::Error),
 }
 
-/// Encodes one frame, length prefix included.
+/// Encoded sizes from which a value is checked by decoding it before it is sent: bincode's
+/// limit counts what decoding would allocate (a `String` or `Vec` claims its in-memory size,
+/// up to ~24x its encoded size for empty strings), so a value can encode within a limit and still
+/// not decode within it. Below these sizes no value of the protocol can claim the limit.
+const CHECK_FRAME_FROM: usize = MAX_FRAME / 32;
+const CHECK_ANSWER_FROM: usize = MAX_ANSWER / 32;
+
+/// Encodes one frame, length prefix included. A frame the peer could not decode within
+/// [`MAX_FRAME`] (by bytes or by what it would allocate) fails with [`FrameError::TooLarge`].
 pub fn encode(frame: &Frame) -> Result<Vec<u8>, FrameError> {
     let mut out = vec![0u8; 4];
     bincode::serde::encode_into_std_write(frame, &mut out, CONFIG)
         .map_err(|e| FrameError::Encode(e.to_string()))?;
     let len = out.len() - 4;
     if len > MAX_FRAME {
+        return Err(FrameError::TooLarge(len));
+    }
+    // Decoded exactly as the peer will: a big `List` can claim more than MAX_FRAME.
+    if len > CHECK_FRAME_FROM && decode_payload(&out[4..]).is_err() {
         return Err(FrameError::TooLarge(len));
     }
     out[..4].copy_from_slice(&(len as u32).to_le_bytes());
@@ -78,12 +90,18 @@ pub fn decode_payload(payload: &[u8]) -> Result<Frame, FrameError> {
 }
 
 /// Encodes a value carried inside a stream's `Data` (the guest's walk answers). Fails with
-/// [`FrameError::AnswerTooLarge`] above [`MAX_ANSWER`], which the host would refuse.
-pub fn encode_answer<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, FrameError> {
+/// [`FrameError::AnswerTooLarge`] when the host would refuse it: above [`MAX_ANSWER`] bytes, or
+/// claiming more than that when decoded (checked by decoding it as the host does).
+pub fn encode_answer<T: serde::Serialize + serde::de::DeserializeOwned>(
+    value: &T,
+) -> Result<Vec<u8>, FrameError> {
     // (bincode checks its limit only when decoding; the bytes are the same with or without.)
     let out = bincode::serde::encode_to_vec(value, ANSWER_CONFIG)
         .map_err(|e| FrameError::Encode(e.to_string()))?;
     if out.len() > MAX_ANSWER {
+        return Err(FrameError::AnswerTooLarge(out.len()));
+    }
+    if out.len() > CHECK_ANSWER_FROM && decode_answer::<T>(&out).is_err() {
         return Err(FrameError::AnswerTooLarge(out.len()));
     }
     Ok(out)
@@ -240,6 +258,86 @@ mod tests {
         let (f, used) = decode_frame(&bytes).unwrap().unwrap();
         assert_eq!(f, sample());
         assert_eq!(used, bytes.len());
+    }
+
+    /// A `List` reply of 40,000 short names encodes to ~600 KB (< `MAX_FRAME`) but claims
+    /// ~2.6 MB when decoded: the peer refused it (and the host cut the agent off for a "bad
+    /// frame"). Whatever encodes must decode on the other side.
+    #[test]
+    fn a_frame_that_encodes_also_decodes() {
+        use crate::rpc::msg::{DirEntry, FileKind, FileStat, Reply};
+        let entry = |i: usize| DirEntry {
+            name: format!("{i}"),
+            stat: FileStat {
+                kind: FileKind::File,
+                size: 0,
+                mode: 0o644,
+                mtime: 0,
+            },
+        };
+        for n in [1_000, 40_000, 200_000] {
+            let f = Frame {
+                stream: 1,
+                body: Body::Reply(Reply::List((0..n).map(entry).collect())),
+            };
+            match encode(&f) {
+                Ok(bytes) => {
+                    let back = decode_frame(&bytes);
+                    assert!(
+                        matches!(&back, Ok(Some((g, _))) if *g == f),
+                        "{n} entries: encoded to {} bytes but does not decode: {:?}",
+                        bytes.len(),
+                        back.err()
+                    );
+                }
+                Err(e) => assert!(n > 1_000, "{n} entries: {e}"),
+            }
+        }
+    }
+
+    /// Same for walk answers: 2,000,000 entries with empty paths and small numbers encode to
+    /// ~16 MB but claim ~70 MB (each varint claims its full width), past `MAX_ANSWER`, when
+    /// decoded; the host answered "bad walk answer".
+    #[test]
+    fn an_answer_that_encodes_also_decodes() {
+        use crate::rpc::msg::{FileKind, WalkCursor, WalkDelta, WalkEntry};
+        let e = WalkEntry {
+            path: String::new(),
+            kind: FileKind::File,
+            size: 0,
+            mode: 0,
+            mtime: 0,
+            mtime_nsec: 0,
+            link: None,
+        };
+        let d = WalkDelta {
+            cursor: WalkCursor {
+                epoch: 1,
+                generation: 2,
+            },
+            full: true,
+            entries: vec![e; 2_000_000],
+            removed: Vec::new(),
+        };
+        match encode_answer(&d) {
+            Ok(bytes) => {
+                let back = decode_answer::<WalkDelta>(&bytes);
+                assert!(
+                    back.is_ok(),
+                    "encoded to {} bytes but does not decode: {:?}",
+                    bytes.len(),
+                    back.err()
+                );
+            }
+            Err(e) => assert!(matches!(e, FrameError::AnswerTooLarge(_)), "{e}"),
+        }
+        // A smaller one still goes through.
+        let small = WalkDelta {
+            entries: d.entries[..100_000].to_vec(),
+            ..d
+        };
+        let bytes = encode_answer(&small).unwrap();
+        assert_eq!(decode_answer::<WalkDelta>(&bytes).unwrap(), small);
     }
 
     #[test]

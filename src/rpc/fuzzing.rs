@@ -120,7 +120,7 @@ mod tests {
         }
     }
 
-    fn enc<T: Serialize>(pick: usize, v: &T) -> Vec<u8> {
+    fn enc<T: Serialize + serde::de::DeserializeOwned>(pick: usize, v: &T) -> Vec<u8> {
         let mut b = vec![pick as u8];
         b.extend(encode_answer(v).unwrap());
         b
@@ -241,6 +241,8 @@ mod tests {
             Body::Resize { rows: 1, cols: 2 },
             Body::ExecAck { seq: 4 },
             Body::Error(err.clone()),
+            Body::Progress,
+            Body::Cancel,
         ];
         bodies.extend(requests.iter().cloned().map(Body::Request));
         bodies.extend(replies.iter().cloned().map(Body::Reply));

@@ -32,6 +32,18 @@ pub use msg::{
 /// Also the window of unacknowledged exec output the guest may have in flight per exec.
 pub const WINDOW: usize = 256 * 1024;
 
+/// The least window a `Data` frame costs, however short: a peer flooding empty or one-byte
+/// frames runs out of window after `WINDOW / MIN_DATA_COST` frames instead of growing the
+/// receiver's queue for free.
+pub const MIN_DATA_COST: usize = 64;
+
+/// Window (and credit) a `Data` frame of `len` bytes costs: `max(len, MIN_DATA_COST)`. Both sides
+/// count in these units: the sender acquires them before sending, the receiver charges them and
+/// grants the same amount back once it consumed the frame.
+pub fn data_cost(len: usize) -> usize {
+    len.max(MIN_DATA_COST)
+}
+
 /// Errors of the RPC layer, seen by the daemon.
 #[derive(Debug, thiserror::Error)]
 pub enum RpcError {
@@ -50,6 +62,16 @@ pub enum RpcError {
         "the guest agent did not answer {what} within {after:?}; it is hung or hostile, so its connection was closed"
     )]
     Deadline {
+        what: String,
+        after: std::time::Duration,
+    },
+    /// The agent did not answer a request in time but still answers a ping: it is alive and
+    /// busy (or that one request is stuck, e.g. a read of a file that never ends). Only this
+    /// request failed; the connection and the sandbox live on.
+    #[error(
+        "the guest agent did not answer {what} within {after:?} but still answers pings; the request was abandoned (the sandbox stays up: it is busy, or {what} is stuck inside the VM)"
+    )]
+    Slow {
         what: String,
         after: std::time::Duration,
     },

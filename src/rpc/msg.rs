@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this file.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
 pub const CONTROL_STREAM: u32 = 0;
@@ -57,6 +57,13 @@ pub enum Body {
     Reply(Reply),
     /// Either way: the request on this stream failed; the stream is over.
     Error(RemoteError),
+    /// G->H: the request on this stream is still being worked on and made progress since the
+    /// last `Progress` (entries deleted, walked or unpacked). Sent at most every few seconds;
+    /// the host restarts the request's deadline on it and queues nothing.
+    Progress,
+    /// H->G: the host abandoned the request on this stream (a cap was hit, a deadline passed):
+    /// stop it and release what it holds. No answer; ignored for execs and finished streams.
+    Cancel,
 }
 
 /// Requests, each opening its own stream.

@@ -196,11 +196,16 @@ impl Outbox {
                 Some(frame) => {
                     let bytes = match encode(&frame) {
                         Ok(b) => b,
-                        Err(e) => {
-                            tracing::error!(stream = frame.stream, error = %e, "dropping unencodable frame");
-                            self.done(1);
-                            continue;
-                        }
+                        Err(e) => match unencodable(frame, &e) {
+                            // A reply too big for a frame (a `List` of a huge directory): the
+                            // request fails with that error instead of never being answered.
+                            Some(b) => b,
+                            None => {
+                                tracing::error!(error = %e, "dropping unencodable frame");
+                                self.done(1);
+                                continue;
+                            }
+                        },
                     };
                     w.write_all(&bytes).await?;
                     unflushed += 1;
@@ -230,6 +235,29 @@ impl Outbox {
             }
         }
     }
+}
+
+/// The frame that answers in place of `frame` when `frame` does not encode: an `Error` on its
+/// stream for a `Reply` (the only frames that can outgrow [`MAX_FRAME`](super::frame::MAX_FRAME));
+/// `None` for anything else (dropped, logged).
+fn unencodable(frame: Frame, e: &FrameError) -> Option<Vec<u8>> {
+    let Body::Reply(r) = &frame.body else {
+        return None;
+    };
+    let what = match r {
+        super::msg::Reply::List(l) => format!("a list of {} entries", l.len()),
+        other => format!("{:?}", std::mem::discriminant(other)),
+    };
+    tracing::warn!(stream = frame.stream, error = %e, "answer too big for one frame");
+    let err = super::msg::RemoteError::new(
+        super::msg::ErrorKind::InvalidRequest,
+        format!("the answer ({what}) is too big for one frame: {e}"),
+    );
+    encode(&Frame {
+        stream: frame.stream,
+        body: Body::Error(err),
+    })
+    .ok()
 }
 
 #[cfg(test)]
@@ -291,6 +319,42 @@ mod tests {
             ]
         );
         assert_eq!(ob.lock().pending, 3);
+    }
+
+    /// A reply that cannot be a frame (a `List` of a huge directory) used to be dropped with a
+    /// log line: the request was never answered (and since deadlines, the VM was cut off).
+    #[tokio::test]
+    async fn a_reply_too_big_for_a_frame_is_answered_with_an_error() {
+        use crate::rpc::msg::{DirEntry, FileKind, FileStat, Reply};
+        let ob = std::sync::Arc::new(Outbox::new());
+        let (a, mut b) = tokio::io::duplex(1 << 16);
+        let w = ob.clone();
+        tokio::spawn(async move { w.run_writer(a).await });
+        let entry = |i: usize| DirEntry {
+            name: format!("a-rather-long-file-name-{i:08}"),
+            stat: FileStat {
+                kind: FileKind::File,
+                size: 0,
+                mode: 0o644,
+                mtime: 0,
+            },
+        };
+        ob.send(Frame {
+            stream: 5,
+            body: Body::Reply(Reply::List((0..100_000).map(entry).collect())),
+        })
+        .unwrap();
+        let f = tokio::time::timeout(std::time::Duration::from_secs(10), read_frame(&mut b))
+            .await
+            .expect("the too-big reply was dropped: no answer at all")
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.stream, 5);
+        assert!(
+            matches!(&f.body, Body::Error(e) if e.message.contains("100000 entries")),
+            "{:?}",
+            f.body
+        );
     }
 
     #[tokio::test]

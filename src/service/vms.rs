@@ -269,7 +269,30 @@ impl Service {
     pub(super) fn watch(self: &Arc<Self>, id: String, vm: Arc<LiveVm>) {
         let svc = Arc::downgrade(self);
         tokio::spawn(async move {
-            vm.agent.closed().await;
+            // A request the agent was too slow for while it still answered a ping failed alone
+            // (`RpcError::Slow`): the sandbox stays up; the event says what happened.
+            let mut slow = vm.agent.slow_requests();
+            loop {
+                tokio::select! {
+                    () = vm.agent.closed() => break,
+                    r = slow.changed() => {
+                        if r.is_err() {
+                            vm.agent.closed().await;
+                            break;
+                        }
+                        let msg = slow.borrow_and_update().clone();
+                        if let (Some(msg), Some(svc)) = (msg, svc.upgrade()) {
+                            tracing::warn!(sandbox = %id, reason = %msg, "guest agent slow");
+                            svc.telemetry.events.publish(
+                                "sandbox.agent_slow",
+                                &id,
+                                None,
+                                serde_json::json!({ "error": msg }),
+                            );
+                        }
+                    }
+                }
+            }
             let Some(svc) = svc.upgrade() else { return };
             // A remove, pause or restore takes the VM out of the map first; then this is
             // expected.

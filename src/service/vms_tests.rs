@@ -219,3 +219,47 @@ async fn agent_timeout_s_is_the_deadline_of_a_restored_vms_agent() {
     assert!(e.contains("did not answer stat within 1s"), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
+
+#[tokio::test]
+async fn a_slow_agent_fails_the_call_but_not_the_sandbox() {
+    use crate::rpc::msg::{Body, Reply, Request};
+    let (svc, id, dir) = service();
+    let mut events = svc.telemetry.events.subscribe(Some(0), None).unwrap();
+    let (agent, mut g) = fake_guest().await;
+    // Alive (answers pings) but never answers the read: a file that blocks, a busy agent.
+    tokio::spawn(async move {
+        while let Some((stream, req)) = hostile::next_request(&mut g).await {
+            if req == Request::Ping {
+                hostile::send(&mut g, stream, Body::Reply(Reply::Pong)).await;
+            }
+        }
+    });
+    agent.set_deadlines(Deadlines {
+        reply: Duration::from_millis(300),
+        per_mib: Duration::ZERO,
+    });
+    let vm = live(&id, dir.path(), agent.clone());
+    svc.vms.insert(&id, vm.clone());
+    svc.watch(id.clone(), vm);
+    let r = tokio::time::timeout(Duration::from_secs(20), svc.read_vm_file(&id, "/proc/kmsg"))
+        .await
+        .expect("the call waited forever");
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("still answers pings"), "{e}");
+    // The sandbox stays up, its agent connected; the event says what happened.
+    let ev = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let ev = events.next().await.unwrap().unwrap();
+            if ev.kind == "sandbox.agent_slow" {
+                return ev;
+            }
+        }
+    })
+    .await
+    .expect("no sandbox.agent_slow event");
+    assert_eq!(ev.sandbox_id, id);
+    let rec = svc.record(&id).unwrap();
+    assert_eq!(rec.api.state, SandboxState::Ready, "{:?}", rec.api.error);
+    assert!(svc.vms.get(&id).is_some());
+    agent.ping().await.unwrap();
+}

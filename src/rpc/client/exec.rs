@@ -60,7 +60,7 @@ impl AgentClient {
                 .map(|d| d.as_millis().min(u64::MAX as u128) as u64),
             pty: req.pty,
         };
-        let mut s = self.open()?;
+        let mut s = self.open(false)?;
         s.send(Body::Request(Request::Exec(spec)))?;
         // The agent answers `Started` as soon as it has spawned the command: never wait
         // forever for it (a wedged agent must fail the exec, not hang its caller).
@@ -94,7 +94,7 @@ impl AgentClient {
     /// Re-attaches to an exec started on an earlier connection and replays its events from
     /// `from_seq` (normally [`ExecStream::next_seq`] of the stream that was cut off).
     pub async fn resume(&self, exec_id: u64, from_seq: u64) -> Result<ExecStream, RpcError> {
-        let mut s = self.open()?;
+        let mut s = self.open(false)?;
         s.send(Body::Request(Request::Resume { exec_id, from_seq }))?;
         match s.recv_within("resume").await? {
             Body::Reply(Reply::Resumed) => {}

@@ -438,3 +438,135 @@ async fn exec_output_has_no_deadline() {
     );
     assert!(!c.is_closed());
 }
+
+/// A guest that answers pings (and records every frame the host sends) but never answers any
+/// other request.
+async fn ping_only(mut g: UnixStream, seen: tokio::sync::mpsc::UnboundedSender<(u32, Body)>) {
+    use crate::rpc::msg::{Reply, Request};
+    while let Ok(Some(f)) = read_frame(&mut g).await {
+        if f.body == Body::Request(Request::Ping) {
+            send(&mut g, f.stream, Body::Reply(Reply::Pong)).await;
+        }
+        let _ = seen.send((f.stream, f.body));
+    }
+}
+
+#[tokio::test]
+async fn a_slow_agent_that_answers_pings_fails_only_the_request() {
+    let (c, g) = fake_guest().await;
+    let (tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(ping_only(g, tx));
+    c.set_deadlines(Deadlines {
+        reply: Duration::from_millis(300),
+        per_mib: Duration::ZERO,
+    });
+    let mut slow = c.slow_requests();
+    let r = tokio::time::timeout(T, c.stat("/proc/kmsg"))
+        .await
+        .expect("stat hung");
+    assert!(
+        matches!(&r, Err(RpcError::Slow { what, .. }) if what == "stat"),
+        "{r:?}"
+    );
+    // The connection lives on: no reason, calls still work.
+    assert!(!c.is_closed());
+    assert_eq!(c.close_reason(), None);
+    tokio::time::timeout(T, c.ping()).await.unwrap().unwrap();
+    // The service hears of it.
+    tokio::time::timeout(T, slow.changed())
+        .await
+        .unwrap()
+        .unwrap();
+    let msg = slow.borrow().clone().expect("a slow report");
+    assert!(msg.contains("still answers pings"), "{msg}");
+    // The guest is told to abandon the request (stream 1 is the stat).
+    let cancelled = tokio::time::timeout(T, async {
+        while let Some((stream, body)) = seen.recv().await {
+            if stream == 1 && body == Body::Cancel {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(cancelled.is_ok(), "no Cancel for the abandoned stat");
+    // Same for a read whose chunks stop coming, and a write whose credit stops coming.
+    let r = tokio::time::timeout(T, c.read_file("/proc/kmsg", 1 << 20))
+        .await
+        .unwrap();
+    assert!(matches!(&r, Err(RpcError::Slow { .. })), "{r:?}");
+    let r = tokio::time::timeout(T, c.write_file("/x", &vec![0; 2 * WINDOW], 0o644))
+        .await
+        .unwrap();
+    assert!(matches!(&r, Err(RpcError::Slow { .. })), "{r:?}");
+    assert!(!c.is_closed());
+}
+
+#[tokio::test]
+async fn progress_restarts_the_deadline_of_a_long_request() {
+    use crate::rpc::msg::Reply;
+    let (c, mut g) = fake_guest().await;
+    tokio::spawn(async move {
+        let (id, _) = next_request(&mut g).await.unwrap();
+        // Works for 1.5 s (5 deadlines), saying so every 100 ms, then answers.
+        for _ in 0..15 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            send(&mut g, id, Body::Progress).await;
+        }
+        send(&mut g, id, Body::Reply(Reply::Done)).await;
+        ignore_all(&mut g).await;
+    });
+    c.set_deadlines(Deadlines {
+        reply: Duration::from_millis(300),
+        per_mib: Duration::ZERO,
+    });
+    let t = std::time::Instant::now();
+    let r = tokio::time::timeout(T, c.remove("/workspace/big", true))
+        .await
+        .unwrap();
+    assert!(r.is_ok(), "{r:?}");
+    assert!(t.elapsed() >= Duration::from_millis(1500));
+    assert!(!c.is_closed());
+}
+
+#[tokio::test]
+async fn progress_without_an_answer_still_meets_a_deadline_once_it_stops() {
+    let (c, mut g) = fake_guest().await;
+    tokio::spawn(async move {
+        let (id, _) = next_request(&mut g).await.unwrap();
+        for _ in 0..5 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            send(&mut g, id, Body::Progress).await;
+        }
+        ignore_all(&mut g).await;
+    });
+    c.set_deadlines(Deadlines {
+        reply: Duration::from_millis(300),
+        per_mib: Duration::ZERO,
+    });
+    let r = tokio::time::timeout(T, c.remove("/workspace/big", true))
+        .await
+        .expect("progress that stopped kept the request forever");
+    // It answers no ping either: cut off.
+    assert!(matches!(&r, Err(RpcError::Deadline { .. })), "{r:?}");
+}
+
+#[tokio::test]
+async fn empty_data_frames_cost_window() {
+    let (c, mut g) = fake_guest().await;
+    tokio::spawn(async move {
+        let (id, _) = next_request(&mut g).await.unwrap();
+        // One byte the host's consumer gets stuck on, then empty frames: they cost no bytes,
+        // so without a per-frame cost each one is queued on the host for free. Bounded so a
+        // regression shows as a hang.
+        send(&mut g, id, Body::Data(vec![1])).await;
+        for _ in 0..100_000 {
+            send(&mut g, id, Body::Data(Vec::new())).await;
+        }
+        ignore_all(&mut g).await;
+    });
+    let c2 = c.clone();
+    let read = tokio::spawn(async move { c2.read_file_to("/f", u64::MAX, &mut Stuck).await });
+    let why = cut_off(&c).await;
+    assert!(why.contains("without credit"), "{why}");
+    read.abort();
+}

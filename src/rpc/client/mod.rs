@@ -150,15 +150,26 @@ impl AgentClient {
         self.handle.shared.outbox.closed().await
     }
 
-    fn open(&self) -> Result<OpenStream, RpcError> {
-        let (id, rx, credit, held) = self.handle.shared.open()?;
+    /// Opens a stream; with `cancel`, dropping it before its answer ended tells the agent to
+    /// abandon the request (everything but execs).
+    fn open(&self, cancel: bool) -> Result<OpenStream, RpcError> {
+        let o = self.handle.shared.open()?;
         Ok(OpenStream {
             handle: self.handle.clone(),
-            id,
-            rx,
-            credit,
-            held,
+            id: o.id,
+            rx: o.rx,
+            credit: o.credit,
+            held: o.held,
+            progress: o.progress,
+            cancel,
+            finished: false,
         })
+    }
+
+    /// Changes each time a request missed its deadline while the agent still answered a ping
+    /// ([`RpcError::Slow`]); holds that error's text. The service records it as an event.
+    pub fn slow_requests(&self) -> tokio::sync::watch::Receiver<Option<String>> {
+        self.handle.shared.slow.subscribe()
     }
 
     async fn call(&self, req: Request) -> Result<Reply, RpcError> {
@@ -169,7 +180,7 @@ impl AgentClient {
     /// A request answered by one `Reply` or `Error` within `after`.
     async fn call_within(&self, req: Request, after: Duration) -> Result<Reply, RpcError> {
         let what = request_name(&req);
-        let mut s = self.open()?;
+        let mut s = self.open(true)?;
         s.send(Body::Request(req))?;
         match s.recv_for(what, after).await? {
             Body::Reply(r) => Ok(r),
@@ -217,7 +228,7 @@ impl AgentClient {
     /// Reads a file chunk by chunk, as it arrives: the caller decides where the bytes go and
     /// when to stop (dropping the [`FileChunks`] ends the read on the host's side).
     pub async fn read_file_chunks(&self, path: &str) -> Result<FileChunks, RpcError> {
-        let s = self.open()?;
+        let s = self.open(true)?;
         s.send(Body::Request(Request::ReadFile { path: path.into() }))?;
         Ok(FileChunks { s, done: false })
     }
@@ -318,7 +329,7 @@ impl AgentClient {
         w: &mut W,
     ) -> Result<u64, RpcError> {
         let what = request_name(&req);
-        let mut s = self.open()?;
+        let mut s = self.open(true)?;
         s.send(Body::Request(req))?;
         let mut total = 0u64;
         loop {
@@ -326,8 +337,7 @@ impl AgentClient {
                 Body::Data(d) => {
                     total += d.len() as u64;
                     if total > max {
-                        // The agent's reader for this stream waits for credit that never comes
-                        // (until the connection ends), so it sends nothing more.
+                        // Dropping the stream sends `Cancel`: the agent stops reading.
                         return Err(RpcError::TooLarge {
                             what: what.to_owned(),
                             max,
@@ -362,15 +372,14 @@ impl AgentClient {
     /// chunk, then the answer, must come within the reply deadline.
     async fn write_stream(&self, req: Request, data: &[u8]) -> Result<(), RpcError> {
         let what = request_name(&req);
-        let mut s = self.open()?;
+        let mut s = self.open(true)?;
         s.send(Body::Request(req))?;
         let shared = self.handle.shared.clone();
         let (id, credit) = (s.id, s.credit.clone());
         let after = shared.deadlines().reply;
+        let waiting = s.waiting(what, after);
         let send = async {
-            shared
-                .send_data(id, &credit, data, Some((after, what)))
-                .await?;
+            shared.send_data(id, &credit, data, Some(waiting)).await?;
             shared
                 .outbox
                 .send(Frame {

@@ -8,16 +8,26 @@
 //! the stream's [`WINDOW`] until the host grants it back as `Credit`, exec events until the host
 //! acknowledges them, and any other frame at most [`MAX_OTHER_FRAMES`] times per stream. A guest
 //! that goes past that is cut off: the connection is closed and [`Shared::reason`] says why.
+//!
+//! A request that misses its deadline is not taken for a dead agent at once: the host first
+//! pings the agent ([`Shared::missed`]). An agent that answers is alive but slow: only that
+//! request fails ([`RpcError::Slow`], the guest is told to `Cancel` it, the service records the
+//! event); an agent that does not is cut off. `Progress` frames from the agent restart a
+//! request's deadline (long deletes, walks and unpacks report it) and are never queued.
 
 use super::super::frame::CHUNK;
-use super::super::msg::{Body, CONTROL_STREAM, Frame};
+use super::super::msg::{Body, CONTROL_STREAM, Frame, Reply, Request};
 use super::super::outbox::Outbox;
-use super::super::{RpcError, WINDOW};
+use super::super::{RpcError, WINDOW, data_cost};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, watch};
+
+/// The longest the host waits for the liveness ping after a missed deadline (less when the
+/// deadline itself is shorter).
+pub(super) const PROBE: Duration = Duration::from_secs(10);
 
 /// Frames other than `Data` and exec events one stream may receive (a request is answered by one
 /// terminal frame; a resumed exec by `Resumed` and possibly an `Error`). More is a hostile guest.
@@ -57,6 +67,17 @@ pub(super) struct Slot {
     held: Arc<AtomicUsize>,
     /// Other frames routed to the stream.
     others: u32,
+    /// Counts the `Progress` frames of the stream (never queued).
+    progress: Arc<watch::Sender<u64>>,
+}
+
+/// What [`Shared::open`] hands to the new stream's owner.
+pub(super) struct Opened {
+    pub(super) id: u32,
+    pub(super) rx: mpsc::UnboundedReceiver<Body>,
+    pub(super) credit: Arc<Semaphore>,
+    pub(super) held: Arc<AtomicUsize>,
+    pub(super) progress: watch::Receiver<u64>,
 }
 
 /// State shared by the client handles and the reader task.
@@ -70,6 +91,9 @@ pub(super) struct Shared {
     /// Why the connection was closed, when the host closed it (a broken rule, a deadline).
     pub(super) reason: Mutex<Option<String>>,
     pub(super) deadlines: Mutex<Deadlines>,
+    /// The last request the agent was slow to answer while still answering pings (see
+    /// [`Shared::missed`]); watched by the service.
+    pub(super) slow: watch::Sender<Option<String>>,
 }
 
 impl Shared {
@@ -81,6 +105,7 @@ impl Shared {
             next_stream: AtomicU32::new(1),
             reason: Mutex::new(None),
             deadlines: Mutex::new(Deadlines::default()),
+            slow: watch::channel(None).0,
         }
     }
 
@@ -124,18 +149,7 @@ impl Shared {
         self.credits.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    #[allow(clippy::type_complexity)]
-    pub(super) fn open(
-        &self,
-    ) -> Result<
-        (
-            u32,
-            mpsc::UnboundedReceiver<Body>,
-            Arc<Semaphore>,
-            Arc<AtomicUsize>,
-        ),
-        RpcError,
-    > {
+    pub(super) fn open(&self) -> Result<Opened, RpcError> {
         let mut g = self.lock_streams();
         let Some(map) = g.as_mut() else {
             drop(g);
@@ -150,17 +164,25 @@ impl Shared {
         // Unbounded, but what the guest can put in it is bounded (see the module doc).
         let (tx, rx) = mpsc::unbounded_channel();
         let held = Arc::new(AtomicUsize::new(0));
+        let (progress, progress_rx) = watch::channel(0u64);
         map.insert(
             id,
             Slot {
                 tx,
                 held: held.clone(),
                 others: 0,
+                progress: Arc::new(progress),
             },
         );
-        let sem = Arc::new(Semaphore::new(WINDOW));
-        self.lock_credits().insert(id, sem.clone());
-        Ok((id, rx, sem, held))
+        let credit = Arc::new(Semaphore::new(WINDOW));
+        self.lock_credits().insert(id, credit.clone());
+        Ok(Opened {
+            id,
+            rx,
+            credit,
+            held,
+            progress: progress_rx,
+        })
     }
 
     pub(super) fn close_stream(&self, id: u32) {
@@ -200,9 +222,11 @@ impl Shared {
             return Ok(());
         };
         match &frame.body {
-            // The guest may send `Data` while it holds credit: at most a window un-granted.
+            // The guest may send `Data` while it holds credit: at most a window un-granted,
+            // counted in `data_cost` (an empty frame costs as much as a short one).
             Body::Data(d) => {
-                let held = slot.held.fetch_add(d.len(), Ordering::AcqRel) + d.len();
+                let cost = data_cost(d.len());
+                let held = slot.held.fetch_add(cost, Ordering::AcqRel) + cost;
                 if held > WINDOW {
                     return Err(RpcError::Violation(format!(
                         "the guest sent {held} bytes of data on stream {stream} without credit \
@@ -221,6 +245,11 @@ impl Shared {
                     )));
                 }
             }
+            // Restarts the request's deadline; nothing is queued, so a flood costs nothing.
+            Body::Progress => {
+                slot.progress.send_modify(|n| *n = n.wrapping_add(1));
+                return Ok(());
+            }
             _ => {
                 slot.others += 1;
                 if slot.others > MAX_OTHER_FRAMES {
@@ -236,21 +265,23 @@ impl Shared {
     }
 
     /// Sends `data` as `Data` chunks within the stream's credit. With `deadline`, a guest that
-    /// grants no credit for that long is cut off ([`RpcError::Deadline`]).
+    /// grants no credit (and reports no progress) for that long missed it ([`Self::missed`]).
     pub(super) async fn send_data(
         &self,
         stream: u32,
         sem: &Semaphore,
         data: &[u8],
-        deadline: Option<(Duration, &str)>,
+        mut deadline: Option<Waiting<'_>>,
     ) -> Result<(), RpcError> {
         for chunk in data.chunks(CHUNK) {
-            let acquire = sem.acquire_many(chunk.len() as u32);
-            let permit = match deadline {
+            let acquire = sem.acquire_many(data_cost(chunk.len()) as u32);
+            let permit = match deadline.as_mut() {
                 None => acquire.await,
-                Some((after, what)) => match tokio::time::timeout(after, acquire).await {
+                Some(w) => match w.wait(acquire).await {
                     Ok(p) => p,
-                    Err(_) => return Err(self.missed(&format!("credit for {what}"), after)),
+                    Err(after) => {
+                        return Err(self.missed(&format!("credit for {}", w.what), after).await);
+                    }
                 },
             };
             permit.map_err(|_| self.gone())?.forget();
@@ -265,15 +296,83 @@ impl Shared {
     }
 }
 
+/// A wait for the agent under a deadline that its `Progress` frames restart.
+pub(super) struct Waiting<'a> {
+    pub(super) what: &'a str,
+    pub(super) after: Duration,
+    pub(super) progress: watch::Receiver<u64>,
+}
+
+impl Waiting<'_> {
+    /// `fut`'s output, or `Err(after)` when `after` passed with no progress reported.
+    pub(super) async fn wait<F: std::future::Future>(
+        &mut self,
+        fut: F,
+    ) -> Result<F::Output, Duration> {
+        let sleep = tokio::time::sleep(self.after);
+        tokio::pin!(sleep, fut);
+        let mut progress_open = true;
+        loop {
+            tokio::select! {
+                out = &mut fut => return Ok(out),
+                () = &mut sleep => return Err(self.after),
+                r = self.progress.changed(), if progress_open => match r {
+                    Ok(()) => sleep.as_mut().reset(tokio::time::Instant::now() + self.after),
+                    // The stream is over (connection gone): `fut` ends too.
+                    Err(_) => progress_open = false,
+                },
+            }
+        }
+    }
+}
+
 impl Shared {
-    /// The agent missed a deadline: close the connection and say so.
-    pub(super) fn missed(&self, what: &str, after: Duration) -> RpcError {
+    /// The agent missed a deadline for `what`. Ping it (within [`PROBE`], less when `after` is
+    /// shorter): if it answers it is alive but slow, and only this request fails
+    /// ([`RpcError::Slow`], recorded for the service in [`Self::slow`]); if it does not, it is
+    /// hung or hostile: close the connection ([`RpcError::Deadline`]).
+    pub(super) async fn missed(&self, what: &str, after: Duration) -> RpcError {
+        if self.answers_ping(after.min(PROBE)).await {
+            let e = RpcError::Slow {
+                what: what.to_owned(),
+                after,
+            };
+            tracing::warn!(
+                request = what,
+                ?after,
+                "the guest agent is slow; request abandoned"
+            );
+            self.slow.send_replace(Some(e.to_string()));
+            return e;
+        }
         let e = RpcError::Deadline {
             what: what.to_owned(),
             after,
         };
         self.cut_off(e.to_string());
         e
+    }
+
+    /// Whether the agent answers a `Ping` within `within`.
+    async fn answers_ping(&self, within: Duration) -> bool {
+        let Ok(o) = self.open() else {
+            return false;
+        };
+        let mut rx = o.rx;
+        let sent = self
+            .outbox
+            .send(Frame {
+                stream: o.id,
+                body: Body::Request(Request::Ping),
+            })
+            .is_ok();
+        let pong = sent
+            && matches!(
+                tokio::time::timeout(within, rx.recv()).await,
+                Ok(Some(Body::Reply(Reply::Pong)))
+            );
+        self.close_stream(o.id);
+        pong
     }
 }
 
@@ -313,10 +412,21 @@ pub(super) struct OpenStream {
     pub(super) credit: Arc<Semaphore>,
     /// The stream's un-granted guest->host bytes ([`Slot::held`]).
     pub(super) held: Arc<AtomicUsize>,
+    /// Changes on every `Progress` frame of the stream.
+    pub(super) progress: watch::Receiver<u64>,
+    /// Tell the agent to `Cancel` the request when the stream is dropped before its answer
+    /// ended (a cap hit, a missed deadline, a dropped caller). Not for execs: they outlive
+    /// their streams.
+    pub(super) cancel: bool,
+    /// The answer ended (`Reply`, `Error` or `DataEnd` received).
+    pub(super) finished: bool,
 }
 
 impl Drop for OpenStream {
     fn drop(&mut self) {
+        if self.cancel && !self.finished {
+            let _ = self.send_control(Body::Cancel);
+        }
         self.handle.shared.close_stream(self.id);
     }
 }
@@ -325,29 +435,50 @@ impl OpenStream {
     /// The next frame, however long it takes (exec output).
     pub(super) async fn recv(&mut self) -> Result<Body, RpcError> {
         match self.rx.recv().await {
-            Some(b) => Ok(b),
+            Some(b) => {
+                if matches!(b, Body::Reply(_) | Body::Error(_) | Body::DataEnd) {
+                    self.finished = true;
+                }
+                Ok(b)
+            }
             None => Err(self.handle.shared.gone()),
         }
     }
 
-    /// The next frame within the reply deadline; past it the connection is closed.
+    /// The next frame within the reply deadline (see [`Self::recv_for`]).
     pub(super) async fn recv_within(&mut self, what: &str) -> Result<Body, RpcError> {
         let after = self.handle.shared.deadlines().reply;
         self.recv_for(what, after).await
     }
 
-    /// The next frame within `after`; past it the connection is closed.
+    /// The next frame within `after`, restarted by each `Progress`; past it [`Shared::missed`]
+    /// decides between a slow agent (this request fails) and a dead one (the connection closes).
     pub(super) async fn recv_for(&mut self, what: &str, after: Duration) -> Result<Body, RpcError> {
-        match tokio::time::timeout(after, self.recv()).await {
+        let mut w = self.waiting(what, after);
+        let r = w.wait(self.recv()).await;
+        match r {
             Ok(r) => r,
-            Err(_) => Err(self.handle.shared.missed(what, after)),
+            Err(after) => Err(self.handle.shared.missed(what, after).await),
         }
     }
 
-    /// The host consumed `n` bytes of `Data`: they leave the window and go back as credit.
-    pub(super) fn grant(&self, n: usize) -> Result<(), RpcError> {
-        self.release(n);
-        self.send_control(Body::Credit(n as u32))
+    /// A deadline of `after` for this stream, restarted by its `Progress` frames.
+    pub(super) fn waiting<'a>(&self, what: &'a str, after: Duration) -> Waiting<'a> {
+        let mut progress = self.progress.clone();
+        progress.mark_unchanged();
+        Waiting {
+            what,
+            after,
+            progress,
+        }
+    }
+
+    /// The host consumed a `Data` frame of `len` bytes: its cost leaves the window and goes back
+    /// as credit.
+    pub(super) fn grant(&self, len: usize) -> Result<(), RpcError> {
+        let cost = data_cost(len);
+        self.release(cost);
+        self.send_control(Body::Credit(cost as u32))
     }
 
     /// The host consumed exec event `seq` (costing `cost`): acknowledge it.
