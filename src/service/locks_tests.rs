@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use super::*;
 use crate::api;
-use crate::config::{Config, Paths};
+use crate::config::Config;
 use crate::service::ServicePauser;
 use crate::service::scheduler::{Pauser, Resources};
-use crate::store::{SANDBOXES, Store};
+use crate::store::SANDBOXES;
 
 fn service(state: SandboxState) -> (Arc<Service>, String, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
@@ -21,15 +21,7 @@ fn service(state: SandboxState) -> (Arc<Service>, String, tempfile::TempDir) {
         qemu_binary: "/nonexistent/qemu-system-x86_64".into(),
         ..Config::default()
     };
-    let svc = Arc::new(Service::new(
-        Paths {
-            root: dir.path().to_path_buf(),
-        },
-        config,
-        Store::in_memory(),
-        dir.path().join("artifacts"),
-        None,
-    ));
+    let svc = crate::service::test_service(dir.path(), config);
     let id = crate::ids::new_id(crate::ids::SANDBOX);
     let sdir = svc.paths.sandbox_dir(&id);
     std::fs::create_dir_all(&sdir).unwrap();

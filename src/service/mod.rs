@@ -264,3 +264,17 @@ impl Service {
         }
     }
 }
+
+/// A service over an in-memory store with its data root in `dir`, for the service's unit tests.
+#[cfg(test)]
+pub(crate) fn test_service(dir: &Path, config: Config) -> Arc<Service> {
+    Arc::new(Service::new(
+        Paths {
+            root: dir.to_path_buf(),
+        },
+        config,
+        Store::in_memory(),
+        dir.join("artifacts"),
+        None,
+    ))
+}

@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use super::*;
 use crate::api::{AccessRequestCreate, AccessRequestState, NetworkRuleChange};
-use crate::config::{Config, Paths};
+use crate::config::Config;
 use crate::network::gate::{ConnectVerdict, Flow, Gate, Proto};
 use crate::service::SandboxRecord;
-use crate::store::{SANDBOXES, Store};
+use crate::store::SANDBOXES;
 
 fn service() -> (Arc<Service>, String, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
@@ -23,15 +23,7 @@ fn service() -> (Arc<Service>, String, tempfile::TempDir) {
         .insert("rebind.test".into(), vec!["127.0.0.1".parse().unwrap()]);
     // Never ask a real resolver from unit tests.
     config.network.upstream_dns = Some("127.0.0.1:9".parse().unwrap());
-    let svc = Arc::new(Service::new(
-        Paths {
-            root: dir.path().to_path_buf(),
-        },
-        config,
-        Store::in_memory(),
-        dir.path().join("artifacts"),
-        None,
-    ));
+    let svc = crate::service::test_service(dir.path(), config);
     let id = crate::ids::new_id(crate::ids::SANDBOX);
     let rec = SandboxRecord {
         api: api::Sandbox {

@@ -18,15 +18,7 @@ fn service() -> (Arc<Service>, String, tempfile::TempDir) {
         qemu_binary: dir.path().join("no-qemu").display().to_string(),
         ..Config::default()
     };
-    let svc = Arc::new(Service::new(
-        Paths {
-            root: dir.path().to_path_buf(),
-        },
-        config,
-        Store::in_memory(),
-        dir.path().join("artifacts"),
-        None,
-    ));
+    let svc = crate::service::test_service(dir.path(), config);
     let id = ids::new_id(ids::SANDBOX);
     let rec = SandboxRecord {
         api: api::Sandbox {
