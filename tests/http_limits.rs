@@ -443,7 +443,7 @@ fn plain_tcp_off_loopback_is_refused_at_startup() {
 #[test]
 fn a_loopback_tcp_client_is_refused_its_own_home_folder() {
     if !nix::unistd::geteuid().is_root() {
-        println!("skipped: needs root to run a client under another uid");
+        common::skip_unless_ci("needs root to run a client under another uid");
         return;
     }
     // Another user whose home folder exists (and is not `/`, refused for its own reason).
@@ -452,7 +452,7 @@ fn a_loopback_tcp_client_is_refused_its_own_home_folder() {
         .filter(|u| u.dir.is_dir() && u.dir.canonicalize().is_ok_and(|d| d != Path::new("/")))
         .max_by_key(|u| u.uid.as_raw() >= 1000)
     else {
-        println!("skipped: no user other than root has a home folder here");
+        common::skip_unless_ci("no user other than root has a home folder here");
         return;
     };
     let port = free_port();
