@@ -57,9 +57,9 @@ pub struct Jail {
     /// Whether QEMU gets its own mount namespace (always for a root daemon; for another one
     /// when unprivileged user namespaces are allowed), or why not.
     ns: Result<(), String>,
-    /// A directory holding QEMU that is not a system directory (a QEMU installed in its own
-    /// prefix): bound read-only into the namespace.
-    qemu_prefix: Option<PathBuf>,
+    /// Where QEMU is when it is not in a system directory (a QEMU installed in its own
+    /// prefix, a wrapper script): bound read-only into the namespace.
+    qemu_home: Option<QemuHome>,
 }
 
 /// The fences of this host as `doctor` shows them.
@@ -87,7 +87,7 @@ impl Jail {
             } else {
                 mountns::userns_allowed()
             },
-            qemu_prefix: qemu_prefix(binary),
+            qemu_home: qemu_home(binary),
         }
     }
 
@@ -210,7 +210,14 @@ impl Jail {
             dir: needs.dir.clone(),
             reads: needs.reads.clone(),
             writes,
-            extra_dirs: self.qemu_prefix.iter().cloned().collect(),
+            extra_dirs: match &self.qemu_home {
+                Some(QemuHome::Prefix(d)) => vec![d.clone()],
+                _ => Vec::new(),
+            },
+            programs: match &self.qemu_home {
+                Some(QemuHome::File(f)) => vec![f.clone()],
+                _ => Vec::new(),
+            },
             kvm: accel == Accel::Kvm,
             userns: !self.is_root,
         };
@@ -297,9 +304,11 @@ pub fn give_socket(sock: &Path) -> std::io::Result<()> {
     }
 }
 
-/// The install prefix of QEMU `binary` (`<prefix>/bin/qemu-system-*`) when it is not under a
-/// system directory the namespace binds anyway.
-fn qemu_prefix(binary: &Path) -> Option<PathBuf> {
+/// Where QEMU `binary` lives when it is not under a system directory the namespace binds
+/// anyway: its install prefix (`<prefix>/bin/qemu-system-*`: the prefix's directory, which
+/// holds its firmware too), or else the file alone (a wrapper script somewhere: its folder
+/// may hold anything, the daemon's data root among it).
+fn qemu_home(binary: &Path) -> Option<QemuHome> {
     let found = if binary.components().count() > 1 {
         Some(binary.to_owned())
     } else {
@@ -314,7 +323,19 @@ fn qemu_prefix(binary: &Path) -> Option<PathBuf> {
         return None;
     }
     let bin = real.parent()?;
-    Some(bin.parent().unwrap_or(bin).to_owned())
+    match bin.parent() {
+        Some(prefix) if bin.file_name() == Some(std::ffi::OsStr::new("bin")) => {
+            Some(QemuHome::Prefix(prefix.to_owned()))
+        }
+        _ => Some(QemuHome::File(real)),
+    }
+}
+
+/// Where a QEMU outside the system directories lives (see [`qemu_home`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum QemuHome {
+    Prefix(PathBuf),
+    File(PathBuf),
 }
 
 /// QEMU from which on a memory backend can open its file read-only and still give the guest

@@ -104,6 +104,8 @@ pub struct View {
     /// Directories bound read-only besides the system ones (QEMU's prefix when it is not
     /// under a system directory).
     pub extra_dirs: Vec<PathBuf>,
+    /// Programs bound read-only and executable (QEMU as a wrapper script outside a prefix).
+    pub programs: Vec<PathBuf>,
     pub kvm: bool,
     /// Build it inside a new user namespace (the daemon is not root).
     pub userns: bool,
@@ -169,6 +171,13 @@ impl Plan {
                 add_file(w, false, &mut file_binds);
             }
         }
+        let programs: Vec<PathBuf> = v
+            .programs
+            .iter()
+            .filter(|p| p.is_file() && !covered(p))
+            .cloned()
+            .collect();
+        file_binds.retain(|(f, _)| !programs.contains(f));
         let mut devs: Vec<PathBuf> = DEVICES
             .iter()
             .map(PathBuf::from)
@@ -177,7 +186,12 @@ impl Plan {
         if v.kvm {
             devs.push("/dev/kvm".into());
         }
-        for (p, _) in dir_binds.iter().chain(file_binds.iter()) {
+        for p in dir_binds
+            .iter()
+            .chain(file_binds.iter())
+            .map(|(p, _)| p)
+            .chain(programs.iter())
+        {
             add_parents(p, &mut dirs);
         }
         for (p, _) in &links {
@@ -189,7 +203,9 @@ impl Plan {
         let s = |p: &Path| cstr(&under(&stage, p));
         let mut steps = Vec::new();
         for d in &dirs {
-            if !dir_binds.iter().any(|(b, _)| b == d) {
+            // A bound directory and what lies under one come from the bind (made before it,
+            // in the skeleton, they would be hidden, or their parent would not exist yet).
+            if !dir_binds.iter().any(|(b, _)| d.starts_with(b)) {
                 steps.push(Step::Dir(s(d)?));
             }
         }
@@ -227,6 +243,15 @@ impl Plan {
                 dst: s(p)?,
                 rec: false,
                 remount,
+            });
+        }
+        for p in &programs {
+            steps.push(Step::File(s(p)?));
+            steps.push(Step::Bind {
+                src: cstr(p)?,
+                dst: s(p)?,
+                rec: false,
+                remount: libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | locked_flags(p),
             });
         }
         for d in &devs {

@@ -412,3 +412,67 @@ fn a_borrowed_ram_file_is_opened_read_only_from_qemu_8_2() {
     assert!(super::borrowed_ram_read_only(&mut args, &paths, v(8, 2)));
     assert!(backend(&args).ends_with("share=off,readonly=on,rom=off"));
 }
+
+/// QEMU configured as a wrapper script in a folder that also holds the VM directories (the
+/// folder is bound read-only, the VM dir read-write under it): the view is built and the
+/// wrapper runs inside it. The skeleton once made the VM dir's parents before the folder's
+/// bind hid them (`mkdir`: ENOENT, so the VM did not start).
+#[test]
+fn a_qemu_wrapper_beside_the_vm_dirs_runs_in_its_view() {
+    use std::os::unix::process::CommandExt;
+    if !root_only("building a mount namespace") {
+        return;
+    }
+    let t = tempfile::tempdir().expect("tmp");
+    let vm = t.path().join("sandboxes/a");
+    std::fs::create_dir_all(&vm).expect("vm");
+    let wrapper = t.path().join("qemu-wrapper");
+    std::fs::write(&wrapper, "#!/bin/sh\necho inside > \"$1/seen\"\n").expect("wrapper");
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    let real = std::fs::canonicalize(&wrapper).expect("canonical");
+    assert_eq!(
+        super::qemu_home(&wrapper),
+        Some(super::QemuHome::File(real)),
+        "a wrapper outside a bin/ folder is bound alone, never its folder"
+    );
+    let prefix = t.path().join("opt/qemu");
+    std::fs::create_dir_all(prefix.join("bin")).expect("prefix");
+    std::fs::copy(&wrapper, prefix.join("bin/qemu-system-x86_64")).expect("copy");
+    assert_eq!(
+        super::qemu_home(&prefix.join("bin/qemu-system-x86_64")),
+        Some(super::QemuHome::Prefix(
+            std::fs::canonicalize(&prefix).expect("canonical")
+        ))
+    );
+    let plan = super::mountns::Plan::new(&super::mountns::View {
+        dir: vm.clone(),
+        programs: vec![wrapper.clone()],
+        ..Default::default()
+    })
+    .expect("plan");
+    std::fs::create_dir_all(vm.join(super::mountns::STAGE)).expect("stage");
+    let plan = std::sync::Arc::new(plan);
+    let mut cmd = std::process::Command::new(&wrapper);
+    cmd.arg(&vm);
+    let p = plan.clone();
+    // SAFETY: `enter` makes only system calls on strings built before the fork.
+    unsafe {
+        cmd.pre_exec(move || p.enter());
+    }
+    let out = cmd.output().expect("the wrapper did not start in its view");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(read(&vm.join("seen")), "inside");
+    // Its folder is read-only in there: only the VM dir is writable.
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.args(["-c", &format!("echo x > {}/planted", t.path().display())]);
+    // SAFETY: as above.
+    unsafe {
+        cmd.pre_exec(move || plan.enter());
+    }
+    assert!(!cmd.status().expect("sh").success());
+    assert!(!t.path().join("planted").exists());
+}
