@@ -468,6 +468,11 @@ pub struct UndoRequest {
     /// content is backed up first).
     #[serde(default)]
     pub force: bool,
+    /// Host folders the caller may write to (absolute): the undo is refused (403) unless the
+    /// apply's host folder resolves to one of them or below. The MCP server sends its allowed
+    /// workspaces, so a model cannot undo an apply made into another folder. Empty: no limit.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub within: Vec<String>,
 }
 
 /// `GET /v1/sandboxes/{id}/files?path=/abs/path` and the body of `PUT` on the same route.

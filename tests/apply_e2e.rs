@@ -141,6 +141,37 @@ fn apply_takes_only_the_exec_bit_no_escaping_links_and_never_truncates() {
             text(&o.stderr)
         ));
     }
+    // An undo limited to other folders (what the MCP server sends) is refused and changes
+    // nothing; limited to the repo's folder it runs.
+    let art = rep["artifact_id"].as_str().unwrap_or_default().to_owned();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let undo = |within: &Path| {
+        let body = serde_json::json!({ "within": [within] }).to_string();
+        d.request("POST", &format!("/v1/artifacts/{art}/undo"), Some(&body))
+    };
+    let u = undo(elsewhere.path());
+    if u.status != 403
+        || !u
+            .text()
+            .contains("outside the folders this client may change")
+    {
+        bad.push(format!(
+            "an undo outside `within` answered {}: {}",
+            u.status,
+            u.text()
+        ));
+    }
+    if mode(r, "bin/tool") != 0o755 || !r.join("new.sh").exists() {
+        bad.push("a refused undo changed the host".into());
+    }
+    let u = undo(r);
+    if u.status != 200 {
+        bad.push(format!(
+            "an undo inside `within` answered {}: {}",
+            u.status,
+            u.text()
+        ));
+    }
     let _ = d.cli(&["rm", &id]);
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }

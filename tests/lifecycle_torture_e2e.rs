@@ -426,7 +426,7 @@ fn random_lifecycle_calls_leave_the_books_balanced() {
         })
         .collect();
     let calls: u32 = workers.into_iter().map(|w| w.join().unwrap()).sum();
-    let log = d.root().join("daemon.log");
+    let log = d.log.clone();
     if let Some(st) = d.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
         let keep = std::env::temp_dir().join(format!("torture-daemon-{seed}.log"));
         let _ = std::fs::copy(&log, &keep);

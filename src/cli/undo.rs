@@ -19,7 +19,10 @@ pub async fn run(a: Args) -> Result<(), TopError> {
         .send(
             hyper::Method::POST,
             &format!("/v1/artifacts/{}/undo", a.art_id),
-            Some(&api::UndoRequest { force: a.force }),
+            Some(&api::UndoRequest {
+                force: a.force,
+                within: Vec::new(),
+            }),
         )
         .await?;
     for p in &r.overwritten {

@@ -211,9 +211,10 @@ impl Client {
         &self,
         artifact_id: &str,
         force: bool,
+        within: Vec<String>,
     ) -> Result<api::UndoReport, ClientError> {
         let path = format!("/v1/artifacts/{}/undo", seg(artifact_id));
-        let req = api::UndoRequest { force };
+        let req = api::UndoRequest { force, within };
         self.send(Method::POST, &path, Some(&req)).await
     }
 

@@ -192,9 +192,18 @@ impl SandboxServer {
             }
             "undo" => {
                 let a: tools::UndoArgs = parse(name, args)?;
-                let report = me.client.undo(&a.artifact_id, a.force).await.map_err(|e| {
-                    ToolError::from_client(e, "undo", "POST /v1/artifacts/{art_id}/undo", None)
-                })?;
+                // Only an apply made into one of this server's folders can be undone here.
+                let within = scope::roots(&me.opts)
+                    .iter()
+                    .map(|r| r.display().to_string())
+                    .collect();
+                let report = me
+                    .client
+                    .undo(&a.artifact_id, a.force, within)
+                    .await
+                    .map_err(|e| {
+                        ToolError::from_client(e, "undo", "POST /v1/artifacts/{art_id}/undo", None)
+                    })?;
                 Ok(json_result(&report))
             }
             "read_file" => {

@@ -797,6 +797,7 @@ impl Service {
             .store
             .get(ARTIFACTS, art_id)?
             .ok_or_else(|| WorkspaceError::NoArtifact(art_id.to_owned()))?;
+        check_within(&rec.host_root, &req.within)?;
         let lock = self.ws_lock(&rec.sandbox_id);
         let _g = lock.lock().await;
         let dir = self.paths.artifacts_dir().join(art_id);
@@ -932,5 +933,60 @@ fn not_found_or(path: &str) -> impl Fn(RpcError) -> ServiceError + '_ {
             ServiceError::NotFound(format!("no file {path} in the sandbox"))
         }
         e => agent_err(e),
+    }
+}
+
+/// An undo limited to `within` (see [`api::UndoRequest::within`]): the apply's host folder,
+/// resolved, must be one of those folders (resolved) or below one. Empty: no limit.
+fn check_within(host_root: &std::path::Path, within: &[String]) -> Result<(), ServiceError> {
+    if within.is_empty() {
+        return Ok(());
+    }
+    let resolve = |p: &std::path::Path| p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
+    let root = resolve(host_root);
+    let allowed: Vec<std::path::PathBuf> = within
+        .iter()
+        .map(|w| resolve(std::path::Path::new(w)))
+        .filter(|w| w.is_absolute())
+        .collect();
+    if allowed.iter().any(|w| root.starts_with(w)) {
+        return Ok(());
+    }
+    Err(ServiceError::Forbidden(format!(
+        "this apply wrote to {}, outside the folders this client may change ({})",
+        root.display(),
+        allowed
+            .iter()
+            .map(|w| w.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )))
+}
+
+#[cfg(test)]
+mod within_tests {
+    use super::check_within;
+
+    #[test]
+    fn an_undo_outside_the_allowed_folders_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let base = d.path().canonicalize().unwrap();
+        for p in ["ws/sub", "other", "ws-evil"] {
+            std::fs::create_dir_all(base.join(p)).unwrap();
+        }
+        std::os::unix::fs::symlink(base.join("other"), base.join("ws/link")).unwrap();
+        let ws = base.join("ws").display().to_string();
+        assert!(check_within(&base.join("other"), &[]).is_ok(), "no limit");
+        assert!(check_within(&base.join("ws"), std::slice::from_ref(&ws)).is_ok());
+        assert!(check_within(&base.join("ws/sub"), std::slice::from_ref(&ws)).is_ok());
+        for bad in ["other", "ws-evil", "ws/link", "ws/.."] {
+            let e = check_within(&base.join(bad), std::slice::from_ref(&ws)).unwrap_err();
+            assert!(
+                matches!(e, super::ServiceError::Forbidden(_)),
+                "{bad}: {e:?}"
+            );
+        }
+        // A relative `within` grants nothing.
+        assert!(check_within(&base.join("ws"), &["ws".to_owned()]).is_err());
     }
 }

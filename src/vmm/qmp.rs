@@ -30,6 +30,11 @@ use tokio::sync::{Mutex, mpsc, oneshot};
 
 /// How many undelivered events are kept before new ones are dropped (with a warning).
 const EVENT_BACKLOG: usize = 64;
+/// How long a command may wait for its reply. QEMU answers every command the daemon sends
+/// promptly (long work such as `migrate` runs in the background and is polled), so a reply that
+/// does not come means QEMU's main loop is stuck: the caller gets an error instead of waiting
+/// forever with the sandbox's lock held.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
 /// Longest accepted QMP line (replies such as `query-migrate` are a few KiB at most).
 const MAX_LINE: usize = 1 << 20;
 
@@ -101,6 +106,8 @@ pub struct QmpClient {
     events: std::sync::Mutex<Option<mpsc::Receiver<QmpEvent>>>,
     version: QmpVersion,
     reader: tokio::task::JoinHandle<()>,
+    /// See [`COMMAND_TIMEOUT`].
+    command_timeout: Duration,
 }
 
 impl Drop for QmpClient {
@@ -141,6 +148,7 @@ impl QmpClient {
             events: std::sync::Mutex::new(Some(rx)),
             version,
             reader,
+            command_timeout: COMMAND_TIMEOUT,
         };
         client.execute("qmp_capabilities", None).await?;
         Ok(client)
@@ -157,13 +165,49 @@ impl QmpClient {
         self.events.lock().ok()?.take()
     }
 
-    /// Run any QMP command and return its `return` value.
+    /// Wait at most `d` for each command's reply (default [`COMMAND_TIMEOUT`]).
+    pub fn set_command_timeout(&mut self, d: Duration) {
+        self.command_timeout = d;
+    }
+
+    /// Run any QMP command and return its `return` value; a reply that does not come within
+    /// the command timeout is a [`QmpError::Timeout`].
     pub async fn execute(
         &self,
         command: &str,
         arguments: Option<Value>,
     ) -> Result<Value, QmpError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        match tokio::time::timeout(
+            self.command_timeout,
+            self.execute_id(id, command, arguments),
+        )
+        .await
+        {
+            Ok(r) => r,
+            Err(_) => {
+                if let Ok(mut p) = self.pending.lock() {
+                    p.waiters.remove(&id);
+                }
+                tracing::warn!(
+                    command,
+                    timeout_s = self.command_timeout.as_secs(),
+                    "QEMU did not answer a QMP command"
+                );
+                Err(QmpError::Timeout(
+                    self.command_timeout,
+                    format!("the reply to `{command}` (QEMU is not answering its monitor)"),
+                ))
+            }
+        }
+    }
+
+    async fn execute_id(
+        &self,
+        id: u64,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Value, QmpError> {
         let (tx, rx) = oneshot::channel();
         {
             let mut p = self
@@ -504,6 +548,30 @@ mod tests {
         }
         // The session survives an error reply.
         c.stop().await.expect("stop after error");
+    }
+
+    #[tokio::test]
+    async fn a_command_qemu_never_answers_times_out_and_the_session_goes_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, _h) = fake_qmp(dir.path(), |c| {
+            if c["execute"] == "stop" {
+                vec![]
+            } else {
+                vec![ok(c, json!({}))]
+            }
+        });
+        let mut c = QmpClient::connect(&path, T).await.expect("connect");
+        c.set_command_timeout(Duration::from_millis(200));
+        let r = tokio::time::timeout(T, c.stop()).await.expect("no hang");
+        match r {
+            Err(QmpError::Timeout(d, what)) => {
+                assert_eq!(d, Duration::from_millis(200));
+                assert!(what.contains("`stop`"), "{what}");
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(c.pending.lock().expect("lock").waiters.is_empty());
+        c.cont().await.expect("a later command is answered");
     }
 
     #[tokio::test]

@@ -50,8 +50,10 @@ impl Daemon {
         if let Some(c) = config {
             std::fs::write(home.path().join("config.toml"), c).unwrap();
         }
+        // The log lives beside the data root, not in it: a test that fills the data root
+        // (tests/full_disk_e2e.rs) still gets every line of it.
         let mut d = Daemon {
-            log: home.path().join("daemon.log"),
+            log: home.path().with_extension("log"),
             home,
             child: None,
             args: Vec::new(),
@@ -133,7 +135,19 @@ impl Daemon {
     }
 
     pub fn request(&self, method: &str, path: &str, body: Option<&str>) -> Resp {
-        self.try_request(method, path, body).expect("request")
+        self.try_request(method, path, body).unwrap_or_else(|e| {
+            panic!(
+                "{method} {path}: {e}\n--- daemon log (tail) ---\n{}",
+                self.log_tail(200)
+            )
+        })
+    }
+
+    /// The last `lines` lines of the daemon's log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = self.log_text();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
     }
 
     pub fn try_request(
@@ -168,6 +182,12 @@ impl Drop for Daemon {
     /// Remove every sandbox (VMs outlive the daemon by design, so a failed test must not leave
     /// them running), then stop the daemon.
     fn drop(&mut self) {
+        // A passing test leaves no log behind; a failing one keeps it for the reader.
+        if std::thread::panicking() {
+            eprintln!("daemon log kept at {}", self.log.display());
+        } else {
+            let _ = std::fs::remove_file(&self.log);
+        }
         if self.child.is_none() {
             return;
         }
