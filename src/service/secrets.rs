@@ -335,6 +335,7 @@ impl Service {
             .as_deref()
             .and_then(|s| hit("command", s.as_bytes()))
             .or_else(|| w.argv.iter().find_map(|a| hit("command", a.as_bytes())))
+            .or_else(|| w.cwd.as_deref().and_then(|c| hit("command", c.as_bytes())))
             .or_else(|| {
                 w.env
                     .iter()

@@ -270,6 +270,10 @@ impl Service {
             via,
             duration_ms: started.elapsed().as_millis() as u64,
         };
+        for s in &report.secret_values_skipped {
+            tracing::warn!(sandbox = %rec.api.id, path = %s.path, secret = %s.secret,
+                "not synced: the file holds a stored secret's value");
+        }
         tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
             deleted = report.deleted, scan_ms, load_ms, compute_ms, send_ms, save_ms, via = ?report.via, ms = report.duration_ms, "workspace synced");
         Ok(report)
