@@ -319,3 +319,60 @@ fn a_secret_never_enters_the_sandbox_and_never_leaks_from_the_daemon() {
     }
     assert!(bad.is_empty(), "{bad:#?}\n{}", d.log_text());
 }
+
+/// No VM: the API over the socket. A set answers without the value, `GET /v1/secrets` never
+/// has it, a create naming an unknown secret is a 400 before anything boots, the value does
+/// not reach the daemon log, and a `secrets.json` the daemon cannot read stops it from
+/// starting without overwriting the file.
+#[test]
+fn the_secret_api_never_answers_a_value_and_an_unreadable_store_stops_the_daemon() {
+    let mut d = Daemon::start(None, &[]);
+    let body =
+        serde_json::json!({"value": VALUE, "hosts": ["API.example.com"], "headers": ["X-Foo"]});
+    let r = d.request("PUT", "/v1/secrets/API_KEY", Some(&body.to_string()));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["hosts"], serde_json::json!(["api.example.com"]));
+    assert!(!holds(&r.body, VALUE), "{}", r.text());
+    let r = d.request("GET", "/v1/secrets", None);
+    assert_eq!(r.json()["secrets"][0]["name"], "API_KEY");
+    assert!(!holds(&r.body, VALUE), "{}", r.text());
+    // A value of the wrong type is refused without being quoted.
+    let r = d.request(
+        "PUT",
+        "/v1/secrets/API_KEY",
+        Some(r#"{"value": 918273645546372819, "hosts": ["a.io"]}"#),
+    );
+    assert_eq!(r.status, 400);
+    assert!(!r.text().contains("918273645546372819"), "{}", r.text());
+    let repo = tempfile::tempdir().unwrap();
+    let create = serde_json::json!({
+        "workspace": {"host_path": repo.path()},
+        "secrets": ["NOT_STORED"],
+    });
+    let r = d.request("POST", "/v1/sandboxes", Some(&create.to_string()));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("NOT_STORED"), "{}", r.text());
+    let r = d.request("DELETE", "/v1/secrets/NOT_STORED", None);
+    assert_eq!(r.status, 404);
+    assert!(!holds(d.log_text().as_bytes(), VALUE));
+    // Unreadable: the daemon refuses to start and leaves the file as it was.
+    d.stop();
+    let file = d.root().join("secrets.json");
+    std::fs::write(&file, b"{\"version\":1,\"secrets\":[").unwrap();
+    let out = Command::new(BIN)
+        .arg("serve")
+        .env("TRYBOXI_HOME", d.root())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("secrets.json"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        b"{\"version\":1,\"secrets\":["
+    );
+}
