@@ -556,6 +556,10 @@ pub struct SecretInfo {
     /// RFC 3339 UTC; `null` until it was first swapped into a request.
     #[serde(default)]
     pub last_used_at: Option<String>,
+    /// Answer of a set only: sandboxes whose synced files (their sync base) already hold the
+    /// value, synced before it was stored. Remove them, or remove the file and re-sync.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub already_synced_to: Vec<String>,
 }
 
 /// `GET /v1/secrets`.

@@ -24,6 +24,8 @@ const VALUE: &str = "sk-e2e-Zq9x7Lm2Pw4Rt6Yu8Io0Kv3";
 const HALF_A: &str = "sk-e2e-Zq9x7Lm2";
 const HALF_B: &str = "Pw4Rt6Yu8Io0Kv3";
 const OTHER: &str = "second-secret-value-4711-abcd";
+/// In a synced file before it is stored.
+const LATE: &str = "late-secret-value-99887766";
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -136,7 +138,21 @@ fn a_secret_never_enters_the_sandbox_and_never_leaks_from_the_daemon() {
     let r = repo.path();
     write(r, "README.md", "hello\n");
     write(r, "config/leak.env", &format!("API_KEY={VALUE}\n"));
+    write(r, "notes.txt", &format!("{LATE}\n"));
     let id = create_with(&d, r, &["--secret", "API_KEY"]);
+
+    // A value stored after a sync took it in: `secret set` names the sandbox.
+    let o = cli_stdin(
+        &d,
+        &["secret", "set", "LATE", "--host", "late.example.com"],
+        LATE.as_bytes(),
+    );
+    if !(o.status.success() && text(&o.stderr).contains(&id)) {
+        bad.push(format!(
+            "secret set does not name the sandbox already holding it: {}",
+            text(&o.stderr)
+        ));
+    }
 
     // env shows the placeholder only.
     let (_, env) = sh_out(&d, &id, "env");

@@ -61,6 +61,12 @@ pub async fn run(c: Cmd) -> Result<(), TopError> {
                 )
                 .await?;
             println!("{} stored for {}", s.name, s.hosts.join(", "));
+            for id in &s.already_synced_to {
+                eprintln!(
+                    "warning: the synced files of {id} already hold this value (synced before it \
+                     was stored): remove the sandbox, or remove the file and sync again"
+                );
+            }
         }
         Cmd::Ls { json } => {
             let l: api::SecretList = client

@@ -9,11 +9,15 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Service, ServiceError};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::{SandboxRecord, Service, ServiceError};
 use crate::api;
+use crate::secrets::scan::Scanner;
 use crate::secrets::store::{SecretMeta, SecretSpec, SecretStoreError};
 use crate::secrets::{Binding, Snapshot, Value, placeholder};
-use crate::store::SECRET_BINDINGS;
+use crate::store::{SANDBOXES, SECRET_BINDINGS};
 
 /// At most this many secrets per sandbox.
 pub const MAX_SANDBOX_SECRETS: usize = 64;
@@ -56,7 +60,43 @@ fn info(m: SecretMeta) -> api::SecretInfo {
         in_body: m.in_body,
         created_at: m.created_at,
         last_used_at: m.last_used_at,
+        already_synced_to: Vec::new(),
     }
+}
+
+/// Whether any file under `dir` (a sandbox's sync base: manifest, blobs, packs) holds what
+/// `scanner` looks for. Read in 1 MiB chunks; symlinks are not followed.
+fn dir_holds(dir: &Path, scanner: &Scanner) -> bool {
+    use std::io::Read as _;
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    for e in rd.flatten() {
+        let Ok(ft) = e.file_type() else { continue };
+        let p = e.path();
+        if ft.is_dir() {
+            if dir_holds(&p, scanner) {
+                return true;
+            }
+        } else if ft.is_file() {
+            let Ok(mut f) = std::fs::File::open(&p) else {
+                continue;
+            };
+            let mut st = scanner.stream();
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                match f.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if st.feed(&buf[..n]).is_some() {
+                            return true;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    false
 }
 
 fn minted() -> Result<String, ServiceError> {
@@ -65,13 +105,47 @@ fn minted() -> Result<String, ServiceError> {
 
 impl Service {
     /// `PUT /v1/secrets/{name}`: add or replace a secret; sandboxes holding it see the new
-    /// value at their next request (their placeholder stays).
-    pub fn set_secret(
+    /// value at their next request (their placeholder stays). The answer names the sandboxes
+    /// whose sync base already holds the value (synced before it was stored).
+    pub async fn set_secret(
         &self,
         name: &str,
         req: api::SetSecretRequest,
     ) -> Result<api::SecretInfo, ServiceError> {
         let value = Value::new(req.value.0.as_bytes().to_vec());
+        let mut out = self.store_secret(name, value.clone(), req)?;
+        let scanner = Arc::new(Scanner::new(&[(name.to_owned(), value)]));
+        if scanner.is_empty() {
+            return Ok(out);
+        }
+        let bases: Vec<(String, PathBuf)> = self
+            .store
+            .list::<SandboxRecord>(SANDBOXES)?
+            .into_iter()
+            .map(|r| (r.api.id, r.dir.join("workspace")))
+            .collect();
+        let held = tokio::task::spawn_blocking(move || {
+            bases
+                .into_iter()
+                .filter(|(_, dir)| dir_holds(dir, &scanner))
+                .map(|(id, _)| id)
+                .collect::<Vec<_>>()
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(format!("secret scan task failed: {e}")))?;
+        for id in &held {
+            tracing::warn!(secret = %name, sandbox = %id, "a sandbox's synced files already hold the secret's value");
+        }
+        out.already_synced_to = held;
+        Ok(out)
+    }
+
+    fn store_secret(
+        &self,
+        name: &str,
+        value: Value,
+        req: api::SetSecretRequest,
+    ) -> Result<api::SecretInfo, ServiceError> {
         let meta = self.secret_store.set(
             name,
             value,
@@ -356,8 +430,9 @@ mod tests {
     const V: &str = "sk-live-abcdefghijklmnop";
 
     fn set(svc: &Service, name: &str) {
-        svc.set_secret(
+        svc.store_secret(
             name,
+            Value::new(format!("{V}-{name}").into_bytes()),
             api::SetSecretRequest {
                 value: api::SecretText(zeroize::Zeroizing::new(format!("{V}-{name}"))),
                 hosts: vec!["api.example.com".into()],
@@ -404,6 +479,23 @@ mod tests {
         assert_eq!(svc.secret_env("sbx_2").len(), 1);
         svc.forget_secrets("sbx_2");
         assert!(svc.secret_env("sbx_2").is_empty());
+    }
+
+    #[test]
+    fn a_value_already_in_a_sync_base_is_found_across_read_chunks() {
+        let d = tempfile::tempdir().unwrap();
+        let packs = d.path().join("workspace/packs");
+        std::fs::create_dir_all(&packs).unwrap();
+        let value = b"sk-live-in-a-pack-0123";
+        let scanner = Scanner::new(&[("K".into(), Value::new(value.to_vec()))]);
+        // The value straddles the 1 MiB read boundary.
+        let mut pack = vec![b'x'; (1 << 20) - 5];
+        pack.extend_from_slice(value);
+        pack.extend_from_slice(b"tail");
+        std::fs::write(packs.join("p1"), &pack).unwrap();
+        assert!(dir_holds(&d.path().join("workspace"), &scanner));
+        std::fs::write(packs.join("p1"), &pack[..pack.len() - 10]).unwrap();
+        assert!(!dir_holds(&d.path().join("workspace"), &scanner));
     }
 
     #[test]

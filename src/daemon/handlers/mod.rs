@@ -59,7 +59,7 @@ pub async fn handle(
         Action::Undo(art, req) => workspace::undo(svc, &art, req).await,
         Action::ReadFile { id, path } => workspace::read_file(svc, &id, &path).await,
         Action::WriteFile { id, path, body } => workspace::write_file(svc, &id, &path, body).await,
-        Action::SetSecret(name, req) => secrets::set(svc, &name, req),
+        Action::SetSecret(name, req) => secrets::set(svc, &name, req).await,
         Action::ListSecrets => secrets::list(svc),
         Action::RemoveSecret(name) => secrets::remove(svc, &name),
         Action::AddSandboxSecret(id, req) => secrets::add_to_sandbox(svc, &id, req),

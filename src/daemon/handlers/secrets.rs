@@ -7,12 +7,15 @@ use crate::api;
 use crate::daemon::response::{self, ApiError, Body};
 use crate::service::Service;
 
-pub fn set(
+pub async fn set(
     svc: &Service,
     name: &str,
     req: api::SetSecretRequest,
 ) -> Result<Response<Body>, ApiError> {
-    Ok(response::json(StatusCode::OK, &svc.set_secret(name, req)?))
+    Ok(response::json(
+        StatusCode::OK,
+        &svc.set_secret(name, req).await?,
+    ))
 }
 
 pub fn list(svc: &Service) -> Result<Response<Body>, ApiError> {
