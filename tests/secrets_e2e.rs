@@ -260,6 +260,23 @@ fn a_secret_never_enters_the_sandbox_and_never_leaks_from_the_daemon() {
         bad.push("the synced file holding the value reached the VM (or ok.txt did not)".into());
     }
 
+    // Pause and resume keep the placeholder (the sandbox's processes hold it).
+    let p = d.cli(&["pause", &id]);
+    let q = d.cli(&["resume", &id]);
+    if !(p.status.success() && q.status.success()) {
+        bad.push(format!(
+            "pause/resume: {}{}",
+            text(&p.stderr),
+            text(&q.stderr)
+        ));
+    }
+    let (_, env_after) = sh_out(&d, &id, "env");
+    if !env_after.contains(&format!("API_KEY={placeholder}")) {
+        bad.push(format!(
+            "the placeholder changed across pause/resume: {env_after}"
+        ));
+    }
+
     // Added to the running sandbox: the next exec sees it.
     let resp = d.request(
         "POST",
