@@ -409,3 +409,46 @@ fn the_secret_api_never_answers_a_value_and_an_unreadable_store_stops_the_daemon
         b"{\"version\":1,\"secrets\":["
     );
 }
+
+/// No VM: `tryboxi mcp --secret NAME` sends the user's secrets with every create the model
+/// asks for (a name the store does not hold comes back as the daemon's 400, naming it).
+#[test]
+fn the_mcp_servers_secret_flag_reaches_the_create() {
+    use std::io::{BufRead as _, BufReader};
+    let d = Daemon::start(None, &[]);
+    let ws = tempfile::tempdir().unwrap();
+    let mut mcp = Command::new(BIN)
+        .args(["mcp", "--workspace", ws.path().to_str().unwrap()])
+        .args(["--secret", "NOT_STORED_MCP"])
+        .env("TRYBOXI_HOME", d.root())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = mcp.stdin.take().unwrap();
+    let mut lines = BufReader::new(mcp.stdout.take().unwrap()).lines();
+    let mut send = |v: serde_json::Value| writeln!(stdin, "{v}").unwrap();
+    send(
+        serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "secrets_e2e", "version": "0"}}}),
+    );
+    send(serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+    send(
+        serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "create", "arguments": {}}}),
+    );
+    let answer = loop {
+        let line = lines.next().expect("the MCP server closed stdout").unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if v["id"] == 2 {
+            break v;
+        }
+    };
+    drop(send);
+    let _ = mcp.kill();
+    let _ = mcp.wait();
+    let s = answer.to_string();
+    assert!(s.contains("NOT_STORED_MCP"), "{s}");
+}
