@@ -446,7 +446,7 @@ fn the_mcp_servers_secret_flag_reaches_the_create() {
             break v;
         }
     };
-    drop(send);
+    drop(stdin);
     let _ = mcp.kill();
     let _ = mcp.wait();
     let s = answer.to_string();
