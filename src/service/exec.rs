@@ -44,7 +44,7 @@ impl Service {
         // the command's output stream then holds only the VM (a remove ends it with `vm_lost`).
         let mut wire = to_wire(&req, self.config.exec_timeout_s)?;
         // No stored value enters a VM: not in the command, the env or stdin.
-        self.refuse_exec_values(&wire)?;
+        self.refuse_exec_values(id, &wire)?;
         let (life, rec, vm) = self.ready_vm(id).await?;
         // Every exec sees the sandbox's secrets as `NAME=<placeholder>` (read now: a secret
         // added to the running sandbox shows up in the next exec). The caller's own env comes

@@ -371,19 +371,24 @@ impl Service {
 
     /// Refuse (403) when `bytes` holds a stored secret's value or an encoding of it; `what`
     /// says where (the error names the secret, never the value).
-    pub(super) fn refuse_values(&self, what: &str, bytes: &[u8]) -> Result<(), ServiceError> {
+    pub(super) fn refuse_values(
+        &self,
+        id: &str,
+        what: &str,
+        bytes: &[u8],
+    ) -> Result<(), ServiceError> {
         let scanner = self.secret_store.scanner();
         match scanner.find(bytes) {
             None => Ok(()),
-            Some(name) => Err(self.refusal(what, name)),
+            Some(name) => Err(self.refusal(id, what, name)),
         }
     }
 
-    pub(super) fn refusal(&self, what: &str, name: &str) -> ServiceError {
-        tracing::warn!(secret = %name, what, "refused: holds a stored secret's value");
+    fn refusal(&self, id: &str, what: &str, name: &str) -> ServiceError {
+        tracing::warn!(sandbox = %id, secret = %name, what, "refused: holds a stored secret's value");
         self.telemetry.events.publish(
             "secret.inbound_refused",
-            "",
+            id,
             None,
             serde_json::json!({"name": name, "where": what}),
         );
@@ -397,6 +402,7 @@ impl Service {
     /// Refuse an exec whose command, env values or stdin hold a stored value.
     pub(super) fn refuse_exec_values(
         &self,
+        id: &str,
         w: &crate::rpc::ExecRequest,
     ) -> Result<(), ServiceError> {
         let scanner = self.secret_store.scanner();
@@ -418,7 +424,7 @@ impl Service {
             .or_else(|| w.stdin.as_deref().and_then(|s| hit("standard input", s)));
         match found {
             None => Ok(()),
-            Some((what, name)) => Err(self.refusal(what, &name)),
+            Some((what, name)) => Err(self.refusal(id, what, &name)),
         }
     }
 }
@@ -526,7 +532,7 @@ mod tests {
             },
         ];
         for r in &reqs {
-            let e = svc.refuse_exec_values(r).unwrap_err();
+            let e = svc.refuse_exec_values("sbx_1", r).unwrap_err();
             let msg = e.to_string();
             assert!(matches!(e, ServiceError::Forbidden(_)));
             assert!(msg.contains("`API_KEY`"), "{msg}");
@@ -536,6 +542,6 @@ mod tests {
             argv: vec!["echo".into(), "$API_KEY".into()],
             ..Default::default()
         };
-        svc.refuse_exec_values(&fine).unwrap();
+        svc.refuse_exec_values("sbx_1", &fine).unwrap();
     }
 }

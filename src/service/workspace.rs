@@ -889,7 +889,7 @@ impl Service {
             (None, Some(b)) => api::b64::decode(b).map_err(ServiceError::BadRequest)?,
             (None, None) => Vec::new(),
         };
-        self.refuse_values("file written through the API", &data)?;
+        self.refuse_values(id, "file written through the API", &data)?;
         let mode = body.mode.unwrap_or(0o644);
         if mode > 0o7777 {
             return Err(ServiceError::BadRequest(format!(
