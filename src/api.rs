@@ -79,6 +79,10 @@ pub struct CreateSandboxRequest {
     /// Egress policy; absent: the daemon's `[network] default_policy`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkSpec>,
+    /// Stored secrets (by name) this sandbox gets: each appears in every exec as
+    /// `NAME=<placeholder>`, never as its value. An unknown name is a 400.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
 }
 
 /// Lifecycle of a sandbox. `creating -> ready -> (removing) -> removed`; `ready <-> paused`
@@ -330,6 +334,10 @@ pub struct SyncReport {
     /// Paths left out by the secret rules (never synced unless allowed).
     #[serde(default)]
     pub secrets_skipped: Vec<String>,
+    /// Files left out because they hold a stored secret's value (or an encoding of it);
+    /// the VM keeps what it had there.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secret_values_skipped: Vec<SecretValueSkipped>,
     /// Files changed both on the host and in the VM since the last sync: left as the VM has
     /// them (diff shows them; apply merges both sides).
     #[serde(default)]
@@ -338,6 +346,15 @@ pub struct SyncReport {
     #[serde(default)]
     pub via: SyncVia,
     pub duration_ms: u64,
+}
+
+/// A synced file left out because it holds a stored secret's value.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SecretValueSkipped {
+    /// Relative to the workspace.
+    pub path: String,
+    /// The secret whose value it holds (its name; never the value).
+    pub secret: String,
 }
 
 /// How a sync's files went into the VM.
@@ -486,6 +503,95 @@ pub struct FileContent {
     pub content_b64: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<u32>,
+}
+
+// ---- Secrets ----
+
+/// A secret's value as the API carries it: only in the body of `PUT /v1/secrets/{name}`,
+/// zeroized on drop, never `Debug`-printed.
+#[derive(Clone, Default)]
+pub struct SecretText(pub zeroize::Zeroizing<String>);
+
+impl std::fmt::Debug for SecretText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SecretText(<{} bytes redacted>)", self.0.len())
+    }
+}
+
+impl Serialize for SecretText {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for SecretText {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(|s| SecretText(zeroize::Zeroizing::new(s)))
+    }
+}
+
+/// `PUT /v1/secrets/{name}`: add or replace a secret.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetSecretRequest {
+    /// The value (1 to 16384 bytes of UTF-8). Appears in no response, log or event.
+    pub value: SecretText,
+    /// DNS names whose intercepted HTTPS requests get the value (1 to 16).
+    pub hosts: Vec<String>,
+    /// More header names that carry it, beyond `Authorization`, `Proxy-Authorization`,
+    /// `X-Api-Key`, `Api-Key` and `X-Goog-Api-Key`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<String>,
+    /// The value may also be swapped into request bodies.
+    #[serde(default)]
+    pub in_body: bool,
+}
+
+/// A stored secret as the API shows it (never its value).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SecretInfo {
+    pub name: String,
+    pub hosts: Vec<String>,
+    #[serde(default)]
+    pub headers: Vec<String>,
+    #[serde(default)]
+    pub in_body: bool,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    /// RFC 3339 UTC; `null` until it was first swapped into a request.
+    #[serde(default)]
+    pub last_used_at: Option<String>,
+    /// Answer of a set only: sandboxes whose synced files (their sync base) already hold the
+    /// value, synced before it was stored. Remove them, or remove the file and re-sync.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub already_synced_to: Vec<String>,
+}
+
+/// `GET /v1/secrets`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SecretList {
+    pub secrets: Vec<SecretInfo>,
+}
+
+/// `POST /v1/sandboxes/{id}/secrets`: give a running sandbox one more stored secret.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AddSandboxSecret {
+    pub name: String,
+}
+
+/// One secret a sandbox holds, with the placeholder its execs see.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SandboxSecret {
+    pub name: String,
+    pub placeholder: String,
+}
+
+/// The secrets a sandbox holds (answer of `POST /v1/sandboxes/{id}/secrets`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SandboxSecrets {
+    pub sandbox_id: String,
+    pub secrets: Vec<SandboxSecret>,
 }
 
 // ---- Templates and garbage collection ----

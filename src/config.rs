@@ -510,6 +510,10 @@ impl Paths {
     pub fn store_file(&self) -> PathBuf {
         self.root.join("tryboxi.redb")
     }
+    /// The secret store (`secret set`): values on the host only, mode 0600.
+    pub fn secrets_file(&self) -> PathBuf {
+        self.root.join("secrets.json")
+    }
     /// One directory per sandbox: `sandboxes/<sbx_id>/`.
     pub fn sandboxes_dir(&self) -> PathBuf {
         self.root.join("sandboxes")

@@ -13,6 +13,8 @@
 //! - `snapshots`: snapshot id -> snapshot record
 //! - `network`: sandbox id -> egress policy and access requests (a new table needs no
 //!   migration: `init` creates missing tables)
+//! - `secret_bindings`: sandbox id -> the stored secrets it was given and its placeholder for
+//!   each (names and placeholders only; values live in `secrets.json`)
 
 use std::path::{Path, PathBuf};
 
@@ -30,6 +32,7 @@ pub const ARTIFACTS: TableDefinition<&str, &[u8]> = TableDefinition::new("artifa
 pub const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
 pub const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 pub const NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("network");
+pub const SECRET_BINDINGS: TableDefinition<&str, &[u8]> = TableDefinition::new("secret_bindings");
 
 /// Migration from version `n` to `n + 1` is `MIGRATIONS[n - 1]`.
 type Migration = fn(&redb::WriteTransaction) -> Result<(), redb::Error>;
@@ -144,6 +147,7 @@ impl Store {
             txn.open_table(EVENTS)?;
             txn.open_table(SNAPSHOTS)?;
             txn.open_table(NETWORK)?;
+            txn.open_table(SECRET_BINDINGS)?;
         }
         txn.commit()?;
         Ok(Store { db })
@@ -194,6 +198,24 @@ impl Store {
         for row in t.iter()? {
             let (k, v) = row?;
             out.push(decode(table.name(), k.value(), v.value())?);
+        }
+        Ok(out)
+    }
+
+    /// Every record of a table with its key, in key order.
+    pub fn list_keyed<T: DeserializeOwned>(
+        &self,
+        table: TableDefinition<&str, &[u8]>,
+    ) -> Result<Vec<(String, T)>, StoreError> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(table)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            let (k, v) = row?;
+            out.push((
+                k.value().to_owned(),
+                decode(table.name(), k.value(), v.value())?,
+            ));
         }
         Ok(out)
     }

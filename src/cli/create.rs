@@ -26,6 +26,10 @@ pub struct Args {
     /// rules, comma-separated. Default: the daemon's `[network] default_policy`.
     #[arg(long, value_name = "POLICY")]
     network: Option<String>,
+    /// Give the sandbox this stored secret (`tryboxi secret set`): its execs see
+    /// `NAME=<placeholder>`, never the value. Repeatable.
+    #[arg(long = "secret", value_name = "NAME")]
+    secrets: Vec<String>,
     /// Run this command once the sandbox is ready, with the policy widened by
     /// `--setup-network`, then narrow it back (e.g. `--setup 'npm ci'`).
     #[arg(long, value_name = "CMD")]
@@ -61,6 +65,7 @@ pub async fn run(a: Args) -> Result<(), TopError> {
         network: a.network.as_ref().map(|n| api::NetworkSpec {
             policy: n.split(',').map(|s| s.trim().to_owned()).collect(),
         }),
+        secrets: a.secrets,
     };
     let client = super::client()?;
     let sbx: api::Sandbox = client

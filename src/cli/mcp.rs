@@ -60,6 +60,15 @@ struct FixedArgs {
     /// Network policy preset for new sandboxes (used once the daemon enforces network policy).
     #[arg(long, env = "SANDBOX_NETWORK", value_name = "PRESET")]
     network: Option<String>,
+    /// Give new sandboxes this stored secret (`tryboxi secret set`) as `NAME=<placeholder>`;
+    /// repeatable (env: comma-separated). The model cannot add or change them.
+    #[arg(
+        long = "secret",
+        env = "SANDBOX_SECRETS",
+        value_name = "NAME",
+        value_delimiter = ','
+    )]
+    secrets: Vec<String>,
     /// Do not let the agent change host files: no `apply`, `pull` or `undo` tools.
     #[arg(long, env = "SANDBOX_NO_APPLY")]
     no_apply: bool,
@@ -83,6 +92,10 @@ impl FixedArgs {
         opt("memory", self.memory_mib.map(|v| v.to_string()));
         opt("network", self.network.clone());
         opt("exec-timeout", self.exec_timeout.map(|v| v.to_string()));
+        for s in &self.secrets {
+            f.push("--secret".into());
+            f.push(s.clone());
+        }
         if self.no_apply {
             f.push("--no-apply".into());
         }
@@ -123,6 +136,9 @@ struct InstallFixed {
     memory_mib: Option<u32>,
     #[arg(long, value_name = "PRESET")]
     network: Option<String>,
+    /// A stored secret new sandboxes get (repeatable).
+    #[arg(long = "secret", value_name = "NAME")]
+    secrets: Vec<String>,
     #[arg(long)]
     no_apply: bool,
     #[arg(long, value_name = "SECS")]
@@ -136,6 +152,7 @@ impl From<InstallFixed> for FixedArgs {
             vcpus: i.vcpus,
             memory_mib: i.memory_mib,
             network: i.network,
+            secrets: i.secrets,
             no_apply: i.no_apply,
             exec_timeout: i.exec_timeout,
         }
@@ -182,6 +199,11 @@ fn serve(a: ServerArgs) -> Result<(), TopError> {
     opts.vcpus = f.vcpus;
     opts.memory_mib = f.memory_mib;
     opts.network = f.network;
+    for s in &f.secrets {
+        crate::secrets::store::check_name(s)
+            .map_err(|e| TopError::Usage(format!("--secret: {e}")))?;
+    }
+    opts.secrets = f.secrets;
     opts.allow_apply = !f.no_apply;
     if let Some(t) = f.exec_timeout {
         if !(t.is_finite() && t > 0.0) {
@@ -258,6 +280,10 @@ mod tests {
             "--no-apply",
             "--memory",
             "2048",
+            "--secret",
+            "API_KEY",
+            "--secret",
+            "OTHER",
         ])
         .unwrap();
         let crate::cli::Command::Mcp(a) = cli.command else {
@@ -268,7 +294,18 @@ mod tests {
         };
         assert!(i.global && i.project.is_none());
         let f = FixedArgs::from(i.fixed);
-        assert_eq!(f.to_flags(), ["--memory", "2048", "--no-apply"]);
+        assert_eq!(
+            f.to_flags(),
+            [
+                "--memory",
+                "2048",
+                "--secret",
+                "API_KEY",
+                "--secret",
+                "OTHER",
+                "--no-apply"
+            ]
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod net;
 mod pause;
 mod pull;
 mod rm;
+mod secret;
 mod snapshot;
 mod sync;
 mod template;
@@ -117,6 +118,10 @@ pub enum Command {
     /// requests, approve, reject, setup).
     #[command(subcommand)]
     Net(net::Cmd),
+    /// The host's secrets (set, ls, rm): values stay on the host; sandboxes given one
+    /// (`create --secret NAME`) see only a placeholder.
+    #[command(subcommand)]
+    Secret(secret::Cmd),
     /// Print an exec's kept output (stdout and stderr).
     Logs(logs::Args),
     /// List templates (`base` and the layers built by `cargo xtask images`).
@@ -206,6 +211,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Template(c) => runtime()?.block_on(template::run(c)),
         Command::Gc(a) => runtime()?.block_on(gc::run(a)),
         Command::Net(c) => runtime()?.block_on(net::run(c)),
+        Command::Secret(c) => runtime()?.block_on(secret::run(c)),
     }
 }
 

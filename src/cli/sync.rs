@@ -39,5 +39,11 @@ pub async fn run(a: Args) -> Result<(), TopError> {
     for s in &r.secrets_skipped {
         eprintln!("secret not synced: {s} (allow it with sync.allow_secrets)");
     }
+    for s in &r.secret_values_skipped {
+        eprintln!(
+            "not synced: {} holds the value of the stored secret {}",
+            s.path, s.secret
+        );
+    }
     Ok(())
 }

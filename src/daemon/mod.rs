@@ -152,6 +152,12 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         artifacts,
         exporter,
     ));
+    if let Some(why) = svc.secret_store.broken() {
+        return Err(DaemonError::Setup(format!(
+            "{why}. Fix or move aside {} (it holds your secrets) and start again",
+            svc.secret_store.path().display()
+        )));
+    }
     svc.recover().await;
     // Memory pressure watcher: pauses the idlest sandboxes to disk.
     crate::service::pressure::spawn(

@@ -62,6 +62,11 @@ pub enum Action {
     NetworkSetup(String, api::NetworkSetupRequest),
     RequestAccess(String, api::AccessRequestCreate),
     ListAccessRequests(String),
+    /// `PUT /v1/secrets/{name}`: the only request that carries a value.
+    SetSecret(String, api::SetSecretRequest),
+    ListSecrets,
+    RemoveSecret(String),
+    AddSandboxSecret(String, api::AddSandboxSecret),
     /// Approve (`true`) or reject a request; `face` is the caller's `x-tryboxi-face` header.
     DecideAccess {
         id: String,
@@ -119,6 +124,10 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/templates"),
     ("POST", "/v1/gc"),
     ("GET", "/v1/sandboxes/{id}/network"),
+    ("PUT", "/v1/secrets/{name}"),
+    ("GET", "/v1/secrets"),
+    ("DELETE", "/v1/secrets/{name}"),
+    ("POST", "/v1/sandboxes/{id}/secrets"),
     ("POST", "/v1/sandboxes/{id}/network/rules"),
     ("POST", "/v1/sandboxes/{id}/network/setup"),
     ("GET", "/v1/sandboxes/{id}/network/requests"),
@@ -355,6 +364,17 @@ pub fn parse(
             path: one(&q, "path")?,
             body: json(body)?,
         }),
+        (&Method::PUT, ["v1", "secrets", name]) => {
+            Ok(Action::SetSecret(secret_name(name)?, secret_json(body)?))
+        }
+        (&Method::GET, ["v1", "secrets"]) => Ok(Action::ListSecrets),
+        (&Method::DELETE, ["v1", "secrets", name]) => Ok(Action::RemoveSecret(secret_name(name)?)),
+        (&Method::POST, ["v1", "sandboxes", id, "secrets"]) => {
+            Ok(Action::AddSandboxSecret(sandbox_id(id)?, json(body)?))
+        }
+        (_, ["v1", "secrets"]) | (_, ["v1", "secrets", _]) => {
+            Err(ApiError::method_not_allowed(method))
+        }
         (&Method::GET, ["v1", "templates"]) => Ok(Action::ListTemplates),
         (&Method::POST, ["v1", "gc"]) => Ok(Action::Gc(json_or_default(body)?)),
         (&Method::GET, ["v1", "sandboxes", id, "network"]) => {
@@ -394,7 +414,7 @@ pub fn parse(
                 "sandboxes",
                 _,
                 "exec" | "sync" | "diff" | "apply" | "pull" | "files" | "snapshots" | "restore"
-                | "fork" | "pause" | "resume",
+                | "fork" | "pause" | "resume" | "secrets",
             ],
         ) => Err(ApiError::method_not_allowed(method)),
         _ => Err(ApiError::not_found(format!("no such API route: {path}"))),
@@ -407,6 +427,27 @@ fn json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     }
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("malformed JSON body: {e}")))
+}
+
+/// The body of a secret's set: serde's own error text is not used, as it may quote a piece
+/// of the body (a value sent as a number, say); only where the body is wrong.
+fn secret_json(body: &[u8]) -> Result<api::SetSecretRequest, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::bad_request("the request needs a JSON body"));
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!(
+            "malformed secret body at line {} column {}: give {{\"value\": string, \"hosts\":              [string], \"headers\": [string], \"in_body\": bool}}",
+            e.line(),
+            e.column()
+        ))
+    })
+}
+
+/// A secret's name in a path: `[A-Z_][A-Z0-9_]{0,63}` (400 otherwise).
+fn secret_name(name: &str) -> Result<String, ApiError> {
+    crate::secrets::store::check_name(name).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    Ok(name.to_owned())
 }
 
 /// An optional JSON body (empty = the type's default).
@@ -549,6 +590,7 @@ mod tests {
                 p.replace("{id}", &id)
                     .replace("{art_id}", &art)
                     .replace("{req_id}", &crate::ids::new_id(crate::ids::REQUEST))
+                    .replace("{name}", "API_KEY")
             };
             if p.ends_with("/files") {
                 path.push_str("?path=/workspace/a");
@@ -566,6 +608,8 @@ mod tests {
                     br#"{"cmd":"npm ci","policy":["registries"]}"#
                 }
                 ("POST", p) if p.ends_with("/network/requests") => br#"{"host":"example.com"}"#,
+                ("POST", p) if p.ends_with("/secrets") => br#"{"name":"API_KEY"}"#,
+                ("PUT", "/v1/secrets/{name}") => br#"{"value":"v","hosts":["a.io"]}"#,
                 ("PUT", _) => br#"{"path":"/workspace/a","content":"x"}"#,
                 _ => b"",
             };
@@ -634,6 +678,40 @@ mod tests {
         ));
         let e = parse_nd(&Method::POST, art, br#"{"forse":true}"#).unwrap_err();
         assert_eq!(e.status, 400);
+    }
+
+    #[test]
+    fn a_secret_body_error_never_quotes_the_body() {
+        let e = parse_nd(
+            &Method::PUT,
+            "/v1/secrets/API_KEY",
+            br#"{"value": 123456789987654321, "hosts": ["a.io"]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(!e.message.contains("123456789987654321"), "{}", e.message);
+        let e = parse_nd(
+            &Method::PUT,
+            "/v1/secrets/API_KEY",
+            br#"{"value": "sk-abcdefgh", "hosts": "sk-abcdefgh"}"#,
+        )
+        .unwrap_err();
+        assert!(!e.message.contains("sk-abc"), "{}", e.message);
+        let e = parse_nd(
+            &Method::PUT,
+            "/v1/secrets/lower",
+            br#"{"value":"x","hosts":[]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.status, 400);
+        assert_eq!(
+            parse_nd(&Method::POST, "/v1/secrets", b"")
+                .unwrap_err()
+                .status,
+            405
+        );
+        let a = parse_nd(&Method::DELETE, "/v1/secrets/API_KEY", b"").unwrap();
+        assert!(matches!(a, Action::RemoveSecret(ref n) if n == "API_KEY"));
     }
 
     #[test]

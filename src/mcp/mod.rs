@@ -44,6 +44,9 @@ pub struct Options {
     /// Network policy for new sandboxes (presets and allow rules, comma-separated); sent with
     /// every create. `None`: the daemon's default.
     pub network: Option<String>,
+    /// Stored secrets (by name) every sandbox this server creates gets as placeholders
+    /// (`--secret`, set by the user; the model cannot name or change them).
+    pub secrets: Vec<String>,
     /// Whether the agent may change host files (`apply`, `pull`, `undo`). Off: those tools are
     /// not listed and refuse when called.
     pub allow_apply: bool,
@@ -63,6 +66,7 @@ impl Options {
             vcpus: None,
             memory_mib: None,
             network: None,
+            secrets: Vec::new(),
             allow_apply: true,
             exec_timeout_s: 600.0,
         }

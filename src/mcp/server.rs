@@ -404,6 +404,7 @@ impl SandboxServer {
             network: o.network.as_ref().map(|n| api::NetworkSpec {
                 policy: n.split(',').map(|s| s.trim().to_owned()).collect(),
             }),
+            secrets: o.secrets.clone(),
         };
         tracing::info!(workspace = %ws.display(), "creating a sandbox");
         let s = self

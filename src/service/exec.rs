@@ -42,8 +42,16 @@ impl Service {
     ) -> Result<mpsc::Receiver<api::ExecEvent>, ServiceError> {
         // The lifecycle lock is held until the command has started (resume on use, sync);
         // the command's output stream then holds only the VM (a remove ends it with `vm_lost`).
+        let mut wire = to_wire(&req, self.config.exec_timeout_s)?;
+        // No stored value enters a VM: not in the command, the env or stdin.
+        self.refuse_exec_values(id, &wire)?;
         let (life, rec, vm) = self.ready_vm(id).await?;
-        let wire = to_wire(&req, self.config.exec_timeout_s)?;
+        // Every exec sees the sandbox's secrets as `NAME=<placeholder>` (read now: a secret
+        // added to the running sandbox shows up in the next exec). The caller's own env comes
+        // after and wins.
+        let mut env = self.secret_env(id);
+        env.append(&mut wire.env);
+        wire.env = env;
         // The VM sees the host repo as it is now (one-way delta sync).
         self.sync_before_exec(&rec, &vm, &req.sync_exclude).await?;
         let exec_id = ids::new_id(ids::EXEC);

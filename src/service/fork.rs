@@ -185,6 +185,8 @@ impl Service {
         let res = async {
             let spec = self.spec_of(&rec)?;
             self.copy_network(&parent.api.id, &id)?;
+            // Fresh placeholders: the parent's do not work in the child.
+            self.fork_secrets(&parent.api.id, &id)?;
             self.ensure_network(&id, &dir)?;
             let vm = self.start_clone(&spec, cp, true).await?;
             if let Ok(m) = Base::new(saved_base.to_owned()).load() {

@@ -19,6 +19,7 @@ mod pool;
 pub mod pressure;
 mod sandboxes;
 pub mod scheduler;
+mod secrets;
 mod snapshots;
 pub mod templates;
 mod vms;
@@ -166,6 +167,10 @@ pub struct Service {
     pub manifests: Arc<crate::workspace::manifest::ManifestCache>,
     /// Each sandbox's userspace network stack (`network.rs`).
     pub nets: network::Nets,
+    /// The host's stored secrets (`<data root>/secrets.json`; values never leave the host).
+    pub secret_store: crate::secrets::store::SecretStore,
+    /// Each sandbox's live secrets (bindings with values), read by the egress interceptor.
+    pub secrets: crate::secrets::Registry,
 }
 
 impl Service {
@@ -195,7 +200,13 @@ impl Service {
             limits.max_queue,
         );
         let networks = netpolicy::Networks::new(&config.network, telemetry.clone());
+        let secret_store = crate::secrets::store::SecretStore::open(&paths.secrets_file());
+        if let Some(why) = secret_store.broken() {
+            tracing::error!(error = %why, "the secret store cannot be read");
+        }
         Service {
+            secret_store,
+            secrets: Default::default(),
             ledger,
             networks,
             paths,

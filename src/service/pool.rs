@@ -226,7 +226,7 @@ impl Service {
         (vcpus, memory_mib, accel): (u32, u32, crate::vmm::Accel),
         workspace: &Path,
         exclude: &[String],
-        net_policy: &crate::network::policy::Policy,
+        (net_policy, secrets): (&crate::network::policy::Policy, &[String]),
     ) -> Option<Result<api::Sandbox, ServiceError>> {
         if !self.config.pool.golden || self.config.pool.size == 0 {
             return None;
@@ -275,6 +275,7 @@ impl Service {
         // now, with this sandbox's policy.
         if let Err(e) = self
             .init_network(&id, net_policy.clone())
+            .and_then(|()| self.init_secrets(&id, secrets))
             .and_then(|()| self.ensure_network(&id, &rec.dir))
         {
             self.discard(&id, &rec.dir).await;

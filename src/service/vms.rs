@@ -136,6 +136,7 @@ impl Service {
         let (vcpus, memory_mib, workspace) = self.validate_create(&req, caller_uid).await?;
         self.check_exclude(&req.workspace.exclude)?;
         let net_policy = self.validate_network(req.network.as_ref())?;
+        self.check_secret_names(&req.secrets)?;
         let need = Resources::new(vcpus, memory_mib as u64);
         // A nearly full data root: refused before anything is made (507 `no_space`).
         self.ensure_create_room()?;
@@ -155,7 +156,7 @@ impl Service {
                 (vcpus, memory_mib, accel),
                 &workspace,
                 &req.workspace.exclude,
-                &net_policy,
+                (&net_policy, &req.secrets),
             )
             .await
         {
@@ -179,6 +180,7 @@ impl Service {
         );
         self.store.put(SANDBOXES, &id, &rec)?;
         self.init_network(&id, net_policy)?;
+        self.init_secrets(&id, &req.secrets)?;
         self.telemetry.sandbox_created(&rec.api, t0);
         let spec = VmSpec {
             id: id.clone(),
@@ -373,6 +375,7 @@ impl Service {
         self.forget_snapshots(id);
         self.life.forget(id);
         self.forget_network(id);
+        self.forget_secrets(id);
         self.telemetry.sandbox_removed(id);
     }
 
@@ -410,6 +413,8 @@ impl Service {
     /// Daemon start: reattach to VMs that outlived the previous daemon, fail the ones that did
     /// not, finish interrupted removes, and delete VM directories that have no record.
     pub async fn recover(self: &Arc<Self>) {
+        // The interceptor and every exec read the published secrets.
+        self.publish_all_secrets();
         let recs: Vec<SandboxRecord> = match self.store.list(SANDBOXES) {
             Ok(r) => r,
             Err(e) => {

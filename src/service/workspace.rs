@@ -204,8 +204,9 @@ impl Service {
         let r2 = root.clone();
         let first = old.entries.is_empty();
         let max_sync = self.config.sync.max_sync_mib.saturating_mul(1024 * 1024);
+        let values = self.secret_store.scanner();
         let (mut delta, secrets) = blocking(move || {
-            let d = sync::compute_keeping(&r2, &scan, &old, &vm_changed, &skip, max_sync)?;
+            let d = sync::compute_keeping(&r2, &scan, &old, &vm_changed, &skip, max_sync, &values)?;
             Ok((d, scan.secrets_skipped))
         })
         .await?;
@@ -257,10 +258,22 @@ impl Service {
             deleted: delta.delete.len() as u64,
             unchanged: delta.unchanged,
             secrets_skipped: secrets,
+            secret_values_skipped: delta
+                .secret_values_skipped
+                .iter()
+                .map(|(path, secret)| api::SecretValueSkipped {
+                    path: path.clone(),
+                    secret: secret.clone(),
+                })
+                .collect(),
             kept_vm_changes: delta.kept_vm_changes.clone(),
             via,
             duration_ms: started.elapsed().as_millis() as u64,
         };
+        for s in &report.secret_values_skipped {
+            tracing::warn!(sandbox = %rec.api.id, path = %s.path, secret = %s.secret,
+                "not synced: the file holds a stored secret's value");
+        }
         tracing::info!(sandbox = %rec.api.id, files = report.files_sent, bytes = report.bytes_sent,
             deleted = report.deleted, scan_ms, load_ms, compute_ms, send_ms, save_ms, via = ?report.via, ms = report.duration_ms, "workspace synced");
         Ok(report)
@@ -877,6 +890,7 @@ impl Service {
             (None, Some(b)) => api::b64::decode(b).map_err(ServiceError::BadRequest)?,
             (None, None) => Vec::new(),
         };
+        self.refuse_values(id, "file written through the API", &data)?;
         let mode = body.mode.unwrap_or(0o644);
         if mode > 0o7777 {
             return Err(ServiceError::BadRequest(format!(

@@ -32,6 +32,9 @@ pub struct Delta {
     pub files_sent: u64,
     pub bytes_sent: u64,
     pub unchanged: u64,
+    /// Files left out because they hold a stored secret's value: (path, secret name). The
+    /// VM and the base keep what they had there.
+    pub secret_values_skipped: Vec<(String, String)>,
 }
 
 /// Read a host file as it goes into the VM (git config files sanitized: see
@@ -162,6 +165,7 @@ pub fn compute(
         &HashSet::new(),
         &Skip::default(),
         u64::MAX,
+        &crate::secrets::scan::Scanner::default(),
     )
 }
 
@@ -218,6 +222,9 @@ pub fn overwrite_candidates(scan: &Scan, old: &Manifest) -> Vec<String> {
 /// is expected to have left them out.
 /// At most `max_bytes` of file content is read (`sync.max_sync_mib`): over it, by the scan's
 /// sizes, [`WorkspaceError::TooBig`] before any file is read.
+/// A file holding a value `values` finds (a stored secret, or an encoding of it) is not sent:
+/// listed in [`Delta::secret_values_skipped`], the VM and the base keep what they had.
+#[allow(clippy::too_many_arguments)]
 pub fn compute_keeping(
     root: &Path,
     scan: &Scan,
@@ -225,7 +232,9 @@ pub fn compute_keeping(
     vm_changed: &HashSet<String>,
     skip: &Skip,
     max_bytes: u64,
+    values: &crate::secrets::scan::Scanner,
 ) -> Result<Delta, WorkspaceError> {
+    let mut secret_values_skipped = Vec::new();
     let mut kept_vm_changes = Vec::new();
     let mut pack_index = Vec::new();
     // Built in path order, so the map is bulk-built at the end.
@@ -346,6 +355,13 @@ pub fn compute_keeping(
                 let Some((data, sha)) = read? else {
                     continue;
                 };
+                if let Some(name) = values.find(&data) {
+                    secret_values_skipped.push((rel.clone(), name.to_owned()));
+                    if let Some(p) = prev {
+                        out.push((rel.clone(), p.clone()));
+                    }
+                    continue;
+                }
                 let mut e = Entry::file(h.mode, h.size, h.mtime_ns, sha.clone());
                 e.guest_size = data.len() as u64;
                 if let Some(p) =
@@ -399,6 +415,7 @@ pub fn compute_keeping(
         files_sent,
         bytes_sent,
         unchanged,
+        secret_values_skipped,
     })
 }
 
@@ -517,11 +534,67 @@ mod tests {
             ["a.txt", "b.txt"]
         );
         let vm = HashSet::from(["a.txt".to_string()]);
-        let d =
-            compute_keeping(root, &s, &first.manifest, &vm, &Skip::default(), u64::MAX).unwrap();
+        let d = compute_keeping(
+            root,
+            &s,
+            &first.manifest,
+            &vm,
+            &Skip::default(),
+            u64::MAX,
+            &Default::default(),
+        )
+        .unwrap();
         assert_eq!(names(&d.archive), ["b.txt"]);
         assert_eq!(d.kept_vm_changes, ["a.txt"]);
         assert_eq!(d.manifest.entries["a.txt"], first.manifest.entries["a.txt"]);
+    }
+
+    #[test]
+    fn a_file_holding_a_stored_value_is_left_out_and_listed() {
+        use crate::secrets::{Value, scan::Scanner};
+        let repo = tempfile::tempdir().unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let root = repo.path();
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let base = Base::new(data.path().join("ws"));
+        write(root, "config.js", "key = 'none'");
+        write(root, "ok.txt", "fine");
+        let first = compute(root, &scan(root, &rules).unwrap(), &base).unwrap();
+        base.save(&first.manifest).unwrap();
+        let values =
+            Scanner::new(&[("API_KEY".into(), Value::new(b"sk-live-0123456789".to_vec()))]);
+        // Changed to hold the value (base64 of it), and a new file holding it raw.
+        let b64 = crate::api::b64::encode(b"sk-live-0123456789");
+        write(root, "config.js", &format!("key = atob('{b64}')"));
+        write(root, "notes/new.txt", "token sk-live-0123456789\n");
+        write(root, "ok.txt", "still fine");
+        let s = scan(root, &rules).unwrap();
+        let d = compute_keeping(
+            root,
+            &s,
+            &first.manifest,
+            &HashSet::new(),
+            &Skip::default(),
+            u64::MAX,
+            &values,
+        )
+        .unwrap();
+        assert_eq!(names(&d.archive), ["notes", "ok.txt"]);
+        let mut skipped = d.secret_values_skipped.clone();
+        skipped.sort();
+        assert_eq!(
+            skipped,
+            [
+                ("config.js".to_owned(), "API_KEY".to_owned()),
+                ("notes/new.txt".to_owned(), "API_KEY".to_owned())
+            ]
+        );
+        // The base keeps what the VM has: the old config.js, no notes/new.txt.
+        assert_eq!(
+            d.manifest.entries["config.js"],
+            first.manifest.entries["config.js"]
+        );
+        assert!(!d.manifest.entries.contains_key("notes/new.txt"));
     }
 
     #[test]
@@ -541,8 +614,16 @@ mod tests {
         let skip = Skip::new(&["big".into()]).unwrap();
         let scan_rules = rules.with_exclude(&["big".into()]).unwrap();
         let s = scan(root, &scan_rules).unwrap();
-        let d =
-            compute_keeping(root, &s, &first.manifest, &HashSet::new(), &skip, u64::MAX).unwrap();
+        let d = compute_keeping(
+            root,
+            &s,
+            &first.manifest,
+            &HashSet::new(),
+            &skip,
+            u64::MAX,
+            &Default::default(),
+        )
+        .unwrap();
         assert_eq!(names(&d.archive), ["src/x.txt"]);
         assert!(d.delete.is_empty(), "{:?}", d.delete);
         for p in ["big", "big/a.bin"] {
@@ -616,9 +697,17 @@ mod tests {
         let s = scan(root, &rules).unwrap();
         let old = Base::new(data.path().join("ws")).load().unwrap();
         let t = std::time::Instant::now();
-        let e = compute_keeping(root, &s, &old, &HashSet::new(), &Skip::default(), 1 << 20)
-            .err()
-            .expect("refused");
+        let e = compute_keeping(
+            root,
+            &s,
+            &old,
+            &HashSet::new(),
+            &Skip::default(),
+            1 << 20,
+            &Default::default(),
+        )
+        .err()
+        .expect("refused");
         assert!(matches!(e, WorkspaceError::TooBig(_)), "{e}");
         let m = e.to_string();
         assert!(
@@ -629,7 +718,16 @@ mod tests {
         // Under the cap it goes through.
         std::fs::remove_file(root.join("huge.bin")).unwrap();
         let s = scan(root, &rules).unwrap();
-        compute_keeping(root, &s, &old, &HashSet::new(), &Skip::default(), 1 << 20).unwrap();
+        compute_keeping(
+            root,
+            &s,
+            &old,
+            &HashSet::new(),
+            &Skip::default(),
+            1 << 20,
+            &Default::default(),
+        )
+        .unwrap();
     }
 
     #[test]
@@ -652,7 +750,15 @@ mod tests {
         // On a thread: a read that opens the FIFO waits for a writer forever.
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            let d = compute_keeping(&root, &s, &old, &HashSet::new(), &Skip::default(), 1 << 20);
+            let d = compute_keeping(
+                &root,
+                &s,
+                &old,
+                &HashSet::new(),
+                &Skip::default(),
+                1 << 20,
+                &Default::default(),
+            );
             let _ = tx.send(d.map(|d| (names(&d.archive), d.manifest)));
         });
         let (names, manifest) = rx

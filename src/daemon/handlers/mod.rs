@@ -10,6 +10,7 @@ mod lifecycle;
 mod metrics;
 mod network;
 mod sandboxes;
+mod secrets;
 mod snapshots;
 mod templates;
 mod traces;
@@ -58,6 +59,10 @@ pub async fn handle(
         Action::Undo(art, req) => workspace::undo(svc, &art, req).await,
         Action::ReadFile { id, path } => workspace::read_file(svc, &id, &path).await,
         Action::WriteFile { id, path, body } => workspace::write_file(svc, &id, &path, body).await,
+        Action::SetSecret(name, req) => secrets::set(svc, &name, req).await,
+        Action::ListSecrets => secrets::list(svc),
+        Action::RemoveSecret(name) => secrets::remove(svc, &name),
+        Action::AddSandboxSecret(id, req) => secrets::add_to_sandbox(svc, &id, req),
         Action::ListTemplates => templates::list(svc),
         Action::Gc(req) => gc::gc(svc, req).await,
         Action::GetNetwork(id) => network::get(svc, &id),
