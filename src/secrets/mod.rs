@@ -10,6 +10,8 @@
 //! This file holds only the shared types; the store, the placeholder minting, the scanners and
 //! the interceptor live in their own modules.
 
+pub mod git;
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
@@ -166,7 +168,10 @@ mod tests {
     #[test]
     fn hosts_match_in_any_case_and_are_listed_once() {
         let s = Snapshot {
-            bindings: vec![b("A", &["API.example.com"]), b("B", &["api.example.com", "x.io"])],
+            bindings: vec![
+                b("A", &["API.example.com"]),
+                b("B", &["api.example.com", "x.io"]),
+            ],
             git: vec![GitGrant {
                 repo: "github.com/o/r".into(),
                 push: vec![],
