@@ -408,3 +408,37 @@ fn graphql_bodies_are_read_whole_or_refused() {
     ));
     assert!(check_graphql(&huge).is_err());
 }
+
+#[test]
+fn the_injected_screener_holds_the_grants_patterns() {
+    let s = snap();
+    let Verdict::Inject {
+        push: Some(mut screener),
+        ..
+    } = classify(&s, &req("POST", "github.com", "/o/r/git-receive-pack", &[]))
+    else {
+        panic!("no screener");
+    };
+    let z = "0".repeat(40);
+    let a = "a".repeat(40);
+    let mut body = pktline::pkt(format!("{z} {a} refs/heads/main\0 report-status").as_bytes());
+    body.extend(b"0000");
+    match screener.feed(&body) {
+        Screen::Refuse(r) => assert_eq!(
+            r.message,
+            "tryboxi: push to main is not allowed; allowed: agent/*"
+        ),
+        other => panic!("{other:?}"),
+    }
+    // HEAD of the ref advertisement is a git request too.
+    let v = classify(
+        &s,
+        &req(
+            "HEAD",
+            "github.com",
+            "/o/r/info/refs?service=git-upload-pack",
+            &[],
+        ),
+    );
+    assert!(matches!(v, Verdict::Inject { push: None, .. }), "{v:?}");
+}
