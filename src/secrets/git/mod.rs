@@ -20,6 +20,8 @@
 //!     `refusal.message` + `\n` as the body (git prints it as `remote: ...`); emit an event.
 //! - [`RequestHead::secrets`] is the interceptor's input about credentials: the names of the
 //!   secrets whose placeholders the request carries in authorization positions.
+//! - An injected request carried the token: its response is scrubbed like any other (a
+//!   pack would break only if it held the token uncompressed, which is the safe failure).
 //!
 //! # Rules
 //! - Only the granted repositories get the token; on a grant's host the token's placeholder is
