@@ -10,6 +10,7 @@
 //! This file holds only the shared types; the store, the placeholder minting, the scanners and
 //! the interceptor live in their own modules.
 
+pub mod git;
 pub mod placeholder;
 pub mod scan;
 pub mod store;
