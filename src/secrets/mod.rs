@@ -166,7 +166,10 @@ mod tests {
     #[test]
     fn hosts_match_in_any_case_and_are_listed_once() {
         let s = Snapshot {
-            bindings: vec![b("A", &["API.example.com"]), b("B", &["api.example.com", "x.io"])],
+            bindings: vec![
+                b("A", &["API.example.com"]),
+                b("B", &["api.example.com", "x.io"]),
+            ],
             git: vec![GitGrant {
                 repo: "github.com/o/r".into(),
                 push: vec![],
