@@ -166,6 +166,8 @@ pub struct Service {
     pub manifests: Arc<crate::workspace::manifest::ManifestCache>,
     /// Each sandbox's userspace network stack (`network.rs`).
     pub nets: network::Nets,
+    /// Each sandbox's live secrets (the interceptor reads them per flow).
+    pub secrets: crate::secrets::Registry,
 }
 
 impl Service {
@@ -209,6 +211,7 @@ impl Service {
             walks: Default::default(),
             manifests: Default::default(),
             nets: Default::default(),
+            secrets: Default::default(),
         }
     }
 

@@ -98,11 +98,15 @@ fn ca_params(hosts: &BTreeSet<String>, not_before: OffsetDateTime) -> Certificat
     p.distinguished_name = dn;
     p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    // No hosts yet: permit only the reserved `invalid` TLD (an empty list would drop the
+    // extension and leave the CA unconstrained).
+    let permitted: Vec<String> = if hosts.is_empty() {
+        vec!["invalid".into()]
+    } else {
+        hosts.iter().cloned().collect()
+    };
     p.name_constraints = Some(NameConstraints {
-        permitted_subtrees: hosts
-            .iter()
-            .map(|h| GeneralSubtree::DnsName(h.clone()))
-            .collect(),
+        permitted_subtrees: permitted.into_iter().map(GeneralSubtree::DnsName).collect(),
         excluded_subtrees: vec![],
     });
     p.not_before = not_before;
@@ -345,6 +349,10 @@ mod tests {
         assert_eq!(l1.chain[0], l2.chain[0]);
         assert_eq!(l1.chain.len(), 2);
         assert!(SandboxCa::load_or_create(d.path(), &["1.2.3.4".into()]).is_err());
+        // A CA minted before any secret exists covers nothing.
+        let e = tempfile::tempdir().unwrap();
+        let none = SandboxCa::load_or_create(e.path(), &[]).unwrap();
+        assert!(!none.covers("api.example.com") && none.hosts().is_empty());
     }
 
     #[test]

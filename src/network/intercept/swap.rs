@@ -180,6 +180,20 @@ where
     None
 }
 
+/// [`find_blocked`] over the head of a plaintext HTTP/1 request (`None` if it does not parse:
+/// the sniffer has refused such a flow already).
+pub fn find_blocked_in_http1(bytes: &[u8], snap: &Snapshot, host: &str) -> Option<Blocked> {
+    if snap.bindings.is_empty() {
+        return None;
+    }
+    let mut headers = [httparse::EMPTY_HEADER; 96];
+    let mut req = httparse::Request::new(&mut headers);
+    req.parse(bytes).ok()?;
+    let query = req.path.and_then(|p| p.split_once('?')).map(|(_, q)| q);
+    let hs = req.headers.iter().map(|h| (h.name, h.value));
+    find_blocked(snap, host, hs, query)
+}
+
 /// The first secret placeholder in a DNS name asked for (labels, any case).
 pub fn find_in_dns_name(snap: &Snapshot, name: &str) -> Option<Blocked> {
     snap.bindings
@@ -396,5 +410,11 @@ mod tests {
         assert!(find_blocked(&s, "evil.test", body_like.iter().copied(), None).is_none());
         assert!(find_in_dns_name(&s, &format!("{PH}.evil.test")).is_some());
         assert!(find_in_dns_name(&s, "evil.test").is_none());
+        let head = format!("GET /?k={PH} HTTP/1.1\r\nHost: evil.test\r\n\r\n");
+        let b = find_blocked_in_http1(head.as_bytes(), &s, "evil.test").unwrap();
+        assert_eq!(b.position, "query");
+        let head = format!("GET / HTTP/1.1\r\nHost: x\r\nX-Api-Key: {PH}\r\n\r\n");
+        assert!(find_blocked_in_http1(head.as_bytes(), &s, "evil.test").is_some());
+        assert!(find_blocked_in_http1(head.as_bytes(), &s, "api.test").is_none());
     }
 }
