@@ -240,6 +240,11 @@ impl Service {
     /// A fork child starts with its parent's policy (pending requests stay with the parent).
     pub fn copy_network(&self, from: &str, to: &str) -> Result<(), ServiceError> {
         let policy = self.network_record(from)?.policy;
+        // The child's guest bundle holds the parent's interception CA: keep it valid.
+        let (a, b) = (self.paths.sandbox_dir(from), self.paths.sandbox_dir(to));
+        if let Err(e) = crate::network::intercept::SandboxCa::copy_files(&a, &b) {
+            tracing::warn!(from, to, error = %e, "cannot copy the interception CA to the fork");
+        }
         self.init_network(to, policy)
     }
 

@@ -46,6 +46,8 @@ pub enum CaError {
     Corrupt(PathBuf),
     #[error("{0} is not a DNS name a certificate can be issued for")]
     BadHost(String),
+    #[error("the interception CA does not cover {0}")]
+    NotCovered(String),
     #[error("more than {MAX_HOSTS} intercepted hosts")]
     TooManyHosts,
 }
@@ -81,7 +83,8 @@ struct State {
 /// One sandbox's interception CA. Cheap to share (`Arc`); all methods take `&self`.
 pub struct SandboxCa {
     dir: PathBuf,
-    state: Mutex<State>,
+    /// `None` until there is a host to cover (nothing is minted or written before).
+    state: Mutex<Option<State>>,
 }
 
 impl std::fmt::Debug for SandboxCa {
@@ -134,22 +137,48 @@ fn check_host(h: &str) -> Result<String, CaError> {
 
 impl SandboxCa {
     /// Load the CA stored in `dir`, or mint one; re-issue its certificate if `hosts` holds a
-    /// host it does not cover yet.
+    /// host it does not cover yet. With no stored CA and no hosts nothing is minted yet: the
+    /// first [`SandboxCa::ensure`] with a host does it.
     pub fn load_or_create(dir: &Path, hosts: &[String]) -> Result<Arc<SandboxCa>, CaError> {
+        let state = if hosts.is_empty() && !dir.join(KEY_FILE).exists() {
+            None
+        } else {
+            Some(Self::build(dir, hosts)?)
+        };
         Ok(Arc::new(SandboxCa {
             dir: dir.to_owned(),
-            state: Mutex::new(Self::build(dir, hosts)?),
+            state: Mutex::new(state),
         }))
     }
 
     /// Make the certificate cover `hosts` too (re-issued and stored if it grows).
     pub fn ensure(&self, hosts: &[String]) -> Result<(), CaError> {
         let mut st = self.lock();
-        let missing = hosts
-            .iter()
-            .any(|h| !st.hosts.contains(&h.to_ascii_lowercase()));
+        let missing = match st.as_ref() {
+            Some(s) => hosts
+                .iter()
+                .any(|h| !s.hosts.contains(&h.to_ascii_lowercase())),
+            None => !hosts.is_empty(),
+        };
         if missing {
-            *st = Self::build(&self.dir, hosts)?;
+            *st = Some(Self::build(&self.dir, hosts)?);
+        }
+        Ok(())
+    }
+
+    /// Copy a stored CA from one sandbox directory to another (a fork keeps trusting it).
+    pub fn copy_files(from: &Path, to: &Path) -> Result<(), CaError> {
+        if !from.join(KEY_FILE).exists() {
+            return Ok(());
+        }
+        for (name, mode) in [(KEY_FILE, 0o600), (CERT_FILE, 0o644), (HOSTS_FILE, 0o644)] {
+            let src = from.join(name);
+            let bytes = std::fs::read(&src).map_err(|source| CaError::Io {
+                what: "read",
+                path: src,
+                source,
+            })?;
+            write_file(&to.join(name), &bytes, mode)?;
         }
         Ok(())
     }
@@ -233,30 +262,32 @@ impl SandboxCa {
         })
     }
 
-    /// The CA certificate (PEM) for the guest's trust bundle.
-    pub fn cert_pem(&self) -> String {
-        self.lock().cert_pem.clone()
+    /// The CA certificate (PEM) for the guest's trust bundle (`None`: none minted yet).
+    pub fn cert_pem(&self) -> Option<String> {
+        self.lock().as_ref().map(|s| s.cert_pem.clone())
     }
 
-    pub fn cert_der(&self) -> CertificateDer<'static> {
-        self.lock().cert_der.clone()
+    pub fn cert_der(&self) -> Option<CertificateDer<'static>> {
+        self.lock().as_ref().map(|s| s.cert_der.clone())
     }
 
     /// Hosts the certificate's name constraints permit.
     pub fn hosts(&self) -> Vec<String> {
-        self.lock().hosts.iter().cloned().collect()
+        self.lock()
+            .as_ref()
+            .map(|s| s.hosts.iter().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// Whether the certificate covers `host` (a leaf for it would validate in the guest).
     pub fn covers(&self, host: &str) -> bool {
-        let st = self.lock();
         let h = host.to_ascii_lowercase();
-        st.hosts
+        self.hosts()
             .iter()
             .any(|c| h == *c || h.ends_with(&format!(".{c}")))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<State>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -264,7 +295,10 @@ impl SandboxCa {
     pub fn leaf(&self, host: &str) -> Result<Leaf, CaError> {
         let host = check_host(host)?;
         let now = OffsetDateTime::now_utc();
-        let mut st = self.lock();
+        let mut guard = self.lock();
+        let Some(st) = guard.as_mut() else {
+            return Err(CaError::NotCovered(host));
+        };
         if let Some(l) = st.leaves.get(&host)
             && now - l.issued < Duration::days(LEAF_DAYS / 2)
         {
@@ -349,10 +383,18 @@ mod tests {
         assert_eq!(l1.chain[0], l2.chain[0]);
         assert_eq!(l1.chain.len(), 2);
         assert!(SandboxCa::load_or_create(d.path(), &["1.2.3.4".into()]).is_err());
-        // A CA minted before any secret exists covers nothing.
+        // No host yet: nothing minted, nothing written; the first host mints it.
         let e = tempfile::tempdir().unwrap();
         let none = SandboxCa::load_or_create(e.path(), &[]).unwrap();
-        assert!(!none.covers("api.example.com") && none.hosts().is_empty());
+        assert!(none.cert_pem().is_none() && none.leaf("a.test").is_err());
+        assert!(!e.path().join(KEY_FILE).exists());
+        none.ensure(&["a.test".into()]).unwrap();
+        assert!(none.covers("a.test") && none.leaf("a.test").is_ok());
+        // A fork's copy is the same CA.
+        let f = tempfile::tempdir().unwrap();
+        SandboxCa::copy_files(e.path(), f.path()).unwrap();
+        let copy = SandboxCa::load_or_create(f.path(), &["a.test".into()]).unwrap();
+        assert_eq!(copy.cert_pem(), none.cert_pem());
     }
 
     #[test]
@@ -360,7 +402,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let ca = SandboxCa::load_or_create(d.path(), &["api.example.com".into()]).unwrap();
         let mut roots = rustls::RootCertStore::empty();
-        roots.add(ca.cert_der()).unwrap();
+        roots.add(ca.cert_der().unwrap()).unwrap();
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let verifier =
             rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider)

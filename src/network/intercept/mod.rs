@@ -98,6 +98,25 @@ impl Interceptor {
         &self.ca
     }
 
+    /// Whether plaintext HTTP flows are served by [`Interceptor::serve_plain`] (the sandbox
+    /// holds a secret whose placeholder must be checked in every request).
+    pub fn checks_plaintext(&self) -> bool {
+        !self.secrets.current().bindings.is_empty()
+    }
+
+    /// Serve one plaintext HTTP/1 flow whose first request the gate allowed for `host`.
+    pub async fn serve_plain<G>(
+        self: Arc<Self>,
+        guest: G,
+        upstream: TcpStream,
+        host: String,
+    ) -> Result<(), InterceptError>
+    where
+        G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        proxy::serve_plain(self, guest, upstream, host).await
+    }
+
     /// Whether TLS flows to `host` (normalised, lowercase) are intercepted now. A host new to
     /// the CA re-issues the CA certificate (the guest bundle must then be refreshed).
     pub fn intercepts(&self, host: &str) -> bool {

@@ -48,7 +48,8 @@ impl Sender {
 struct Upstream {
     addr: SocketAddr,
     sni: String,
-    tls: Arc<rustls::ClientConfig>,
+    /// `None`: a plaintext HTTP flow (block check only; nothing swapped or scrubbed).
+    tls: Option<Arc<rustls::ClientConfig>>,
     first: std::sync::Mutex<Option<TcpStream>>,
     cur: tokio::sync::Mutex<Option<Sender>>,
 }
@@ -63,9 +64,20 @@ impl Upstream {
                 .map_err(InterceptError::UpstreamIo)?,
         };
         let _ = tcp.set_nodelay(true);
+        let Some(tls) = &self.tls else {
+            let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+                .await
+                .map_err(InterceptError::UpstreamHttp)?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "plaintext upstream connection ended");
+                }
+            });
+            return Ok(Sender::H1(s));
+        };
         let name = rustls::pki_types::ServerName::try_from(self.sni.clone())
             .map_err(|_| InterceptError::BadSni(self.sni.clone()))?;
-        let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
+        let tls = tokio_rustls::TlsConnector::from(tls.clone())
             .connect(name, tcp)
             .await
             .map_err(InterceptError::UpstreamTls)?;
@@ -149,8 +161,10 @@ impl Upstream {
 
 struct Flow {
     icpt: Arc<Interceptor>,
+    /// The TLS server name (or, on plaintext flows, the Host the gate allowed).
     sni: String,
     up: Upstream,
+    plain: bool,
 }
 
 /// Serve one intercepted TLS flow until either side closes.
@@ -167,7 +181,7 @@ where
     let up = Upstream {
         addr,
         sni: sni.clone(),
-        tls: icpt.upstream_tls.clone(),
+        tls: Some(icpt.upstream_tls.clone()),
         first: std::sync::Mutex::new(Some(upstream)),
         cur: tokio::sync::Mutex::new(None),
     };
@@ -180,7 +194,12 @@ where
         .accept(guest)
         .await
         .map_err(InterceptError::GuestTls)?;
-    let flow = Arc::new(Flow { icpt, sni, up });
+    let flow = Arc::new(Flow {
+        icpt,
+        sni,
+        up,
+        plain: false,
+    });
     let svc = hyper::service::service_fn(move |req| {
         let flow = flow.clone();
         async move { Ok::<_, Infallible>(flow.handle(req).await) }
@@ -189,6 +208,41 @@ where
         .serve_connection(TokioIo::new(tls), svc)
         .await
         .map_err(InterceptError::Guest)
+}
+
+/// Serve one plaintext HTTP/1 flow to `host` (the Host the gate allowed): every request on it,
+/// not only the first, must keep that Host and carry no placeholder of another host's secret.
+pub(super) async fn serve_plain<G>(
+    icpt: Arc<Interceptor>,
+    guest: G,
+    upstream: TcpStream,
+    host: String,
+) -> Result<(), InterceptError>
+where
+    G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let addr = upstream.peer_addr().map_err(InterceptError::UpstreamIo)?;
+    let up = Upstream {
+        addr,
+        sni: host.clone(),
+        tls: None,
+        first: std::sync::Mutex::new(Some(upstream)),
+        cur: tokio::sync::Mutex::new(None),
+    };
+    let flow = Arc::new(Flow {
+        icpt,
+        sni: host,
+        up,
+        plain: true,
+    });
+    let svc = hyper::service::service_fn(move |req| {
+        let flow = flow.clone();
+        async move { Ok::<_, Infallible>(flow.handle(req).await) }
+    });
+    hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(guest), svc)
+        .await
+        .map_err(|e| InterceptError::Guest(Box::new(e)))
 }
 
 fn status(code: StatusCode, text: &str) -> Response<ProxyBody> {
@@ -349,6 +403,20 @@ impl Flow {
             return Err(blocked_response(&b, &self.sni));
         }
         let (mut parts, body) = req.into_parts();
+        if self.plain {
+            strip_hop_by_hop(&mut parts.headers);
+            let resp = self
+                .up
+                .send(Request::from_parts(parts, boxed(body)))
+                .await
+                .map_err(|e| {
+                    tracing::debug!(host = %self.sni, error = %e, "plaintext request failed upstream");
+                    status(StatusCode::BAD_GATEWAY, "upstream request failed")
+                })?;
+            let (mut rp, rbody) = resp.into_parts();
+            strip_hop_by_hop(&mut rp.headers);
+            return Ok(Response::from_parts(rp, boxed(rbody)));
+        }
         let sw = swap::swap_head(&mut parts, &snap, &self.sni)
             .map_err(|e| status(StatusCode::BAD_REQUEST, &e.to_string()))?;
         strip_hop_by_hop(&mut parts.headers);

@@ -209,7 +209,7 @@ async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness {
     let icpt = Interceptor::new(secrets, ca.clone(), tls, sink);
     Harness {
         icpt,
-        ca_pem: ca.cert_pem(),
+        ca_pem: ca.cert_pem().unwrap(),
         addr,
         seen,
         blocked,
@@ -547,4 +547,63 @@ async fn malformed_requests_do_not_panic() {
             assert!(!j.is_err_and(|e| e.is_panic()), "panicked on {case:?}");
         }
     }
+}
+
+/// A plain HTTP/1 echo server on 127.0.0.1.
+async fn plain_upstream() -> (std::net::SocketAddr, Seen) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen: Seen = Arc::default();
+    let s2 = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let seen = s2.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let seen = seen.clone();
+                    async move { Ok::<_, std::convert::Infallible>(echo(req, seen).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tcp), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+#[tokio::test]
+async fn plaintext_flows_check_every_request_and_never_swap() {
+    let h = harness_with(true, true).await;
+    let (addr, seen) = plain_upstream().await;
+    let (ours, theirs) = tokio::io::duplex(64 * 1024);
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    tokio::spawn(h.icpt.clone().serve_plain(theirs, tcp, HOST.to_string()));
+    let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(ours))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut c = Client::H1(s);
+    // Its own secret's placeholder in plaintext: passed as it is, never swapped.
+    let g = c
+        .get("/", &[("authorization", &format!("Bearer {PH}"))])
+        .await;
+    assert_eq!(g.status, 200);
+    assert!(seen.lock().unwrap()[0].contains(&format!("auth=Bearer {PH}")));
+    // A later request on the same connection with another secret's placeholder: refused.
+    let g = c.get("/", &[("x-api-key", PH2)]).await;
+    assert_eq!(g.status, StatusCode::FORBIDDEN);
+    assert_eq!(
+        h.blocked.lock().unwrap().as_slice(),
+        [("OTHER".to_string(), HOST.to_string())]
+    );
+    // Switching Host mid-connection: refused.
+    let req = Request::builder()
+        .uri("/")
+        .header("host", "other.test")
+        .body(full(""))
+        .unwrap();
+    assert_eq!(c.send(req).await.status, StatusCode::MISDIRECTED_REQUEST);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert!(seen.lock().unwrap().iter().all(|s| !s.contains(VAL)));
 }

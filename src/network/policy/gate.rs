@@ -218,6 +218,24 @@ impl Inner {
         })
     }
 
+    /// A plaintext flow's hand-off when the sandbox holds secrets: every later request on the
+    /// connection is checked too, not only the first one seen here.
+    fn intercept_plain(&self, host: &str) -> Option<Handoff> {
+        let icpt = self.interceptor()?;
+        if !icpt.checks_plaintext() {
+            return None;
+        }
+        let host = host.to_owned();
+        Some(Handoff(Arc::new(move |guest, upstream| {
+            let (icpt, host) = (icpt.clone(), host.clone());
+            Box::pin(async move {
+                if let Err(e) = icpt.serve_plain(guest, upstream, host.clone()).await {
+                    tracing::debug!(%host, error = %e, "checked plaintext flow ended");
+                }
+            })
+        })))
+    }
+
     /// The flow's hand-off to the interceptor when `host` holds a secret.
     fn intercept(&self, host: &str) -> Option<Handoff> {
         let icpt = self.interceptor()?;
@@ -353,10 +371,17 @@ impl Inner {
                     Instant::now(),
                 );
                 if pinned {
-                    if port == 80
-                        && let Some(v) = self.plaintext_blocked(bytes, &name)
-                    {
-                        return v;
+                    if port == 80 {
+                        if let Some(v) = self.plaintext_blocked(bytes, &name) {
+                            return v;
+                        }
+                        if let Some(handler) = self.intercept_plain(&name) {
+                            return InspectVerdict::Intercept {
+                                rule: format!("{rule} (every request checked for placeholders)"),
+                                host: Some(name),
+                                handler,
+                            };
+                        }
                     }
                     if port == 443
                         && let Some(handler) = self.intercept(&name)

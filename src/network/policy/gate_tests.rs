@@ -564,12 +564,12 @@ async fn secrets_turn_interception_on_and_placeholders_elsewhere_are_blocked() {
             .collect::<Vec<_>>()
     };
     assert_eq!(blocked(&t), ["KEY other.test query"]);
-    // A plain request without it passes.
+    // A plain request without it passes, handed to the checker for the requests after it.
     let v = t.gate.inspect(
         &tcp("203.0.113.20:80"),
         b"GET / HTTP/1.1\r\nHost: other.test\r\n\r\n",
     );
-    assert!(matches!(v, InspectVerdict::Allow { .. }), "{v:?}");
+    assert!(matches!(v, InspectVerdict::Intercept { .. }), "{v:?}");
     // A DNS name carrying the placeholder: NXDOMAIN, upstream never asked, event.
     let before = t.count.load(Ordering::SeqCst);
     let (code, _) = resolve(&t, &format!("{PH}.other.test.")).await;
