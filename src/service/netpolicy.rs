@@ -39,6 +39,8 @@ pub mod kind {
     pub const SETUP: &str = "network.setup";
     /// A secret's placeholder sent toward a host that is not one of its hosts, refused.
     pub const SECRET_BLOCKED: &str = "secret.blocked";
+    /// A placeholder in a request body to another host: allowed, recorded.
+    pub const SECRET_IN_BODY: &str = "secret.in_body";
 }
 
 /// What the store keeps per sandbox.
@@ -183,6 +185,10 @@ fn event_sink(tel: Arc<Telemetry>) -> NetEventSink {
             } => (
                 kind::SECRET_BLOCKED,
                 json!({"secret": secret, "host": host, "position": position}),
+            ),
+            NetEvent::SecretInBody { secret, host } => (
+                kind::SECRET_IN_BODY,
+                json!({"secret": secret, "host": host}),
             ),
             NetEvent::Suppressed { count } => (kind::SUPPRESSED, json!({"count": count})),
         };

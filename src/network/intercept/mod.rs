@@ -133,9 +133,9 @@ impl Interceptor {
         true
     }
 
-    /// Record a refused placeholder (`secret.blocked`).
+    /// Record a refused placeholder (`secret.blocked`) or an audited one (`secret.in_body`).
     pub fn blocked(&self, b: &Blocked, host: &str) {
-        tracing::info!(secret = %b.secret, host, position = %b.position, "secret placeholder blocked");
+        tracing::info!(secret = %b.secret, host, position = %b.position, refused = b.refused, "secret placeholder seen toward another host");
         (self.sink)(b, host)
     }
 

@@ -297,6 +297,77 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
     }
 }
 
+/// Watches a request body for the placeholders of secrets that do not serve the host: passed
+/// through unchanged, each one found is reported once at the end (`secret.in_body`).
+struct Audit {
+    icpt: Arc<Interceptor>,
+    host: String,
+    names: Vec<String>,
+    ac: aho_corasick::AhoCorasick,
+    max_len: usize,
+    carry: Vec<u8>,
+    found: Vec<bool>,
+}
+
+impl Audit {
+    fn new(icpt: Arc<Interceptor>, host: &str, found: Vec<(String, String)>) -> Option<Audit> {
+        if found.is_empty() {
+            return None;
+        }
+        let ac = aho_corasick::AhoCorasick::builder()
+            .ascii_case_insensitive(true)
+            .build(found.iter().map(|(_, p)| p))
+            .ok()?;
+        Some(Audit {
+            icpt,
+            host: host.to_owned(),
+            max_len: found.iter().map(|(_, p)| p.len()).max().unwrap_or(1),
+            found: vec![false; found.len()],
+            names: found.into_iter().map(|(n, _)| n).collect(),
+            ac,
+            carry: Vec::new(),
+        })
+    }
+}
+
+impl Transform for Audit {
+    fn push(&mut self, chunk: &[u8]) -> Result<Vec<u8>, BoxError> {
+        let mut buf = std::mem::take(&mut self.carry);
+        buf.extend_from_slice(chunk);
+        for m in self.ac.find_iter(&buf) {
+            self.found[m.pattern().as_usize()] = true;
+        }
+        let keep = buf.len().min(self.max_len.saturating_sub(1));
+        self.carry = buf[buf.len() - keep..].to_vec();
+        Ok(chunk.to_vec())
+    }
+    fn finish(&mut self) -> Result<Vec<u8>, BoxError> {
+        for (i, hit) in self.found.iter().enumerate() {
+            if *hit {
+                let b = Blocked {
+                    secret: self.names[i].clone(),
+                    position: "body".into(),
+                    refused: false,
+                };
+                self.icpt.blocked(&b, &self.host);
+            }
+        }
+        self.found.iter_mut().for_each(|f| *f = false);
+        Ok(Vec::new())
+    }
+}
+
+/// The request-body audit of a flow to `host`, if any secret does not serve it.
+fn audit(icpt: &Arc<Interceptor>, snap: &crate::secrets::Snapshot, host: &str) -> Option<Audit> {
+    let others = snap
+        .bindings
+        .iter()
+        .filter(|b| !b.serves(host))
+        .map(|b| (b.name.clone(), b.placeholder.clone()))
+        .collect();
+    Audit::new(icpt.clone(), host, others)
+}
+
 /// Response decoding and scrubbing.
 struct Scrub {
     decoder: Option<Decoder>,
@@ -403,11 +474,15 @@ impl Flow {
             return Err(blocked_response(&b, &self.sni));
         }
         let (mut parts, body) = req.into_parts();
+        let mut body = boxed(body);
+        if let Some(a) = audit(&self.icpt, &snap, &self.sni) {
+            body = boxed(TransformBody::new(body, a));
+        }
         if self.plain {
             strip_hop_by_hop(&mut parts.headers);
             let resp = self
                 .up
-                .send(Request::from_parts(parts, boxed(body)))
+                .send(Request::from_parts(parts, body))
                 .await
                 .map_err(|e| {
                     tracing::debug!(host = %self.sni, error = %e, "plaintext request failed upstream");
@@ -427,7 +502,6 @@ impl Flow {
             .filter(|(_, b)| b.in_body && b.serves(&self.sni))
             .map(|(i, _)| i)
             .collect();
-        let mut body = boxed(body);
         if let Some(r) = Replacer::new(
             in_body
                 .iter()

@@ -37,8 +37,10 @@ pub enum SwapError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Blocked {
     pub secret: String,
-    /// `header <name>`, `query` or `dns name`.
+    /// `header <name>`, `query`, `dns name`, or `body`.
     pub position: String,
+    /// `false`: seen in a position that is allowed and only audited (a request body).
+    pub refused: bool,
 }
 
 /// What a swap did (for the response scrubber).
@@ -165,6 +167,7 @@ where
                 return Some(Blocked {
                     secret: b.name.clone(),
                     position: format!("header {}", name.to_ascii_lowercase()),
+                    refused: true,
                 });
             }
         }
@@ -174,6 +177,7 @@ where
             return Some(Blocked {
                 secret: b.name.clone(),
                 position: "query".into(),
+                refused: true,
             });
         }
     }
@@ -202,6 +206,7 @@ pub fn find_in_dns_name(snap: &Snapshot, name: &str) -> Option<Blocked> {
         .map(|b| Blocked {
             secret: b.name.clone(),
             position: "dns name".into(),
+            refused: true,
         })
 }
 

@@ -191,7 +191,10 @@ struct Harness {
     ca_pem: String,
     addr: std::net::SocketAddr,
     seen: Seen,
+    /// `(secret, host)` of refused placeholders.
     blocked: Arc<Mutex<Vec<(String, String)>>>,
+    /// `(secret, host)` of audited ones (in bodies).
+    audited: Arc<Mutex<Vec<(String, String)>>>,
     _dir: tempfile::TempDir,
 }
 
@@ -217,9 +220,11 @@ async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness {
     });
     let ca = SandboxCa::load_or_create(dir.path(), &secrets.current().intercepted_hosts()).unwrap();
     let blocked: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
-    let b2 = blocked.clone();
+    let audited: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let (b2, a2) = (blocked.clone(), audited.clone());
     let sink: BlockSink = Arc::new(move |b: &Blocked, host: &str| {
-        b2.lock().unwrap().push((b.secret.clone(), host.to_owned()))
+        let to = if b.refused { &b2 } else { &a2 };
+        to.lock().unwrap().push((b.secret.clone(), host.to_owned()))
     });
     let icpt = Interceptor::new(secrets, ca.clone(), tls, sink);
     Harness {
@@ -228,6 +233,7 @@ async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness {
         addr,
         seen,
         blocked,
+        audited,
         _dir: dir,
     }
 }
@@ -507,6 +513,27 @@ async fn host_mismatch_and_foreign_placeholders_are_refused() {
         .body(full(""))
         .unwrap();
     assert_eq!(c.send(req).await.status, StatusCode::METHOD_NOT_ALLOWED);
+    // A foreign placeholder in a request body (split across frames): allowed, and audited.
+    assert!(h.audited.lock().unwrap().is_empty());
+    let frames: Vec<Result<Frame<Bytes>, super::BoxError>> = format!("{{\"echo\":\"{PH2}\"}}")
+        .into_bytes()
+        .chunks(4)
+        .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
+        .collect();
+    let req = Request::builder()
+        .method("POST")
+        .uri("/")
+        .header("host", HOST)
+        .body(boxed(StreamBody::new(futures_util::stream::iter(frames))))
+        .unwrap();
+    let g = c.send(req).await;
+    assert_eq!(g.status, 200);
+    assert!(g.body.contains(PH2), "{}", g.body);
+    assert_eq!(
+        h.audited.lock().unwrap().as_slice(),
+        [("OTHER".to_string(), HOST.to_string())]
+    );
+    assert_eq!(h.blocked.lock().unwrap().len(), 6);
 }
 
 #[tokio::test]

@@ -44,6 +44,12 @@ pub enum NetEvent {
         /// `header <name>`, `query`, `dns name`.
         position: String,
     },
+    /// A secret's placeholder went, allowed, in a request body to a host that is not one of its
+    /// hosts (agents echo tool output to their model): audited, not refused.
+    SecretInBody {
+        secret: String,
+        host: String,
+    },
     /// Events dropped by the rate limit since the last one that went out.
     Suppressed {
         count: u64,
@@ -194,6 +200,13 @@ impl Inner {
     }
 
     fn emit_blocked(&self, b: &Blocked, host: &str) {
+        if !b.refused {
+            self.emit(NetEvent::SecretInBody {
+                secret: b.secret.clone(),
+                host: host.to_owned(),
+            });
+            return;
+        }
         metrics::counter!(crate::telemetry::metrics::NET_FLOWS, "verdict" => "secret_blocked", "proto" => "tcp")
             .increment(1);
         self.emit(NetEvent::SecretBlocked {
