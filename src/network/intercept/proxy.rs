@@ -568,8 +568,12 @@ impl Flow {
         let decoder = match Decoder::for_encoding(enc) {
             Ok(d) => d,
             Err(e) => {
-                tracing::warn!(host = %self.sni, error = %e, "intercepted response refused");
-                return Err(status(StatusCode::BAD_GATEWAY, &e.to_string()));
+                // The encoding's name comes from upstream and could carry the value: the texts
+                // go through the scrubber.
+                let text = String::from_utf8_lossy(&scrubber.replace_all(e.to_string().as_bytes()))
+                    .into_owned();
+                tracing::warn!(host = %self.sni, error = %text, "intercepted response refused");
+                return Err(status(StatusCode::BAD_GATEWAY, &text));
             }
         };
         if decoder.is_some() {

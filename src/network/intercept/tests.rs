@@ -101,6 +101,15 @@ async fn echo(req: Request<hyper::body::Incoming>, seen: Seen) -> Response<Proxy
                 .insert("content-encoding", "br".parse().unwrap());
             r
         }
+        "/evil-encoding" => {
+            // An encoding name that echoes the key: the refusal must not carry it.
+            let mut r = Response::new(full(text));
+            let key = parts.headers.get("x-api-key").cloned();
+            if let Some(k) = key {
+                r.headers_mut().insert("content-encoding", k);
+            }
+            r
+        }
         "/chunks" => {
             // Three bytes a frame: the value is split across many chunks.
             let frames: Vec<Result<Frame<Bytes>, super::BoxError>> = text
@@ -398,6 +407,9 @@ async fn h1_swaps_every_position_and_scrubs_every_response() {
     assert_no_value(&g);
     // Unknown content encoding of a scrubbed response: fail closed.
     let g = c.get("/br", &[("authorization", &bearer)]).await;
+    assert_eq!(g.status, 502);
+    assert_no_value(&g);
+    let g = c.get("/evil-encoding", &[("x-api-key", PH)]).await;
     assert_eq!(g.status, 502);
     assert_no_value(&g);
 }
