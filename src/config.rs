@@ -268,6 +268,9 @@ pub struct NetworkConfig {
     /// so tests use local servers while the guest-visible address stays public (the guest can
     /// still never reach loopback itself). Default: none.
     pub test_upstream_map: BTreeMap<SocketAddr, SocketAddr>,
+    /// A PEM file of extra CAs that intercepted flows (secrets) trust upstream, besides the
+    /// host's CA bundle, e.g. the test CA of a local upstream. Default: none.
+    pub intercept_extra_ca: Option<std::path::PathBuf>,
 }
 
 impl Default for NetworkConfig {
@@ -277,6 +280,7 @@ impl Default for NetworkConfig {
             upstream_dns: None,
             test_hosts: BTreeMap::new(),
             test_upstream_map: BTreeMap::new(),
+            intercept_extra_ca: None,
         }
     }
 }

@@ -15,6 +15,10 @@ mod network;
 #[allow(dead_code)]
 #[path = "../shared/telemetry.rs"]
 mod telemetry;
+// The secrets contract the network module's interceptor reads.
+#[allow(dead_code)]
+#[path = "../../src/secrets/mod.rs"]
+mod secrets;
 
 use libfuzzer_sys::fuzz_target;
 

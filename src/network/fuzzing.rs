@@ -7,8 +7,9 @@
 //! Targets: `sniff` (the TLS ClientHello and HTTP/1 Host sniffers the policy reads a flow's first
 //! bytes with), `dns_msg` (a guest DNS query through the parser, the reply builder and the
 //! policy gate's resolver; the same bytes as an upstream reply and as a UDP answer to cut down)
-//! and `stack_frames` (in [`super::stack::fuzzing`]: bytes from QEMU's netdev socket into a
-//! whole stack).
+//! `stack_frames` (in [`super::stack::fuzzing`]: bytes from QEMU's netdev socket into a
+//! whole stack) and `placeholders` (an HTTP/1 request head through the interceptor's block check
+//! and placeholder finder, and through the streaming scrubber split at a chosen offset).
 //!
 //! Every check panics on a violation: a parser that panics, allocates without bound (the
 //! fuzzer's memory limit catches that) or answers something that breaks the contract below.
@@ -193,6 +194,52 @@ pub fn dns_msg(data: &[u8]) {
         }
     }
     super::stack::fuzzing::dns_truncated(data);
+}
+
+/// The placeholder of the `placeholders` target's one secret (for api.test).
+pub const FUZZ_PLACEHOLDER: &str = "tbx_aaaabbbbccccddddeeeeffffgggghhhh";
+
+/// `placeholders`: the first byte picks where the rest is split for the streaming scrubber; the
+/// rest is an HTTP/1 request head (or anything). Nothing may panic; a block must be explained by
+/// the placeholder finder; the streamed scrub must equal the one-shot scrub.
+pub fn placeholders(data: &[u8]) {
+    use super::intercept::scrub::{Replacer, StreamReplace, rendered_forms};
+    use super::intercept::swap;
+    use crate::secrets::{Binding, Snapshot, Value};
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
+    let value = b"sk-live/+=\"value";
+    let snap = Snapshot {
+        bindings: vec![Binding {
+            name: "KEY".into(),
+            hosts: vec!["api.test".into()],
+            headers: vec!["x-extra".into()],
+            in_body: false,
+            placeholder: FUZZ_PLACEHOLDER.into(),
+            value: Value::new(value.to_vec()),
+        }],
+        git: vec![],
+    };
+    if let Some(b) = swap::find_blocked_in_http1(rest, &snap, "other.test") {
+        assert_eq!(b.secret, "KEY");
+        assert!(swap::contains_placeholder(rest, FUZZ_PLACEHOLDER));
+    }
+    assert!(swap::find_blocked_in_http1(rest, &snap, "api.test").is_none());
+    let _ = swap::find_in_dns_name(&snap, &String::from_utf8_lossy(rest));
+    let r = Replacer::new(rendered_forms(
+        value,
+        FUZZ_PLACEHOLDER.as_bytes(),
+        &[(b"u:sk".to_vec(), b"u:tbx".to_vec())],
+    ))
+    .expect("patterns");
+    let whole = r.replace_all(rest);
+    let cut = usize::from(pick) % (rest.len() + 1);
+    let mut s = StreamReplace::new(r);
+    let mut out = s.push(&rest[..cut]);
+    out.extend(s.push(&rest[cut..]));
+    out.extend(s.finish());
+    assert_eq!(out, whole, "streamed scrub differs (split at {cut})");
 }
 
 #[cfg(test)]

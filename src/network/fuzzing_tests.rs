@@ -29,6 +29,7 @@ pub const TARGETS: &[Target] = &[
     ("sniff", sniff),
     ("dns_msg", dns_msg),
     ("stack_frames", stack_frames),
+    ("placeholders", placeholders),
 ];
 
 fn corpus(target: &str) -> PathBuf {
@@ -408,10 +409,51 @@ fn seeds() -> Vec<(&'static str, Seeds)> {
         ("sniff", sniff_seeds()),
         ("dns_msg", dns_seeds()),
         ("stack_frames", stack_seeds()),
+        ("placeholders", placeholder_seeds()),
     ]
 }
 
-/// Rewrites the seeds under `fuzz/corpus/{sniff,dns_msg,stack_frames}/`:
+fn placeholder_seeds() -> Seeds {
+    use base64::Engine as _;
+    let ph = FUZZ_PLACEHOLDER;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(format!("u:{ph}"));
+    let heads = [
+        (
+            "bearer",
+            format!("GET / HTTP/1.1\r\nHost: other.test\r\nAuthorization: Bearer {ph}\r\n\r\n"),
+        ),
+        (
+            "basic",
+            format!("GET / HTTP/1.1\r\nHost: other.test\r\nAuthorization: Basic {b64}\r\n\r\n"),
+        ),
+        (
+            "query",
+            format!("GET /x?key={ph}&a=1 HTTP/1.1\r\nHost: other.test\r\n\r\n"),
+        ),
+        (
+            "extra",
+            format!(
+                "POST / HTTP/1.1\r\nHost: other.test\r\nX-Extra: %74bx_{}\r\n\r\n",
+                &ph[4..]
+            ),
+        ),
+        (
+            "value",
+            "HTTP/1.1 200 OK\r\n\r\n{\"k\":\"sk-live/+=\\\"value\"}".to_string(),
+        ),
+    ];
+    heads
+        .into_iter()
+        .enumerate()
+        .map(|(i, (n, h))| {
+            let mut v = vec![(i * 7) as u8];
+            v.extend_from_slice(h.as_bytes());
+            (n.to_string(), v)
+        })
+        .collect()
+}
+
+/// Rewrites the seeds under `fuzz/corpus/{sniff,dns_msg,stack_frames,placeholders}/`:
 /// `cargo test --bin tryboxi write_network_seed_corpus -- --ignored`.
 #[test]
 #[ignore = "writes the seed corpus into the source tree"]
@@ -488,5 +530,28 @@ fn saved_corpora_replay_cleanly() {
             n += 1;
         }
         assert!(n > 0, "no saved corpus for {target}");
+    }
+}
+
+/// The placeholder seeds reach the block path (so the fuzzer starts from inputs that block).
+#[test]
+fn placeholder_seeds_are_blocked_for_another_host() {
+    use crate::network::intercept::swap::find_blocked_in_http1;
+    use crate::secrets::{Binding, Snapshot, Value};
+    let snap = Snapshot {
+        bindings: vec![Binding {
+            name: "KEY".into(),
+            hosts: vec!["api.test".into()],
+            headers: vec!["x-extra".into()],
+            in_body: false,
+            placeholder: FUZZ_PLACEHOLDER.into(),
+            value: Value::new(b"v".to_vec()),
+        }],
+        git: vec![],
+    };
+    for (name, seed) in placeholder_seeds() {
+        let blocked = find_blocked_in_http1(&seed[1..], &snap, "other.test").is_some();
+        assert_eq!(blocked, name != "value", "{name}");
+        placeholders(&seed);
     }
 }

@@ -14,6 +14,11 @@
 //!    (UDP or TCP port 53 on [`GATEWAY_V4`]); the answer bytes go back to the guest verbatim.
 //! 4. [`Gate::record`] once per flow outcome, for events and metrics.
 //!
+//! An inspected flow the gate allows may instead be handed off ([`InspectVerdict::Intercept`]):
+//! the stack then relays the guest's bytes (the held first bytes included) to the handler over
+//! an in-memory pipe and gives it the already-connected upstream socket, instead of splicing the
+//! two (the TLS-terminating interceptor of `network::intercept`).
+//!
 //! Decisions (1, 2) are synchronous and use only in-memory state (rules, DNS pins), so the
 //! stack can call them from its event loop. DNS (3) is async: it may ask an upstream resolver.
 
@@ -69,6 +74,28 @@ pub enum ConnectVerdict {
     },
 }
 
+/// The handler of an intercepted flow: `(guest side of the pipe, connected upstream socket)`.
+pub type HandoffFn =
+    dyn Fn(tokio::io::DuplexStream, tokio::net::TcpStream) -> BoxFuture<'static, ()> + Send + Sync;
+
+/// A flow handler (compared by identity).
+#[derive(Clone)]
+pub struct Handoff(pub Arc<HandoffFn>);
+
+impl std::fmt::Debug for Handoff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Handoff")
+    }
+}
+
+impl PartialEq for Handoff {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Handoff {}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum InspectVerdict {
     /// Not enough bytes yet to decide; call again with more (the stack caps how much it buffers
@@ -84,6 +111,12 @@ pub enum InspectVerdict {
         /// The name the first bytes showed, if any: the one the guest tried to reach (the
         /// destination's pinned names may be others).
         host: Option<String>,
+    },
+    /// Allowed, and handed to `handler` instead of being spliced to the upstream socket.
+    Intercept {
+        rule: String,
+        host: Option<String>,
+        handler: Handoff,
     },
 }
 

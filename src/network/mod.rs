@@ -13,6 +13,7 @@
 pub mod deny;
 pub mod fuzzing;
 pub mod gate;
+pub mod intercept;
 pub mod stack;
 
 // The policy side (branch net-policy).

@@ -169,7 +169,8 @@ pub struct Service {
     pub nets: network::Nets,
     /// The host's stored secrets (`<data root>/secrets.json`; values never leave the host).
     pub secret_store: crate::secrets::store::SecretStore,
-    /// Each sandbox's live secrets (bindings with values), read by the egress interceptor.
+    /// Each sandbox's live secrets (bindings with values), read by the egress interceptor per
+    /// flow.
     pub secrets: crate::secrets::Registry,
 }
 

@@ -37,6 +37,10 @@ pub mod kind {
     pub const REQUESTED: &str = "network.access_requested";
     pub const DECIDED: &str = "network.access_decided";
     pub const SETUP: &str = "network.setup";
+    /// A secret's placeholder sent toward a host that is not one of its hosts, refused.
+    pub const SECRET_BLOCKED: &str = "secret.blocked";
+    /// A placeholder in a request body to another host: allowed, recorded.
+    pub const SECRET_IN_BODY: &str = "secret.in_body";
 }
 
 /// What the store keeps per sandbox.
@@ -74,6 +78,7 @@ impl Networks {
             }
         }
         settings.upstream_map = cfg.test_upstream_map.clone().into_iter().collect();
+        settings.intercept_tls = intercept_tls(cfg);
         if !settings.static_hosts.is_empty() || !settings.upstream_map.is_empty() {
             tracing::warn!(
                 hosts = settings.static_hosts.len(),
@@ -118,6 +123,24 @@ impl Networks {
     }
 }
 
+/// The upstream trust of intercepted flows: the host's CA bundle plus `[network]
+/// intercept_extra_ca`. `None` (interception off, logged) when neither can be read.
+fn intercept_tls(cfg: &NetworkConfig) -> Option<Arc<rustls::ClientConfig>> {
+    use crate::network::intercept::tls;
+    let system = tls::system_bundle();
+    let mut files: Vec<&std::path::Path> = system.iter().map(|p| p.as_path()).collect();
+    if let Some(extra) = &cfg.intercept_extra_ca {
+        files.push(extra);
+    }
+    match tls::upstream_client_config(&files) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!(error = %e, "no upstream trust store: secrets will not be intercepted");
+            None
+        }
+    }
+}
+
 /// Flow and DNS outcomes -> events (`network.*`) on the event bus.
 fn event_sink(tel: Arc<Telemetry>) -> NetEventSink {
     Arc::new(move |sandbox: &str, ev: NetEvent| {
@@ -154,6 +177,18 @@ fn event_sink(tel: Arc<Telemetry>) -> NetEventSink {
             } => (
                 kind::DNS_DENIED,
                 json!({"host": name, "qtype": qtype, "reason": reason}),
+            ),
+            NetEvent::SecretBlocked {
+                secret,
+                host,
+                position,
+            } => (
+                kind::SECRET_BLOCKED,
+                json!({"secret": secret, "host": host, "position": position}),
+            ),
+            NetEvent::SecretInBody { secret, host } => (
+                kind::SECRET_IN_BODY,
+                json!({"secret": secret, "host": host}),
             ),
             NetEvent::Suppressed { count } => (kind::SUPPRESSED, json!({"count": count})),
         };
@@ -211,6 +246,11 @@ impl Service {
     /// A fork child starts with its parent's policy (pending requests stay with the parent).
     pub fn copy_network(&self, from: &str, to: &str) -> Result<(), ServiceError> {
         let policy = self.network_record(from)?.policy;
+        // The child's guest bundle holds the parent's interception CA: keep it valid.
+        let (a, b) = (self.paths.sandbox_dir(from), self.paths.sandbox_dir(to));
+        if let Err(e) = crate::network::intercept::SandboxCa::copy_files(&a, &b) {
+            tracing::warn!(from, to, error = %e, "cannot copy the interception CA to the fork");
+        }
         self.init_network(to, policy)
     }
 
@@ -229,15 +269,36 @@ impl Service {
         let g = gates
             .entry(id.to_owned())
             .or_insert_with(|| {
-                PolicyGate::new(
+                let g = PolicyGate::new(
                     id,
                     rec.policy.clone(),
                     self.networks.settings.clone(),
                     self.networks.sink.clone(),
-                )
+                );
+                self.attach_secrets(id, &g);
+                g
             })
             .clone();
         Ok(g)
+    }
+
+    /// Hook the sandbox's live secrets and its interception CA (in its directory, minted on
+    /// first use) into its gate: secrets published later take effect on the next flow.
+    fn attach_secrets(&self, id: &str, gate: &PolicyGate) {
+        use crate::network::intercept::SandboxCa;
+        let dir = self.paths.sandbox_dir(id);
+        if !dir.is_dir() {
+            return;
+        }
+        let secrets = self.secrets.for_sandbox(id);
+        match SandboxCa::load_or_create(&dir, &secrets.current().intercepted_hosts()) {
+            Ok(ca) => {
+                gate.set_interception(secrets, ca);
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = id, error = %e, "no interception CA: secrets are not intercepted")
+            }
+        }
     }
 
     /// A removed sandbox: drop its gate and record.

@@ -19,8 +19,12 @@ use super::host::{self, canonical_ip};
 use super::pins::Pins;
 use super::rules::{Decision, Policy};
 use crate::network::dns::{self, QType, Rcode, Upstream};
-use crate::network::gate::{ConnectVerdict, Flow, FlowEvent, Gate, Inspect, InspectVerdict, Proto};
+use crate::network::gate::{
+    ConnectVerdict, Flow, FlowEvent, Gate, Handoff, Inspect, InspectVerdict, Proto,
+};
+use crate::network::intercept::{BlockSink, Blocked, Interceptor, SandboxCa, swap};
 use crate::network::sniff::{self, Sniffed};
+use crate::secrets::SandboxSecrets;
 
 /// What a gate reports besides flows (DNS decisions), for events and metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +35,20 @@ pub enum NetEvent {
         name: String,
         qtype: String,
         reason: String,
+    },
+    /// A secret's placeholder was sent (or looked up) toward a host that is not one of the
+    /// secret's hosts, and refused. Names the secret, never its value.
+    SecretBlocked {
+        secret: String,
+        host: String,
+        /// `header <name>`, `query`, `dns name`.
+        position: String,
+    },
+    /// A secret's placeholder went, allowed, in a request body to a host that is not one of its
+    /// hosts (agents echo tool output to their model): audited, not refused.
+    SecretInBody {
+        secret: String,
+        host: String,
     },
     /// Events dropped by the rate limit since the last one that went out.
     Suppressed {
@@ -54,6 +72,9 @@ pub struct GateSettings {
     pub max_dns_inflight: usize,
     /// Events per second per sandbox before they are counted instead of recorded.
     pub events_per_sec: u32,
+    /// Upstream TLS of intercepted flows (system trust store + configured extra CA); `None`:
+    /// no interception.
+    pub intercept_tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl GateSettings {
@@ -65,6 +86,7 @@ impl GateSettings {
             host_addrs: HostAddrs::default(),
             max_dns_inflight: 64,
             events_per_sec: 50,
+            intercept_tls: None,
         }
     }
 }
@@ -81,6 +103,8 @@ struct Inner {
     sink: NetEventSink,
     dns_slots: Arc<tokio::sync::Semaphore>,
     limiter: Mutex<RateLimit>,
+    /// The sandbox's secrets interceptor, once it has one.
+    interception: RwLock<Option<Arc<Interceptor>>>,
 }
 
 impl PolicyGate {
@@ -101,6 +125,7 @@ impl PolicyGate {
                 sink,
                 dns_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
                 limiter: Mutex::new(RateLimit::new(rate)),
+                interception: RwLock::new(None),
             }),
         })
     }
@@ -116,6 +141,33 @@ impl PolicyGate {
 
     pub fn sandbox(&self) -> &str {
         &self.inner.sandbox
+    }
+
+    /// Intercept TLS flows to the hosts of `secrets` (read per flow, so a secret added later
+    /// takes effect on the next connection) with leaves from `ca`, and refuse placeholders sent
+    /// elsewhere. `false` (and nothing changes) when the daemon has no upstream trust store.
+    pub fn set_interception(&self, secrets: SandboxSecrets, ca: Arc<SandboxCa>) -> bool {
+        let Some(tls) = self.inner.settings.intercept_tls.clone() else {
+            tracing::warn!(sandbox = %self.inner.sandbox, "no upstream CA bundle: secrets are not intercepted");
+            return false;
+        };
+        let weak = Arc::downgrade(&self.inner);
+        let sink: BlockSink = Arc::new(move |b: &Blocked, host: &str| {
+            if let Some(inner) = weak.upgrade() {
+                inner.emit_blocked(b, host);
+            }
+        });
+        let icpt = Interceptor::new(secrets, ca, tls, sink);
+        *self
+            .inner
+            .interception
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = Some(icpt);
+        true
+    }
+
+    pub fn interceptor(&self) -> Option<Arc<Interceptor>> {
+        self.inner.interceptor()
     }
 
     /// Names pinned to `ip` now (for events and `net policy`).
@@ -138,6 +190,80 @@ impl Inner {
             .into_iter()
             .map(str::to_owned)
             .collect()
+    }
+
+    fn interceptor(&self) -> Option<Arc<Interceptor>> {
+        self.interception
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn emit_blocked(&self, b: &Blocked, host: &str) {
+        if !b.refused {
+            self.emit(NetEvent::SecretInBody {
+                secret: b.secret.clone(),
+                host: host.to_owned(),
+            });
+            return;
+        }
+        metrics::counter!(crate::telemetry::metrics::NET_FLOWS, "verdict" => "secret_blocked", "proto" => "tcp")
+            .increment(1);
+        self.emit(NetEvent::SecretBlocked {
+            secret: b.secret.clone(),
+            host: host.to_owned(),
+            position: b.position.clone(),
+        });
+    }
+
+    /// A placeholder in an authorization position of a plaintext request to `host`.
+    fn plaintext_blocked(&self, bytes: &[u8], host: &str) -> Option<InspectVerdict> {
+        let icpt = self.interceptor()?;
+        let snap = icpt.secrets().current();
+        let b = swap::find_blocked_in_http1(bytes, &snap, host)?;
+        self.emit_blocked(&b, host);
+        Some(InspectVerdict::Deny {
+            reason: format!(
+                "the placeholder of secret {} ({}) is refused: {host} is not one of its hosts",
+                b.secret, b.position
+            ),
+            host: Some(host.to_owned()),
+        })
+    }
+
+    /// A plaintext flow's hand-off when the sandbox holds secrets: every later request on the
+    /// connection is checked too, not only the first one seen here.
+    fn intercept_plain(&self, host: &str) -> Option<Handoff> {
+        let icpt = self.interceptor()?;
+        if !icpt.checks_plaintext() {
+            return None;
+        }
+        let host = host.to_owned();
+        Some(Handoff(Arc::new(move |guest, upstream| {
+            let (icpt, host) = (icpt.clone(), host.clone());
+            Box::pin(async move {
+                if let Err(e) = icpt.serve_plain(guest, upstream, host.clone()).await {
+                    tracing::debug!(%host, error = %e, "checked plaintext flow ended");
+                }
+            })
+        })))
+    }
+
+    /// The flow's hand-off to the interceptor when `host` holds a secret.
+    fn intercept(&self, host: &str) -> Option<Handoff> {
+        let icpt = self.interceptor()?;
+        if !icpt.intercepts(host) {
+            return None;
+        }
+        let sni = host.to_owned();
+        Some(Handoff(Arc::new(move |guest, upstream| {
+            let (icpt, sni) = (icpt.clone(), sni.clone());
+            Box::pin(async move {
+                if let Err(e) = icpt.serve(guest, upstream, sni.clone()).await {
+                    tracing::debug!(host = %sni, error = %e, "intercepted flow ended");
+                }
+            })
+        })))
     }
 
     fn blocked(&self, ip: IpAddr) -> Option<String> {
@@ -258,6 +384,27 @@ impl Inner {
                     Instant::now(),
                 );
                 if pinned {
+                    if port == 80 {
+                        if let Some(v) = self.plaintext_blocked(bytes, &name) {
+                            return v;
+                        }
+                        if let Some(handler) = self.intercept_plain(&name) {
+                            return InspectVerdict::Intercept {
+                                rule: format!("{rule} (every request checked for placeholders)"),
+                                host: Some(name),
+                                handler,
+                            };
+                        }
+                    }
+                    if port == 443
+                        && let Some(handler) = self.intercept(&name)
+                    {
+                        return InspectVerdict::Intercept {
+                            rule: format!("{rule} (secrets intercepted)"),
+                            host: Some(name),
+                            handler,
+                        };
+                    }
                     InspectVerdict::Allow {
                         rule,
                         host: Some(name),
@@ -280,6 +427,14 @@ impl Inner {
             Ok(q) => q,
             Err(reply) => return reply,
         };
+        // A placeholder in a name (exfiltration by lookup): refused before anything else.
+        if let Some(icpt) = self.interceptor()
+            && let Some(b) = swap::find_in_dns_name(&icpt.secrets().current(), &q.name)
+        {
+            dns_outcome("denied");
+            self.emit_blocked(&b, &q.name.to_ascii_lowercase());
+            return Some(dns::reply(&q, Rcode::NxDomain, &[]));
+        }
         let name = match host::normalize_name(&q.name) {
             Ok(n) => n,
             Err(e) => {

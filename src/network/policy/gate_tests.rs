@@ -492,3 +492,89 @@ async fn upstream_failures_are_servfail() {
     let r = gate.dns(query(5, "a.test.", RecordType::A)).await.unwrap();
     assert_eq!(read(&r).0, ResponseCode::ServFail);
 }
+
+#[tokio::test]
+async fn secrets_turn_interception_on_and_placeholders_elsewhere_are_blocked() {
+    use crate::network::intercept::{SandboxCa, tls};
+    use crate::secrets::{Binding, SandboxSecrets, Snapshot, Value};
+    const PH: &str = "tbx_aaaabbbbccccddddeeeeffffgggghhhh";
+    let dir = tempfile::tempdir().unwrap();
+    let any_ca = rcgen::generate_simple_self_signed(vec!["ca.test".into()]).unwrap();
+    let bundle = dir.path().join("ca.pem");
+    std::fs::write(&bundle, any_ca.cert.pem()).unwrap();
+    let t = setup_with(
+        "allow api.test; allow other.test",
+        &[
+            ("api.test", &["203.0.113.10"]),
+            ("other.test", &["203.0.113.20"]),
+        ],
+        |s| s.intercept_tls = Some(tls::upstream_client_config(&[&bundle]).unwrap()),
+    );
+    resolve(&t, "api.test.").await;
+    resolve(&t, "other.test.").await;
+    let secrets = SandboxSecrets::default();
+    let ca = SandboxCa::load_or_create(dir.path(), &[]).unwrap();
+    assert!(t.gate.set_interception(secrets.clone(), ca.clone()));
+    let api = tcp("203.0.113.10:443");
+    // No secret yet: pass-through.
+    let v = t.gate.inspect(&api, &client_hello("api.test"));
+    assert!(matches!(v, InspectVerdict::Allow { .. }), "{v:?}");
+    // A secret added while running: the next flow to its host is intercepted, others are not.
+    secrets.publish(Snapshot {
+        bindings: vec![Binding {
+            name: "KEY".into(),
+            hosts: vec!["api.test".into()],
+            headers: vec![],
+            in_body: false,
+            placeholder: PH.into(),
+            value: Value::new(b"sk-live-value-123".to_vec()),
+        }],
+        git: vec![],
+    });
+    let v = t.gate.inspect(&api, &client_hello("api.test"));
+    assert!(
+        matches!(v, InspectVerdict::Intercept { ref host, .. } if host.as_deref() == Some("api.test")),
+        "{v:?}"
+    );
+    assert!(
+        ca.covers("api.test"),
+        "the CA was re-issued for the new host"
+    );
+    let v = t
+        .gate
+        .inspect(&tcp("203.0.113.20:443"), &client_hello("other.test"));
+    assert!(matches!(v, InspectVerdict::Allow { .. }), "{v:?}");
+    // Plaintext HTTP to another host with the placeholder in the query: refused, with an event.
+    let head = format!("GET /?k={PH} HTTP/1.1\r\nHost: other.test\r\n\r\n");
+    let v = t.gate.inspect(&tcp("203.0.113.20:80"), head.as_bytes());
+    assert!(matches!(v, InspectVerdict::Deny { .. }), "{v:?}");
+    let blocked = |t: &T| {
+        t.events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|e| match e {
+                NetEvent::SecretBlocked {
+                    secret,
+                    host,
+                    position,
+                } => Some(format!("{secret} {host} {position}")),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(blocked(&t), ["KEY other.test query"]);
+    // A plain request without it passes, handed to the checker for the requests after it.
+    let v = t.gate.inspect(
+        &tcp("203.0.113.20:80"),
+        b"GET / HTTP/1.1\r\nHost: other.test\r\n\r\n",
+    );
+    assert!(matches!(v, InspectVerdict::Intercept { .. }), "{v:?}");
+    // A DNS name carrying the placeholder: NXDOMAIN, upstream never asked, event.
+    let before = t.count.load(Ordering::SeqCst);
+    let (code, _) = resolve(&t, &format!("{PH}.other.test.")).await;
+    assert_eq!(code, ResponseCode::NXDomain);
+    assert_eq!(t.count.load(Ordering::SeqCst), before);
+    assert_eq!(blocked(&t).len(), 2);
+    assert!(blocked(&t)[1].ends_with("dns name"), "{:?}", blocked(&t));
+}

@@ -441,9 +441,9 @@ impl Engine {
         let s = self.sockets.get_mut::<tcp::Socket>(f.handle);
         match result {
             Ok(stream) if s.state() == tcp::State::SynReceived => {
-                f.attach(stream, self.wake.clone());
                 s.pause_synack(false);
                 if f.inspect == Inspect::Nothing {
+                    f.attach(stream, self.wake.clone());
                     f.phase = Phase::Open;
                     f.allowed = true;
                     self.gate.record(FlowEvent::Allowed {
@@ -452,6 +452,8 @@ impl Engine {
                         rule: f.rule.clone(),
                     });
                 } else {
+                    // Spliced or handed off once the gate has seen the first bytes.
+                    f.upstream = Some(stream);
                     f.phase = Phase::Inspecting;
                 }
             }
@@ -475,7 +477,7 @@ impl Engine {
         let s = self.sockets.get_mut::<tcp::Socket>(f.handle);
         match f.phase {
             Phase::Connecting => {}
-            Phase::Inspecting => inspect_step(f, s, &self.gate, self.cfg.inspect_cap),
+            Phase::Inspecting => inspect_step(f, s, &self.gate, self.cfg.inspect_cap, &self.wake),
             Phase::Open => relay_step(f, s),
             Phase::Dns => {
                 let (gate, tx) = (self.gate.clone(), self.events_tx.clone());
@@ -532,7 +534,13 @@ impl Engine {
 
 /// Collect the first bytes of an inspected flow and ask the gate; nothing goes upstream and
 /// nothing comes back until it allows.
-fn inspect_step(f: &mut TcpFlow, s: &mut tcp::Socket, gate: &SharedGate, cap: usize) {
+fn inspect_step(
+    f: &mut TcpFlow,
+    s: &mut tcp::Socket,
+    gate: &SharedGate,
+    cap: usize,
+    wake: &Arc<Notify>,
+) {
     let before = f.held.len();
     while s.can_recv() && f.held.len() < cap {
         let room = cap - f.held.len();
@@ -555,6 +563,7 @@ fn inspect_step(f: &mut TcpFlow, s: &mut tcp::Socket, gate: &SharedGate, cap: us
         s.abort();
         f.up = None;
         f.down = None;
+        f.upstream = None;
         f.tasks.clear();
         gate.record(FlowEvent::Denied {
             flow: f.flow,
@@ -575,7 +584,31 @@ fn inspect_step(f: &mut TcpFlow, s: &mut tcp::Socket, gate: &SharedGate, cap: us
         ),
         InspectVerdict::NeedMore => {}
         InspectVerdict::Deny { reason, host } => deny(f, s, reason, host),
-        InspectVerdict::Allow { rule, host } => {
+        InspectVerdict::Allow { .. } | InspectVerdict::Intercept { .. } => {
+            let (rule, host) = match verdict {
+                InspectVerdict::Intercept {
+                    rule,
+                    host,
+                    handler,
+                } => {
+                    // The guest's bytes go to the handler over a pipe; it gets the upstream.
+                    let (ours, theirs) = tokio::io::duplex(2 * CHUNK);
+                    f.attach_io(ours, wake.clone());
+                    if let Some(up) = f.upstream.take() {
+                        let _ = up.set_nodelay(true);
+                        f.tasks
+                            .push(AbortOnDrop(tokio::spawn((handler.0)(theirs, up))));
+                    }
+                    (rule, host)
+                }
+                InspectVerdict::Allow { rule, host } => {
+                    if let Some(up) = f.upstream.take() {
+                        f.attach(up, wake.clone());
+                    }
+                    (rule, host)
+                }
+                _ => return,
+            };
             f.rule = rule;
             f.phase = Phase::Open;
             f.allowed = true;

@@ -10,8 +10,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use smoltcp::iface::SocketHandle;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Notify, mpsc};
 
 use super::AbortOnDrop;
@@ -69,6 +68,9 @@ pub struct TcpFlow {
     pub bytes_up: u64,
     pub bytes_down: u64,
     pub tasks: Vec<AbortOnDrop>,
+    /// An inspected flow's connected upstream socket, held until the gate decides whether it
+    /// is spliced ([`TcpFlow::attach`]) or handed to an interceptor.
+    pub upstream: Option<tokio::net::TcpStream>,
 }
 
 impl TcpFlow {
@@ -92,13 +94,23 @@ impl TcpFlow {
             bytes_up: 0,
             bytes_down: 0,
             tasks: Vec::new(),
+            upstream: None,
         }
     }
 
     /// Start relaying over a connected upstream socket.
     pub fn attach(&mut self, stream: tokio::net::TcpStream, wake: Arc<Notify>) {
         let _ = stream.set_nodelay(true);
-        let (r, w) = stream.into_split();
+        self.attach_io(stream, wake);
+    }
+
+    /// Start relaying over any byte stream (the upstream socket, or the pipe to an
+    /// interceptor).
+    pub fn attach_io<S>(&mut self, stream: S, wake: Arc<Notify>)
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (r, w) = tokio::io::split(stream);
         let (up_tx, up_rx) = mpsc::channel(CHANNEL_CHUNKS);
         let (down_tx, down_rx) = mpsc::channel(CHANNEL_CHUNKS);
         self.up = Some(up_tx);
@@ -113,7 +125,7 @@ impl TcpFlow {
 /// Guest bytes to the upstream. Ends (shutting the upstream's write side) when the engine drops
 /// the sender (the guest closed its side); on a write error it just ends, and the engine sees
 /// the channel closed.
-async fn writer(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>, wake: Arc<Notify>) {
+async fn writer<W: AsyncWrite + Unpin>(mut w: W, mut rx: mpsc::Receiver<Bytes>, wake: Arc<Notify>) {
     while let Some(b) = rx.recv().await {
         // A chunk left the channel: the engine may move more.
         wake.notify_one();
@@ -126,7 +138,7 @@ async fn writer(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>, wake: Arc<
 
 /// Upstream bytes toward the guest. Reads only when the channel has room, so an upstream that
 /// floods a guest that never reads is throttled by TCP.
-async fn reader(mut r: OwnedReadHalf, tx: mpsc::Sender<Down>, wake: Arc<Notify>) {
+async fn reader<R: AsyncRead + Unpin>(mut r: R, tx: mpsc::Sender<Down>, wake: Arc<Notify>) {
     let mut buf = vec![0u8; CHUNK];
     loop {
         let permit = match tx.reserve().await {

@@ -58,6 +58,24 @@ impl Gate for TestGate {
         self.inspected.fetch_add(1, Ordering::Relaxed);
         if first.len() < 4 {
             InspectVerdict::NeedMore
+        } else if first.starts_with(b"TAKE") {
+            InspectVerdict::Intercept {
+                rule: "take".into(),
+                host: Some("take.test".into()),
+                handler: Handoff(Arc::new(|mut guest, mut up| {
+                    Box::pin(async move {
+                        // Prove both ends: the guest's bytes (held ones first) go through the
+                        // upstream socket the stack connected, and come back tagged.
+                        let mut buf = vec![0u8; 64];
+                        let n = guest.read(&mut buf).await.unwrap();
+                        up.write_all(&buf[..n]).await.unwrap();
+                        let mut echo = vec![0u8; n];
+                        up.read_exact(&mut echo).await.unwrap();
+                        guest.write_all(b"HANDLED:").await.unwrap();
+                        guest.write_all(&echo).await.unwrap();
+                    })
+                })),
+            }
         } else if first.starts_with(b"GOOD") {
             InspectVerdict::Allow {
                 rule: "good".into(),
@@ -362,6 +380,36 @@ async fn inspected_flow_forwards_nothing_until_allowed() {
     // The events name what the first bytes showed.
     assert!(gate.events().iter().any(
         |e| matches!(e, FlowEvent::Allowed { host, .. } if host.as_deref() == Some("good.test"))
+    ));
+}
+
+#[tokio::test]
+async fn an_intercepted_flow_is_handed_to_its_handler_with_the_upstream() {
+    let gate = Arc::new(TestGate::default());
+    let (up, got) = echo_server().await;
+    gate.allow("198.51.100.4:443", up, Inspect::TlsSni);
+    let (mut g, _) = start(gate.clone(), StackConfig::default());
+    let h = g.tcp("198.51.100.4:443", 4096);
+    g.until("established", |g| g.t(h).state() == tcp::State::Established)
+        .await;
+    g.t(h).send_slice(b"TAKE me").unwrap();
+    let mut back = Vec::new();
+    g.until("handled", |g| {
+        let s = g.t(h);
+        while s.can_recv() {
+            s.recv(|b| {
+                back.extend_from_slice(b);
+                (b.len(), ())
+            })
+            .unwrap();
+        }
+        back.len() >= 15
+    })
+    .await;
+    assert_eq!(back, b"HANDLED:TAKE me");
+    assert_eq!(got.load(Ordering::Relaxed), 7);
+    assert!(gate.events().iter().any(
+        |e| matches!(e, FlowEvent::Allowed { host, rule, .. } if host.as_deref() == Some("take.test") && rule == "take")
     ));
 }
 

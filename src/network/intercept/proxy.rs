@@ -1,0 +1,603 @@
+//! One intercepted flow: the upstream TLS connection (verified, its own ALPN) and a hyper
+//! client on it, the guest's TLS terminated with a leaf from the sandbox CA, and a hyper server
+//! (HTTP/1.1 or HTTP/2 by ALPN) whose every request is checked, swapped, forwarded and whose
+//! response is scrubbed.
+//!
+//! Per request: CONNECT and TRACE are refused (405); Host/`:authority` must equal the SNI
+//! (421 otherwise); a placeholder of a secret that does not serve this host in an
+//! authorization position is refused (403, `secret.blocked`); the placeholders of the secrets
+//! that serve it are swapped; the response to a request that carried a value is scrubbed
+//! (identity asked upstream; gzip/deflate decoded; other encodings: 502). Redirects are passed
+//! to the guest as they are: the client follows them with new requests, each checked again.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode, Uri, Version};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+
+use super::body::{BoxError, ProxyBody, Transform, TransformBody, boxed, full};
+use super::scrub::{Decoder, Replacer, StreamReplace, rendered_forms};
+use super::swap::{self, Blocked};
+use super::{InterceptError, Interceptor};
+
+type H1 = hyper::client::conn::http1::SendRequest<ProxyBody>;
+type H2 = hyper::client::conn::http2::SendRequest<ProxyBody>;
+
+enum Sender {
+    H1(H1),
+    H2(H2),
+}
+
+impl Sender {
+    fn is_closed(&self) -> bool {
+        match self {
+            Sender::H1(s) => s.is_closed(),
+            Sender::H2(s) => s.is_closed(),
+        }
+    }
+}
+
+/// The upstream side of one flow: the first connection is the one the stack already made to the
+/// pinned address; a closed one is replaced by a new connection to the same address.
+struct Upstream {
+    addr: SocketAddr,
+    sni: String,
+    /// `None`: a plaintext HTTP flow (block check only; nothing swapped or scrubbed).
+    tls: Option<Arc<rustls::ClientConfig>>,
+    first: std::sync::Mutex<Option<TcpStream>>,
+    cur: tokio::sync::Mutex<Option<Sender>>,
+}
+
+impl Upstream {
+    async fn connect(&self) -> Result<Sender, InterceptError> {
+        let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let tcp = match first {
+            Some(s) => s,
+            None => TcpStream::connect(self.addr)
+                .await
+                .map_err(InterceptError::UpstreamIo)?,
+        };
+        let _ = tcp.set_nodelay(true);
+        let Some(tls) = &self.tls else {
+            let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+                .await
+                .map_err(InterceptError::UpstreamHttp)?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "plaintext upstream connection ended");
+                }
+            });
+            return Ok(Sender::H1(s));
+        };
+        let name = rustls::pki_types::ServerName::try_from(self.sni.clone())
+            .map_err(|_| InterceptError::BadSni(self.sni.clone()))?;
+        let tls = tokio_rustls::TlsConnector::from(tls.clone())
+            .connect(name, tcp)
+            .await
+            .map_err(InterceptError::UpstreamTls)?;
+        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        let io = TokioIo::new(tls);
+        if h2 {
+            let (s, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+                .handshake(io)
+                .await
+                .map_err(InterceptError::UpstreamHttp)?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "intercepted upstream h2 connection ended");
+                }
+            });
+            Ok(Sender::H2(s))
+        } else {
+            let (s, conn) = hyper::client::conn::http1::handshake(io)
+                .await
+                .map_err(InterceptError::UpstreamHttp)?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "intercepted upstream h1 connection ended");
+                }
+            });
+            Ok(Sender::H1(s))
+        }
+    }
+
+    /// Whether the current connection speaks HTTP/2 (connecting if needed).
+    async fn send(
+        &self,
+        mut req: Request<ProxyBody>,
+    ) -> Result<Response<Incoming>, InterceptError> {
+        let mut g = self.cur.lock().await;
+        if g.as_ref().is_none_or(Sender::is_closed) {
+            *g = Some(self.connect().await?);
+        }
+        match g.as_mut() {
+            Some(Sender::H2(s)) => {
+                let mut s = s.clone();
+                drop(g);
+                *req.version_mut() = Version::HTTP_2;
+                req.headers_mut().remove(header::HOST);
+                let pq = req
+                    .uri()
+                    .path_and_query()
+                    .map(|p| p.as_str().to_owned())
+                    .unwrap_or_else(|| "/".into());
+                *req.uri_mut() = format!("https://{}{pq}", self.sni)
+                    .parse()
+                    .map_err(|_| InterceptError::BadRequest("request target"))?;
+                s.send_request(req)
+                    .await
+                    .map_err(InterceptError::UpstreamHttp)
+            }
+            Some(Sender::H1(s)) => {
+                s.ready().await.map_err(InterceptError::UpstreamHttp)?;
+                *req.version_mut() = Version::HTTP_11;
+                let pq = req
+                    .uri()
+                    .path_and_query()
+                    .map(|p| p.as_str().to_owned())
+                    .unwrap_or_else(|| "/".into());
+                *req.uri_mut() = pq
+                    .parse::<Uri>()
+                    .map_err(|_| InterceptError::BadRequest("request target"))?;
+                if !req.headers().contains_key(header::HOST) {
+                    let h = HeaderValue::from_str(&self.sni)
+                        .map_err(|_| InterceptError::BadSni(self.sni.clone()))?;
+                    req.headers_mut().insert(header::HOST, h);
+                }
+                let fut = s.send_request(req);
+                drop(g);
+                fut.await.map_err(InterceptError::UpstreamHttp)
+            }
+            None => Err(InterceptError::BadRequest("no upstream")),
+        }
+    }
+}
+
+struct Flow {
+    icpt: Arc<Interceptor>,
+    /// The TLS server name (or, on plaintext flows, the Host the gate allowed).
+    sni: String,
+    up: Upstream,
+    plain: bool,
+}
+
+/// Serve one intercepted TLS flow until either side closes.
+pub(super) async fn serve<G>(
+    icpt: Arc<Interceptor>,
+    guest: G,
+    upstream: TcpStream,
+    sni: String,
+) -> Result<(), InterceptError>
+where
+    G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let addr = upstream.peer_addr().map_err(InterceptError::UpstreamIo)?;
+    let up = Upstream {
+        addr,
+        sni: sni.clone(),
+        tls: Some(icpt.upstream_tls.clone()),
+        first: std::sync::Mutex::new(Some(upstream)),
+        cur: tokio::sync::Mutex::new(None),
+    };
+    // Upstream first: a host whose certificate does not verify never gets a guest handshake.
+    let first = up.connect().await?;
+    *up.cur.lock().await = Some(first);
+    let leaf = icpt.ca.leaf(&sni)?;
+    let cfg = super::tls::guest_server_config(&leaf)?;
+    let tls = tokio_rustls::TlsAcceptor::from(cfg)
+        .accept(guest)
+        .await
+        .map_err(InterceptError::GuestTls)?;
+    let flow = Arc::new(Flow {
+        icpt,
+        sni,
+        up,
+        plain: false,
+    });
+    let svc = hyper::service::service_fn(move |req| {
+        let flow = flow.clone();
+        async move { Ok::<_, Infallible>(flow.handle(req).await) }
+    });
+    hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+        .serve_connection(TokioIo::new(tls), svc)
+        .await
+        .map_err(InterceptError::Guest)
+}
+
+/// Serve one plaintext HTTP/1 flow to `host` (the Host the gate allowed): every request on it,
+/// not only the first, must keep that Host and carry no placeholder of another host's secret.
+pub(super) async fn serve_plain<G>(
+    icpt: Arc<Interceptor>,
+    guest: G,
+    upstream: TcpStream,
+    host: String,
+) -> Result<(), InterceptError>
+where
+    G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let addr = upstream.peer_addr().map_err(InterceptError::UpstreamIo)?;
+    let up = Upstream {
+        addr,
+        sni: host.clone(),
+        tls: None,
+        first: std::sync::Mutex::new(Some(upstream)),
+        cur: tokio::sync::Mutex::new(None),
+    };
+    let flow = Arc::new(Flow {
+        icpt,
+        sni: host,
+        up,
+        plain: true,
+    });
+    let svc = hyper::service::service_fn(move |req| {
+        let flow = flow.clone();
+        async move { Ok::<_, Infallible>(flow.handle(req).await) }
+    });
+    hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(guest), svc)
+        .await
+        .map_err(|e| InterceptError::Guest(Box::new(e)))
+}
+
+fn status(code: StatusCode, text: &str) -> Response<ProxyBody> {
+    let mut r = Response::new(full(format!("tryboxi: {text}\n")));
+    *r.status_mut() = code;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
+/// `host[:port]` -> host, lowercase (IPv6 literals keep their brackets).
+pub fn strip_port(a: &str) -> String {
+    let a = a.trim();
+    let host = match a.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(']') && h.contains(':') => a.trim_end_matches(p),
+        Some((h, p)) if p.bytes().all(|c| c.is_ascii_digit()) => h,
+        _ => a,
+    };
+    host.trim_end_matches('.').to_ascii_lowercase()
+}
+
+/// Hop-by-hop headers (and the ones `connection` names) are not forwarded.
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        h.remove(n);
+    }
+    let te_trailers = h
+        .get_all(header::TE)
+        .iter()
+        .any(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
+    for n in [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "upgrade",
+        "te",
+    ] {
+        h.remove(n);
+    }
+    if te_trailers {
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+    }
+}
+
+/// Watches a request body for the placeholders of secrets that do not serve the host: passed
+/// through unchanged, each one found is reported once at the end (`secret.in_body`).
+struct Audit {
+    icpt: Arc<Interceptor>,
+    host: String,
+    names: Vec<String>,
+    ac: aho_corasick::AhoCorasick,
+    max_len: usize,
+    carry: Vec<u8>,
+    found: Vec<bool>,
+}
+
+impl Audit {
+    fn new(icpt: Arc<Interceptor>, host: &str, found: Vec<(String, String)>) -> Option<Audit> {
+        if found.is_empty() {
+            return None;
+        }
+        let ac = aho_corasick::AhoCorasick::builder()
+            .ascii_case_insensitive(true)
+            .build(found.iter().map(|(_, p)| p))
+            .ok()?;
+        Some(Audit {
+            icpt,
+            host: host.to_owned(),
+            max_len: found.iter().map(|(_, p)| p.len()).max().unwrap_or(1),
+            found: vec![false; found.len()],
+            names: found.into_iter().map(|(n, _)| n).collect(),
+            ac,
+            carry: Vec::new(),
+        })
+    }
+}
+
+impl Transform for Audit {
+    fn push(&mut self, chunk: &[u8]) -> Result<Vec<u8>, BoxError> {
+        let mut buf = std::mem::take(&mut self.carry);
+        buf.extend_from_slice(chunk);
+        for m in self.ac.find_iter(&buf) {
+            self.found[m.pattern().as_usize()] = true;
+        }
+        let keep = buf.len().min(self.max_len.saturating_sub(1));
+        self.carry = buf[buf.len() - keep..].to_vec();
+        Ok(chunk.to_vec())
+    }
+    fn finish(&mut self) -> Result<Vec<u8>, BoxError> {
+        for (i, hit) in self.found.iter().enumerate() {
+            if *hit {
+                let b = Blocked {
+                    secret: self.names[i].clone(),
+                    position: "body".into(),
+                    refused: false,
+                };
+                self.icpt.blocked(&b, &self.host);
+            }
+        }
+        self.found.iter_mut().for_each(|f| *f = false);
+        Ok(Vec::new())
+    }
+}
+
+/// The request-body audit of a flow to `host`, if any secret does not serve it.
+fn audit(icpt: &Arc<Interceptor>, snap: &crate::secrets::Snapshot, host: &str) -> Option<Audit> {
+    let others = snap
+        .bindings
+        .iter()
+        .filter(|b| !b.serves(host))
+        .map(|b| (b.name.clone(), b.placeholder.clone()))
+        .collect();
+    Audit::new(icpt.clone(), host, others)
+}
+
+/// Response decoding and scrubbing.
+struct Scrub {
+    decoder: Option<Decoder>,
+    rep: StreamReplace,
+}
+
+impl Transform for Scrub {
+    fn push(&mut self, chunk: &[u8]) -> Result<Vec<u8>, BoxError> {
+        let plain = match &mut self.decoder {
+            Some(d) => d.push(chunk)?,
+            None => chunk.to_vec(),
+        };
+        Ok(self.rep.push(&plain))
+    }
+    fn finish(&mut self) -> Result<Vec<u8>, BoxError> {
+        let mut out = match &mut self.decoder {
+            Some(d) => self.rep.push(&d.finish()?),
+            None => Vec::new(),
+        };
+        out.extend(self.rep.finish());
+        Ok(out)
+    }
+    fn trailers(&mut self, t: &mut HeaderMap) {
+        scrub_headers(t, self.rep_replacer());
+    }
+}
+
+impl Scrub {
+    fn rep_replacer(&self) -> &Replacer {
+        self.rep.replacer()
+    }
+}
+
+fn scrub_headers(h: &mut HeaderMap, r: &Replacer) {
+    for v in h.values_mut() {
+        if r.contains(v.as_bytes())
+            && let Ok(n) = HeaderValue::from_bytes(&r.replace_all(v.as_bytes()))
+        {
+            *v = n;
+        }
+    }
+}
+
+impl Flow {
+    async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        match self.handle_inner(req).await {
+            Ok(r) => r,
+            Err(r) => r,
+        }
+    }
+
+    /// The request's host (Host or `:authority`, port stripped); it must equal the SNI.
+    fn authority(&self, req: &Request<Incoming>) -> Result<String, (StatusCode, &'static str)> {
+        let hosts: Vec<&HeaderValue> = req.headers().get_all(header::HOST).iter().collect();
+        let from_header = match hosts.as_slice() {
+            [] => None,
+            [one] => {
+                Some(strip_port(one.to_str().map_err(|_| {
+                    (StatusCode::BAD_REQUEST, "Host is not text")
+                })?))
+            }
+            _ => return Err((StatusCode::BAD_REQUEST, "several Host headers")),
+        };
+        let from_uri = req.uri().authority().map(|a| strip_port(a.as_str()));
+        let host = match (from_uri, from_header) {
+            (Some(u), Some(h)) if u != h => {
+                return Err((
+                    StatusCode::MISDIRECTED_REQUEST,
+                    "request target and Host differ",
+                ));
+            }
+            (Some(u), _) => u,
+            (None, Some(h)) => h,
+            (None, None) => return Err((StatusCode::BAD_REQUEST, "no Host")),
+        };
+        if !host.eq_ignore_ascii_case(&self.sni) {
+            return Err((
+                StatusCode::MISDIRECTED_REQUEST,
+                "Host differs from the TLS server name",
+            ));
+        }
+        Ok(host)
+    }
+
+    async fn handle_inner(
+        &self,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, Response<ProxyBody>> {
+        if req.method() == Method::CONNECT || req.method() == Method::TRACE {
+            return Err(status(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "CONNECT and TRACE are refused on intercepted connections",
+            ));
+        }
+        self.authority(&req).map_err(|(c, why)| status(c, why))?;
+        let snap = self.icpt.secrets.current();
+        let hs: Vec<(&str, &[u8])> = req
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_bytes()))
+            .collect();
+        if let Some(b) = swap::find_blocked(&snap, &self.sni, hs.into_iter(), req.uri().query()) {
+            self.icpt.blocked(&b, &self.sni);
+            return Err(blocked_response(&b, &self.sni));
+        }
+        let (mut parts, body) = req.into_parts();
+        let mut body = boxed(body);
+        if let Some(a) = audit(&self.icpt, &snap, &self.sni) {
+            body = boxed(TransformBody::new(body, a));
+        }
+        if self.plain {
+            strip_hop_by_hop(&mut parts.headers);
+            let resp = self
+                .up
+                .send(Request::from_parts(parts, body))
+                .await
+                .map_err(|e| {
+                    tracing::debug!(host = %self.sni, error = %e, "plaintext request failed upstream");
+                    status(StatusCode::BAD_GATEWAY, "upstream request failed")
+                })?;
+            let (mut rp, rbody) = resp.into_parts();
+            strip_hop_by_hop(&mut rp.headers);
+            return Ok(Response::from_parts(rp, boxed(rbody)));
+        }
+        let sw = swap::swap_head(&mut parts, &snap, &self.sni)
+            .map_err(|e| status(StatusCode::BAD_REQUEST, &e.to_string()))?;
+        strip_hop_by_hop(&mut parts.headers);
+        let in_body: Vec<usize> = snap
+            .bindings
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.in_body && b.serves(&self.sni))
+            .map(|(i, _)| i)
+            .collect();
+        if let Some(r) = Replacer::new(
+            in_body
+                .iter()
+                .map(|&i| {
+                    let b = &snap.bindings[i];
+                    (b.placeholder.as_bytes().to_vec(), b.value.bytes().to_vec())
+                })
+                .collect(),
+        ) {
+            parts.headers.remove(header::CONTENT_LENGTH);
+            body = boxed(TransformBody::new(body, StreamReplace::new(r)));
+        }
+        let mut scrub_set: Vec<usize> = sw.used.clone();
+        scrub_set.extend(in_body);
+        scrub_set.sort_unstable();
+        scrub_set.dedup();
+        let scrubber = Replacer::new(
+            scrub_set
+                .iter()
+                .flat_map(|&i| {
+                    let b = &snap.bindings[i];
+                    let basic: Vec<_> = sw
+                        .basic
+                        .iter()
+                        .filter(|(_, ph)| {
+                            ph.windows(b.placeholder.len())
+                                .any(|w| w == b.placeholder.as_bytes())
+                        })
+                        .cloned()
+                        .collect();
+                    rendered_forms(b.value.bytes(), b.placeholder.as_bytes(), &basic)
+                })
+                .collect(),
+        );
+        if scrubber.is_some() {
+            parts.headers.insert(
+                header::ACCEPT_ENCODING,
+                HeaderValue::from_static("identity"),
+            );
+        }
+        let method = parts.method.clone();
+        let resp = match self.up.send(Request::from_parts(parts, body)).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(host = %self.sni, %method, error = %e, "intercepted request failed upstream");
+                return Err(status(StatusCode::BAD_GATEWAY, "upstream request failed"));
+            }
+        };
+        let (mut rp, rbody) = resp.into_parts();
+        strip_hop_by_hop(&mut rp.headers);
+        let Some(scrubber) = scrubber else {
+            return Ok(Response::from_parts(rp, boxed(rbody)));
+        };
+        let encs: Vec<&HeaderValue> = rp
+            .headers
+            .get_all(header::CONTENT_ENCODING)
+            .iter()
+            .collect();
+        let enc = match encs.as_slice() {
+            [] => None,
+            [one] => Some(one.to_str().unwrap_or("?")),
+            _ => Some("(several)"),
+        };
+        let decoder = match Decoder::for_encoding(enc) {
+            Ok(d) => d,
+            Err(e) => {
+                // The encoding's name comes from upstream and could carry the value: the texts
+                // go through the scrubber.
+                let text = String::from_utf8_lossy(&scrubber.replace_all(e.to_string().as_bytes()))
+                    .into_owned();
+                tracing::warn!(host = %self.sni, error = %text, "intercepted response refused");
+                return Err(status(StatusCode::BAD_GATEWAY, &text));
+            }
+        };
+        if decoder.is_some() {
+            rp.headers.remove(header::CONTENT_ENCODING);
+        }
+        rp.headers.remove(header::CONTENT_LENGTH);
+        scrub_headers(&mut rp.headers, &scrubber);
+        let t = Scrub {
+            decoder,
+            rep: StreamReplace::new(scrubber),
+        };
+        Ok(Response::from_parts(
+            rp,
+            boxed(TransformBody::new(boxed(rbody), t)),
+        ))
+    }
+}
+
+fn blocked_response(b: &Blocked, host: &str) -> Response<ProxyBody> {
+    status(
+        StatusCode::FORBIDDEN,
+        &format!(
+            "the placeholder of secret {} ({}) is refused: {host} is not one of its hosts",
+            b.secret, b.position
+        ),
+    )
+}

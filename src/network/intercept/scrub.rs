@@ -1,0 +1,359 @@
+//! Streaming byte replacement (aho-corasick with a carry of longest-pattern-minus-one bytes, so a
+//! pattern split across chunks is still found), the rendered forms of a secret value that
+//! responses are scrubbed of, and the response content decoders (gzip, deflate; anything else
+//! fails closed).
+//!
+//! Used both ways: requests swap placeholder -> value in bodies (`--in-body`), responses scrub
+//! value (and its base64, URL-encoded, JSON-escaped and Basic renderings) -> placeholder.
+
+use std::io::Write as _;
+use std::sync::Arc;
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use base64::Engine as _;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScrubError {
+    #[error("response content encoding {0:?} cannot be decoded for scrubbing")]
+    UnknownEncoding(String),
+    #[error("response body does not decode as {0}")]
+    Decode(&'static str),
+    #[error("decoded response chunk larger than {0} bytes")]
+    TooLarge(usize),
+}
+
+/// Largest output one input chunk may decode to (a deflate bomb is cut off, not buffered).
+pub const MAX_DECODED_CHUNK: usize = 32 * 1024 * 1024;
+
+/// A fixed set of `pattern -> replacement` pairs.
+pub struct Replacer {
+    ac: AhoCorasick,
+    repl: Vec<Vec<u8>>,
+    max_len: usize,
+}
+
+impl std::fmt::Debug for Replacer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Replacer({} patterns)", self.repl.len())
+    }
+}
+
+impl Replacer {
+    /// `None` when there is nothing to replace. Empty patterns are ignored; the longest
+    /// pattern wins where several match at one place.
+    pub fn new(pairs: Vec<(Vec<u8>, Vec<u8>)>) -> Option<Arc<Replacer>> {
+        let mut pairs: Vec<_> = pairs.into_iter().filter(|(p, _)| !p.is_empty()).collect();
+        pairs.sort();
+        pairs.dedup_by(|a, b| a.0 == b.0);
+        if pairs.is_empty() {
+            return None;
+        }
+        let max_len = pairs.iter().map(|(p, _)| p.len()).max().unwrap_or(0);
+        let ac = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(pairs.iter().map(|(p, _)| p))
+            .ok()?;
+        Some(Arc::new(Replacer {
+            ac,
+            repl: pairs.into_iter().map(|(_, r)| r).collect(),
+            max_len,
+        }))
+    }
+
+    pub fn replace_all(&self, b: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(b.len());
+        self.ac.replace_all_with_bytes(b, &mut out, |m, _, dst| {
+            dst.extend_from_slice(&self.repl[m.pattern().as_usize()]);
+            true
+        });
+        out
+    }
+
+    pub fn contains(&self, b: &[u8]) -> bool {
+        self.ac.is_match(b)
+    }
+}
+
+/// A [`Replacer`] applied to a stream of chunks.
+#[derive(Debug)]
+pub struct StreamReplace {
+    r: Arc<Replacer>,
+    carry: Vec<u8>,
+    /// Replacements made so far.
+    pub hits: usize,
+}
+
+impl StreamReplace {
+    pub fn new(r: Arc<Replacer>) -> StreamReplace {
+        StreamReplace {
+            r,
+            carry: Vec::new(),
+            hits: 0,
+        }
+    }
+
+    pub fn replacer(&self) -> &Replacer {
+        &self.r
+    }
+
+    /// Replace in `chunk`; returns what can be emitted now (up to `max_len - 1` bytes that might
+    /// start a pattern are held back).
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+        let mut buf = std::mem::take(&mut self.carry);
+        buf.extend_from_slice(chunk);
+        // Any pattern starting before `safe` lies wholly inside `buf`, so it is found now.
+        let safe = buf.len().saturating_sub(self.r.max_len - 1);
+        let mut out = Vec::with_capacity(buf.len());
+        let mut pos = 0;
+        for m in self.r.ac.find_iter(&buf) {
+            if m.start() >= safe {
+                break;
+            }
+            out.extend_from_slice(&buf[pos..m.start()]);
+            out.extend_from_slice(&self.r.repl[m.pattern().as_usize()]);
+            pos = m.end();
+            self.hits += 1;
+        }
+        let cut = pos.max(safe);
+        out.extend_from_slice(&buf[pos..cut]);
+        self.carry = buf.split_off(cut);
+        out
+    }
+
+    /// The held-back tail, replaced.
+    pub fn finish(&mut self) -> Vec<u8> {
+        let tail = std::mem::take(&mut self.carry);
+        let out = self.r.replace_all(&tail);
+        if out != tail {
+            self.hits += 1;
+        }
+        out
+    }
+}
+
+/// The renderings of `value` a response might carry, each paired with the same rendering of
+/// `placeholder`: raw, base64 (standard and URL-safe, padded or not), URL-encoded, JSON-escaped,
+/// and `basic` (the `user:value` strings of swapped Basic credentials) base64-encoded.
+pub fn rendered_forms(
+    value: &[u8],
+    placeholder: &[u8],
+    basic: &[(Vec<u8>, Vec<u8>)],
+) -> Vec<(Vec<u8>, Vec<u8>)> {
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
+    let mut v = vec![(value.to_vec(), placeholder.to_vec())];
+    for e in [&STANDARD, &STANDARD_NO_PAD, &URL_SAFE, &URL_SAFE_NO_PAD] {
+        v.push((
+            e.encode(value).into_bytes(),
+            e.encode(placeholder).into_bytes(),
+        ));
+    }
+    for (with_value, with_placeholder) in basic {
+        v.push((
+            STANDARD.encode(with_value).into_bytes(),
+            STANDARD.encode(with_placeholder).into_bytes(),
+        ));
+        v.push((with_value.clone(), with_placeholder.clone()));
+    }
+    let url = percent_encoding::percent_encode(value, percent_encoding::NON_ALPHANUMERIC)
+        .to_string()
+        .into_bytes();
+    v.push((url, placeholder.to_vec()));
+    let url_min = percent_encoding::percent_encode(value, QUERY_VALUE)
+        .to_string()
+        .into_bytes();
+    v.push((url_min, placeholder.to_vec()));
+    if let Ok(s) = std::str::from_utf8(value)
+        && let Ok(j) = serde_json::to_string(s)
+    {
+        let inner = j.as_bytes()[1..j.len() - 1].to_vec();
+        v.push((inner.clone(), placeholder.to_vec()));
+        // Also with `/` escaped, as some encoders do.
+        v.push((
+            String::from_utf8_lossy(&inner)
+                .replace('/', "\\/")
+                .into_bytes(),
+            placeholder.to_vec(),
+        ));
+    }
+    v
+}
+
+/// Bytes percent-encoded when a value is put into a URL query.
+pub const QUERY_VALUE: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
+/// A streaming decoder for a response's `content-encoding`.
+pub enum Decoder {
+    Gzip(flate2::write::GzDecoder<Vec<u8>>),
+    Deflate(flate2::write::ZlibDecoder<Vec<u8>>),
+}
+
+impl std::fmt::Debug for Decoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Decoder::Gzip(_) => "Decoder::Gzip",
+            Decoder::Deflate(_) => "Decoder::Deflate",
+        })
+    }
+}
+
+impl Decoder {
+    /// `Ok(None)`: identity. Unknown or stacked encodings fail closed.
+    pub fn for_encoding(enc: Option<&str>) -> Result<Option<Decoder>, ScrubError> {
+        let Some(enc) = enc.map(|e| e.trim().to_ascii_lowercase()) else {
+            return Ok(None);
+        };
+        match enc.as_str() {
+            "" | "identity" => Ok(None),
+            "gzip" | "x-gzip" => Ok(Some(Decoder::Gzip(flate2::write::GzDecoder::new(
+                Vec::new(),
+            )))),
+            "deflate" => Ok(Some(Decoder::Deflate(flate2::write::ZlibDecoder::new(
+                Vec::new(),
+            )))),
+            other => Err(ScrubError::UnknownEncoding(other.to_owned())),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Decoder::Gzip(_) => "gzip",
+            Decoder::Deflate(_) => "deflate",
+        }
+    }
+
+    fn take(&mut self) -> Vec<u8> {
+        match self {
+            Decoder::Gzip(d) => std::mem::take(d.get_mut()),
+            Decoder::Deflate(d) => std::mem::take(d.get_mut()),
+        }
+    }
+
+    pub fn push(&mut self, chunk: &[u8]) -> Result<Vec<u8>, ScrubError> {
+        let name = self.name();
+        let mut out = Vec::new();
+        // Feed in slices so one chunk's output stays bounded.
+        for piece in chunk.chunks(4096) {
+            let r = match self {
+                Decoder::Gzip(d) => d.write_all(piece),
+                Decoder::Deflate(d) => d.write_all(piece),
+            };
+            r.map_err(|_| ScrubError::Decode(name))?;
+            out.extend(self.take());
+            if out.len() > MAX_DECODED_CHUNK {
+                return Err(ScrubError::TooLarge(MAX_DECODED_CHUNK));
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn finish(&mut self) -> Result<Vec<u8>, ScrubError> {
+        let name = self.name();
+        let r = match self {
+            Decoder::Gzip(d) => d.try_finish(),
+            Decoder::Deflate(d) => d.try_finish(),
+        };
+        r.map_err(|_| ScrubError::Decode(name))?;
+        Ok(self.take())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V: &[u8] = b"sk-live-0123456789abcdef";
+    const P: &[u8] = b"tbx_aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+
+    fn scrubber() -> Arc<Replacer> {
+        Replacer::new(rendered_forms(
+            V,
+            P,
+            &[(b"me:sk".to_vec(), b"me:tbx".to_vec())],
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_value_split_at_every_offset_is_replaced() {
+        let r = scrubber();
+        let mut text = b"head ".to_vec();
+        text.extend_from_slice(V);
+        text.extend_from_slice(b" mid ");
+        text.extend_from_slice(V);
+        text.extend_from_slice(b" tail");
+        let want = r.replace_all(&text);
+        assert!(!want.windows(V.len()).any(|w| w == V));
+        for a in 0..=text.len() {
+            for b in a..=text.len() {
+                let mut s = StreamReplace::new(r.clone());
+                let mut out = s.push(&text[..a]);
+                out.extend(s.push(&text[a..b]));
+                out.extend(s.push(&text[b..]));
+                out.extend(s.finish());
+                assert_eq!(out, want, "split at {a},{b}");
+                assert_eq!(s.hits, 2, "split at {a},{b}");
+            }
+        }
+        // Byte by byte.
+        let mut s = StreamReplace::new(r.clone());
+        let mut out = Vec::new();
+        for b in &text {
+            out.extend(s.push(std::slice::from_ref(b)));
+        }
+        out.extend(s.finish());
+        assert_eq!(out, want);
+    }
+
+    #[test]
+    fn every_rendered_form_is_scrubbed() {
+        use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+        let r = scrubber();
+        let forms: Vec<Vec<u8>> = vec![
+            V.to_vec(),
+            STANDARD.encode(V).into_bytes(),
+            URL_SAFE_NO_PAD.encode(V).into_bytes(),
+            STANDARD.encode(b"me:sk").into_bytes(),
+        ];
+        for f in forms {
+            let out = r.replace_all(&f);
+            assert_ne!(out, f);
+        }
+        // JSON and URL renderings of a value with special characters.
+        let v2 = b"a/b\"c+d e";
+        let r2 = Replacer::new(rendered_forms(v2, P, &[])).unwrap();
+        for f in [
+            &b"a/b\\\"c+d e"[..],
+            b"a\\/b\\\"c+d e",
+            b"a%2Fb%22c%2Bd%20e",
+        ] {
+            assert_eq!(r2.replace_all(f), P, "{}", String::from_utf8_lossy(f));
+        }
+    }
+
+    #[test]
+    fn gzip_is_decoded_and_unknown_encodings_fail_closed() {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(b"hello ").unwrap();
+        e.write_all(V).unwrap();
+        let gz = e.finish().unwrap();
+        let mut d = Decoder::for_encoding(Some("gzip")).unwrap().unwrap();
+        let mut out = Vec::new();
+        for c in gz.chunks(3) {
+            out.extend(d.push(c).unwrap());
+        }
+        out.extend(d.finish().unwrap());
+        assert_eq!(&out[..6], b"hello ");
+        assert!(matches!(
+            Decoder::for_encoding(Some("br")),
+            Err(ScrubError::UnknownEncoding(_))
+        ));
+        assert!(Decoder::for_encoding(Some("gzip, br")).is_err());
+        assert!(Decoder::for_encoding(Some("identity")).unwrap().is_none());
+        let mut d = Decoder::for_encoding(Some("gzip")).unwrap().unwrap();
+        assert!(d.push(b"not gzip at all").is_err() || d.finish().is_err());
+    }
+}
