@@ -124,6 +124,11 @@ pub async fn screen_push(
         }
         Screen::Refuse(rej) => {
             tracing::info!(repo, reason = %rej.message, "git push refused");
+            if !ended {
+                // git sends the whole pack before it reads the answer: take it (and drop it) so
+                // the client sees the report, not a broken pipe.
+                drain(body).await;
+            }
             let mut resp = Response::new(full(rej.report()));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -142,6 +147,27 @@ pub async fn screen_push(
             repo,
         )),
     }
+}
+
+/// What a refused push's body may still send before the answer goes out anyway.
+pub const MAX_DRAIN: u64 = 4 << 30;
+/// How long a refused push's body may take to arrive.
+pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Reads and drops the rest of a body, up to [`MAX_DRAIN`] bytes and [`DRAIN_TIMEOUT`].
+async fn drain(mut body: ProxyBody) {
+    let mut n: u64 = 0;
+    let read = async {
+        while let Some(Ok(f)) = body.frame().await {
+            if let Ok(d) = f.into_data() {
+                n += d.len() as u64;
+                if n > MAX_DRAIN {
+                    break;
+                }
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, read).await;
 }
 
 /// Reads a GraphQL body (at most [`MAX_GRAPHQL_BODY`] bytes) and checks it: the body to
@@ -168,7 +194,13 @@ pub async fn check_graphql_body(
         match frame {
             Err(e) => {
                 tracing::debug!(host, error = %e, "GraphQL body failed");
-                return Err(too_large());
+                return Err(refused(
+                    &Refusal {
+                        status: 400,
+                        message: "tryboxi: the GraphQL request body could not be read".into(),
+                    },
+                    host,
+                ));
             }
             Ok(f) => {
                 if let Ok(d) = f.into_data() {
