@@ -24,6 +24,8 @@ pub mod swap;
 pub mod tls;
 
 #[cfg(test)]
+mod git_real_tests;
+#[cfg(test)]
 mod git_tests;
 #[cfg(test)]
 mod tests;

@@ -25,12 +25,12 @@ pub(super) const PH: &str = "tbx_aaaabbbbccccddddeeeeffffgggghhhh";
 pub(super) const VAL: &str = "sk-live-SECRET-0123456789";
 const PH2: &str = "tbx_zzzzyyyyxxxxwwwwvvvvuuuuttttssss";
 
-struct TestCa {
-    issuer: Issuer<'static, KeyPair>,
-    pem: String,
+pub(super) struct TestCa {
+    pub(super) issuer: Issuer<'static, KeyPair>,
+    pub(super) pem: String,
 }
 
-fn test_ca() -> TestCa {
+pub(super) fn test_ca() -> TestCa {
     let key = KeyPair::generate().unwrap();
     let mut p = CertificateParams::default();
     p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);

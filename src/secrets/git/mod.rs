@@ -41,7 +41,7 @@ pub mod refs;
 pub mod repo;
 
 #[cfg(test)]
-mod http_backend_tests;
+pub(crate) mod http_backend_tests;
 #[cfg(test)]
 mod pktline_tests;
 #[cfg(test)]
