@@ -12,6 +12,7 @@
 //! response to an injected request is scrubbed by the proxy like any swapped one).
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -21,7 +22,7 @@ use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
 
 use super::body::{BoxError, ProxyBody, boxed, full};
-use super::swap;
+use super::{Interceptor, swap};
 use crate::secrets::Snapshot;
 use crate::secrets::git::forge::MAX_GRAPHQL_BODY;
 use crate::secrets::git::{Refusal, RequestHead, Screen, Screener, check_graphql};
@@ -58,7 +59,7 @@ pub fn request_head(
 /// The answer to a refused request: `refusal.status`, its message as plain text (git prints
 /// it as `remote: ...`).
 pub fn refused(r: &Refusal, host: &str) -> Response<ProxyBody> {
-    tracing::info!(host, status = r.status, reason = %r.message, "git proxy refused a request");
+    tracing::debug!(host, status = r.status, "git proxy answers a refusal");
     let mut resp = Response::new(full(format!("{}\n", r.message)));
     *resp.status_mut() = StatusCode::from_u16(r.status).unwrap_or(StatusCode::FORBIDDEN);
     resp.headers_mut().insert(
@@ -72,11 +73,13 @@ pub fn refused(r: &Refusal, host: &str) -> Response<ProxyBody> {
 /// (the held preamble, then the rest streamed unread). Refused: the report-status answer
 /// (HTTP 200, as git expects), and nothing is forwarded.
 pub async fn screen_push(
+    icpt: Arc<Interceptor>,
     mut body: ProxyBody,
     mut screener: Box<Screener>,
     repo: String,
 ) -> Result<ProxyBody, Response<ProxyBody>> {
     let repo = repo.as_str();
+    let host = repo.split('/').next().unwrap_or(repo);
     let mut held: Vec<u8> = Vec::new();
     let mut ended = false;
     let decision = loop {
@@ -92,7 +95,7 @@ pub async fn screen_push(
                         status: 400,
                         message: "tryboxi: the push body could not be read".into(),
                     },
-                    repo,
+                    host,
                 ));
             }
             Some(Ok(frame)) => match frame.into_data() {
@@ -123,7 +126,11 @@ pub async fn screen_push(
             }))
         }
         Screen::Refuse(rej) => {
-            tracing::info!(repo, reason = %rej.message, "git push refused");
+            icpt.git_refused(
+                host,
+                200,
+                &format!("push to {repo} refused: {}", rej.message),
+            );
             if !ended {
                 // git sends the whole pack before it reads the answer: take it (and drop it) so
                 // the client sees the report, not a broken pipe.
@@ -144,7 +151,7 @@ pub async fn screen_push(
                 status: 400,
                 message: "tryboxi: the push's command list could not be read".into(),
             },
-            repo,
+            host,
         )),
     }
 }
@@ -173,6 +180,7 @@ async fn drain(mut body: ProxyBody) {
 /// Reads a GraphQL body (at most [`MAX_GRAPHQL_BODY`] bytes) and checks it: the body to
 /// forward, or the refusal.
 pub async fn check_graphql_body(
+    icpt: Arc<Interceptor>,
     body: ProxyBody,
     host: String,
 ) -> Result<ProxyBody, Response<ProxyBody>> {
@@ -212,7 +220,10 @@ pub async fn check_graphql_body(
             }
         }
     }
-    check_graphql(&bytes).map_err(|r| refused(&r, host))?;
+    check_graphql(&bytes).map_err(|r| {
+        icpt.git_refused(host, r.status, &r.message);
+        refused(&r, host)
+    })?;
     Ok(full(bytes))
 }
 

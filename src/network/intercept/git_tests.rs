@@ -17,8 +17,20 @@ use crate::secrets::{GitGrant, Snapshot};
 const ZERO: &str = "0000000000000000000000000000000000000000";
 const NEW: &str = "1111111111111111111111111111111111111111";
 
-async fn git_harness() -> Harness {
+/// `(host, status, reason)` of every `git.refused`.
+type Refused = std::sync::Arc<std::sync::Mutex<Vec<(String, u16, String)>>>;
+
+async fn git_harness() -> (Harness, Refused) {
     let h = harness_with(false, true).await;
+    let refused: Refused = Default::default();
+    let r2 = refused.clone();
+    h.icpt.set_git_sink(std::sync::Arc::new(
+        move |host: &str, status: u16, reason: &str| {
+            r2.lock()
+                .unwrap()
+                .push((host.to_owned(), status, reason.to_owned()))
+        },
+    ));
     h.icpt.secrets().publish(Snapshot {
         bindings: vec![binding("KEY", HOST, PH, VAL, false)],
         git: vec![GitGrant {
@@ -27,7 +39,7 @@ async fn git_harness() -> Harness {
             token_secret: "KEY".into(),
         }],
     });
-    h
+    (h, refused)
 }
 
 fn token_auth(token: &str) -> String {
@@ -66,7 +78,7 @@ fn push_request(h2: bool, branch: &str, cut: usize) -> Request<super::body::Prox
 
 #[tokio::test]
 async fn a_granted_repository_gets_the_token_and_no_other_does() {
-    let h = git_harness().await;
+    let (h, refused) = git_harness().await;
     for h2 in [false, true] {
         let mut c = client(&h, h2).await;
         // git's first request carries no credentials: it gets the token anyway.
@@ -116,11 +128,18 @@ async fn a_granted_repository_gets_the_token_and_no_other_does() {
         assert!(g.body.contains("api.test/o/r"), "{}", g.body);
         assert_eq!(h.seen.lock().unwrap().len(), before);
     }
+    // Each refusal is reported (`git.refused`), without the value.
+    let r = refused.lock().unwrap();
+    assert_eq!(r.len(), 2, "{r:?}");
+    assert!(
+        r.iter()
+            .all(|(host, st, why)| host == HOST && *st == 403 && !why.contains(VAL))
+    );
 }
 
 #[tokio::test]
 async fn a_push_outside_the_patterns_is_refused_with_a_report_and_never_forwarded() {
-    let h = git_harness().await;
+    let (h, refused) = git_harness().await;
     for h2 in [false, true] {
         let mut c = client(&h, h2).await;
         let before = h.seen.lock().unwrap().len();
@@ -139,6 +158,12 @@ async fn a_push_outside_the_patterns_is_refused_with_a_report_and_never_forwarde
             before,
             "a refused push reached upstream"
         );
+        {
+            let r = refused.lock().unwrap();
+            let last = r.last().cloned().unwrap_or_default();
+            assert_eq!(last.1, 200, "{r:?}");
+            assert!(last.2.contains("push to main is not allowed"), "{r:?}");
+        }
 
         // agent/x: the held preamble and the rest of the body reach upstream with the token.
         for cut in [3, 4096] {
@@ -169,7 +194,7 @@ async fn a_push_outside_the_patterns_is_refused_with_a_report_and_never_forwarde
 
 #[tokio::test]
 async fn graphql_ref_mutations_with_the_token_are_refused() {
-    let h = git_harness().await;
+    let (h, _) = git_harness().await;
     let mut c = client(&h, false).await;
     let post = |body: &str| {
         Request::builder()

@@ -492,9 +492,12 @@ impl Flow {
         let mut inject = None;
         match verdict {
             GitVerdict::NotGit => {}
-            GitVerdict::Refuse(r) => return Err(git::refused(&r, &self.sni)),
+            GitVerdict::Refuse(r) => {
+                self.icpt.git_refused(&self.sni, r.status, &r.message);
+                return Err(git::refused(&r, &self.sni));
+            }
             GitVerdict::CheckGraphql => {
-                body = git::check_graphql_body(body, self.sni.clone()).await?
+                body = git::check_graphql_body(self.icpt.clone(), body, self.sni.clone()).await?
             }
             GitVerdict::Inject {
                 authorization,
@@ -502,7 +505,8 @@ impl Flow {
                 repo,
             } => {
                 if let Some(screener) = push {
-                    body = git::screen_push(body, screener, repo.clone()).await?;
+                    body =
+                        git::screen_push(self.icpt.clone(), body, screener, repo.clone()).await?;
                 }
                 inject = Some((authorization, repo));
             }
