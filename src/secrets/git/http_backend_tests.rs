@@ -1,7 +1,7 @@
 //! Real git against the git proxy's decisions, no VM: `git http-backend` (CGI) behind a small
 //! HTTP/1.1 server in this test that calls [`classify`], checks the injected `Authorization`,
 //! and screens `git-receive-pack` bodies with the [`Screener`] (fed in small chunks), answering
-//! a refusal with [`Rejection::report`]. Then `git clone`, `git push` to `agent/x` (accepted)
+//! a refusal with [`pktline::Rejection::report`]. Then `git clone`, `git push` to `agent/x` (accepted)
 //! and to `main` (refused: git prints the reason), and a mixed push (nothing lands).
 
 use std::io::{BufRead, BufReader, Read, Write};
