@@ -85,3 +85,47 @@ pub async fn run(c: Cmd) -> Result<(), TopError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::Cmd;
+    use crate::cli::{Cli, Command};
+
+    #[test]
+    fn allow_takes_repeated_push_patterns_and_needs_the_token_secret() {
+        let cli = Cli::try_parse_from([
+            "tryboxi",
+            "git",
+            "allow",
+            "sbx_0123456789abcdef",
+            "github.com/acme/app",
+            "--push",
+            "agent/*",
+            "--push",
+            "!agent/main",
+            "--token-secret",
+            "GH_TOKEN",
+        ])
+        .unwrap();
+        let Command::Git(Cmd::Allow {
+            id,
+            repo,
+            push,
+            token_secret,
+        }) = cli.command
+        else {
+            panic!("{:?}", cli.command)
+        };
+        assert_eq!(
+            (id.as_str(), repo.as_str(), token_secret.as_str()),
+            ("sbx_0123456789abcdef", "github.com/acme/app", "GH_TOKEN")
+        );
+        assert_eq!(push, ["agent/*", "!agent/main"]);
+        let no_token = ["tryboxi", "git", "allow", "sbx_1", "github.com/a/b"];
+        assert!(Cli::try_parse_from(no_token).is_err());
+        assert!(Cli::try_parse_from(["tryboxi", "git", "deny", "sbx_1", "github.com/a/b"]).is_ok());
+        assert!(Cli::try_parse_from(["tryboxi", "git", "ls", "sbx_1", "--json"]).is_ok());
+    }
+}
