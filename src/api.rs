@@ -594,6 +594,36 @@ pub struct SandboxSecrets {
     pub secrets: Vec<SandboxSecret>,
 }
 
+/// `POST /v1/sandboxes/{id}/git`: the sandbox's git may reach a repository over HTTPS with a
+/// token (`tryboxi git allow`). Allowing a repository again replaces its grant.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GitAllowRequest {
+    /// `HOST/OWNER/REPO` (any case; an `https://` prefix, `.git` and a trailing `/` are fine).
+    pub repo: String,
+    /// Branch patterns a push may update (`agent/*`, `!main`; deny wins); none: no push.
+    #[serde(default)]
+    pub push: Vec<String>,
+    /// The stored secret holding the token; the sandbox must hold it too.
+    pub token_secret: String,
+}
+
+/// One repository grant of a sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GitGrantInfo {
+    /// Lowercase `host/owner/repo`.
+    pub repo: String,
+    pub push: Vec<String>,
+    pub token_secret: String,
+}
+
+/// A sandbox's repository grants (`GET`, `POST`, `DELETE /v1/sandboxes/{id}/git`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GitGrantList {
+    pub sandbox_id: String,
+    pub grants: Vec<GitGrantInfo>,
+}
+
 // ---- Templates and garbage collection ----
 
 /// A root filesystem a sandbox can boot (`GET /v1/templates`).

@@ -33,6 +33,7 @@ pub const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
 pub const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 pub const NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("network");
 pub const SECRET_BINDINGS: TableDefinition<&str, &[u8]> = TableDefinition::new("secret_bindings");
+pub const GIT_GRANTS: TableDefinition<&str, &[u8]> = TableDefinition::new("git_grants");
 
 /// Migration from version `n` to `n + 1` is `MIGRATIONS[n - 1]`.
 type Migration = fn(&redb::WriteTransaction) -> Result<(), redb::Error>;
@@ -148,6 +149,7 @@ impl Store {
             txn.open_table(SNAPSHOTS)?;
             txn.open_table(NETWORK)?;
             txn.open_table(SECRET_BINDINGS)?;
+            txn.open_table(GIT_GRANTS)?;
         }
         txn.commit()?;
         Ok(Store { db })

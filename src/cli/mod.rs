@@ -8,6 +8,7 @@ mod events;
 mod exec;
 mod fork;
 mod gc;
+mod git;
 mod install;
 mod logs;
 mod ls;
@@ -122,6 +123,10 @@ pub enum Command {
     /// (`create --secret NAME`) see only a placeholder.
     #[command(subcommand)]
     Secret(secret::Cmd),
+    /// A sandbox's git repository grants (allow, ls, deny): git over HTTPS to an allowed
+    /// repository gets the token (injected outside the VM); pushes only to allowed branches.
+    #[command(subcommand)]
+    Git(git::Cmd),
     /// Print an exec's kept output (stdout and stderr).
     Logs(logs::Args),
     /// List templates (`base` and the layers built by `cargo xtask images`).
@@ -212,6 +217,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Gc(a) => runtime()?.block_on(gc::run(a)),
         Command::Net(c) => runtime()?.block_on(net::run(c)),
         Command::Secret(c) => runtime()?.block_on(secret::run(c)),
+        Command::Git(c) => runtime()?.block_on(git::run(c)),
     }
 }
 

@@ -67,6 +67,13 @@ pub enum Action {
     ListSecrets,
     RemoveSecret(String),
     AddSandboxSecret(String, api::AddSandboxSecret),
+    /// `GET`, `POST`, `DELETE /v1/sandboxes/{id}/git` (`DELETE` names the repo in `?repo=`).
+    ListGit(String),
+    AllowGit(String, api::GitAllowRequest),
+    DenyGit {
+        id: String,
+        repo: String,
+    },
     /// Approve (`true`) or reject a request; `face` is the caller's `x-tryboxi-face` header.
     DecideAccess {
         id: String,
@@ -128,6 +135,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/secrets"),
     ("DELETE", "/v1/secrets/{name}"),
     ("POST", "/v1/sandboxes/{id}/secrets"),
+    ("GET", "/v1/sandboxes/{id}/git"),
+    ("POST", "/v1/sandboxes/{id}/git"),
+    ("DELETE", "/v1/sandboxes/{id}/git"),
     ("POST", "/v1/sandboxes/{id}/network/rules"),
     ("POST", "/v1/sandboxes/{id}/network/setup"),
     ("GET", "/v1/sandboxes/{id}/network/requests"),
@@ -372,6 +382,14 @@ pub fn parse(
         (&Method::POST, ["v1", "sandboxes", id, "secrets"]) => {
             Ok(Action::AddSandboxSecret(sandbox_id(id)?, json(body)?))
         }
+        (&Method::GET, ["v1", "sandboxes", id, "git"]) => Ok(Action::ListGit(sandbox_id(id)?)),
+        (&Method::POST, ["v1", "sandboxes", id, "git"]) => {
+            Ok(Action::AllowGit(sandbox_id(id)?, json(body)?))
+        }
+        (&Method::DELETE, ["v1", "sandboxes", id, "git"]) => Ok(Action::DenyGit {
+            id: sandbox_id(id)?,
+            repo: one(&q, "repo")?,
+        }),
         (_, ["v1", "secrets"]) | (_, ["v1", "secrets", _]) => {
             Err(ApiError::method_not_allowed(method))
         }
@@ -414,7 +432,7 @@ pub fn parse(
                 "sandboxes",
                 _,
                 "exec" | "sync" | "diff" | "apply" | "pull" | "files" | "snapshots" | "restore"
-                | "fork" | "pause" | "resume" | "secrets",
+                | "fork" | "pause" | "resume" | "secrets" | "git",
             ],
         ) => Err(ApiError::method_not_allowed(method)),
         _ => Err(ApiError::not_found(format!("no such API route: {path}"))),
@@ -595,6 +613,9 @@ mod tests {
             if p.ends_with("/files") {
                 path.push_str("?path=/workspace/a");
             }
+            if m == "DELETE" && p.ends_with("/git") {
+                path.push_str("?repo=github.com/o/r");
+            }
             let method: Method = m.parse().unwrap();
             let body: &[u8] = match (m.as_str(), p.as_str()) {
                 ("POST", "/v1/sandboxes") => br#"{"workspace":{"host_path":"/tmp"}}"#,
@@ -609,6 +630,9 @@ mod tests {
                 }
                 ("POST", p) if p.ends_with("/network/requests") => br#"{"host":"example.com"}"#,
                 ("POST", p) if p.ends_with("/secrets") => br#"{"name":"API_KEY"}"#,
+                ("POST", p) if p.ends_with("/git") => {
+                    br#"{"repo":"github.com/o/r","push":["agent/*"],"token_secret":"GH"}"#
+                }
                 ("PUT", "/v1/secrets/{name}") => br#"{"value":"v","hosts":["a.io"]}"#,
                 ("PUT", _) => br#"{"path":"/workspace/a","content":"x"}"#,
                 _ => b"",

@@ -9,6 +9,7 @@ mod diskroom;
 mod exec;
 mod fork;
 mod gc;
+mod git;
 mod golden;
 mod locks;
 pub mod netpolicy;

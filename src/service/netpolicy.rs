@@ -41,6 +41,9 @@ pub mod kind {
     pub const SECRET_BLOCKED: &str = "secret.blocked";
     /// A placeholder in a request body to another host: allowed, recorded.
     pub const SECRET_IN_BODY: &str = "secret.in_body";
+    /// The git proxy refused a request or a push (a branch outside the grant's patterns, the
+    /// token aimed at another repository, a ref write through the forge's API).
+    pub const GIT_REFUSED: &str = "git.refused";
 }
 
 /// What the store keeps per sandbox.
@@ -189,6 +192,14 @@ fn event_sink(tel: Arc<Telemetry>) -> NetEventSink {
             NetEvent::SecretInBody { secret, host } => (
                 kind::SECRET_IN_BODY,
                 json!({"secret": secret, "host": host}),
+            ),
+            NetEvent::GitRefused {
+                host,
+                status,
+                reason,
+            } => (
+                kind::GIT_REFUSED,
+                json!({"host": host, "status": status, "reason": reason}),
             ),
             NetEvent::Suppressed { count } => (kind::SUPPRESSED, json!({"count": count})),
         };

@@ -234,6 +234,7 @@ impl Service {
     /// A fork child holds its parent's secrets under fresh placeholders (the parent's do not
     /// work in the child).
     pub(super) fn fork_secrets(&self, parent: &str, child: &str) -> Result<(), ServiceError> {
+        self.fork_git(parent, child)?;
         let names: Vec<String> = self
             .bindings(parent)?
             .bindings
@@ -297,11 +298,12 @@ impl Service {
     /// A removed sandbox: drop its bindings and its published snapshot.
     pub(super) fn forget_secrets(&self, id: &str) {
         let _ = self.store.delete(SECRET_BINDINGS, id);
+        self.forget_git(id);
         self.secrets.forget(id);
     }
 
     /// Publish sandbox `id`'s current [`Snapshot`] (its bindings with today's values; a
-    /// binding whose secret is gone is left out).
+    /// binding whose secret is gone is left out; its git grants).
     pub(super) fn publish_secrets(&self, id: &str) {
         let rec = match self.bindings(id) {
             Ok(r) => r,
@@ -325,10 +327,9 @@ impl Service {
                 })
             })
             .collect();
-        let old = self.secrets.for_sandbox(id).current();
         self.secrets.for_sandbox(id).publish(Snapshot {
             bindings,
-            git: old.git.clone(),
+            git: self.git_grants(id),
         });
     }
 

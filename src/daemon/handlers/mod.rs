@@ -5,6 +5,7 @@ mod events;
 mod exec;
 mod execs;
 mod gc;
+mod git;
 mod health;
 mod lifecycle;
 mod metrics;
@@ -63,6 +64,9 @@ pub async fn handle(
         Action::ListSecrets => secrets::list(svc),
         Action::RemoveSecret(name) => secrets::remove(svc, &name),
         Action::AddSandboxSecret(id, req) => secrets::add_to_sandbox(svc, &id, req),
+        Action::ListGit(id) => git::list(svc, &id),
+        Action::AllowGit(id, req) => git::allow(svc, &id, req),
+        Action::DenyGit { id, repo } => git::deny(svc, &id, &repo),
         Action::ListTemplates => templates::list(svc),
         Action::Gc(req) => gc::gc(svc, req).await,
         Action::GetNetwork(id) => network::get(svc, &id),

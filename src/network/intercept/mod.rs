@@ -6,7 +6,8 @@
 //!
 //! Owns: the per-sandbox CA (`ca.rs`), the TLS configs of both ends (`tls.rs`), the per-flow
 //! HTTP proxy (`proxy.rs`), the request swap and block check (`swap.rs`), the streaming
-//! scrubber and decoders (`scrub.rs`), the body adapter (`body.rs`).
+//! scrubber and decoders (`scrub.rs`), the body adapter (`body.rs`), the git proxy's hook
+//! (`git.rs`: token injection, push screening, forge API checks).
 //! Never: lets a value reach the guest, a log line, an event or an error text; skips upstream
 //! certificate verification; intercepts a host without a secret (those stay pass-through).
 //!
@@ -16,11 +17,16 @@
 
 pub mod body;
 pub mod ca;
+pub mod git;
 pub mod proxy;
 pub mod scrub;
 pub mod swap;
 pub mod tls;
 
+#[cfg(test)]
+mod git_real_tests;
+#[cfg(test)]
+mod git_tests;
 #[cfg(test)]
 mod tests;
 
@@ -61,12 +67,17 @@ pub use body::BoxError;
 /// Where `secret.blocked` goes: `(what was blocked, the host it was sent to)`.
 pub type BlockSink = Arc<dyn Fn(&Blocked, &str) + Send + Sync>;
 
+/// Where the git proxy's refusals go: `(host, status, reason)` (`git.refused`; the reason
+/// names repositories and refs, never a value).
+pub type GitSink = Arc<dyn Fn(&str, u16, &str) + Send + Sync>;
+
 /// One sandbox's interceptor: its live secrets, its CA, the upstream trust.
 pub struct Interceptor {
     pub(crate) ca: Arc<SandboxCa>,
     pub(crate) secrets: SandboxSecrets,
     pub(crate) upstream_tls: Arc<rustls::ClientConfig>,
     sink: BlockSink,
+    git_sink: std::sync::OnceLock<GitSink>,
 }
 
 impl std::fmt::Debug for Interceptor {
@@ -87,7 +98,21 @@ impl Interceptor {
             secrets,
             upstream_tls,
             sink,
+            git_sink: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Where the git proxy's refusals are reported (set once; later calls are ignored).
+    pub fn set_git_sink(&self, sink: GitSink) {
+        let _ = self.git_sink.set(sink);
+    }
+
+    /// Record a request or push the git proxy refused (`git.refused`).
+    pub fn git_refused(&self, host: &str, status: u16, reason: &str) {
+        tracing::info!(host, status, reason, "git proxy refused a request");
+        if let Some(s) = self.git_sink.get() {
+            s(host, status, reason)
+        }
     }
 
     pub fn secrets(&self) -> &SandboxSecrets {

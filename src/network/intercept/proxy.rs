@@ -22,9 +22,11 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use super::body::{BoxError, ProxyBody, Transform, TransformBody, boxed, full};
+use super::git;
 use super::scrub::{Decoder, Replacer, StreamReplace, rendered_forms};
 use super::swap::{self, Blocked};
 use super::{InterceptError, Interceptor};
+use crate::secrets::git::{self as secrets_git, Verdict as GitVerdict};
 
 type H1 = hyper::client::conn::http1::SendRequest<ProxyBody>;
 type H2 = hyper::client::conn::http2::SendRequest<ProxyBody>;
@@ -464,17 +466,51 @@ impl Flow {
         }
         self.authority(&req).map_err(|(c, why)| status(c, why))?;
         let snap = self.icpt.secrets.current();
-        let hs: Vec<(&str, &[u8])> = req
-            .headers()
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_bytes()))
-            .collect();
-        if let Some(b) = swap::find_blocked(&snap, &self.sni, hs.into_iter(), req.uri().query()) {
+        let (mut parts, body) = req.into_parts();
+        let mut body = boxed(body);
+        // The git proxy decides first; an injected request's own Authorization is replaced.
+        let verdict = if self.plain || snap.git.is_empty() {
+            GitVerdict::NotGit
+        } else {
+            secrets_git::classify(&snap, &git::request_head(&snap, &self.sni, &parts))
+        };
+        if let GitVerdict::Inject { .. } = verdict {
+            parts.headers.remove(header::AUTHORIZATION);
+        }
+        let blocked = {
+            let hs: Vec<(&str, &[u8])> = parts
+                .headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_bytes()))
+                .collect();
+            swap::find_blocked(&snap, &self.sni, hs.into_iter(), parts.uri.query())
+        };
+        if let Some(b) = blocked {
             self.icpt.blocked(&b, &self.sni);
             return Err(blocked_response(&b, &self.sni));
         }
-        let (mut parts, body) = req.into_parts();
-        let mut body = boxed(body);
+        let mut inject = None;
+        match verdict {
+            GitVerdict::NotGit => {}
+            GitVerdict::Refuse(r) => {
+                self.icpt.git_refused(&self.sni, r.status, &r.message);
+                return Err(git::refused(&r, &self.sni));
+            }
+            GitVerdict::CheckGraphql => {
+                body = git::check_graphql_body(self.icpt.clone(), body, self.sni.clone()).await?
+            }
+            GitVerdict::Inject {
+                authorization,
+                push,
+                repo,
+            } => {
+                if let Some(screener) = push {
+                    body =
+                        git::screen_push(self.icpt.clone(), body, screener, repo.clone()).await?;
+                }
+                inject = Some((authorization, repo));
+            }
+        }
         if let Some(a) = audit(&self.icpt, &snap, &self.sni) {
             body = boxed(TransformBody::new(body, a));
         }
@@ -495,11 +531,12 @@ impl Flow {
         let sw = swap::swap_head(&mut parts, &snap, &self.sni)
             .map_err(|e| status(StatusCode::BAD_REQUEST, &e.to_string()))?;
         strip_hop_by_hop(&mut parts.headers);
+        // A git request's body (a pack) goes as it is.
         let in_body: Vec<usize> = snap
             .bindings
             .iter()
             .enumerate()
-            .filter(|(_, b)| b.in_body && b.serves(&self.sni))
+            .filter(|(_, b)| inject.is_none() && b.in_body && b.serves(&self.sni))
             .map(|(i, _)| i)
             .collect();
         if let Some(r) = Replacer::new(
@@ -518,10 +555,22 @@ impl Flow {
         scrub_set.extend(in_body);
         scrub_set.sort_unstable();
         scrub_set.dedup();
+        let mut forms = Vec::new();
+        if let Some((authorization, repo)) = &inject {
+            let mut hv = HeaderValue::from_bytes(authorization.bytes()).map_err(|_| {
+                status(
+                    StatusCode::BAD_REQUEST,
+                    "the git token is not a header value",
+                )
+            })?;
+            hv.set_sensitive(true);
+            parts.headers.insert(header::AUTHORIZATION, hv);
+            forms.extend(git::token_forms(&snap, repo));
+        }
         let scrubber = Replacer::new(
-            scrub_set
-                .iter()
-                .flat_map(|&i| {
+            forms
+                .into_iter()
+                .chain(scrub_set.iter().flat_map(|&i| {
                     let b = &snap.bindings[i];
                     let basic: Vec<_> = sw
                         .basic
@@ -533,7 +582,7 @@ impl Flow {
                         .cloned()
                         .collect();
                     rendered_forms(b.value.bytes(), b.placeholder.as_bytes(), &basic)
-                })
+                }))
                 .collect(),
         );
         if scrubber.is_some() {

@@ -184,6 +184,24 @@ where
     None
 }
 
+/// The names of the secrets whose placeholders (any encoding) a request carries in an
+/// authorization position, whichever hosts they serve (the git proxy's input).
+pub fn carried<'a, I>(snap: &Snapshot, headers: I, query: Option<&str>) -> Vec<String>
+where
+    I: Iterator<Item = (&'a str, &'a [u8])> + Clone,
+{
+    snap.bindings
+        .iter()
+        .filter(|b| {
+            headers.clone().any(|(name, value)| {
+                positions(b).any(|p| p.eq_ignore_ascii_case(name))
+                    && contains_placeholder(value, &b.placeholder)
+            }) || query.is_some_and(|q| contains_placeholder(q.as_bytes(), &b.placeholder))
+        })
+        .map(|b| b.name.clone())
+        .collect()
+}
+
 /// [`find_blocked`] over the head of a plaintext HTTP/1 request (`None` if it does not parse:
 /// the sniffer has refused such a flow already).
 pub fn find_blocked_in_http1(bytes: &[u8], snap: &Snapshot, host: &str) -> Option<Blocked> {

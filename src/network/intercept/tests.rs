@@ -20,17 +20,17 @@ use super::body::{ProxyBody, boxed, full};
 use super::*;
 use crate::secrets::{Binding, Snapshot, Value};
 
-const HOST: &str = "api.test";
-const PH: &str = "tbx_aaaabbbbccccddddeeeeffffgggghhhh";
-const VAL: &str = "sk-live-SECRET-0123456789";
+pub(super) const HOST: &str = "api.test";
+pub(super) const PH: &str = "tbx_aaaabbbbccccddddeeeeffffgggghhhh";
+pub(super) const VAL: &str = "sk-live-SECRET-0123456789";
 const PH2: &str = "tbx_zzzzyyyyxxxxwwwwvvvvuuuuttttssss";
 
-struct TestCa {
-    issuer: Issuer<'static, KeyPair>,
-    pem: String,
+pub(super) struct TestCa {
+    pub(super) issuer: Issuer<'static, KeyPair>,
+    pub(super) pem: String,
 }
 
-fn test_ca() -> TestCa {
+pub(super) fn test_ca() -> TestCa {
     let key = KeyPair::generate().unwrap();
     let mut p = CertificateParams::default();
     p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -42,7 +42,7 @@ fn test_ca() -> TestCa {
 }
 
 /// What the upstream saw: the authorization-like headers and the URL of each request.
-type Seen = Arc<Mutex<Vec<String>>>;
+pub(super) type Seen = Arc<Mutex<Vec<String>>>;
 
 fn echo_text(req: &hyper::http::request::Parts, body: &[u8]) -> String {
     let h = |n: &str| {
@@ -184,7 +184,7 @@ async fn upstream(ca: &TestCa, h1_only: bool) -> (std::net::SocketAddr, Seen) {
     (addr, seen)
 }
 
-fn binding(name: &str, host: &str, ph: &str, val: &str, in_body: bool) -> Binding {
+pub(super) fn binding(name: &str, host: &str, ph: &str, val: &str, in_body: bool) -> Binding {
     Binding {
         name: name.into(),
         hosts: vec![host.into()],
@@ -195,11 +195,11 @@ fn binding(name: &str, host: &str, ph: &str, val: &str, in_body: bool) -> Bindin
     }
 }
 
-struct Harness {
-    icpt: Arc<Interceptor>,
+pub(super) struct Harness {
+    pub(super) icpt: Arc<Interceptor>,
     ca_pem: String,
     addr: std::net::SocketAddr,
-    seen: Seen,
+    pub(super) seen: Seen,
     /// `(secret, host)` of refused placeholders.
     blocked: Arc<Mutex<Vec<(String, String)>>>,
     /// `(secret, host)` of audited ones (in bodies).
@@ -207,7 +207,7 @@ struct Harness {
     _dir: tempfile::TempDir,
 }
 
-async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness {
+pub(super) async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let up_ca = test_ca();
     let (addr, seen) = upstream(&up_ca, h1_only).await;
@@ -278,12 +278,12 @@ async fn guest_tls(
     Ok((s, task))
 }
 
-enum Client {
+pub(super) enum Client {
     H1(hyper::client::conn::http1::SendRequest<ProxyBody>),
     H2(hyper::client::conn::http2::SendRequest<ProxyBody>),
 }
 
-async fn client(h: &Harness, h2: bool) -> Client {
+pub(super) async fn client(h: &Harness, h2: bool) -> Client {
     let alpn: &[&[u8]] = if h2 { &[b"h2"] } else { &[b"http/1.1"] };
     let (tls, _task) = guest_tls(h, alpn).await.unwrap();
     assert_eq!(
@@ -305,15 +305,15 @@ async fn client(h: &Harness, h2: bool) -> Client {
     }
 }
 
-struct Got {
-    status: StatusCode,
-    headers: hyper::HeaderMap,
-    body: String,
+pub(super) struct Got {
+    pub(super) status: StatusCode,
+    pub(super) headers: hyper::HeaderMap,
+    pub(super) body: String,
     trailers: Option<hyper::HeaderMap>,
 }
 
 impl Client {
-    async fn send(&mut self, mut req: Request<ProxyBody>) -> Got {
+    pub(super) async fn send(&mut self, mut req: Request<ProxyBody>) -> Got {
         let resp = match self {
             Client::H1(s) => {
                 s.ready().await.unwrap();
@@ -335,7 +335,7 @@ impl Client {
         }
     }
 
-    async fn get(&mut self, path: &str, hdrs: &[(&str, &str)]) -> Got {
+    pub(super) async fn get(&mut self, path: &str, hdrs: &[(&str, &str)]) -> Got {
         let h2 = matches!(self, Client::H2(_));
         let mut b = Request::builder().method("GET");
         b = if h2 {
@@ -350,7 +350,7 @@ impl Client {
     }
 }
 
-fn assert_no_value(g: &Got) {
+pub(super) fn assert_no_value(g: &Got) {
     let all = format!("{:?} {} {:?}", g.headers, g.body, g.trailers);
     assert!(!all.contains(VAL), "value leaked to the guest: {all}");
     assert!(

@@ -50,6 +50,12 @@ pub enum NetEvent {
         secret: String,
         host: String,
     },
+    /// The git proxy refused a request or a push (`reason` names repositories and refs).
+    GitRefused {
+        host: String,
+        status: u16,
+        reason: String,
+    },
     /// Events dropped by the rate limit since the last one that went out.
     Suppressed {
         count: u64,
@@ -158,6 +164,16 @@ impl PolicyGate {
             }
         });
         let icpt = Interceptor::new(secrets, ca, tls, sink);
+        let weak = Arc::downgrade(&self.inner);
+        icpt.set_git_sink(Arc::new(move |host: &str, status: u16, reason: &str| {
+            if let Some(inner) = weak.upgrade() {
+                inner.emit(NetEvent::GitRefused {
+                    host: host.to_owned(),
+                    status,
+                    reason: reason.to_owned(),
+                });
+            }
+        }));
         *self
             .inner
             .interception

@@ -1,7 +1,7 @@
 //! Real git against the git proxy's decisions, no VM: `git http-backend` (CGI) behind a small
 //! HTTP/1.1 server in this test that calls [`classify`], checks the injected `Authorization`,
 //! and screens `git-receive-pack` bodies with the [`Screener`] (fed in small chunks), answering
-//! a refusal with [`Rejection::report`]. Then `git clone`, `git push` to `agent/x` (accepted)
+//! a refusal with [`pktline::Rejection::report`]. Then `git clone`, `git push` to `agent/x` (accepted)
 //! and to `main` (refused: git prints the reason), and a mixed push (nothing lands).
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -39,7 +39,7 @@ fn snapshot() -> Snapshot {
     }
 }
 
-fn http_backend() -> Option<PathBuf> {
+pub(crate) fn http_backend() -> Option<PathBuf> {
     let out = Command::new("git").arg("--exec-path").output().ok()?;
     let p = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim()).join("git-http-backend");
     p.exists().then_some(p)
@@ -108,7 +108,7 @@ fn respond(s: &mut TcpStream, status: u16, headers: &[(String, String)], body: &
 }
 
 /// Runs `git http-backend` for one request; returns its status, headers and body.
-fn cgi(
+pub(crate) fn cgi(
     backend: &Path,
     root: &Path,
     method: &str,
@@ -239,7 +239,7 @@ fn serve(mut conn: TcpStream, backend: PathBuf, root: PathBuf, snap: Snapshot) {
     respond(&mut conn, status, &hs, &out);
 }
 
-fn git(dir: &Path, home: &Path, args: &[&str]) -> std::process::Output {
+pub(crate) fn git(dir: &Path, home: &Path, args: &[&str]) -> std::process::Output {
     Command::new("git")
         .args([
             "-c",
@@ -259,7 +259,7 @@ fn git(dir: &Path, home: &Path, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-fn ok(o: std::process::Output) -> String {
+pub(crate) fn ok(o: std::process::Output) -> String {
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),

@@ -10,7 +10,7 @@
 //!     `git-receive-pack` POST: feed the body to the [`Screener`] as it streams, holding the
 //!     bytes back, until it answers [`Screen::Allow`] (forward the held bytes, then stream the
 //!     rest unscreened) or [`Screen::Refuse`] (forward nothing; answer HTTP 200,
-//!     `Content-Type: application/x-git-receive-pack-result`, body [`Rejection::report`]); at
+//!     `Content-Type: application/x-git-receive-pack-result`, body [`pktline::Rejection::report`]); at
 //!     the body's end call [`Screener::finish`]. At most [`pktline::MAX_PREAMBLE`] bytes are
 //!     held.
 //!   - [`Verdict::CheckGraphql`]: a GraphQL request to the forge's API carrying a grant's token:
@@ -41,7 +41,7 @@ pub mod refs;
 pub mod repo;
 
 #[cfg(test)]
-mod http_backend_tests;
+pub(crate) mod http_backend_tests;
 #[cfg(test)]
 mod pktline_tests;
 #[cfg(test)]
@@ -51,11 +51,9 @@ use base64::Engine as _;
 use zeroize::Zeroizing;
 
 use super::{GitGrant, Snapshot, Value};
-// The interceptor's interface (the bin does not call it yet).
-#[allow(unused_imports)]
+// The interceptor's interface (`network::intercept::git`).
 pub use forge::check_graphql;
-#[allow(unused_imports)]
-pub use pktline::{Rejection, Screen, Screener, report};
+pub use pktline::{Screen, Screener};
 use repo::{Endpoint, Service};
 
 /// What the git proxy needs of a request's head.

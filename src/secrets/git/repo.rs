@@ -90,6 +90,38 @@ pub fn parse(path: &str, query: Option<&str>) -> Result<Option<GitPath>, Refusal
     }))
 }
 
+/// Normalises a grant's repository as the user writes it (`HOST/OWNER/REPO`, any case, an
+/// optional `https://`, `.git` and trailing `/`) to [`crate::secrets::GitGrant::repo`]'s form:
+/// lowercase `host/owner/repo`, exactly the name [`parse`] gives requests to it.
+pub fn normalize_grant(input: &str) -> Result<String, String> {
+    let shown: String = input.chars().take(120).collect();
+    let bad = |why: &str| format!("`{shown}` is not HOST/OWNER/REPO: {why}");
+    let s = input.trim();
+    let s = s
+        .strip_prefix("https://")
+        .or_else(|| s.strip_prefix("HTTPS://"))
+        .unwrap_or(s);
+    let s = s.strip_suffix('/').unwrap_or(s);
+    let Some((host, path)) = s.split_once('/') else {
+        return Err(bad("no repository path"));
+    };
+    let host = host.to_ascii_lowercase();
+    if !crate::secrets::store::is_dns_name(&host) {
+        return Err(bad(
+            "the host is not a DNS name (no port, user or IP address)",
+        ));
+    }
+    match parse(
+        &format!("/{path}/info/refs"),
+        Some("service=git-upload-pack"),
+    ) {
+        Ok(Some(p)) => Ok(format!("{host}/{}", p.repo)),
+        Ok(None) | Err(_) => Err(bad(
+            "give OWNER/REPO without `%`, `.`/`..` or empty segments",
+        )),
+    }
+}
+
 /// The `service` of an `info/refs` query: exactly one, or none.
 fn service(query: Option<&str>) -> Result<Option<Service>, Refusal> {
     let values: Vec<String> = form_urlencoded::parse(query.unwrap_or("").as_bytes())
@@ -208,6 +240,29 @@ mod tests {
         ] {
             let r = parse(p, None);
             assert!(r.is_err(), "{p}: {r:?}");
+        }
+    }
+
+    #[test]
+    fn grants_normalise_to_the_name_requests_get() {
+        for (input, want) in [
+            ("github.com/Owner/Repo", "github.com/owner/repo"),
+            ("https://GitHub.com/o/r.git/", "github.com/o/r"),
+            ("gitlab.example/group/sub/r", "gitlab.example/group/sub/r"),
+        ] {
+            assert_eq!(normalize_grant(input).unwrap(), want, "{input}");
+        }
+        for bad in [
+            "github.com",
+            "github.com/o",
+            "github.com:22/o/r",
+            "1.2.3.4/o/r",
+            "github.com/o/../r",
+            "github.com/o/%72",
+            "github.com//r",
+            "user@github.com/o/r",
+        ] {
+            assert!(normalize_grant(bad).is_err(), "{bad}");
         }
     }
 }
