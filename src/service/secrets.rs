@@ -298,6 +298,7 @@ impl Service {
     pub(super) fn forget_secrets(&self, id: &str) {
         let _ = self.store.delete(SECRET_BINDINGS, id);
         self.secrets.forget(id);
+        self.guest_trust.forget(id);
     }
 
     /// Publish sandbox `id`'s current [`Snapshot`] (its bindings with today's values; a
