@@ -13,7 +13,7 @@
 
 mod common;
 
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::{SocketAddr, TcpListener};
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
@@ -290,7 +290,7 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
     let mut blocked = None;
     while blocked.is_none() && Instant::now() < deadline {
         if let Ok(ev) = events.recv_timeout(Duration::from_millis(500))
-            && ev["kind"] == "secret.blocked"
+            && ev["type"] == "secret.blocked"
         {
             blocked = Some(ev.to_string());
         }
