@@ -382,4 +382,13 @@ mod tests {
             assert_eq!(e.kind, ErrorKind::InvalidRequest, "{bad}");
         }
     }
+
+    /// Only refusals are tested here: a value in range would set the test host's clock.
+    #[test]
+    fn clock_values_outside_2020_to_2200_are_refused_before_any_syscall() {
+        for bad in [0, CLOCK_MIN_MS - 1, CLOCK_MAX_MS + 1, u64::MAX] {
+            let e = set_clock(bad).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidRequest, "{bad}");
+        }
+    }
 }
