@@ -24,6 +24,9 @@ use common::{BIN, Daemon, SMALL_VMS, bash, create_with, follow_events, vm_daemon
 
 const VALUE: &str = "sk-tls-e2e-Hn4Jk7Lq1Ws9Xe3Rd5";
 const HOST: &str = "api.test";
+/// A second secret, added to the running sandbox for a host the CA did not cover yet.
+const VALUE2: &str = "sk-tls-e2e-second-Qa8Zs2Xc6Vb0";
+const HOST2: &str = "api2.test";
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -58,7 +61,7 @@ fn read_head<R: std::io::Read>(r: R) -> String {
     auth
 }
 
-/// An HTTPS upstream for [`HOST`] (HTTP/1.1 only) with a certificate from a fresh test CA
+/// An HTTPS upstream for [`HOST`] and [`HOST2`] (HTTP/1.1 only) with a certificate from a fresh test CA
 /// (written to `ca_path`): hands over each request's `Authorization` and echoes it back.
 fn tls_upstream(ca_path: &std::path::Path) -> (SocketAddr, mpsc::Receiver<String>) {
     use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
@@ -69,7 +72,7 @@ fn tls_upstream(ca_path: &std::path::Path) -> (SocketAddr, mpsc::Receiver<String
     std::fs::write(ca_path, ca_cert.pem()).unwrap();
     let issuer = Issuer::new(p, ca_key);
     let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec![HOST.to_string()])
+    let cert = CertificateParams::new(vec![HOST.to_string(), HOST2.to_string()])
         .unwrap()
         .signed_by(&key, &issuer)
         .unwrap();
@@ -153,8 +156,9 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
         "{SMALL_VMS}[network]\ndefault_policy = []\nupstream_dns = \"127.0.0.1:9\"\n\
          intercept_extra_ca = \"{}\"\n\
          [network.test_hosts]\n\"{HOST}\" = [\"203.0.113.10\"]\n\
-         \"other.test\" = [\"203.0.113.11\"]\n\
+         \"other.test\" = [\"203.0.113.11\"]\n\"{HOST2}\" = [\"203.0.113.12\"]\n\
          [network.test_upstream_map]\n\"203.0.113.10:443\" = \"{tls_addr}\"\n\
+         \"203.0.113.12:443\" = \"{tls_addr}\"\n\
          \"203.0.113.11:80\" = \"{plain_addr}\"\n",
         ca_path.display()
     );
@@ -170,7 +174,7 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
     assert!(o.status.success(), "{}", text(&o.stderr));
     let ws = tempfile::tempdir().unwrap();
     let id = create_with(&d, ws.path(), &["--secret", "API_KEY"]);
-    for h in [HOST, "other.test"] {
+    for h in [HOST, "other.test", HOST2] {
         let o = d.cli(&["net", "allow", &id, h]);
         assert!(o.status.success(), "net allow: {}", text(&o.stderr));
     }
@@ -260,6 +264,34 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
             )),
             Err(_) => bad.push(format!("{what}: the upstream saw no request")),
         }
+    }
+
+    // A secret for a new host added to the running sandbox: the CA is re-issued to cover it
+    // and the guest's bundle is written again before the next exec.
+    let o = cli_stdin(
+        &d,
+        &["secret", "set", "API2_KEY", "--host", HOST2],
+        VALUE2.as_bytes(),
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let r = d.request(
+        "POST",
+        &format!("/v1/sandboxes/{id}/secrets"),
+        Some(r#"{"name":"API2_KEY"}"#),
+    );
+    assert!((200..300).contains(&r.status), "{} {}", r.status, r.text());
+    let out = bash(
+        &d,
+        &id,
+        "curl -sS -m 60 -H \"Authorization: Bearer $API2_KEY\" https://api2.test/second",
+    );
+    if !out.contains("auth=[Bearer ") || out.contains(VALUE2) {
+        bad.push(format!("new host after a secret add: {out}"));
+    }
+    match tls_seen.recv_timeout(Duration::from_secs(30)) {
+        Ok(a) if a == format!("Bearer {VALUE2}") => {}
+        Ok(a) => bad.push(format!("new host: the upstream saw {} bytes", a.len())),
+        Err(_) => bad.push("new host: the upstream saw no request".into()),
     }
 
     // A guest clock 2 h behind still accepts the leaf.
