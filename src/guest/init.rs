@@ -243,6 +243,37 @@ pub fn set_identity(hostname: &str, seed: &[u8]) -> Result<(), RemoteError> {
     .map_err(|e| RemoteError::from_io("/dev/urandom", &e))
 }
 
+/// Earliest and latest wall clock the host may set (2020-01-01 and 2200-01-01, Unix ms): a
+/// value outside is a bug or a hostile host, not a clock.
+const CLOCK_MIN_MS: u64 = 1_577_836_800_000;
+const CLOCK_MAX_MS: u64 = 7_258_118_400_000;
+
+/// Set `CLOCK_REALTIME` to `unix_ms` (`Request::SetClock`): a VM restored from a snapshot
+/// otherwise keeps the snapshot's time, and certificates minted since look not yet valid.
+pub fn set_clock(unix_ms: u64) -> Result<(), RemoteError> {
+    if !(CLOCK_MIN_MS..=CLOCK_MAX_MS).contains(&unix_ms) {
+        return Err(RemoteError::new(
+            ErrorKind::InvalidRequest,
+            format!("clock value {unix_ms} ms is outside 2020..2200"),
+        ));
+    }
+    let ts = libc::timespec {
+        // Both fit: bounded above to 2200 in ms, and the remainder is < 1e9 ns.
+        tv_sec: (unix_ms / 1000) as libc::time_t,
+        tv_nsec: ((unix_ms % 1000) * 1_000_000) as libc::c_long,
+    };
+    // SAFETY: `ts` is a valid, initialised timespec that outlives the call; the kernel only
+    // reads it.
+    let rc = unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) };
+    if rc != 0 {
+        return Err(RemoteError::from_io(
+            "clock_settime",
+            &std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
 /// A hostname the host may set: 1-64 bytes of `[A-Za-z0-9_.-]`.
 fn check_hostname(name: &str) -> Result<(), RemoteError> {
     let ok = !name.is_empty()
@@ -348,6 +379,15 @@ mod tests {
         }
         for bad in ["", "a b", "a/b", "a\nb", "ü", &"x".repeat(65)] {
             let e = check_hostname(bad).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidRequest, "{bad}");
+        }
+    }
+
+    /// Only refusals are tested here: a value in range would set the test host's clock.
+    #[test]
+    fn clock_values_outside_2020_to_2200_are_refused_before_any_syscall() {
+        for bad in [0, CLOCK_MIN_MS - 1, CLOCK_MAX_MS + 1, u64::MAX] {
+            let e = set_clock(bad).unwrap_err();
             assert_eq!(e.kind, ErrorKind::InvalidRequest, "{bad}");
         }
     }

@@ -337,6 +337,11 @@ async fn request(
             stream,
             super::init::set_identity(&hostname, &seed).map(|()| Reply::Done),
         ),
+        Request::SetClock { unix_ms } => reply(
+            outbox,
+            stream,
+            super::init::set_clock(unix_ms).map(|()| Reply::Done),
+        ),
         Request::Shutdown => {
             tracing::info!("shutdown requested");
             reply(outbox, stream, Ok(Reply::Done));

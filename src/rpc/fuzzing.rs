@@ -201,6 +201,9 @@ mod tests {
                 hostname: "h".into(),
                 seed: vec![1, 2, 3],
             },
+            Request::SetClock {
+                unix_ms: 1_800_000_000_000,
+            },
         ];
         let replies = [
             Reply::Pong,

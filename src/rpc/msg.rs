@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this file.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
 pub const CONTROL_STREAM: u32 = 0;
@@ -144,6 +144,13 @@ pub enum Request {
     SetIdentity {
         hostname: String,
         seed: Vec<u8>,
+    },
+    /// Set the guest's wall clock (`CLOCK_REALTIME`) to `unix_ms` milliseconds after the Unix
+    /// epoch: sent whenever a VM comes up (boot, resume, restore, fork), whose clock would
+    /// otherwise be the snapshot's. Refused (`InvalidRequest`) outside 2020..2200. Answered
+    /// with `Done`.
+    SetClock {
+        unix_ms: u64,
     },
 }
 

@@ -50,6 +50,9 @@ impl Service {
         // added to the running sandbox shows up in the next exec). The caller's own env comes
         // after and wins.
         let mut env = self.secret_env(id);
+        // With secrets, the guest trusts the sandbox's interception CA (written again when the
+        // VM or the CA changed) and every TLS client is told where the bundle is.
+        env.extend(self.guest_trust_env(id, &vm, !env.is_empty()).await);
         env.append(&mut wire.env);
         wire.env = env;
         // The VM sees the host repo as it is now (one-way delta sync).

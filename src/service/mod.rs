@@ -11,6 +11,7 @@ mod fork;
 mod gc;
 mod git;
 mod golden;
+mod guest_trust;
 mod locks;
 pub mod netpolicy;
 mod network;
@@ -173,6 +174,8 @@ pub struct Service {
     /// Each sandbox's live secrets (bindings with values), read by the egress interceptor per
     /// flow.
     pub secrets: crate::secrets::Registry,
+    /// Per sandbox: the VM and CA its guest trust bundle was last written for.
+    pub guest_trust: guest_trust::GuestTrust,
 }
 
 impl Service {
@@ -222,6 +225,7 @@ impl Service {
             walks: Default::default(),
             manifests: Default::default(),
             nets: Default::default(),
+            guest_trust: Default::default(),
         }
     }
 

@@ -300,6 +300,7 @@ impl Service {
         let _ = self.store.delete(SECRET_BINDINGS, id);
         self.forget_git(id);
         self.secrets.forget(id);
+        self.guest_trust.forget(id);
     }
 
     /// Publish sandbox `id`'s current [`Snapshot`] (its bindings with today's values; a

@@ -263,6 +263,8 @@ impl Service {
             let vm_ms = t0.elapsed().as_millis() as u64;
             let (info, agent) =
                 agent_or_kill(&driver, started, "restored", self.agent_deadlines()).await?;
+            // The VM runs on the checkpoint's time until told the host's.
+            super::guest_trust::sync_clock(&agent, &info.id).await;
             Ok::<_, ServiceError>((
                 LiveVm { info, agent },
                 vm_ms,

@@ -253,6 +253,7 @@ impl Service {
         match agent {
             Ok(agent) => {
                 agent.set_deadlines(self.agent_deadlines());
+                super::guest_trust::sync_clock(&agent, &info.id).await;
                 Ok(LiveVm { info, agent })
             }
             Err(e) => {

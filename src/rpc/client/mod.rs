@@ -103,6 +103,7 @@ fn request_name(req: &Request) -> &'static str {
         Request::UntarDisk { .. } => "untar_disk",
         Request::MountBase { .. } => "mount_base",
         Request::SetIdentity { .. } => "set_identity",
+        Request::SetClock { .. } => "set_clock",
     }
 }
 
@@ -305,6 +306,11 @@ impl AgentClient {
             seed: seed.to_vec(),
         })
         .await
+    }
+
+    /// Sets the guest's wall clock to `unix_ms` (see [`Request::SetClock`]).
+    pub async fn set_clock(&self, unix_ms: u64) -> Result<(), RpcError> {
+        self.call_done(Request::SetClock { unix_ms }).await
     }
 
     /// Removes `delete` (relative to `dir`), then unpacks the tar archive `tar` into `dir`.

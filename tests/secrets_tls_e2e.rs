@@ -1,0 +1,372 @@
+//! End to end with ONE real VM (issue 16, item 3, guest side): real TLS clients inside the
+//! sandbox reach an intercepted HTTPS upstream with a secret's placeholder and the upstream sees
+//! the real value. The guest trusts the sandbox's interception CA through its trust store and
+//! the CA env vars; curl (HTTP/1.1 and HTTP/2) and Python `urllib` work; an upstream echo of the
+//! value comes back as the placeholder; a guest clock 2 h behind still accepts the leaf; the
+//! placeholder sent to another allowed host is refused with a `secret.blocked` event; and a
+//! restored VM gets the host's clock back (its checkpoint's clock was set to 2020).
+//!
+//! The upstream is a local rustls server whose certificate comes from a test CA the daemon is
+//! told to trust (`[network] intercept_extra_ca`); `api.test` is pinned to a test address that
+//! the stack relays to it. Uses the guest images from `TRYBOXI_ARTIFACTS` or `_out/` (skips
+//! without them, except under CI).
+
+mod common;
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::{BIN, Daemon, SMALL_VMS, bash, create_with, follow_events, vm_daemon};
+
+const VALUE: &str = "sk-tls-e2e-Hn4Jk7Lq1Ws9Xe3Rd5";
+const HOST: &str = "api.test";
+/// A second secret, added to the running sandbox for a host the CA did not cover yet.
+const VALUE2: &str = "sk-tls-e2e-second-Qa8Zs2Xc6Vb0";
+const HOST2: &str = "api2.test";
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn cli_stdin(d: &Daemon, args: &[&str], input: &[u8]) -> Output {
+    let mut c = Command::new(BIN)
+        .args(args)
+        .env("TRYBOXI_HOME", d.root())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all(input).unwrap();
+    c.wait_with_output().unwrap()
+}
+
+/// Reads a request head (bounded) and returns its `Authorization` header value ("" if none).
+fn read_head<R: std::io::Read>(r: R) -> String {
+    let mut r = BufReader::new(r.take(64 << 10));
+    let mut auth = String::new();
+    let mut line = String::new();
+    while r.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+        if let Some((k, v)) = line.split_once(':')
+            && k.eq_ignore_ascii_case("authorization")
+        {
+            auth = v.trim().to_owned();
+        }
+        line.clear();
+    }
+    auth
+}
+
+/// An HTTPS upstream for [`HOST`] and [`HOST2`] (HTTP/1.1 only) with a certificate from a fresh test CA
+/// (written to `ca_path`): hands over each request's `Authorization` and echoes it back.
+fn tls_upstream(ca_path: &std::path::Path) -> (SocketAddr, mpsc::Receiver<String>) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::default();
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = p.self_signed(&ca_key).unwrap();
+    std::fs::write(ca_path, ca_cert.pem()).unwrap();
+    let issuer = Issuer::new(p, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec![HOST.to_string(), HOST2.to_string()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![cert.der().clone()],
+        rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+    )
+    .unwrap();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let cfg = Arc::new(cfg);
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(tcp) = conn else { return };
+            let (cfg, tx) = (cfg.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let _ = tcp.set_read_timeout(Some(Duration::from_secs(60)));
+                let Ok(conn) = rustls::ServerConnection::new(cfg) else {
+                    return;
+                };
+                let mut s = rustls::StreamOwned::new(conn, tcp);
+                let auth = read_head(&mut s);
+                let body = format!("auth=[{auth}]\n");
+                let _ = write!(
+                    s,
+                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\
+                     Connection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.flush();
+                s.conn.send_close_notify();
+                let _ = s.flush();
+                let _ = tx.send(auth);
+            });
+        }
+    });
+    (addr, rx)
+}
+
+/// A plaintext HTTP upstream for the other allowed host: hands over each request's
+/// `Authorization`.
+fn plain_upstream() -> (SocketAddr, mpsc::Receiver<String>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { return };
+            let auth = read_head(c.try_clone().unwrap());
+            let _ = c.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n",
+            );
+            let _ = tx.send(auth);
+        }
+    });
+    (addr, rx)
+}
+
+fn now_s() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+}
+
+#[test]
+fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca_path = dir.path().join("upstream-ca.pem");
+    let (tls_addr, tls_seen) = tls_upstream(&ca_path);
+    let (plain_addr, plain_seen) = plain_upstream();
+    let cfg = format!(
+        "{SMALL_VMS}[network]\ndefault_policy = []\nupstream_dns = \"127.0.0.1:9\"\n\
+         intercept_extra_ca = \"{}\"\n\
+         [network.test_hosts]\n\"{HOST}\" = [\"203.0.113.10\"]\n\
+         \"other.test\" = [\"203.0.113.11\"]\n\"{HOST2}\" = [\"203.0.113.12\"]\n\
+         [network.test_upstream_map]\n\"203.0.113.10:443\" = \"{tls_addr}\"\n\
+         \"203.0.113.12:443\" = \"{tls_addr}\"\n\
+         \"203.0.113.11:80\" = \"{plain_addr}\"\n",
+        ca_path.display()
+    );
+    let Some(d) = vm_daemon(&cfg) else { return };
+    let events = follow_events(&d, "?since=0");
+    let mut bad: Vec<String> = Vec::new();
+
+    let o = cli_stdin(
+        &d,
+        &["secret", "set", "API_KEY", "--host", HOST],
+        VALUE.as_bytes(),
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let ws = tempfile::tempdir().unwrap();
+    let id = create_with(&d, ws.path(), &["--secret", "API_KEY"]);
+    for h in [HOST, "other.test", HOST2] {
+        let o = d.cli(&["net", "allow", &id, h]);
+        assert!(o.status.success(), "net allow: {}", text(&o.stderr));
+    }
+
+    // The guest clock after boot is the host's.
+    let out = bash(&d, &id, "date +%s");
+    let guest: i64 = out.trim().parse().unwrap_or(0);
+    if (guest - now_s()).abs() > 120 {
+        bad.push(format!(
+            "guest clock after boot {guest} vs host {}",
+            now_s()
+        ));
+    }
+
+    // Every CA variable names the guest bundle, whose original was kept.
+    let out = bash(
+        &d,
+        &id,
+        "for v in SSL_CERT_FILE REQUESTS_CA_BUNDLE NODE_EXTRA_CA_CERTS CURL_CA_BUNDLE \
+         GIT_SSL_CAINFO CARGO_HTTP_CAINFO; do printf '%s=%s\\n' $v \"$(printenv $v)\"; done; \
+         test -s /etc/ssl/certs/ca-certificates.crt.distro && echo DISTRO-KEPT; \
+         grep -c 'BEGIN CERTIFICATE' /etc/ssl/certs/ca-certificates.crt",
+    );
+    for v in [
+        "SSL_CERT_FILE",
+        "REQUESTS_CA_BUNDLE",
+        "NODE_EXTRA_CA_CERTS",
+        "CURL_CA_BUNDLE",
+        "GIT_SSL_CAINFO",
+        "CARGO_HTTP_CAINFO",
+    ] {
+        if !out.contains(&format!("{v}=/etc/ssl/certs/ca-certificates.crt\n")) {
+            bad.push(format!("{v} not set: {out}"));
+        }
+    }
+    if !out.contains("DISTRO-KEPT") {
+        bad.push(format!("no .distro copy: {out}"));
+    }
+
+    let placeholder = bash(&d, &id, "printf %s \"$API_KEY\"");
+    assert!(
+        placeholder.len() >= 16 && !placeholder.contains(VALUE),
+        "{placeholder}"
+    );
+    let echoed = format!("auth=[Bearer {placeholder}]");
+
+    // curl over HTTP/1.1 and HTTP/2, Python urllib: the upstream sees the value, the guest the
+    // placeholder in the echo.
+    let clients: [(&str, String); 3] = [
+        (
+            "curl http/1.1",
+            "curl -sS --http1.1 -m 60 -w '\\nv=%{http_version}\\n' \
+             -H \"Authorization: Bearer $API_KEY\" https://api.test/h1"
+                .into(),
+        ),
+        (
+            "curl http/2",
+            "curl -sS --http2 -m 60 -w '\\nv=%{http_version}\\n' \
+             -H \"Authorization: Bearer $API_KEY\" https://api.test/h2"
+                .into(),
+        ),
+        (
+            "python urllib",
+            "python3 -c \"\nimport os, urllib.request\n\
+             r = urllib.request.Request('https://api.test/py', headers={'Authorization': \
+             'Bearer ' + os.environ['API_KEY']})\n\
+             print(urllib.request.urlopen(r, timeout=60).read().decode())\n\""
+                .into(),
+        ),
+    ];
+    for (what, script) in &clients {
+        let out = bash(&d, &id, script);
+        if !out.contains(&echoed) {
+            bad.push(format!("{what}: no scrubbed echo: {out}"));
+        }
+        if out.contains(VALUE) {
+            bad.push(format!("{what}: the value reached the guest"));
+        }
+        if *what == "curl http/2" && !out.contains("v=2") {
+            bad.push(format!("{what}: not HTTP/2: {out}"));
+        }
+        match tls_seen.recv_timeout(Duration::from_secs(30)) {
+            Ok(a) if a == format!("Bearer {VALUE}") => {}
+            Ok(a) => bad.push(format!(
+                "{what}: the upstream saw another Authorization ({} bytes)",
+                a.len()
+            )),
+            Err(_) => bad.push(format!("{what}: the upstream saw no request")),
+        }
+    }
+
+    // A secret for a new host added to the running sandbox: the CA is re-issued to cover it
+    // and the guest's bundle is written again before the next exec.
+    let o = cli_stdin(
+        &d,
+        &["secret", "set", "API2_KEY", "--host", HOST2],
+        VALUE2.as_bytes(),
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let r = d.request(
+        "POST",
+        &format!("/v1/sandboxes/{id}/secrets"),
+        Some(r#"{"name":"API2_KEY"}"#),
+    );
+    assert!((200..300).contains(&r.status), "{} {}", r.status, r.text());
+    let out = bash(
+        &d,
+        &id,
+        "curl -sS -m 60 -H \"Authorization: Bearer $API2_KEY\" https://api2.test/second",
+    );
+    if !out.contains("auth=[Bearer ") || out.contains(VALUE2) {
+        bad.push(format!("new host after a secret add: {out}"));
+    }
+    match tls_seen.recv_timeout(Duration::from_secs(30)) {
+        Ok(a) if a == format!("Bearer {VALUE2}") => {}
+        Ok(a) => bad.push(format!("new host: the upstream saw {} bytes", a.len())),
+        Err(_) => bad.push("new host: the upstream saw no request".into()),
+    }
+
+    // A guest clock 2 h behind still accepts the leaf.
+    let out = bash(
+        &d,
+        &id,
+        "date -s @$(( $(date +%s) - 7200 )) >/dev/null && \
+         curl -sS -m 60 -H \"Authorization: Bearer $API_KEY\" https://api.test/late",
+    );
+    if !out.contains(&echoed) {
+        bad.push(format!("clock 2 h behind: {out}"));
+    }
+    let _ = tls_seen.recv_timeout(Duration::from_secs(10));
+
+    // The placeholder to another allowed host (plaintext): refused, with its event.
+    let out = bash(
+        &d,
+        &id,
+        "curl -sS -m 30 -o /dev/null -w 'code=%{http_code}\\n' \
+         -H \"Authorization: Bearer $API_KEY\" http://other.test/x; echo rc=$?",
+    );
+    if let Ok(a) = plain_seen.recv_timeout(Duration::from_secs(3))
+        && a.contains(&placeholder)
+    {
+        bad.push(format!("the placeholder reached other.test: {out}"));
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut blocked = None;
+    while blocked.is_none() && Instant::now() < deadline {
+        if let Ok(ev) = events.recv_timeout(Duration::from_millis(500))
+            && ev["type"] == "secret.blocked"
+        {
+            blocked = Some(ev.to_string());
+        }
+    }
+    match blocked {
+        Some(ev) if ev.contains("API_KEY") && ev.contains("other.test") => {
+            if ev.contains(VALUE) || ev.contains(&placeholder) {
+                bad.push("the secret.blocked event holds the value or placeholder".into());
+            }
+        }
+        other => bad.push(format!(
+            "no secret.blocked event for other.test: {other:?} {out}"
+        )),
+    }
+
+    // A restore puts the VM back on its checkpoint's clock; the daemon sets the host's.
+    let out = bash(&d, &id, "date -s @1600000000 >/dev/null; date +%s");
+    assert!(out.trim().starts_with("16000000"), "{out}");
+    let o = d.cli(&["snapshot", "create", &id]);
+    assert!(o.status.success(), "snapshot: {}", text(&o.stderr));
+    let snap = common::first_word(&o);
+    let o = d.cli(&["restore", &id, &snap]);
+    assert!(o.status.success(), "restore: {}", text(&o.stderr));
+    let out = bash(&d, &id, "date +%s");
+    let guest: i64 = out.trim().parse().unwrap_or(0);
+    if (guest - now_s()).abs() > 120 {
+        bad.push(format!(
+            "guest clock after restore {guest} vs host {}",
+            now_s()
+        ));
+    }
+    // And the restored VM still trusts the CA.
+    let out = bash(
+        &d,
+        &id,
+        "curl -sS -m 60 -H \"Authorization: Bearer $API_KEY\" https://api.test/restored",
+    );
+    if !out.contains(&echoed) {
+        bad.push(format!("after restore: {out}"));
+    }
+
+    assert!(d.cli(&["rm", &id]).status.success());
+    if d.log_text().contains(VALUE) {
+        bad.push("the daemon log holds the value".into());
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
