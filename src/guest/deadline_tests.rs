@@ -86,6 +86,7 @@ async fn a_big_delete_before_an_unpack_reports_progress_and_succeeds() {
     c.set_deadlines(Deadlines {
         reply: deadline,
         per_mib: Duration::ZERO,
+        ..Deadlines::default()
     });
     let ws = d.path().join("ws");
     let t = Instant::now();

@@ -15,6 +15,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use zeroize::{Zeroize as _, Zeroizing};
 
@@ -198,7 +199,7 @@ impl SecretStore {
             in_body: spec.in_body,
             created_at: old
                 .map(|e| e.meta.created_at.clone())
-                .unwrap_or_else(crate::service::now_rfc3339),
+                .unwrap_or_else(now_rfc3339),
             last_used_at: old.and_then(|e| e.meta.last_used_at.clone()),
         };
         let mut next = g.secrets.clone();
@@ -295,7 +296,7 @@ impl SecretStore {
         let Some(e) = g.secrets.get_mut(name) else {
             return;
         };
-        e.meta.last_used_at = Some(crate::service::now_rfc3339());
+        e.meta.last_used_at = Some(now_rfc3339());
         if now_s.saturating_sub(e.used_written) < USED_WRITE_EVERY_S {
             return;
         }
@@ -432,7 +433,7 @@ fn read_file(path: &Path) -> Result<BTreeMap<String, Entry>, SecretStoreError> {
     }
     let mut out = BTreeMap::new();
     for mut s in body.secrets {
-        let decoded = crate::api::b64::decode(&s.value_b64);
+        let decoded = B64.decode(&s.value_b64);
         s.value_b64.zeroize();
         let value = Value::new(
             decoded.map_err(|_| err(format!("the value of `{}` is not base64", s.meta.name)))?,
@@ -467,7 +468,7 @@ fn write_file(path: &Path, secrets: &BTreeMap<String, Entry>) -> Result<(), Secr
             .values()
             .map(|e| FileSecret {
                 meta: e.meta.clone(),
-                value_b64: crate::api::b64::encode(e.value.bytes()),
+                value_b64: B64.encode(e.value.bytes()),
             })
             .collect(),
     };
@@ -505,6 +506,23 @@ fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     res
+}
+
+/// Standard padded base64 of the values in the file (the store depends on no layer above it).
+const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
+
+/// Now, as `2026-12-04T21:00:00Z` (UTC, seconds), for `created_at` and `last_used_at`.
+fn now_rfc3339() -> String {
+    let t = time::OffsetDateTime::now_utc();
+    format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second()
+    )
 }
 
 #[cfg(test)]

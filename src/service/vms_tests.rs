@@ -77,6 +77,7 @@ async fn a_silent_agent_fails_the_call_and_the_sandbox() {
     agent.set_deadlines(Deadlines {
         reply: Duration::from_millis(300),
         per_mib: Duration::ZERO,
+        ..Deadlines::default()
     });
     let vm = live(&id, dir.path(), agent);
     svc.vms.insert(&id, vm.clone());
@@ -139,6 +140,7 @@ async fn a_silent_agent_no_longer_holds_the_workspace_lock() {
     agent.set_deadlines(Deadlines {
         reply: Duration::from_millis(300),
         per_mib: Duration::ZERO,
+        ..Deadlines::default()
     });
     let vm = live(&id, dir.path(), agent);
     svc.vms.insert(&id, vm.clone());
@@ -229,6 +231,7 @@ async fn a_slow_agent_fails_the_call_but_not_the_sandbox() {
     agent.set_deadlines(Deadlines {
         reply: Duration::from_millis(300),
         per_mib: Duration::ZERO,
+        ..Deadlines::default()
     });
     let vm = live(&id, dir.path(), agent.clone());
     svc.vms.insert(&id, vm.clone());

@@ -312,6 +312,7 @@ async fn silent() -> AgentClient {
     c.set_deadlines(Deadlines {
         reply: Duration::from_millis(300),
         per_mib: Duration::from_millis(10),
+        ..Deadlines::default()
     });
     c
 }
@@ -414,6 +415,7 @@ async fn exec_output_has_no_deadline() {
     c.set_deadlines(Deadlines {
         reply: Duration::from_millis(200),
         per_mib: Duration::ZERO,
+        ..Deadlines::default()
     });
     let mut s = c
         .exec(ExecRequest {
@@ -459,6 +461,7 @@ async fn a_slow_agent_that_answers_pings_fails_only_the_request() {
     c.set_deadlines(Deadlines {
         reply: Duration::from_millis(300),
         per_mib: Duration::ZERO,
+        ..Deadlines::default()
     });
     let mut slow = c.slow_requests();
     let r = tokio::time::timeout(T, c.stat("/proc/kmsg"))
@@ -518,6 +521,7 @@ async fn progress_restarts_the_deadline_of_a_long_request() {
     c.set_deadlines(Deadlines {
         reply: Duration::from_millis(300),
         per_mib: Duration::ZERO,
+        ..Deadlines::default()
     });
     let t = std::time::Instant::now();
     let r = tokio::time::timeout(T, c.remove("/workspace/big", true))
@@ -526,6 +530,57 @@ async fn progress_restarts_the_deadline_of_a_long_request() {
     assert!(r.is_ok(), "{r:?}");
     assert!(t.elapsed() >= Duration::from_millis(1500));
     assert!(!c.is_closed());
+}
+
+#[tokio::test]
+async fn endless_progress_fails_the_request_at_the_overall_cap() {
+    use crate::rpc::msg::{Reply, Request};
+    let (c, mut g) = fake_guest().await;
+    tokio::spawn(async move {
+        let (id, _) = next_request(&mut g).await.unwrap();
+        // Says it works every 50 ms, forever, and answers pings: alive but never done. One
+        // socket, two handles: a reader task (read_frame is not cancel-safe) and this writer.
+        let std = g.into_std().unwrap();
+        let mut r = UnixStream::from_std(std.try_clone().unwrap()).unwrap();
+        let mut w = UnixStream::from_std(std).unwrap();
+        let (pings, mut ping_rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok(Some(f)) = read_frame(&mut r).await {
+                if f.body == Body::Request(Request::Ping) {
+                    let _ = pings.send(f.stream);
+                }
+            }
+        });
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => send(&mut w, id, Body::Progress).await,
+                p = ping_rx.recv() => match p {
+                    Some(stream) => send(&mut w, stream, Body::Reply(Reply::Pong)).await,
+                    None => return,
+                },
+            }
+        }
+    });
+    c.set_deadlines(Deadlines {
+        reply: Duration::from_millis(300),
+        per_mib: Duration::ZERO,
+        progress_max: Duration::from_millis(1000),
+    });
+    let t = std::time::Instant::now();
+    let r = tokio::time::timeout(T, c.remove("/workspace/big", true))
+        .await
+        .expect("endless progress kept the request past its cap");
+    assert!(matches!(&r, Err(RpcError::Slow { .. })), "{r:?}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(1000),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(
+        !c.is_closed(),
+        "an agent that answers pings stays connected"
+    );
 }
 
 #[tokio::test]
@@ -542,6 +597,7 @@ async fn progress_without_an_answer_still_meets_a_deadline_once_it_stops() {
     c.set_deadlines(Deadlines {
         reply: Duration::from_millis(300),
         per_mib: Duration::ZERO,
+        ..Deadlines::default()
     });
     let r = tokio::time::timeout(T, c.remove("/workspace/big", true))
         .await

@@ -46,6 +46,10 @@ pub struct Deadlines {
     /// Added to `reply` per MiB of archive the agent unpacks from a disk (`UntarDisk`), which it
     /// does without a word until done. Default 1 s.
     pub per_mib: Duration,
+    /// The longest `Progress` frames may keep one wait going in all: past it the request fails
+    /// even though the agent keeps saying it works (a hostile agent could otherwise hold the
+    /// request, and the sandbox's lock, forever). Default 1 h.
+    pub progress_max: Duration,
 }
 
 impl Default for Deadlines {
@@ -53,6 +57,7 @@ impl Default for Deadlines {
         Deadlines {
             reply: Duration::from_secs(120),
             per_mib: Duration::from_secs(1),
+            progress_max: Duration::from_secs(3600),
         }
     }
 }
@@ -301,14 +306,18 @@ pub(super) struct Waiting<'a> {
     pub(super) what: &'a str,
     pub(super) after: Duration,
     pub(super) progress: watch::Receiver<u64>,
+    /// How far `Progress` may push the deadline in all ([`Deadlines::progress_max`]).
+    pub(super) max: Duration,
 }
 
 impl Waiting<'_> {
-    /// `fut`'s output, or `Err(after)` when `after` passed with no progress reported.
+    /// `fut`'s output, or `Err(after)` when `after` passed with no progress reported, or when
+    /// progress kept it going for longer than `max` (never less than `after`) in all.
     pub(super) async fn wait<F: std::future::Future>(
         &mut self,
         fut: F,
     ) -> Result<F::Output, Duration> {
+        let hard = tokio::time::Instant::now() + self.max.max(self.after);
         let sleep = tokio::time::sleep(self.after);
         tokio::pin!(sleep, fut);
         let mut progress_open = true;
@@ -317,7 +326,9 @@ impl Waiting<'_> {
                 out = &mut fut => return Ok(out),
                 () = &mut sleep => return Err(self.after),
                 r = self.progress.changed(), if progress_open => match r {
-                    Ok(()) => sleep.as_mut().reset(tokio::time::Instant::now() + self.after),
+                    Ok(()) => sleep
+                        .as_mut()
+                        .reset((tokio::time::Instant::now() + self.after).min(hard)),
                     // The stream is over (connection gone): `fut` ends too.
                     Err(_) => progress_open = false,
                 },
@@ -470,6 +481,7 @@ impl OpenStream {
             what,
             after,
             progress,
+            max: self.handle.shared.deadlines().progress_max,
         }
     }
 
