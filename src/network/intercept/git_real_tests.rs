@@ -11,11 +11,10 @@ use std::sync::{Arc, Mutex};
 use http_body_util::BodyExt as _;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rcgen::{CertificateParams, KeyPair};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::body::{ProxyBody, full};
-use super::tests::{TestCa, binding, test_ca};
+use super::tests::{TestCa, binding, server_tls, test_ca};
 use super::*;
 use crate::secrets::git::http_backend_tests::{cgi, git, http_backend, ok};
 use crate::secrets::{GitGrant, Snapshot};
@@ -100,24 +99,7 @@ async fn forge_server(
     backend: PathBuf,
     root: PathBuf,
 ) -> (std::net::SocketAddr, Seen) {
-    let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec![GHOST.to_string()])
-        .unwrap()
-        .signed_by(&key, &ca.issuer)
-        .unwrap();
-    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(
-        vec![cert.der().clone()],
-        rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-    )
-    .unwrap();
-    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let acceptor = server_tls(ca, GHOST, &[b"h2", b"http/1.1"]);
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let seen: Seen = Arc::default();

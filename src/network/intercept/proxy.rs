@@ -57,6 +57,22 @@ struct Upstream {
 }
 
 impl Upstream {
+    /// The upstream of a flow whose first connection (`upstream`, to the pinned address) the
+    /// stack already made; later ones go to the same address.
+    fn new(
+        upstream: TcpStream,
+        sni: &str,
+        tls: Option<Arc<rustls::ClientConfig>>,
+    ) -> Result<Upstream, InterceptError> {
+        Ok(Upstream {
+            addr: upstream.peer_addr().map_err(InterceptError::UpstreamIo)?,
+            sni: sni.to_owned(),
+            tls,
+            first: std::sync::Mutex::new(Some(upstream)),
+            cur: tokio::sync::Mutex::new(None),
+        })
+    }
+
     async fn connect(&self) -> Result<Sender, InterceptError> {
         let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
         let tcp = match first {
@@ -179,14 +195,7 @@ pub(super) async fn serve<G>(
 where
     G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let addr = upstream.peer_addr().map_err(InterceptError::UpstreamIo)?;
-    let up = Upstream {
-        addr,
-        sni: sni.clone(),
-        tls: Some(icpt.upstream_tls.clone()),
-        first: std::sync::Mutex::new(Some(upstream)),
-        cur: tokio::sync::Mutex::new(None),
-    };
+    let up = Upstream::new(upstream, &sni, Some(icpt.upstream_tls.clone()))?;
     // Upstream first: a host whose certificate does not verify never gets a guest handshake.
     let first = up.connect().await?;
     *up.cur.lock().await = Some(first);
@@ -223,14 +232,7 @@ pub(super) async fn serve_plain<G>(
 where
     G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let addr = upstream.peer_addr().map_err(InterceptError::UpstreamIo)?;
-    let up = Upstream {
-        addr,
-        sni: host.clone(),
-        tls: None,
-        first: std::sync::Mutex::new(Some(upstream)),
-        cur: tokio::sync::Mutex::new(None),
-    };
+    let up = Upstream::new(upstream, &host, None)?;
     let flow = Arc::new(Flow {
         icpt,
         sni: host,

@@ -137,11 +137,13 @@ async fn echo(req: Request<hyper::body::Incoming>, seen: Seen) -> Response<Proxy
     resp
 }
 
-/// A TLS + HTTP echo server for `HOST` on 127.0.0.1 (ALPN h2 and http/1.1 unless `h1_only`).
-async fn upstream(ca: &TestCa, h1_only: bool) -> (std::net::SocketAddr, Seen) {
+/// A TLS acceptor for `host` with a certificate from the test CA, offering `alpn`.
+pub(super) fn server_tls(ca: &TestCa, host: &str, alpn: &[&[u8]]) -> tokio_rustls::TlsAcceptor {
     let key = KeyPair::generate().unwrap();
-    let p = CertificateParams::new(vec![HOST.to_string()]).unwrap();
-    let cert = p.signed_by(&key, &ca.issuer).unwrap();
+    let cert = CertificateParams::new(vec![host.to_string()])
+        .unwrap()
+        .signed_by(&key, &ca.issuer)
+        .unwrap();
     let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
@@ -153,12 +155,18 @@ async fn upstream(ca: &TestCa, h1_only: bool) -> (std::net::SocketAddr, Seen) {
         rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
     )
     .unwrap();
-    cfg.alpn_protocols = if h1_only {
-        vec![b"http/1.1".to_vec()]
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    tokio_rustls::TlsAcceptor::from(Arc::new(cfg))
+}
+
+/// A TLS + HTTP echo server for `HOST` on 127.0.0.1 (ALPN h2 and http/1.1 unless `h1_only`).
+async fn upstream(ca: &TestCa, h1_only: bool) -> (std::net::SocketAddr, Seen) {
+    let alpn: &[&[u8]] = if h1_only {
+        &[b"http/1.1"]
     } else {
-        vec![b"h2".to_vec(), b"http/1.1".to_vec()]
+        &[b"h2", b"http/1.1"]
     };
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let acceptor = server_tls(ca, HOST, alpn);
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let seen: Seen = Arc::default();
