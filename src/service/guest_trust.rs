@@ -190,6 +190,44 @@ mod tests {
         );
     }
 
+    async fn vm(id: &str) -> (Arc<LiveVm>, tokio::net::UnixStream) {
+        let (agent, guest) = crate::rpc::hostile::fake_guest().await;
+        let dir = std::path::PathBuf::from("/nonexistent");
+        let info = crate::vmm::VmInfo {
+            id: id.to_owned(),
+            dir: dir.clone(),
+            pid: 0,
+            accel: crate::vmm::Accel::Tcg,
+            agent_socket: dir.join("agent.sock"),
+            qmp_socket: dir.join("qmp.sock"),
+            console_log: dir.join("console.log"),
+        };
+        (Arc::new(LiveVm { info, agent }), guest)
+    }
+
+    #[tokio::test]
+    async fn the_bundle_is_rewritten_for_another_vm_or_another_ca_only() {
+        let t = GuestTrust::default();
+        let (a, _ga) = vm("sbx_a").await;
+        let (b, _gb) = vm("sbx_a").await;
+        assert!(!t.is_current("sbx_a", &a, "CA1"), "never written");
+        t.record("sbx_a", &a, "CA1".into());
+        assert!(t.is_current("sbx_a", &a, "CA1"));
+        assert!(!t.is_current("sbx_a", &a, "CA2"), "the CA was re-issued");
+        assert!(
+            !t.is_current("sbx_a", &b, "CA1"),
+            "a restored or resumed VM"
+        );
+        assert!(!t.is_current("sbx_b", &a, "CA1"), "another sandbox");
+        // The replaced VM is gone; its allocation is held by the Weak, so a new VM can never
+        // take its address and pass for it.
+        drop(a);
+        let (c, _gc) = vm("sbx_a").await;
+        assert!(!t.is_current("sbx_a", &c, "CA1"));
+        t.forget("sbx_a");
+        assert!(!t.is_current("sbx_a", &b, "CA1"));
+    }
+
     #[test]
     fn every_ca_variable_names_the_guest_bundle() {
         let env = ca_env();
