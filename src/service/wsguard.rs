@@ -3,7 +3,7 @@
 //! it.
 //!
 //! Refused: the file system root `/`; any folder that is or contains a home folder of any
-//! user of the host (the password database as `getpwent` lists it, plus the calling user's,
+//! user of the host (`/etc/passwd`, plus the calling user's,
 //! the daemon user's and `$HOME`), since it holds shell history, browser profiles, keys and
 //! dotfiles a later apply could replace, and syncing `/home` copies every home (a project
 //! folder inside a home is fine); any folder inside a home's dot-directory (`~/.ssh`,
@@ -44,34 +44,36 @@ pub fn forbidden_homes(caller_uid: Option<u32>) -> Vec<PathBuf> {
     out
 }
 
-/// Most entries read from the password database (a directory service may list many).
+/// Most entries read from the password file.
 const MAX_USERS: usize = 100_000;
+/// Largest password file read (bigger ones are read up to here).
+const MAX_PASSWD_BYTES: u64 = 16 << 20;
 
-/// The home folder of every user `getpwent` lists.
+/// The home folder of every user in `/etc/passwd`.
+///
+/// Read as a file, not through `getpwent`: the release binary is statically linked, and a
+/// static glibc that enumerates the password database loads every NSS module `nsswitch.conf`
+/// names; `libnss_systemd` (Debian's default `passwd: files systemd`) crashes the daemon there.
+/// Users only a directory service knows are still covered when they call (their own home is
+/// added by uid, which `files` answers first) or through `$HOME`.
 fn all_homes() -> Vec<PathBuf> {
-    // getpwent keeps one cursor per process: one caller at a time.
-    static CURSOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = CURSOR.lock().unwrap_or_else(|e| e.into_inner());
-    let mut out = Vec::new();
-    // SAFETY: setpwent/getpwent/endpwent share process-wide state, serialized by `CURSOR`
-    // (nothing else in tryboxi calls them; getpwuid_r, used elsewhere, has its own buffers).
-    // Each returned entry is read (its `pw_dir` copied) before the next call overwrites it.
-    unsafe {
-        libc::setpwent();
-        while out.len() < MAX_USERS {
-            let pw = libc::getpwent();
-            if pw.is_null() {
-                break;
-            }
-            let dir = (*pw).pw_dir;
-            if !dir.is_null() {
-                let bytes = std::ffi::CStr::from_ptr(dir).to_bytes();
-                out.push(PathBuf::from(std::ffi::OsStr::from_bytes(bytes)));
-            }
-        }
-        libc::endpwent();
+    use std::io::Read as _;
+    let mut text = Vec::new();
+    if let Ok(f) = std::fs::File::open("/etc/passwd") {
+        let _ = f.take(MAX_PASSWD_BYTES).read_to_end(&mut text);
     }
-    out
+    passwd_homes(&text)
+}
+
+/// The home field (the 6th) of each `name:pw:uid:gid:gecos:home:shell` line.
+fn passwd_homes(text: &[u8]) -> Vec<PathBuf> {
+    text.split(|&b| b == b'\n')
+        .filter(|l| !l.starts_with(b"#"))
+        .filter_map(|l| l.split(|&b| b == b':').nth(5))
+        .filter(|home| home.starts_with(b"/"))
+        .take(MAX_USERS)
+        .map(|home| PathBuf::from(std::ffi::OsStr::from_bytes(home)))
+        .collect()
 }
 
 /// Why `ws` (absolute, symlinks resolved) may not be a workspace, if it may not. `homes`:
@@ -223,5 +225,21 @@ mod tests {
             .dir;
         let root_home = root_home.canonicalize().unwrap_or(root_home);
         assert!(homes.contains(&root_home), "{homes:?}");
+    }
+
+    #[test]
+    fn homes_come_from_the_password_file_lines() {
+        let text = b"root:x:0:0:root:/root:/bin/bash\n# a comment:x:1:1::/nope:\n\
+                     me:x:1000:1000:Me,,,:/home/me:/bin/sh\nbroken\nodd:x:2:2::relative:\n\
+                     nologin:x:65534:65534::/nonexistent:/usr/sbin/nologin";
+        assert_eq!(
+            passwd_homes(text),
+            [
+                PathBuf::from("/root"),
+                PathBuf::from("/home/me"),
+                PathBuf::from("/nonexistent")
+            ]
+        );
+        assert!(passwd_homes(b"").is_empty());
     }
 }
