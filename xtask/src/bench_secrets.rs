@@ -12,9 +12,9 @@
 //!     stored (every synced file is scanned for its value and encodings) vs none stored.
 //!
 //! The upstream is a local rustls server (HTTP/1.1) whose certificate comes from a test CA
-//! made here: the daemon trusts it through `[network] intercept_extra_ca`, the guest through a
-//! bundle the bench writes (the guest's own bundle, which holds the sandbox's interception CA,
-//! plus the test CA; both curls use it, so both load the same file). `api.test` (the secret's
+//! made here: the daemon trusts it through `[network] intercept_extra_ca`, the guest because
+//! the bench appends it to the guest's bundle (which holds the sandbox's interception CA and
+//! which `CURL_CA_BUNDLE` names; both curls load that same file). `api.test` (the secret's
 //! host) and `plain.test` (no secret) are pinned to documentation addresses the stack relays to
 //! that one server (`test_hosts`, `test_upstream_map`), so the two requests differ only in the
 //! interception. Both use `--http1.1` (the upstream offers only HTTP/1.1).
@@ -109,11 +109,17 @@ fn upstream() -> Result<(SocketAddr, String, mpsc::Receiver<Seen>)> {
     let ca_key = KeyPair::generate()?;
     let mut p = CertificateParams::default();
     p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    // Distinct names: rcgen's default subject for both would make OpenSSL in the guest (which
+    // checks the passed-through leaf itself) take the leaf for a self-signed certificate.
+    p.distinguished_name
+        .push(rcgen::DnType::CommonName, "tryboxi bench upstream CA");
     let ca_pem = p.self_signed(&ca_key)?.pem();
     let issuer = Issuer::new(p, ca_key);
     let key = KeyPair::generate()?;
-    let cert = CertificateParams::new(vec![HOST_SECRET.to_string(), HOST_PLAIN.to_string()])?
-        .signed_by(&key, &issuer)?;
+    let mut leaf = CertificateParams::new(vec![HOST_SECRET.to_string(), HOST_PLAIN.to_string()])?;
+    leaf.distinguished_name
+        .push(rcgen::DnType::CommonName, HOST_SECRET);
+    let cert = leaf.signed_by(&key, &issuer)?;
     let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
@@ -182,7 +188,7 @@ fn guest(sock: &Path, id: &str, script: &str, env: &[(&str, &str)]) -> Result<St
 }
 
 /// The curl both kinds of request use: `$1` label, `$2` token, `$3` host, `$4` path.
-const CURL_FN: &str = "c() { curl -sS -m 600 --http1.1 --cacert /tmp/bench-ca.pem -o /dev/null \
+const CURL_FN: &str = "c() { curl -sS -m 600 --http1.1 -o /dev/null \
     -H \"Authorization: Bearer $2\" -w \"$1 %{http_code} %{size_download} %{time_total}\\n\" \
     \"https://$3$4\"; }; \
     DUMMY=$(printf '%s' \"$BENCH_KEY\" | tr 'a-z0-9_' 'x'); ";
@@ -259,7 +265,9 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, base_config: &str) -> Resu
     let d = Daemon::start(bin, home, artifacts, &config)?;
     let sock = d.socket();
     put_secret(&sock)?;
-    let ws = home.join("ws-secrets");
+    // Workspaces may not lie inside the daemon's data root.
+    let scratch = home.with_file_name("secrets-ws");
+    let ws = scratch.join("ws-secrets");
     std::fs::create_dir_all(&ws)?;
     let body = serde_json::json!({
         "workspace": { "host_path": ws },
@@ -275,8 +283,8 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, base_config: &str) -> Resu
     guest(
         &sock,
         &id,
-        "cat /etc/ssl/certs/ca-certificates.crt > /tmp/bench-ca.pem && \
-         printf '%s\\n' \"$UPSTREAM_CA\" >> /tmp/bench-ca.pem",
+        "printf '%s\\n' \"$UPSTREAM_CA\" >> /etc/ssl/certs/ca-certificates.crt && \
+         grep -c 'BEGIN CERT' /etc/ssl/certs/ca-certificates.crt >&2",
         &[("UPSTREAM_CA", &ca_pem)],
     )?;
 
@@ -342,7 +350,7 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, base_config: &str) -> Resu
     println!(
         "==> (l) first sync of the 10,000-file tree: one secret stored vs none ({SYNC_REPS}x each)"
     );
-    let (sync_secret, sync_none) = sync_rows(&sock, home)?;
+    let (sync_secret, sync_none) = sync_rows(&sock, &scratch)?;
     crate::bench::progress("(l) first sync, one secret stored", &sync_secret);
     crate::bench::progress("(l) first sync, no secret", &sync_none);
     d.stop()?;
@@ -362,8 +370,8 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, base_config: &str) -> Resu
 /// (l): each first sync into a fresh sandbox (created on an empty directory, then the tree moved
 /// in, as the workspace rows do); with the secret stored and without, alternating which goes
 /// first.
-fn sync_rows(sock: &Path, home: &Path) -> Result<(Vec<Duration>, Vec<Duration>)> {
-    let gen_dir = home.join("ws-gen");
+fn sync_rows(sock: &Path, scratch: &Path) -> Result<(Vec<Duration>, Vec<Duration>)> {
+    let gen_dir = scratch.join("ws-gen");
     crate::bench::ws_generate(&gen_dir)?;
     let st = std::process::Command::new("sync")
         .status()
@@ -371,7 +379,7 @@ fn sync_rows(sock: &Path, home: &Path) -> Result<(Vec<Duration>, Vec<Duration>)>
     if !st.success() {
         bail!("sync failed");
     }
-    let ws = home.join("ws-big");
+    let ws = scratch.join("ws-big");
     let (mut with, mut without) = (Vec::new(), Vec::new());
     for rep in 0..SYNC_REPS {
         let order = if rep % 2 == 0 {
