@@ -13,6 +13,8 @@
 //! (g)-(i) golden-snapshot create, fork of 10, memory of 10 idle forks (`bench_snap.rs`).
 //! (j) network (`bench_net.rs`): one TCP stream and connections per second from a guest through
 //!     its userspace stack to a local server, vs the same host-local.
+//! (k), (l) secrets (`bench_secrets.rs`): an intercepted HTTPS request with a swap and a 64 MiB
+//!     intercepted download vs pass-through; first sync with one secret stored vs none.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -180,6 +182,7 @@ pub fn run(reps: usize) -> Result<()> {
     d.stop()?;
     let sn = crate::bench_snap::run(&bin, &home.join("snap"), &out, MEM_MIB, VCPUS, reps)?;
     let net = crate::bench_net::run(&bin, &home.join("net"), &out, &config)?;
+    let secrets = crate::bench_secrets::run(&bin, &home.join("secrets"), &out, &config)?;
 
     let (a, b, c_api, c_cli) = (median(&base), median(&create), median(&api), median(&cli));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
@@ -344,7 +347,7 @@ pub fn run(reps: usize) -> Result<()> {
         "\nThe guest side runs under **{accel}**: with TCG the guest kernel's TCP and bash are \
          emulated, so the ratio mostly measures the emulation, not the stack.\n"
     )?;
-    md.push('\n');
+    md.push_str(&crate::bench_secrets::section(&secrets, &now_utc()?)?);
     md.push_str(&ws_section(&ws)?);
     println!("\n{md}");
     let path = util::repo_root().join("BENCHMARKS.md");
@@ -412,6 +415,59 @@ pub fn run_workspace_only(reps: usize) -> Result<()> {
     Ok(())
 }
 
+/// `--secrets-only`: only the secrets rows (k), (l) on their own daemon; replaces the secrets
+/// section of BENCHMARKS.md (or puts it before the workspace section) and leaves the rest.
+pub fn run_secrets_only() -> Result<()> {
+    let bin = crate::dist::run()?;
+    crate::images::run(&bin, crate::images::Rebuild::default())?;
+    let out = util::out_dir();
+    let home = out.join("bench-home");
+    if home.exists() {
+        std::fs::remove_dir_all(&home)?;
+    }
+    let config = format!(
+        "default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n[pool]\ngolden = false\n"
+    );
+    let rows = crate::bench_secrets::run(&bin, &home.join("secrets"), &out, &config)?;
+    let mut sec = crate::bench_secrets::section(&rows, &now_utc()?)?;
+    writeln!(sec, "These rows: `cargo xtask bench --secrets-only`.\n")?;
+    println!("\n{sec}");
+    let path = util::repo_root().join("BENCHMARKS.md");
+    let old = std::fs::read_to_string(&path).unwrap_or_default();
+    std::fs::write(
+        &path,
+        replace_section(&old, crate::bench_secrets::HEADING, &sec),
+    )?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+/// `old` with the section under `heading` (up to the next `## `) replaced by `sec`; without
+/// one, `sec` goes before the workspace section, else before the hand-measured one, else last.
+fn replace_section(old: &str, heading: &str, sec: &str) -> String {
+    if let Some(start) = old.find(heading) {
+        let rest = &old[start + heading.len()..];
+        let end = rest
+            .find("\n## ")
+            .map_or(old.len(), |i| start + heading.len() + i + 1);
+        return format!("{}{sec}{}", &old[..start], &old[end..]);
+    }
+    let at = old
+        .find("## Workspace sync")
+        .or_else(|| old.find(HAND_HEADING))
+        .unwrap_or(old.len());
+    format!("{}{sec}{}", &old[..at], &old[at..])
+}
+
+fn now_utc() -> Result<String> {
+    Ok(util::output(
+        Command::new("date").arg("-u").arg("+%Y-%m-%d %H:%M UTC"),
+        "date",
+    )?
+    .trim()
+    .to_owned())
+}
+
 /// The section of BENCHMARKS.md measured by hand (templates, scheduler, gc): kept as it is
 /// when the bench rewrites the file.
 const HAND_HEADING: &str = "## Templates, scheduler, gc (measured by hand";
@@ -472,8 +528,8 @@ struct WsRows {
     diff: Vec<Duration>,
 }
 
-const WS_DIRS: usize = 100;
-const WS_FILES_PER_DIR: usize = 100;
+pub(crate) const WS_DIRS: usize = 100;
+pub(crate) const WS_FILES_PER_DIR: usize = 100;
 const WS_FILE_BYTES: usize = 10 * 1024;
 
 /// Incompressible-ish content (xorshift), so nothing benefits from compression.
@@ -490,7 +546,7 @@ fn ws_content(seed: u64) -> Vec<u8> {
     v
 }
 
-fn ws_generate(dir: &Path) -> Result<()> {
+pub(crate) fn ws_generate(dir: &Path) -> Result<()> {
     for d in 0..WS_DIRS {
         let sub = dir.join(format!("d{d:02}"));
         std::fs::create_dir_all(&sub)?;
@@ -504,7 +560,7 @@ fn ws_generate(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn ws_sync(sock: &Path, id: &str) -> Result<(Duration, String)> {
+pub(crate) fn ws_sync(sock: &Path, id: &str) -> Result<(Duration, String)> {
     let t = Instant::now();
     let (st, body) = http::request(sock, "POST", &format!("/v1/sandboxes/{id}/sync"), None)?;
     let el = t.elapsed();
@@ -642,7 +698,7 @@ fn bare_boot(qemu: &str, images: &Path, scratch: &Path) -> Result<Duration> {
     Ok(el)
 }
 
-fn loadavg() -> String {
+pub(crate) fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "?".into())
@@ -670,7 +726,7 @@ pub(crate) fn median(v: &[Duration]) -> Duration {
     s[s.len() / 2]
 }
 
-fn fmt(d: Duration) -> String {
+pub(crate) fn fmt(d: Duration) -> String {
     if d < Duration::from_secs(1) {
         format!("{:.1} ms", d.as_secs_f64() * 1000.0)
     } else {
@@ -715,5 +771,30 @@ mod tests {
         assert_eq!(super::hand_section("# B\n## Boot\n"), "");
         let last = "## Templates, scheduler, gc (measured by hand)\n| a |\n";
         assert_eq!(super::hand_section(last), last);
+    }
+
+    #[test]
+    fn the_secrets_section_is_replaced_or_put_before_the_workspace_rows() {
+        let h = crate::bench_secrets::HEADING;
+        let sec = format!("{h}\nnew\n\n");
+        let without = "# B\n## Network\nn\n## Workspace sync (x)\nw\n";
+        assert_eq!(
+            super::replace_section(without, h, &sec),
+            format!("# B\n## Network\nn\n{sec}## Workspace sync (x)\nw\n")
+        );
+        let with = format!("# B\n{h}\nold\nold\n\n## Workspace sync (x)\nw\n");
+        assert_eq!(
+            super::replace_section(&with, h, &sec),
+            format!("# B\n{sec}## Workspace sync (x)\nw\n")
+        );
+        let last = format!("# B\n{h}\nold\n");
+        assert_eq!(
+            super::replace_section(&last, h, &sec),
+            format!("# B\n{sec}")
+        );
+        assert_eq!(
+            super::replace_section("# B\n", h, &sec),
+            format!("# B\n{sec}")
+        );
     }
 }

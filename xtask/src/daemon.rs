@@ -18,7 +18,12 @@ impl Daemon {
         std::fs::write(home.join("config.toml"), config)?;
         let log = home.join("daemon.log");
         let f = std::fs::File::create(&log)?;
-        let child = Command::new(bin)
+        // TRYBOXI_BENCH_DAEMON: another executable to start as the daemon (e.g. a wrapper
+        // that execs `bin` in its own mount namespace); it gets the same arguments.
+        let daemon = std::env::var_os("TRYBOXI_BENCH_DAEMON")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| bin.to_path_buf());
+        let child = Command::new(&daemon)
             .args(["serve", "--artifacts"])
             .arg(artifacts)
             .env("TRYBOXI_HOME", home)
@@ -26,7 +31,7 @@ impl Daemon {
             .stdout(f.try_clone()?)
             .stderr(f)
             .spawn()
-            .with_context(|| format!("start {}", bin.display()))?;
+            .with_context(|| format!("start {}", daemon.display()))?;
         let d = Daemon {
             home: home.to_path_buf(),
             child,

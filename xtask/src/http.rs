@@ -42,6 +42,41 @@ pub fn exec(sock: &Path, id: &str, body: &str) -> Result<String> {
         .with_context(|| format!("no exit line in: {text}"))
 }
 
+/// POST an exec and collect its output: (the `exit` line, stdout, stderr). Fails on an HTTP
+/// error, an `error` line or a missing `exit` line.
+pub fn exec_output(sock: &Path, id: &str, body: &str) -> Result<(String, String, String)> {
+    let mut s = UnixStream::connect(sock)?;
+    send(
+        &mut s,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(body),
+    )?;
+    let mut r = BufReader::new(s);
+    let (status, _) = read_head(&mut r)?;
+    let mut all = Vec::new();
+    r.read_to_end(&mut all)?;
+    let text = String::from_utf8_lossy(&dechunk(&all)).into_owned();
+    if status != 200 {
+        bail!("exec: HTTP {status}: {text}");
+    }
+    let (mut exit, mut out, mut err) = (None, String::new(), String::new());
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        match v["type"].as_str() {
+            Some("stdout") => out.push_str(v["data"].as_str().unwrap_or("")),
+            Some("stderr") => err.push_str(v["data"].as_str().unwrap_or("")),
+            Some("exit") => exit = Some(line.to_owned()),
+            Some("error") => bail!("exec failed: {line}"),
+            _ => {}
+        }
+    }
+    let exit = exit.with_context(|| format!("no exit line in: {text}"))?;
+    Ok((exit, out, err))
+}
+
 fn send(s: &mut UnixStream, method: &str, path: &str, body: Option<&str>) -> Result<()> {
     let body = body.unwrap_or("");
     write!(

@@ -8,6 +8,7 @@
 
 mod bench;
 mod bench_net;
+mod bench_secrets;
 mod bench_snap;
 mod ci;
 mod daemon;
@@ -89,8 +90,11 @@ enum Cmd {
         #[arg(long, default_value_t = 7)]
         reps: usize,
         /// Run only the workspace rows (e) and replace that section of BENCHMARKS.md.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "secrets_only")]
         workspace_only: bool,
+        /// Run only the secrets rows (k), (l) and replace that section of BENCHMARKS.md.
+        #[arg(long)]
+        secrets_only: bool,
     },
 }
 
@@ -129,12 +133,17 @@ fn main() -> Result<()> {
             malloc_limit_mb,
         }),
         Cmd::Bench {
+            secrets_only: true, ..
+        } => bench::run_secrets_only(),
+        Cmd::Bench {
             reps,
             workspace_only: false,
+            ..
         } => bench::run(reps),
         Cmd::Bench {
             reps,
             workspace_only: true,
+            ..
         } => bench::run_workspace_only(reps),
     }
 }
