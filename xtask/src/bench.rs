@@ -64,8 +64,7 @@ pub fn run(reps: usize) -> Result<()> {
     );
     let d = Daemon::start(&bin, &home, &out, &config)?;
     let sock = d.socket();
-    let ws = home.join("ws");
-    std::fs::create_dir_all(&ws)?;
+    let ws = crate::util::beside(&home, "ws")?;
     let create_body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
 
     // The first create resolves the acceleration (probe, cached) — not timed.
@@ -572,7 +571,10 @@ pub(crate) fn ws_sync(sock: &Path, id: &str) -> Result<(Duration, String)> {
 
 /// (e): rsync baseline, first sync (each into a fresh VM), one-file delta syncs, one-file diffs.
 fn workspace_bench(sock: &Path, home: &Path, reps: usize) -> Result<WsRows> {
-    let gen_dir = home.join("ws-gen");
+    // Outside the data root (the daemon refuses a workspace in it); one filesystem, so the
+    // generated tree can be moved into the workspace.
+    let scratch = crate::util::beside(home, "ws-bench")?;
+    let gen_dir = scratch.join("ws-gen");
     ws_generate(&gen_dir)?;
     // The 100 MB just written would otherwise be written back by the kernel's flusher during
     // the rows below (rsync, first syncs, delta syncs), measuring the bench's own set-up.
@@ -606,7 +608,7 @@ fn workspace_bench(sock: &Path, home: &Path, reps: usize) -> Result<WsRows> {
     }
     std::fs::remove_dir_all(&dst)?;
     // Each first sync: a sandbox created on an empty directory, then the tree moved in.
-    let ws = home.join("ws-big");
+    let ws = scratch.join("ws-big");
     let mut keep = String::new();
     for rep in 0..first_reps {
         std::fs::create_dir_all(&ws)?;

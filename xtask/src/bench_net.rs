@@ -132,8 +132,7 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, base_config: &str) -> Resu
     );
     let d = Daemon::start(bin, home, artifacts, &config)?;
     let sock = d.socket();
-    let ws = home.join("ws-net");
-    std::fs::create_dir_all(&ws)?;
+    let ws = crate::util::beside(home, "ws-net")?;
     let body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
     let (st, created) = http::request(&sock, "POST", "/v1/sandboxes", Some(&body))?;
     if st != 201 {

@@ -187,8 +187,7 @@ fn start_golden(
     config: &str,
 ) -> Result<(Daemon, String, String)> {
     let d = Daemon::start(bin, home, artifacts, config)?;
-    let ws = home.join("ws");
-    std::fs::create_dir_all(&ws)?;
+    let ws = crate::util::beside(home, "ws-snap")?;
     let body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
     let first = create(&d.socket(), &body)?;
     wait_golden(home)?;

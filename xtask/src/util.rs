@@ -207,6 +207,22 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
+/// A fresh directory next to `home` (the daemon's data root), for a bench's workspace: the
+/// daemon refuses a workspace inside its own data root.
+pub fn beside(home: &Path, name: &str) -> std::io::Result<PathBuf> {
+    let base = home
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "home".into());
+    let dir = home.with_file_name(format!("{base}-{name}"));
+    match std::fs::remove_dir_all(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
