@@ -19,8 +19,8 @@ pub fn request(sock: &Path, method: &str, path: &str, body: Option<&str>) -> Res
     Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
-/// POST an exec and read NDJSON lines until the `exit` line; returns that line.
-pub fn exec(sock: &Path, id: &str, body: &str) -> Result<String> {
+/// POST an exec and read its whole NDJSON answer (fails on an HTTP error).
+fn exec_ndjson(sock: &Path, id: &str, body: &str) -> Result<String> {
     let mut s = UnixStream::connect(sock)?;
     send(
         &mut s,
@@ -36,6 +36,12 @@ pub fn exec(sock: &Path, id: &str, body: &str) -> Result<String> {
     if status != 200 {
         bail!("exec: HTTP {status}: {text}");
     }
+    Ok(text)
+}
+
+/// POST an exec and read NDJSON lines until the `exit` line; returns that line.
+pub fn exec(sock: &Path, id: &str, body: &str) -> Result<String> {
+    let text = exec_ndjson(sock, id, body)?;
     text.lines()
         .find(|l| l.contains("\"type\":\"exit\""))
         .map(str::to_owned)
@@ -45,21 +51,7 @@ pub fn exec(sock: &Path, id: &str, body: &str) -> Result<String> {
 /// POST an exec and collect its output: (the `exit` line, stdout, stderr). Fails on an HTTP
 /// error, an `error` line or a missing `exit` line.
 pub fn exec_output(sock: &Path, id: &str, body: &str) -> Result<(String, String, String)> {
-    let mut s = UnixStream::connect(sock)?;
-    send(
-        &mut s,
-        "POST",
-        &format!("/v1/sandboxes/{id}/exec"),
-        Some(body),
-    )?;
-    let mut r = BufReader::new(s);
-    let (status, _) = read_head(&mut r)?;
-    let mut all = Vec::new();
-    r.read_to_end(&mut all)?;
-    let text = String::from_utf8_lossy(&dechunk(&all)).into_owned();
-    if status != 200 {
-        bail!("exec: HTTP {status}: {text}");
-    }
+    let text = exec_ndjson(sock, id, body)?;
     let (mut exit, mut out, mut err) = (None, String::new(), String::new());
     for line in text.lines() {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
