@@ -950,11 +950,19 @@ fn not_found_or(path: &str) -> impl Fn(RpcError) -> ServiceError + '_ {
     }
 }
 
+/// Most folders an undo's `within` may name (each is resolved on the host).
+const MAX_WITHIN: usize = 64;
+
 /// An undo limited to `within` (see [`api::UndoRequest::within`]): the apply's host folder,
 /// resolved, must be one of those folders (resolved) or below one. Empty: no limit.
 fn check_within(host_root: &std::path::Path, within: &[String]) -> Result<(), ServiceError> {
     if within.is_empty() {
         return Ok(());
+    }
+    if within.len() > MAX_WITHIN || within.iter().any(|w| w.len() > 4096) {
+        return Err(ServiceError::BadRequest(format!(
+            "`within` takes at most {MAX_WITHIN} folders of at most 4096 bytes each"
+        )));
     }
     let resolve = |p: &std::path::Path| p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
     let root = resolve(host_root);
@@ -1002,5 +1010,14 @@ mod within_tests {
         }
         // A relative `within` grants nothing.
         assert!(check_within(&base.join("ws"), &["ws".to_owned()]).is_err());
+        // A hostile client's list is refused before anything is resolved.
+        let many = vec![ws.clone(); 65];
+        let e = check_within(&base.join("ws"), &many).unwrap_err();
+        assert!(matches!(e, super::ServiceError::BadRequest(_)), "{e:?}");
+        let long = format!("{ws}/{}", "a".repeat(5000));
+        assert!(matches!(
+            check_within(&base.join("ws"), &[long]),
+            Err(super::ServiceError::BadRequest(_))
+        ));
     }
 }
