@@ -195,34 +195,11 @@ mod tests {
             .unwrap();
     }
 
-    fn sandbox(svc: &Service, dir: &std::path::Path) -> String {
-        let id = crate::ids::new_id(crate::ids::SANDBOX);
-        let rec = super::super::SandboxRecord {
-            api: api::Sandbox {
-                id: id.clone(),
-                state: api::SandboxState::Ready,
-                workspace: api::WorkspaceSpec {
-                    host_path: "/tmp".into(),
-                    exclude: Vec::new(),
-                },
-                template: "auto".into(),
-                vcpus: 1,
-                memory_mib: 256,
-                accel: None,
-                created_at: super::super::now_rfc3339(),
-                error: None,
-            },
-            dir: dir.join("sandboxes").join(&id),
-        };
-        svc.store.put(crate::store::SANDBOXES, &id, &rec).unwrap();
-        id
-    }
-
     #[test]
     fn grants_are_checked_published_inherited_and_dropped() {
         let d = tempfile::tempdir().unwrap();
         let svc = super::super::test_service(d.path(), crate::config::Config::default());
-        let id = sandbox(&svc, d.path());
+        let id = super::super::test_sandbox(&svc, d.path());
         set(&svc, "GH");
         set(&svc, "OTHER");
         svc.init_secrets(&id, &["GH".into()]).unwrap();

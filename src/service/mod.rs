@@ -295,3 +295,30 @@ pub(crate) fn test_service(dir: &Path, config: Config) -> Arc<Service> {
         None,
     ))
 }
+
+/// A `ready` sandbox record (no VM) in `svc`'s store, its directory under `dir`; its id.
+#[cfg(test)]
+pub(crate) fn test_sandbox(svc: &Service, dir: &Path) -> String {
+    let id = crate::ids::new_id(crate::ids::SANDBOX);
+    let rec = SandboxRecord {
+        api: api::Sandbox {
+            id: id.clone(),
+            state: api::SandboxState::Ready,
+            workspace: api::WorkspaceSpec {
+                host_path: "/tmp".into(),
+                exclude: Vec::new(),
+            },
+            template: "auto".into(),
+            vcpus: 1,
+            memory_mib: 256,
+            accel: None,
+            created_at: now_rfc3339(),
+            error: None,
+        },
+        dir: dir.join("sandboxes").join(&id),
+    };
+    svc.store
+        .put(crate::store::SANDBOXES, &id, &rec)
+        .expect("store the test sandbox");
+    id
+}

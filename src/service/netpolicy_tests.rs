@@ -7,8 +7,6 @@ use super::*;
 use crate::api::{AccessRequestCreate, AccessRequestState, NetworkRuleChange};
 use crate::config::Config;
 use crate::network::gate::{ConnectVerdict, Flow, Gate, Proto};
-use crate::service::SandboxRecord;
-use crate::store::SANDBOXES;
 
 fn service() -> (Arc<Service>, String, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
@@ -24,25 +22,7 @@ fn service() -> (Arc<Service>, String, tempfile::TempDir) {
     // Never ask a real resolver from unit tests.
     config.network.upstream_dns = Some("127.0.0.1:9".parse().unwrap());
     let svc = crate::service::test_service(dir.path(), config);
-    let id = crate::ids::new_id(crate::ids::SANDBOX);
-    let rec = SandboxRecord {
-        api: api::Sandbox {
-            id: id.clone(),
-            state: api::SandboxState::Ready,
-            workspace: api::WorkspaceSpec {
-                host_path: "/tmp".into(),
-                exclude: Vec::new(),
-            },
-            template: "auto".into(),
-            vcpus: 1,
-            memory_mib: 256,
-            accel: None,
-            created_at: super::super::now_rfc3339(),
-            error: None,
-        },
-        dir: dir.path().join("sandboxes").join(&id),
-    };
-    svc.store.put(SANDBOXES, &id, &rec).unwrap();
+    let id = crate::service::test_sandbox(&svc, dir.path());
     let policy = svc
         .validate_network(Some(&api::NetworkSpec {
             policy: vec!["github".into()],
