@@ -5,6 +5,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+mod execs;
+pub use execs::*;
+
 /// Every error response: `{"error":{"code":"not_found","message":"..."}}`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ErrorBody {
@@ -158,6 +161,21 @@ pub struct ExecRequest {
     /// not deleted in the VM.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sync_exclude: Vec<String>,
+    /// Keep running when the caller goes away (see `/v1/execs/{id}/attach`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub detach: bool,
+    /// Run under a pseudo-terminal of this size (stdout and stderr are then one stream).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+    /// Run as this guest user (from the guest's `/etc/passwd`); default root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Keep standard input open after `stdin` for `POST /v1/execs/{id}/stdin`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stdin_open: bool,
+    /// A label listed with the exec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
 }
 
 /// One line of the NDJSON exec stream (`application/x-ndjson`).
@@ -165,7 +183,13 @@ pub struct ExecRequest {
 #[serde(tag = "type", rename_all = "lowercase")]
 pub enum ExecEvent {
     /// First line: the exec's id.
-    Started { exec_id: String, sandbox_id: String },
+    Started {
+        exec_id: String,
+        sandbox_id: String,
+        /// The command's pid in the guest.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pid: Option<u32>,
+    },
     /// A chunk of standard output: `data` when the chunk is valid UTF-8, else `data_b64`.
     Stdout {
         #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -35,6 +35,18 @@ pub enum Action {
     Trace(String),
     /// `GET /v1/execs/{id}/output`: a piece of an exec's output log.
     ExecOutput(String, crate::service::OutputQuery),
+    /// `GET /v1/sandboxes/{id}/execs`: the running execs.
+    ListExecs(String),
+    /// `GET /v1/execs/{id}`.
+    GetExec(String),
+    /// `POST /v1/execs/{id}/attach`: stream like `Exec`; leaving never kills the command.
+    AttachExec(String, api::AttachRequest, StreamFormat),
+    /// `POST /v1/execs/{id}/stdin`.
+    ExecStdin(String, api::ExecStdinRequest),
+    /// `POST /v1/execs/{id}/signal`.
+    SignalExec(String, api::ExecSignalRequest),
+    /// `POST /v1/execs/{id}/resize`.
+    ResizeExec(String, api::PtySize),
     Sync(String, api::SyncRequest),
     Diff {
         id: String,
@@ -121,6 +133,12 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/metrics"),
     ("GET", "/v1/traces/{id}"),
     ("GET", "/v1/execs/{id}/output"),
+    ("GET", "/v1/sandboxes/{id}/execs"),
+    ("GET", "/v1/execs/{id}"),
+    ("POST", "/v1/execs/{id}/attach"),
+    ("POST", "/v1/execs/{id}/stdin"),
+    ("POST", "/v1/execs/{id}/signal"),
+    ("POST", "/v1/execs/{id}/resize"),
     ("POST", "/v1/sandboxes/{id}/sync"),
     ("GET", "/v1/sandboxes/{id}/diff"),
     ("POST", "/v1/sandboxes/{id}/apply"),
@@ -325,6 +343,26 @@ pub fn parse(
         (&Method::POST, ["v1", "sandboxes", id, "exec"]) => {
             Ok(Action::Exec(sandbox_id(id)?, json(body)?, format))
         }
+        (&Method::GET, ["v1", "sandboxes", id, "execs"]) => Ok(Action::ListExecs(sandbox_id(id)?)),
+        (&Method::GET, ["v1", "execs", id]) => Ok(Action::GetExec(exec_id(id)?)),
+        (&Method::POST, ["v1", "execs", id, "attach"]) => Ok(Action::AttachExec(
+            exec_id(id)?,
+            json_or_default(body)?,
+            format,
+        )),
+        (&Method::POST, ["v1", "execs", id, "stdin"]) => {
+            Ok(Action::ExecStdin(exec_id(id)?, json(body)?))
+        }
+        (&Method::POST, ["v1", "execs", id, "signal"]) => {
+            Ok(Action::SignalExec(exec_id(id)?, json(body)?))
+        }
+        (&Method::POST, ["v1", "execs", id, "resize"]) => {
+            Ok(Action::ResizeExec(exec_id(id)?, json(body)?))
+        }
+        (_, ["v1", "execs", _])
+        | (_, ["v1", "execs", _, "attach" | "stdin" | "signal" | "resize"]) => {
+            Err(ApiError::method_not_allowed(method))
+        }
         (&Method::POST, ["v1", "sandboxes", id, "snapshots"]) => {
             let req = if body.iter().all(u8::is_ascii_whitespace) {
                 api::SnapshotRequest::default()
@@ -431,8 +469,8 @@ pub fn parse(
                 "v1",
                 "sandboxes",
                 _,
-                "exec" | "sync" | "diff" | "apply" | "pull" | "files" | "snapshots" | "restore"
-                | "fork" | "pause" | "resume" | "secrets" | "git",
+                "exec" | "execs" | "sync" | "diff" | "apply" | "pull" | "files" | "snapshots"
+                | "restore" | "fork" | "pause" | "resume" | "secrets" | "git",
             ],
         ) => Err(ApiError::method_not_allowed(method)),
         _ => Err(ApiError::not_found(format!("no such API route: {path}"))),
@@ -510,6 +548,15 @@ fn one(q: &[(String, String)], name: &str) -> Result<String, ApiError> {
         _ => Err(ApiError::bad_request(format!(
             "give the query parameter `{name}` once"
         ))),
+    }
+}
+
+/// An exec id in a path (404 when it cannot be one).
+fn exec_id(id: &str) -> Result<String, ApiError> {
+    if ids::is_valid(ids::EXEC, id) {
+        Ok(id.to_owned())
+    } else {
+        Err(ApiError::not_found(format!("no exec `{id}`")))
     }
 }
 

@@ -96,6 +96,9 @@ fn openapi_documents_exactly_the_routes_the_router_serves() {
         let body: &[u8] = match (m.as_str(), p.as_str()) {
             ("POST", "/v1/sandboxes") => br#"{"workspace":{"host_path":"/tmp"}}"#,
             ("POST", p) if p.ends_with("/exec") => br#"{"cmd":"true"}"#,
+            ("POST", p) if p.ends_with("/resize") => br#"{"rows":24,"cols":80}"#,
+            ("POST", p) if p.ends_with("/signal") => br#"{"signal":"SIGTERM"}"#,
+            ("POST", p) if p.ends_with("/stdin") => br#"{"data":"x","close":true}"#,
             ("POST", p) if p.ends_with("/pull") => br#"{"paths":["a"],"force":true}"#,
             ("POST", p) if p.ends_with("/restore") => br#"{"snapshot":"base"}"#,
             ("POST", p) if p.ends_with("/network/rules") => {
@@ -322,4 +325,36 @@ fn output_query_parses_and_rejects_bad_values() {
         req(Method::GET, "/metrics", &[]).unwrap(),
         Action::Metrics
     ));
+}
+
+#[test]
+fn exec_routes_parse_their_bodies_and_ids() {
+    let e = crate::ids::new_id(crate::ids::EXEC);
+    let p = |m: Method, path: &str, b: &[u8]| parse_nd(&m, path, b);
+    assert!(matches!(
+        p(Method::POST, &format!("/v1/execs/{e}/attach"), b""),
+        Ok(Action::AttachExec(
+            _,
+            api::AttachRequest { replay: false },
+            _
+        ))
+    ));
+    assert!(matches!(
+        p(
+            Method::POST,
+            &format!("/v1/execs/{e}/signal"),
+            br#"{"signal":9}"#
+        ),
+        Ok(Action::SignalExec(_, _))
+    ));
+    let bad = p(
+        Method::POST,
+        &format!("/v1/execs/{e}/resize"),
+        br#"{"rows":-1,"cols":2}"#,
+    );
+    assert_eq!(bad.unwrap_err().status, 400);
+    let unknown = p(Method::POST, "/v1/execs/sbx_1/stdin", br#"{"data":"x"}"#);
+    assert_eq!(unknown.unwrap_err().status, 404);
+    let wrong = p(Method::DELETE, &format!("/v1/execs/{e}"), b"");
+    assert_eq!(wrong.unwrap_err().status, 405);
 }

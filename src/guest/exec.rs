@@ -177,7 +177,13 @@ impl ExecTable {
         }
         // See `ExecConfig::spawn_in_cwd`. The program is looked up here: with a `PATH` of its
         // own in the environment, the standard library would fork to let `execvp` do it.
-        let fast = self.cfg.spawn_in_cwd && spec.pty.is_none();
+        let user = match &spec.user {
+            Some(name) => {
+                Some(super::users::lookup(std::path::Path::new("/"), name).map_err(invalid)?)
+            }
+            None => None,
+        };
+        let fast = self.cfg.spawn_in_cwd && spec.pty.is_none() && user.is_none();
         let path_var = spec
             .env
             .iter()
@@ -203,6 +209,11 @@ impl ExecTable {
         }
         if spec.pty.is_some() && !spec.env.iter().any(|(k, _)| k == "TERM") {
             cmd.env("TERM", "xterm-256color");
+        }
+        if let Some(u) = &user {
+            cmd.env("HOME", &u.home)
+                .env("USER", &u.name)
+                .env("LOGNAME", &u.name);
         }
         cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
 
@@ -251,6 +262,15 @@ impl ExecTable {
                         Ok(())
                     });
                 }
+            }
+        }
+
+        if let Some(u) = user {
+            let (uid, gid, groups) = (u.uid, u.gid, u.groups);
+            // SAFETY: `drop_to` makes only async-signal-safe calls; `groups` was allocated
+            // before the fork. Registered last: it runs after the session setup above.
+            unsafe {
+                cmd.pre_exec(move || super::users::drop_to(uid, gid, &groups));
             }
         }
 

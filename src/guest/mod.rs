@@ -21,6 +21,7 @@ pub mod progress;
 pub mod reaper;
 pub mod server;
 pub mod tree;
+pub mod users;
 pub mod watch;
 pub mod wsbase;
 

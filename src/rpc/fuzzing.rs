@@ -136,6 +136,7 @@ mod tests {
             cwd: Some("/workspace".into()),
             timeout_ms: Some(5000),
             pty: Some(PtySize { rows: 24, cols: 80 }),
+            user: Some("user".into()),
         };
         let delta = WalkDelta {
             cursor: WalkCursor {

@@ -21,7 +21,9 @@ pub mod msg;
 pub mod outbox;
 
 #[allow(unused_imports)]
-pub use client::{AgentClient, Deadlines, ExecEvent, ExecRequest, ExecStream, FileChunks};
+pub use client::{
+    AgentClient, Deadlines, ExecControl, ExecEvent, ExecRequest, ExecStream, FileChunks,
+};
 pub use frame::FrameError;
 #[allow(unused_imports)]
 pub use msg::{

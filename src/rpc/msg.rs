@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this file.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
 pub const CONTROL_STREAM: u32 = 0;
@@ -203,6 +203,21 @@ pub struct ExecSpec {
     /// Kill the whole process group after this long.
     pub timeout_ms: Option<u64>,
     pub pty: Option<PtySize>,
+    /// Run as this user of the guest's `/etc/passwd` (its groups from `/etc/group`, `HOME`,
+    /// `USER`, `LOGNAME`); `None`: as the agent (root). Since protocol 9.
+    pub user: Option<String>,
+}
+
+/// Longest [`ExecSpec::user`].
+pub const MAX_USER_NAME: usize = 32;
+
+/// A user name as [`ExecSpec::user`] takes it: `[a-z_][a-z0-9_-]*`, at most
+/// [`MAX_USER_NAME`] bytes.
+pub fn valid_user_name(name: &str) -> bool {
+    let mut b = name.bytes();
+    matches!(b.next(), Some(c) if c.is_ascii_lowercase() || c == b'_')
+        && name.len() <= MAX_USER_NAME
+        && b.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_' || c == b'-')
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -86,6 +86,22 @@ impl Scanner {
         self.owner.get(m.pattern().as_usize()).map(|n| &**n)
     }
 
+    /// Scan `chunk` after `carry` (the end of what came before, kept by the caller across
+    /// calls, perhaps across scanners): the name of a secret found, ending in this chunk or
+    /// split between `carry` and it. `carry` becomes the end of the two.
+    pub fn feed_carry(&self, carry: &mut Zeroizing<Vec<u8>>, chunk: &[u8]) -> Option<String> {
+        if self.is_empty() {
+            return None;
+        }
+        let mut buf = Zeroizing::new(Vec::with_capacity(carry.len() + chunk.len()));
+        buf.extend_from_slice(carry);
+        buf.extend_from_slice(chunk);
+        let found = self.find(&buf).map(str::to_owned);
+        let keep = self.longest.saturating_sub(1).min(buf.len());
+        *carry = Zeroizing::new(buf[buf.len() - keep..].to_vec());
+        found
+    }
+
     /// A stream scan over this scanner.
     pub fn stream(&self) -> StreamScan<'_> {
         StreamScan {
@@ -104,16 +120,7 @@ pub struct StreamScan<'a> {
 impl StreamScan<'_> {
     /// Scan the next chunk: the name of a secret found in the stream so far, ending in it.
     pub fn feed(&mut self, chunk: &[u8]) -> Option<String> {
-        if self.scanner.is_empty() {
-            return None;
-        }
-        let mut buf = Zeroizing::new(Vec::with_capacity(self.carry.len() + chunk.len()));
-        buf.extend_from_slice(&self.carry);
-        buf.extend_from_slice(chunk);
-        let found = self.scanner.find(&buf).map(str::to_owned);
-        let keep = self.scanner.longest.saturating_sub(1).min(buf.len());
-        self.carry = Zeroizing::new(buf[buf.len() - keep..].to_vec());
-        found
+        self.scanner.feed_carry(&mut self.carry, chunk)
     }
 }
 

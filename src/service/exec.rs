@@ -1,18 +1,25 @@
 //! Exec use case: run a command in a sandbox's VM and stream its events.
 //!
-//! The command runs in its own process group in the guest. When the caller goes away (the
-//! HTTP client disconnects) the whole group is killed: no command outlives its caller unseen.
+//! The command runs in its own process group in the guest. Unless it was started detached,
+//! the whole group is killed when the caller goes away (the HTTP client disconnects): no
+//! attached command outlives its caller unseen. A detached one runs on, listed and attachable
+//! (`execs.rs`), until it ends or its sandbox goes.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
+use super::execs::{self, LiveExec};
 use super::{Service, ServiceError};
 use crate::api;
 use crate::ids;
 use crate::rpc::{self, RpcError};
 use crate::store::EXECS;
+
+/// Longest exec tag.
+pub const MAX_TAG: usize = 256;
 
 /// What the store keeps per exec.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -31,10 +38,71 @@ pub struct ExecRecord {
     pub duration_ms: Option<u64>,
     #[serde(default)]
     pub error: Option<String>,
+    #[serde(default)]
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// The request's own environment.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub tag: Option<String>,
+    #[serde(default)]
+    pub pty: bool,
+    #[serde(default)]
+    pub detached: bool,
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+impl ExecRecord {
+    /// As listed; `running` until the end is recorded.
+    pub fn info(&self) -> api::ExecInfo {
+        api::ExecInfo {
+            id: self.id.clone(),
+            sandbox_id: self.sandbox_id.clone(),
+            pid: self.pid,
+            command: self.command.clone(),
+            cwd: self.cwd.clone(),
+            env: self.env.clone(),
+            tag: self.tag.clone(),
+            pty: self.pty,
+            detached: self.detached,
+            user: self.user.clone(),
+            started_at: self.started_at.clone(),
+            running: self.duration_ms.is_none() && self.error.is_none(),
+            exit_code: self.exit_code,
+            signal: self.signal,
+            timed_out: self.timed_out,
+            error: self.error.clone(),
+        }
+    }
+
+    /// The last event of an ended exec.
+    pub fn end_event(&self) -> api::ExecEvent {
+        match (&self.error, self.duration_ms) {
+            (None, Some(duration_ms)) => api::ExecEvent::Exit {
+                exit_code: self.exit_code,
+                signal: self.signal,
+                timed_out: self.timed_out,
+                duration_ms,
+            },
+            (Some(e), _) => api::ExecEvent::Error {
+                code: "exec_ended".into(),
+                message: e.clone(),
+            },
+            (None, None) => api::ExecEvent::Error {
+                code: "exec_lost".into(),
+                message: "the exec's end was never recorded (the daemon stopped while it ran)"
+                    .into(),
+            },
+        }
+    }
 }
 
 impl Service {
     /// Start a command; events (`started`, output, then `exit` or `error`) arrive on the receiver.
+    /// Honours `detach` (the command outlives the receiver), `pty`, `user`, `stdin_open`, `tag`.
     pub async fn start_exec(
         &self,
         id: &str,
@@ -45,6 +113,7 @@ impl Service {
         let mut wire = to_wire(&req, self.config.exec_timeout_s)?;
         // No stored value enters a VM: not in the command, the env or stdin.
         self.refuse_exec_values(id, &wire)?;
+        let slot = self.execs.reserve(id, execs::MAX_LIVE_PER_SANDBOX)?;
         let (life, rec, vm) = self.ready_vm(id).await?;
         // Every exec sees the sandbox's secrets as `NAME=<placeholder>` (read now: a secret
         // added to the running sandbox shows up in the next exec). The caller's own env comes
@@ -59,6 +128,7 @@ impl Service {
         self.sync_before_exec(&rec, &vm, &req.sync_exclude).await?;
         let exec_id = ids::new_id(ids::EXEC);
         let started = Instant::now();
+        let stdin_so_far = wire.stdin.clone().unwrap_or_default();
         let mut stream = match vm.agent.exec(wire).await {
             Ok(s) => s,
             Err(RpcError::Remote(e)) => {
@@ -88,47 +158,72 @@ impl Service {
             timed_out: false,
             duration_ms: None,
             error: None,
+            pid: stream.pid(),
+            cwd: req.cwd.clone(),
+            env: req.env.clone(),
+            tag: req.tag.clone(),
+            pty: req.pty.is_some(),
+            detached: req.detach,
+            user: req.user.clone(),
         };
         drop(life);
         self.store.put(EXECS, &exec_id, &exec_rec)?;
         let obs = self
             .telemetry
             .exec_started(id, &exec_id, &exec_rec.command, &rec.dir, started);
-        tracing::info!(sandbox = %id, exec = %exec_id, "exec started");
+        tracing::info!(sandbox = %id, exec = %exec_id, pid = ?exec_rec.pid, detached = req.detach,
+            pty = req.pty.is_some(), user = ?req.user, "exec started");
+        let live = LiveExec::new(
+            exec_rec.info(),
+            Some(stream.control()),
+            req.stdin_open,
+            &stdin_so_far,
+            Some(obs.log()),
+        );
+        slot.fill(live.clone());
         // A sandbox running a command is never "idle" for the memory pressure ranking.
         self.ledger.busy(id, 1);
         let ledger = self.ledger.clone();
         let sandbox_id = id.to_owned();
-        let (tx, rx) = mpsc::channel(64);
-        let _ = tx.try_send(api::ExecEvent::Started {
-            exec_id: exec_id.clone(),
-            sandbox_id: id.to_owned(),
-        });
+        // A detached exec's caller is one more follower; an attached one's caller owns it.
+        let (primary, rx) = if req.detach {
+            (None, execs::follow(&live, false))
+        } else {
+            let (tx, rx) = mpsc::channel(64);
+            let _ = tx.try_send(api::ExecEvent::Started {
+                exec_id: exec_id.clone(),
+                sandbox_id: id.to_owned(),
+                pid: exec_rec.pid,
+            });
+            (Some(tx), rx)
+        };
         let store = self.store.clone();
         // Held while the command runs: a VM in use is never idle-paused (`service/pause.rs`).
         let in_use = vm.clone();
+        let registry = self.execs.clone();
         tokio::spawn(async move {
             let _in_use = in_use;
+            let watch = primary.clone();
+            let primary_gone = async {
+                match &watch {
+                    Some(tx) => tx.closed().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(primary_gone);
             let last = loop {
                 let ev = tokio::select! {
                     ev = stream.next() => ev,
-                    _ = tx.closed() => {
+                    _ = &mut primary_gone => {
                         tracing::info!(exec = %exec_rec.id, "caller went away; killing the command");
                         let _ = stream.kill(libc::SIGKILL).await;
-                        exec_rec.error = Some("the caller disconnected; the command was killed".into());
-                        break None;
+                        break gone();
                     }
                 };
-                let out = match ev {
+                let (stderr, b) = match ev {
                     Some(Ok(rpc::ExecEvent::Started { .. })) => continue,
-                    Some(Ok(rpc::ExecEvent::Stdout(b))) => {
-                        obs.output(false, &b);
-                        api::ExecEvent::output(false, &b)
-                    }
-                    Some(Ok(rpc::ExecEvent::Stderr(b))) => {
-                        obs.output(true, &b);
-                        api::ExecEvent::output(true, &b)
-                    }
+                    Some(Ok(rpc::ExecEvent::Stdout(b))) => (false, b),
+                    Some(Ok(rpc::ExecEvent::Stderr(b))) => (true, b),
                     Some(Ok(rpc::ExecEvent::Exit {
                         code,
                         signal,
@@ -139,29 +234,28 @@ impl Service {
                         exec_rec.signal = signal;
                         exec_rec.timed_out = timed_out;
                         exec_rec.duration_ms = Some(duration_ms);
-                        break Some(api::ExecEvent::Exit {
+                        break api::ExecEvent::Exit {
                             exit_code: code,
                             signal,
                             timed_out,
                             duration_ms,
-                        });
+                        };
                     }
-                    Some(Err(e)) => {
-                        exec_rec.error = Some(e.to_string());
-                        break Some(lost(&e));
-                    }
-                    None => {
-                        let e = RpcError::Disconnected;
-                        exec_rec.error = Some(e.to_string());
-                        break Some(lost(&e));
-                    }
+                    Some(Err(e)) => break lost(&e),
+                    None => break lost(&RpcError::Disconnected),
                 };
-                if tx.send(out).await.is_err() {
+                let out = api::ExecEvent::output(stderr, &b);
+                live.publish(out.clone(), || obs.output(stderr, &b));
+                if let Some(tx) = &primary
+                    && tx.send(out).await.is_err()
+                {
                     let _ = stream.kill(libc::SIGKILL).await;
-                    exec_rec.error = Some("the caller disconnected; the command was killed".into());
-                    break None;
+                    break gone();
                 }
             };
+            if let api::ExecEvent::Error { message, .. } = &last {
+                exec_rec.error = Some(message.clone());
+            }
             tracing::info!(exec = %exec_rec.id, exit_code = ?exec_rec.exit_code, signal = ?exec_rec.signal,
                 timed_out = exec_rec.timed_out, error = ?exec_rec.error, "exec finished");
             if let Err(e) = store.put(EXECS, &exec_rec.id, &exec_rec) {
@@ -174,11 +268,21 @@ impl Service {
                 timed_out: exec_rec.timed_out,
                 error: exec_rec.error.as_deref(),
             });
-            if let Some(ev) = last {
-                let _ = tx.send(ev).await;
+            live.finish(last.clone());
+            registry.remove(&exec_rec.id);
+            if let Some(tx) = primary {
+                let _ = tx.send(last).await;
             }
         });
         Ok(rx)
+    }
+}
+
+/// The caller of an attached exec went away.
+fn gone() -> api::ExecEvent {
+    api::ExecEvent::Error {
+        code: "caller_gone".into(),
+        message: "the caller disconnected; the command was killed".into(),
     }
 }
 
@@ -229,6 +333,28 @@ pub(super) fn to_wire(
         }
         w.env.push((k.clone(), v.clone()));
     }
+    if let Some(p) = &req.pty {
+        p.check().map_err(ServiceError::BadRequest)?;
+        w.pty = Some(rpc::msg::PtySize {
+            rows: p.rows,
+            cols: p.cols,
+        });
+    }
+    if let Some(u) = &req.user {
+        if !rpc::msg::valid_user_name(u) {
+            return bad(format!(
+                "invalid user name `{u}` (at most {} bytes of [a-z_][a-z0-9_-]*)",
+                rpc::msg::MAX_USER_NAME
+            ));
+        }
+        w.user = Some(u.clone());
+    }
+    if let Some(t) = &req.tag
+        && t.len() > MAX_TAG
+    {
+        return bad(format!("tag is {} bytes; at most {MAX_TAG}", t.len()));
+    }
+    w.keep_stdin_open = req.stdin_open;
     w.stdin = match (&req.stdin_b64, &req.stdin) {
         (Some(b), _) => Some(
             api::b64::decode(b).map_err(|e| ServiceError::BadRequest(format!("stdin_b64: {e}")))?,

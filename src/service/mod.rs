@@ -7,6 +7,7 @@
 
 mod diskroom;
 mod exec;
+pub mod execs;
 mod fork;
 mod gc;
 mod git;
@@ -176,6 +177,8 @@ pub struct Service {
     pub secrets: crate::secrets::Registry,
     /// Per sandbox: the VM and CA its guest trust bundle was last written for.
     pub guest_trust: guest_trust::GuestTrust,
+    /// Running execs (`execs.rs`).
+    pub execs: Arc<execs::LiveExecs>,
 }
 
 impl Service {
@@ -226,6 +229,7 @@ impl Service {
             manifests: Default::default(),
             nets: Default::default(),
             guest_trust: Default::default(),
+            execs: Default::default(),
         }
     }
 

@@ -140,7 +140,7 @@ impl Service {
         Ok(out)
     }
 
-    fn store_secret(
+    pub(super) fn store_secret(
         &self,
         name: &str,
         value: Value,
@@ -399,6 +399,20 @@ impl Service {
              of it); values never enter a sandbox: give it the secret by name (`--secret {name}`) \
              and use its placeholder, `${name}`"
         ))
+    }
+
+    /// Refuse later standard input (`POST /v1/execs/{id}/stdin`) that holds a stored value,
+    /// also one split between this input and what came before (`carry`, updated).
+    pub(super) fn refuse_stdin_value(
+        &self,
+        id: &str,
+        carry: &mut zeroize::Zeroizing<Vec<u8>>,
+        data: &[u8],
+    ) -> Result<(), ServiceError> {
+        match self.secret_store.scanner().feed_carry(carry, data) {
+            None => Ok(()),
+            Some(name) => Err(self.refusal(id, "standard input", &name)),
+        }
     }
 
     /// Refuse an exec whose command, env values or stdin hold a stored value.

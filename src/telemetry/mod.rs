@@ -156,6 +156,11 @@ pub struct ExecEnd<'a> {
 }
 
 impl ExecObserver {
+    /// The exec's output log (readable after the end too).
+    pub fn log(&self) -> Arc<ExecLog> {
+        self.log.clone()
+    }
+
     pub fn output(&self, stderr: bool, bytes: &[u8]) {
         let stream = if stderr { "stderr" } else { "stdout" };
         ::metrics::counter!(metrics::EXEC_OUTPUT_BYTES, "stream" => stream)

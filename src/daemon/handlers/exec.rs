@@ -1,4 +1,5 @@
-//! `POST /v1/sandboxes/{id}/exec`: streams `ExecEvent`s (NDJSON lines, or server-sent events
+//! `POST /v1/sandboxes/{id}/exec` (and `POST /v1/execs/{id}/attach`, through
+//! [`stream_events`]): streams `ExecEvent`s (NDJSON lines, or server-sent events
 //! with `Accept: text/event-stream`), the exit status last.
 
 use std::sync::Arc;
@@ -20,7 +21,16 @@ pub async fn exec(
 ) -> Result<Response<Body>, ApiError> {
     // Errors before the command starts (unknown sandbox, bad request) are plain JSON errors;
     // once it runs, everything (including a VM dying) arrives as stream events.
-    let mut events = svc.start_exec(id, req).await?;
+    let events = svc.start_exec(id, req).await?;
+    Ok(stream_events(events, format))
+}
+
+/// Stream exec events as NDJSON or SSE. When the client goes away `events` is dropped, which
+/// kills an attached command (`service/exec.rs`) and only stops a follower.
+pub(super) fn stream_events(
+    mut events: mpsc::Receiver<api::ExecEvent>,
+    format: StreamFormat,
+) -> Response<Body> {
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
         loop {
@@ -36,7 +46,7 @@ pub async fn exec(
             }
         }
     });
-    Ok(response::stream(rx, format))
+    response::stream(rx, format)
 }
 
 fn encode(ev: &api::ExecEvent, format: StreamFormat) -> Bytes {

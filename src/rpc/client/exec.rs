@@ -24,6 +24,8 @@ pub struct ExecRequest {
     /// Kill the whole process group after this long (the exit then says `timed_out`).
     pub timeout: Option<Duration>,
     pub pty: Option<PtySize>,
+    /// Run as this guest user (see [`ExecSpec::user`]).
+    pub user: Option<String>,
 }
 
 /// One event of a running command, in order.
@@ -59,6 +61,7 @@ impl AgentClient {
                 .timeout
                 .map(|d| d.as_millis().min(u64::MAX as u128) as u64),
             pty: req.pty,
+            user: req.user,
         };
         let mut s = self.open(false)?;
         s.send(Body::Request(Request::Exec(spec)))?;
@@ -238,5 +241,69 @@ impl ExecStream {
     /// Closes the command's stdin (EOF).
     pub async fn close_stdin(&self) -> Result<(), RpcError> {
         self.s.send(Body::DataEnd)
+    }
+
+    /// A handle that writes stdin, signals and resizes from another task while this stream's
+    /// owner reads events. Frames sent after the stream is dropped go nowhere.
+    pub fn control(&self) -> ExecControl {
+        ExecControl {
+            shared: self.s.handle.shared.clone(),
+            id: self.s.id,
+            credit: self.s.credit.clone(),
+        }
+    }
+}
+
+/// Stdin, signals and resizes of one running exec, usable beside its [`ExecStream`].
+#[derive(Clone)]
+pub struct ExecControl {
+    shared: std::sync::Arc<super::streams::Shared>,
+    id: u32,
+    credit: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl std::fmt::Debug for ExecControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecControl")
+            .field("stream", &self.id)
+            .finish()
+    }
+}
+
+impl ExecControl {
+    fn frame(&self, body: Body, control: bool) -> Result<(), RpcError> {
+        let shared = &self.shared;
+        let frame = crate::rpc::msg::Frame {
+            stream: self.id,
+            body,
+        };
+        let sent = if control {
+            shared.outbox.send_control(frame)
+        } else {
+            shared.outbox.send(frame)
+        };
+        sent.map_err(|_| shared.gone())
+    }
+
+    /// See [`ExecStream::write_stdin`].
+    pub async fn write_stdin(&self, data: &[u8]) -> Result<(), RpcError> {
+        self.shared
+            .send_data(self.id, &self.credit, data, None)
+            .await
+    }
+
+    /// See [`ExecStream::close_stdin`].
+    pub fn close_stdin(&self) -> Result<(), RpcError> {
+        self.frame(Body::DataEnd, false)
+    }
+
+    /// See [`ExecStream::kill`].
+    pub fn kill(&self, sig: i32) -> Result<(), RpcError> {
+        self.frame(Body::Kill(sig), true)
+    }
+
+    /// See [`ExecStream::resize`].
+    pub fn resize(&self, rows: u16, cols: u16) -> Result<(), RpcError> {
+        self.frame(Body::Resize { rows, cols }, false)
     }
 }

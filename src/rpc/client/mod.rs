@@ -23,7 +23,7 @@ mod streams;
 #[cfg(test)]
 mod hostile_tests;
 
-pub use exec::{ExecEvent, ExecRequest, ExecStream};
+pub use exec::{ExecControl, ExecEvent, ExecRequest, ExecStream};
 pub use streams::Deadlines;
 
 use super::RpcError;
