@@ -34,6 +34,25 @@ FSTAB
 
 grep -q '^root:x:0:0:' "$root/etc/passwd" || { echo "customize.sh: no root in /etc/passwd" >&2; exit 1; }
 
+# An unprivileged user for `exec -u user` (uid/gid 1000, like most dev images) with
+# passwordless sudo. Written into the files directly (the host's useradd would read the host's
+# login.defs); no password: `*` in shadow.
+if ! grep -q '^user:' "$root/etc/passwd"; then
+    echo 'user:x:1000:1000:user:/home/user:/bin/bash' >> "$root/etc/passwd"
+    echo 'user:x:1000:' >> "$root/etc/group"
+    echo 'user:*:19000:0:99999:7:::' >> "$root/etc/shadow"
+    [ -f "$root/etc/gshadow" ] && echo 'user:!::' >> "$root/etc/gshadow"
+fi
+mkdir -p "$root/home/user"
+cp -a "$root/etc/skel/." "$root/home/user/" 2>/dev/null || true
+chown -R 1000:1000 "$root/home/user"
+chmod 0755 "$root/home/user"
+mkdir -p "$root/etc/sudoers.d"
+echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' > "$root/etc/sudoers.d/user"
+chmod 0440 "$root/etc/sudoers.d/user"
+chroot "$root" /usr/sbin/visudo -cf /etc/sudoers.d/user >/dev/null \
+    || { echo "customize.sh: /etc/sudoers.d/user does not validate" >&2; exit 1; }
+
 # Shrink: package lists and caches are re-fetched by `apt-get update` inside a sandbox.
 rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin \
        "$root"/var/cache/apt/archives/*.deb "$root"/var/cache/debconf/*-old \
