@@ -1,5 +1,6 @@
 //! `tryboxi exec [OPTIONS] ID -- CMD...`: stdout to stdout, stderr to stderr, as they come;
-//! exits with the command's exit code (128+N for signal N, 124 on timeout).
+//! exits with the command's exit code (128+N for signal N, 124 on timeout). With `-d` it
+//! prints the exec id and returns, the command running on (`tryboxi attach`, `execs`, `kill`).
 
 use std::io::Read as _;
 
@@ -27,6 +28,19 @@ pub struct Args {
     /// (not sent, not deleted in the VM). Repeatable.
     #[arg(long = "sync-exclude", value_name = "PATTERN")]
     sync_exclude: Vec<String>,
+    /// Detach: print the exec id and return; the command keeps running.
+    #[arg(short = 'd', long)]
+    detach: bool,
+    /// Run under a pseudo-terminal of this terminal's size (80x24 when not a terminal).
+    /// Input is not put in raw mode.
+    #[arg(short = 't', long)]
+    tty: bool,
+    /// Run as this guest user (e.g. `user`; default root).
+    #[arg(short = 'u', long)]
+    user: Option<String>,
+    /// A label listed with the exec (`tryboxi execs`).
+    #[arg(long)]
+    tag: Option<String>,
     /// Sandbox id.
     id: String,
     /// The command and its arguments (after `--`).
@@ -39,6 +53,10 @@ pub async fn run(a: Args) -> Result<(), TopError> {
         timeout_s: a.timeout,
         cwd: a.cwd,
         sync_exclude: a.sync_exclude,
+        detach: a.detach,
+        user: a.user,
+        tag: a.tag,
+        pty: a.tty.then(terminal_size),
         ..Default::default()
     };
     if a.shell {
@@ -60,6 +78,23 @@ pub async fn run(a: Args) -> Result<(), TopError> {
         req.stdin_b64 = Some(api::b64::encode(&buf));
     }
     let mut events = super::client()?.exec(&a.id, &req).await?;
+    if a.detach {
+        return match events.next().await? {
+            Some(api::ExecEvent::Started { exec_id, .. }) => {
+                println!("{exec_id}");
+                Ok(())
+            }
+            Some(api::ExecEvent::Error { code, message }) => Err(TopError::Api { code, message }),
+            _ => Err(TopError::Other(anyhow::anyhow!(
+                "the exec stream did not start with `started`"
+            ))),
+        };
+    }
+    follow(events).await
+}
+
+/// Write a command's events to stdout/stderr; its exit status becomes ours.
+pub async fn follow(mut events: crate::client::ExecEvents) -> Result<(), TopError> {
     let mut out = std::io::stdout().lock();
     let mut err = std::io::stderr().lock();
     while let Some(ev) = events.next().await? {
@@ -103,4 +138,26 @@ fn copy(
     w.write_all(&b)
         .and_then(|_| w.flush())
         .map_err(|e| TopError::Other(e.into()))
+}
+
+/// The size of the terminal on stdout (or stdin), else 24x80.
+fn terminal_size() -> api::PtySize {
+    for fd in [libc::STDOUT_FILENO, libc::STDIN_FILENO] {
+        let mut ws = libc::winsize {
+            ws_row: 0,
+            ws_col: 0,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        // SAFETY: TIOCGWINSZ writes one `winsize` into the struct we own.
+        let r = unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) };
+        if r == 0 && ws.ws_row > 0 && ws.ws_col > 0 {
+            let side = |n: u16| n.min(api::MAX_PTY_SIDE);
+            return api::PtySize {
+                rows: side(ws.ws_row),
+                cols: side(ws.ws_col),
+            };
+        }
+    }
+    api::PtySize { rows: 24, cols: 80 }
 }

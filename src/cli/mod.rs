@@ -6,6 +6,7 @@ mod create;
 mod diff;
 mod events;
 mod exec;
+mod execs;
 mod fork;
 mod gc;
 mod git;
@@ -69,6 +70,27 @@ pub enum Command {
     Create(create::Args),
     /// Run a command in a sandbox; exits with the command's exit code.
     Exec(exec::Args),
+    /// Follow a running (or ended) exec: its output so far, then live; exits with its code.
+    Attach {
+        /// Exec id (`exe_...`, printed by `exec -d`).
+        exec_id: String,
+        /// Only what comes from now on.
+        #[arg(long)]
+        no_replay: bool,
+    },
+    /// List a sandbox's running execs (id, pid, start, flags, tag, command).
+    Execs {
+        /// Sandbox id.
+        id: String,
+    },
+    /// Send a signal to a running exec's process group.
+    Kill {
+        /// Exec id.
+        exec_id: String,
+        /// A signal number or name (TERM, SIGKILL, 9...).
+        #[arg(short = 's', long, default_value = "TERM")]
+        signal: String,
+    },
     /// List sandboxes.
     Ls(ls::Args),
     /// Remove a sandbox (its VM and every file of it).
@@ -191,6 +213,11 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Install { artifacts } => install::run(&artifacts),
         Command::Create(a) => runtime()?.block_on(create::run(a)),
         Command::Exec(a) => runtime()?.block_on(exec::run(a)),
+        Command::Attach { exec_id, no_replay } => {
+            runtime()?.block_on(execs::attach(exec_id, no_replay))
+        }
+        Command::Execs { id } => runtime()?.block_on(execs::list(id)),
+        Command::Kill { exec_id, signal } => runtime()?.block_on(execs::kill(exec_id, signal)),
         Command::Ls(a) => runtime()?.block_on(ls::run(a)),
         Command::Rm(a) => runtime()?.block_on(rm::run(a)),
         Command::Sync(a) => runtime()?.block_on(sync::run(a)),

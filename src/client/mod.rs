@@ -252,6 +252,22 @@ impl Client {
             buf: Vec::new(),
         })
     }
+
+    /// `POST /v1/execs/{id}/attach`: `started`, the replay (with `replay`), then live events.
+    pub async fn attach(&self, exec_id: &str, replay: bool) -> Result<ExecEvents, ClientError> {
+        let body = serde_json::to_vec(&api::AttachRequest { replay }).expect("API types serialize");
+        let resp = self
+            .request(
+                Method::POST,
+                &format!("/v1/execs/{}/attach", seg(exec_id)),
+                Some(body),
+            )
+            .await?;
+        Ok(ExecEvents {
+            body: resp.into_body(),
+            buf: Vec::new(),
+        })
+    }
 }
 
 /// NDJSON exec events as they arrive.
