@@ -72,7 +72,10 @@ pub struct WorkspaceSpec {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSandboxRequest {
-    pub workspace: WorkspaceSpec,
+    /// The host folder synced into `/workspace`; absent: the sandbox has no host workspace
+    /// (an empty `/workspace`; sync, diff, apply, pull and undo answer 409 `no_workspace`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<WorkspaceSpec>,
     #[serde(default)]
     pub template: Option<String>,
     #[serde(default)]
@@ -119,7 +122,9 @@ impl std::fmt::Display for SandboxState {
 pub struct Sandbox {
     pub id: String,
     pub state: SandboxState,
-    pub workspace: WorkspaceSpec,
+    /// Absent for a sandbox created without a host workspace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<WorkspaceSpec>,
     pub template: String,
     pub vcpus: u32,
     pub memory_mib: u32,

@@ -1,4 +1,4 @@
-//! `tryboxi create -w DIR`: prints `<sbx_id> <state> <accel> <template>` (the id first, for scripts).
+//! `tryboxi create [-w DIR]`: prints `<sbx_id> <state> <accel> <template>` (the id first, for scripts).
 
 use std::path::PathBuf;
 
@@ -7,7 +7,9 @@ use crate::error::TopError;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The workspace (repo) directory; default: the current directory.
+    /// The workspace (repo) directory synced into /workspace (`-w .` for the current one);
+    /// without it the sandbox has no host workspace (an empty /workspace; no sync, diff or
+    /// apply).
     #[arg(short = 'w', long = "workspace", value_name = "DIR")]
     workspace: Option<PathBuf>,
     /// Template (`auto` picks one from the repo's files).
@@ -48,17 +50,24 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<(), TopError> {
-    let dir = match a.workspace {
-        Some(d) => d,
-        None => std::env::current_dir().map_err(|e| TopError::Other(e.into()))?,
+    let workspace = match a.workspace {
+        Some(dir) => {
+            let dir = std::path::absolute(&dir)
+                .map_err(|e| TopError::Usage(format!("{}: {e}", dir.display())))?;
+            Some(api::WorkspaceSpec {
+                host_path: dir.display().to_string(),
+                exclude: a.exclude,
+            })
+        }
+        None if !a.exclude.is_empty() => {
+            return Err(TopError::Usage(
+                "--exclude needs a workspace (-w DIR)".into(),
+            ));
+        }
+        None => None,
     };
-    let dir = std::path::absolute(&dir)
-        .map_err(|e| TopError::Usage(format!("{}: {e}", dir.display())))?;
     let req = api::CreateSandboxRequest {
-        workspace: api::WorkspaceSpec {
-            host_path: dir.display().to_string(),
-            exclude: a.exclude,
-        },
+        workspace,
         template: Some(a.template),
         vcpus: a.vcpus,
         memory_mib: a.memory_mib,

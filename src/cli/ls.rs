@@ -33,7 +33,7 @@ pub async fn run(a: Args) -> Result<(), TopError> {
             s.vcpus,
             s.memory_mib,
             s.created_at,
-            s.workspace.host_path
+            s.workspace.as_ref().map_or("-", |w| w.host_path.as_str())
         );
         // Why a sandbox failed, on its own line under it.
         if let Some(e) = s

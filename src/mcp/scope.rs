@@ -18,6 +18,23 @@ pub fn roots(opts: &Options) -> Vec<PathBuf> {
         .collect()
 }
 
+/// A sandbox this server may use: one whose host workspace is allowed (a sandbox without a
+/// host workspace belongs to another client of the daemon, e.g. the E2B face).
+pub fn allowed_sandbox(opts: &Options, s: &crate::api::Sandbox) -> Result<(), ToolError> {
+    match &s.workspace {
+        Some(w) => allowed_workspace(opts, Path::new(&w.host_path)).map(|_| ()),
+        None => Err(ToolError::WorkspaceNotAllowed {
+            path: "(none)".into(),
+            why: format!("sandbox {} has no host workspace", s.id),
+            allowed: roots(opts)
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        }),
+    }
+}
+
 /// `requested` (absolute) resolved, if it is one of the [`roots`] or below one.
 pub fn allowed_workspace(opts: &Options, requested: &Path) -> Result<PathBuf, ToolError> {
     let roots = roots(opts);

@@ -122,10 +122,7 @@ impl SandboxServer {
                 let rows: Vec<serde_json::Value> = list
                     .sandboxes
                     .iter()
-                    .filter(|s| {
-                        scope::allowed_workspace(&me.opts, Path::new(&s.workspace.host_path))
-                            .is_ok()
-                    })
+                    .filter(|s| scope::allowed_sandbox(&me.opts, s).is_ok())
                     .map(|s| {
                         let mut v = serde_json::to_value(s).unwrap_or_default();
                         v["this_workspace"] = (current.as_deref() == Some(s.id.as_str())).into();
@@ -332,7 +329,7 @@ impl SandboxServer {
             self.inner.client.sandbox(id).await.map_err(|e| {
                 ToolError::from_client(e, "exec", "GET /v1/sandboxes/{id}", Some(id))
             })?;
-        scope::allowed_workspace(&self.inner.opts, Path::new(&s.workspace.host_path)).map(|_| ())
+        scope::allowed_sandbox(&self.inner.opts, &s)
     }
 
     /// This workspace's ready sandbox, else a new one. `bool`: it was reused.
@@ -378,7 +375,10 @@ impl SandboxServer {
         let found = list
             .sandboxes
             .into_iter()
-            .filter(|s| s.state == api::SandboxState::Ready && s.workspace.host_path == ws_str)
+            .filter(|s| {
+                s.state == api::SandboxState::Ready
+                    && s.workspace.as_ref().is_some_and(|w| w.host_path == ws_str)
+            })
             .max_by(|a, b| a.created_at.cmp(&b.created_at));
         if let Some(s) = &found {
             self.remember(ws, &s.id);
@@ -394,10 +394,10 @@ impl SandboxServer {
     ) -> Result<api::Sandbox, ToolError> {
         let o = &self.inner.opts;
         let req = api::CreateSandboxRequest {
-            workspace: api::WorkspaceSpec {
+            workspace: Some(api::WorkspaceSpec {
                 host_path: ws.display().to_string(),
                 exclude,
-            },
+            }),
             template: Some(template.unwrap_or_else(|| o.template.clone())),
             vcpus: o.vcpus,
             memory_mib: o.memory_mib,

@@ -105,7 +105,7 @@ mod tests {
         let mut rec = SandboxRecord::creating(
             "sbx_0000000000000001",
             dir.path().to_owned(),
-            (dir.path(), vec![]),
+            Some((dir.path(), vec![])),
             "base".into(),
             (1, 256, crate::vmm::Accel::Tcg),
         );

@@ -28,7 +28,7 @@ fn service(state: SandboxState) -> (Arc<Service>, String, tempfile::TempDir) {
     let mut rec = SandboxRecord::creating(
         &id,
         sdir,
-        (dir.path(), Vec::new()),
+        Some((dir.path(), Vec::new())),
         "auto".into(),
         (1, 256, crate::vmm::Accel::Tcg),
     );

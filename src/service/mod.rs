@@ -16,6 +16,8 @@ mod guest_trust;
 mod locks;
 pub mod netpolicy;
 mod network;
+#[cfg(test)]
+mod noworkspace_tests;
 mod observe;
 mod pause;
 mod pool;
@@ -56,6 +58,10 @@ pub enum ServiceError {
     Unprocessable(String),
     #[error("{0}")]
     Conflict(String),
+    /// A workspace operation (sync, diff, apply, pull, undo) on a sandbox created without a
+    /// host workspace (409 `no_workspace`).
+    #[error("sandbox {0} has no host workspace")]
+    NoWorkspace(String),
     #[error("{0}")]
     Forbidden(String),
     #[error("{0}")]
@@ -123,7 +129,7 @@ impl SandboxRecord {
     pub(super) fn creating(
         id: &str,
         dir: PathBuf,
-        (workspace, exclude): (&Path, Vec<String>),
+        workspace: Option<(&Path, Vec<String>)>,
         template: String,
         (vcpus, memory_mib, accel): (u32, u32, crate::vmm::Accel),
     ) -> SandboxRecord {
@@ -131,10 +137,10 @@ impl SandboxRecord {
             api: api::Sandbox {
                 id: id.to_owned(),
                 state: api::SandboxState::Creating,
-                workspace: api::WorkspaceSpec {
-                    host_path: workspace.display().to_string(),
+                workspace: workspace.map(|(path, exclude)| api::WorkspaceSpec {
+                    host_path: path.display().to_string(),
                     exclude,
-                },
+                }),
                 template,
                 vcpus,
                 memory_mib,
@@ -308,10 +314,10 @@ pub(crate) fn test_sandbox(svc: &Service, dir: &Path) -> String {
         api: api::Sandbox {
             id: id.clone(),
             state: api::SandboxState::Ready,
-            workspace: api::WorkspaceSpec {
+            workspace: Some(api::WorkspaceSpec {
                 host_path: "/tmp".into(),
                 exclude: Vec::new(),
-            },
+            }),
             template: "auto".into(),
             vcpus: 1,
             memory_mib: 256,

@@ -224,8 +224,7 @@ impl Service {
         (template, rootfs): (&str, &Path),
         images: &Images,
         (vcpus, memory_mib, accel): (u32, u32, crate::vmm::Accel),
-        workspace: &Path,
-        exclude: &[String],
+        workspace: Option<(&Path, Vec<String>)>,
         (net_policy, secrets): (&crate::network::policy::Policy, &[String]),
     ) -> Option<Result<api::Sandbox, ServiceError>> {
         if !self.config.pool.golden || self.config.pool.size == 0 {
@@ -262,7 +261,7 @@ impl Service {
         let mut rec = SandboxRecord::creating(
             &id,
             pvm.dir.clone(),
-            (workspace, exclude.to_vec()),
+            workspace,
             template.to_owned(),
             (vcpus, memory_mib, accel),
         );
@@ -285,7 +284,9 @@ impl Service {
         let vm = Arc::new(pvm.vm);
         self.vms.insert(&id, vm.clone());
         self.watch(id.clone(), vm.clone());
-        if let Err(e) = self.sync_locked(&rec, &vm, &[]).await {
+        if rec.api.workspace.is_some()
+            && let Err(e) = self.sync_locked(&rec, &vm, &[]).await
+        {
             self.vms.take(&id);
             self.telemetry.sandbox_create_failed(&id, &e.to_string());
             self.discard(&id, &rec.dir).await;

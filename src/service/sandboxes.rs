@@ -54,7 +54,7 @@ impl Service {
             .ok_or_else(|| ServiceError::NotFound(format!("no sandbox `{id}`")))
     }
 
-    /// Validate a create request: the workspace must be an existing directory (absolute path)
+    /// Validate a create request: the workspace, if any, must be an existing directory (absolute path)
     /// that may be a workspace (see [`super::wsguard`]; `caller_uid` is the unix-socket peer,
     /// `None` for a TCP client), and the resources within the configured limits. Resolving
     /// the path and reading the password database (which may ask LDAP/NSS) run off the async
@@ -63,19 +63,26 @@ impl Service {
         &self,
         req: &api::CreateSandboxRequest,
         caller_uid: Option<u32>,
-    ) -> Result<(u32, u32, std::path::PathBuf), ServiceError> {
-        let p = std::path::PathBuf::from(&req.workspace.host_path);
-        if !p.is_absolute() {
-            return Err(ServiceError::BadRequest(format!(
-                "workspace.host_path must be an absolute path, got `{}`",
-                req.workspace.host_path
-            )));
-        }
-        let data_root = self.paths.root.clone();
-        let canon =
-            tokio::task::spawn_blocking(move || check_workspace(&p, &data_root, caller_uid))
+    ) -> Result<(u32, u32, Option<std::path::PathBuf>), ServiceError> {
+        let canon = match &req.workspace {
+            None => None,
+            Some(ws) => {
+                let p = std::path::PathBuf::from(&ws.host_path);
+                if !p.is_absolute() {
+                    return Err(ServiceError::BadRequest(format!(
+                        "workspace.host_path must be an absolute path, got `{}`",
+                        ws.host_path
+                    )));
+                }
+                let data_root = self.paths.root.clone();
+                let c = tokio::task::spawn_blocking(move || {
+                    check_workspace(&p, &data_root, caller_uid)
+                })
                 .await
                 .map_err(|e| ServiceError::Internal(format!("workspace check failed: {e}")))??;
+                Some(c)
+            }
+        };
         let vcpus = req.vcpus.unwrap_or(self.config.default_vcpus);
         let mem = req.memory_mib.unwrap_or(self.config.default_memory_mib);
         if vcpus == 0 || vcpus > self.config.max_vcpus {

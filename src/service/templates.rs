@@ -53,13 +53,14 @@ pub fn available(images: &Images) -> Vec<(String, PathBuf)> {
 pub fn resolve(
     images: &Images,
     requested: Option<&str>,
-    repo: &Path,
+    repo: Option<&Path>,
 ) -> Result<(String, PathBuf), ServiceError> {
     let avail = available(images);
     let find = |n: &str| avail.iter().find(|(name, _)| name == n).cloned();
     match requested {
         None | Some("auto") | Some("") => {
-            let want = detect(repo);
+            // No repo to look at: the base template.
+            let want = repo.map_or(BASE, detect);
             Ok(find(want).unwrap_or_else(|| {
                 tracing::info!(wanted = want, "template `{want}` is not built; using base");
                 avail[0].clone()
@@ -176,18 +177,18 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let imgs = images(d.path(), &["node", "python"]);
         let repo = tempfile::tempdir().unwrap();
-        let (n, p) = resolve(&imgs, None, repo.path()).unwrap();
+        let (n, p) = resolve(&imgs, None, Some(repo.path())).unwrap();
         assert_eq!(
             (n.as_str(), p.file_name().unwrap()),
             ("base", "rootfs.ext4".as_ref())
         );
         std::fs::write(repo.path().join("package.json"), "{}").unwrap();
-        let (n, p) = resolve(&imgs, Some("auto"), repo.path()).unwrap();
+        let (n, p) = resolve(&imgs, Some("auto"), Some(repo.path())).unwrap();
         assert_eq!(n, "node");
         assert!(p.ends_with("template-node.qcow2"));
-        let (n, _) = resolve(&imgs, Some("python"), repo.path()).unwrap();
+        let (n, _) = resolve(&imgs, Some("python"), Some(repo.path())).unwrap();
         assert_eq!(n, "python");
-        let e = resolve(&imgs, Some("cobol"), repo.path()).unwrap_err();
+        let e = resolve(&imgs, Some("cobol"), Some(repo.path())).unwrap_err();
         assert!(
             e.to_string()
                 .contains("available: auto, base, node, python"),
@@ -196,6 +197,13 @@ mod tests {
         // auto for a Go repo: no go template built -> base.
         let g = tempfile::tempdir().unwrap();
         std::fs::write(g.path().join("go.mod"), "").unwrap();
-        assert_eq!(resolve(&imgs, None, g.path()).unwrap().0, "base");
+        assert_eq!(resolve(&imgs, None, Some(g.path())).unwrap().0, "base");
+        // No workspace at all (an E2B-style sandbox): auto is the base, even with a node
+        // template built.
+        let (n, p) = resolve(&imgs, Some("auto"), None).unwrap();
+        assert_eq!(
+            (n.as_str(), p.file_name().unwrap()),
+            ("base", "rootfs.ext4".as_ref())
+        );
     }
 }

@@ -134,7 +134,8 @@ impl Service {
     ) -> Result<api::Sandbox, ServiceError> {
         let t0 = std::time::Instant::now();
         let (vcpus, memory_mib, workspace) = self.validate_create(&req, caller_uid).await?;
-        self.check_exclude(&req.workspace.exclude)?;
+        let exclude = req.workspace.as_ref().map(|w| w.exclude.clone());
+        self.check_exclude(exclude.as_deref().unwrap_or_default())?;
         let net_policy = self.validate_network(req.network.as_ref())?;
         self.check_secret_names(&req.secrets)?;
         let need = Resources::new(vcpus, memory_mib as u64);
@@ -146,7 +147,7 @@ impl Service {
         let driver = self.driver()?;
         let accel = self.accel(&driver, &images).await;
         let (template, rootfs) =
-            super::templates::resolve(&images, req.template.as_deref(), &workspace)?;
+            super::templates::resolve(&images, req.template.as_deref(), workspace.as_deref())?;
         // A waiting pool VM of this shape already holds its vCPUs and memory in the ledger: the
         // sandbox takes the VM and its reservation, without reserving or queueing again.
         if let Some(done) = self
@@ -154,8 +155,7 @@ impl Service {
                 (&template, &rootfs),
                 &images,
                 (vcpus, memory_mib, accel),
-                &workspace,
-                &req.workspace.exclude,
+                workspace.as_deref().zip(exclude.clone()),
                 (&net_policy, &req.secrets),
             )
             .await
@@ -174,7 +174,7 @@ impl Service {
         let mut rec = SandboxRecord::creating(
             &id,
             dir.clone(),
-            (&workspace, req.workspace.exclude.clone()),
+            workspace.as_deref().zip(exclude),
             template,
             (vcpus, memory_mib, accel),
         );
@@ -205,7 +205,9 @@ impl Service {
                 self.vms.insert(&id, vm.clone());
                 self.watch(id.clone(), vm.clone());
                 // The workspace goes in before anyone can exec.
-                if let Err(e) = self.sync_locked(&rec, &vm, &[]).await {
+                if rec.api.workspace.is_some()
+                    && let Err(e) = self.sync_locked(&rec, &vm, &[]).await
+                {
                     tracing::warn!(sandbox = %id, error = %e, "first workspace sync failed; cleaning up");
                     self.vms.take(&id);
                     self.telemetry.sandbox_create_failed(&id, &e.to_string());

@@ -24,10 +24,10 @@ fn service() -> (Arc<Service>, String, tempfile::TempDir) {
         api: api::Sandbox {
             id: id.clone(),
             state: SandboxState::Ready,
-            workspace: api::WorkspaceSpec {
+            workspace: Some(api::WorkspaceSpec {
                 host_path: dir.path().display().to_string(),
                 exclude: Vec::new(),
-            },
+            }),
             template: "auto".into(),
             vcpus: 1,
             memory_mib: 256,

@@ -124,7 +124,26 @@ impl Service {
 
     /// The sync rules of a sandbox: the config's plus the `exclude` given at create.
     fn rules(&self, rec: &SandboxRecord) -> Result<Rules, ServiceError> {
-        Ok(Rules::new(&self.config.sync)?.with_exclude(&rec.api.workspace.exclude)?)
+        let exclude = rec
+            .api
+            .workspace
+            .as_ref()
+            .map_or(&[][..], |w| &w.exclude[..]);
+        Ok(Rules::new(&self.config.sync)?.with_exclude(exclude)?)
+    }
+
+    /// The host workspace of a sandbox; 409 `no_workspace` for one created without.
+    pub(super) fn workspace_of(rec: &SandboxRecord) -> Result<&api::WorkspaceSpec, ServiceError> {
+        rec.api
+            .workspace
+            .as_ref()
+            .ok_or_else(|| ServiceError::NoWorkspace(rec.api.id.clone()))
+    }
+
+    /// Refuse a workspace operation on a sandbox without a host workspace before it is resumed
+    /// or locked (the record alone says so).
+    fn needs_workspace(&self, id: &str) -> Result<(), ServiceError> {
+        Self::workspace_of(&self.record(id)?).map(|_| ())
     }
 
     /// Refuse bad `exclude` patterns of a create request before anything boots.
@@ -152,7 +171,7 @@ impl Service {
     }
 
     fn host_root(rec: &SandboxRecord) -> Result<PathBuf, ServiceError> {
-        let root = PathBuf::from(&rec.api.workspace.host_path);
+        let root = PathBuf::from(&Self::workspace_of(rec)?.host_path);
         if !root.is_dir() {
             return Err(ServiceError::Unprocessable(format!(
                 "the workspace {} is gone or not a directory",
@@ -169,6 +188,7 @@ impl Service {
         req: api::SyncRequest,
     ) -> Result<api::SyncReport, ServiceError> {
         self.check_exclude(&req.exclude)?;
+        self.needs_workspace(id)?;
         let (_life, rec, vm) = self.ready_vm(id).await?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
@@ -555,6 +575,10 @@ impl Service {
         vm: &LiveVm,
         exclude: &[String],
     ) -> Result<(), ServiceError> {
+        // Nothing on the host to bring in: the command runs on the VM as it is.
+        if rec.api.workspace.is_none() {
+            return Ok(());
+        }
         let lock = self.ws_lock(&rec.api.id);
         let _g = lock.lock().await;
         self.sync_locked(rec, vm, exclude).await.map(|_| ())
@@ -617,6 +641,7 @@ impl Service {
         stat: bool,
         paths: Vec<String>,
     ) -> Result<api::DiffReport, ServiceError> {
+        self.needs_workspace(id)?;
         let (_life, rec, vm) = self.ready_vm(id).await?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
@@ -624,7 +649,7 @@ impl Service {
         let ch = self.changes(&rec, &vm, &paths).await?;
         let changes_ms = t.elapsed().as_millis() as u64;
         let mut refused: Vec<String> = ch.refused().collect();
-        let root = PathBuf::from(&rec.api.workspace.host_path);
+        let root = PathBuf::from(&Self::workspace_of(&rec)?.host_path);
         let (files, links) = blocking(move || {
             let links = apply::link_refusals(&root, &ch.changes);
             Ok((diff::report(&ch.base, &ch.changes, stat)?, links))
@@ -670,6 +695,7 @@ impl Service {
         mode: Mode,
         kind: &str,
     ) -> Result<api::ApplyReport, ServiceError> {
+        self.needs_workspace(id)?;
         let mut refused_early = Vec::new();
         let mut ok_paths = Vec::new();
         for p in &paths {

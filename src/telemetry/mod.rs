@@ -68,7 +68,7 @@ impl Telemetry {
             &sb.id,
             None,
             json!({"vcpus": sb.vcpus, "memory_mib": sb.memory_mib, "accel": sb.accel,
-                   "workspace": sb.workspace.host_path}),
+                   "workspace": sb.workspace.as_ref().map(|w| &w.host_path)}),
         );
     }
 

@@ -21,6 +21,7 @@ use tokio::sync::{Notify, mpsc};
 use super::classify::{Class, classify};
 use super::flow::{CHUNK, Down, Phase, TcpFlow};
 use super::frames::{FrameDevice, FrameReader};
+use super::ingress::{IngressError, IngressRequest};
 use super::{AbortOnDrop, GATEWAY_MAC, GUEST_MAC, StackConfig, StackStats};
 use crate::network::gate::{
     ConnectVerdict, Flow, FlowEvent, GATEWAY_V4, Inspect, InspectVerdict, PREFIX_LEN_V4, Proto,
@@ -63,6 +64,7 @@ enum Woke {
     Readable(std::io::Result<()>),
     Writable(std::io::Result<()>),
     Event(Event),
+    Ingress(IngressRequest),
     Other,
 }
 
@@ -82,6 +84,9 @@ pub(super) struct Engine {
     pub(super) wake: Arc<Notify>,
     epoch: std::time::Instant,
     udp_denied: HashSet<Flow>,
+    ingress_tx: mpsc::Sender<IngressRequest>,
+    ingress_rx: mpsc::Receiver<IngressRequest>,
+    pub(super) next_local_port: u16,
 }
 
 impl Engine {
@@ -123,6 +128,7 @@ impl Engine {
         .expect("binding a fresh UDP socket to a fixed endpoint cannot fail");
         let dns_udp = sockets.add(dns);
         let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let (ingress_tx, ingress_rx) = mpsc::channel(super::ingress::QUEUE);
         Engine {
             gate,
             cfg,
@@ -139,7 +145,20 @@ impl Engine {
             wake: Arc::new(Notify::new()),
             epoch,
             udp_denied: HashSet::new(),
+            ingress_tx,
+            ingress_rx,
+            next_local_port: 32768 + (seed % 28000) as u16,
         }
+    }
+
+    /// Where connection requests into the guest go ([`super::ingress::Ingress`]).
+    pub(super) fn ingress_sender(&self) -> mpsc::Sender<IngressRequest> {
+        self.ingress_tx.clone()
+    }
+
+    pub(super) fn new_flow_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
     }
 
     pub(super) fn now(&self) -> Instant {
@@ -181,6 +200,7 @@ impl Engine {
                 r = stream.readable(), if read_ok => Woke::Readable(r),
                 r = stream.writable(), if write_wait => Woke::Writable(r),
                 Some(ev) = self.events_rx.recv() => Woke::Event(ev),
+                Some(req) = self.ingress_rx.recv() => Woke::Ingress(req),
                 _ = self.wake.notified() => Woke::Other,
                 _ = tokio::time::sleep(delay) => Woke::Other,
             };
@@ -209,6 +229,7 @@ impl Engine {
                 },
                 Woke::Writable(Ok(())) | Woke::Other => {}
                 Woke::Event(ev) => self.handle_event(ev),
+                Woke::Ingress(req) => self.ingress(req),
             }
         }
     }
@@ -400,8 +421,7 @@ impl Engine {
             self.sockets.remove(handle);
             return None;
         }
-        self.next_id += 1;
-        let id = self.next_id;
+        let id = self.new_flow_id();
         self.flows
             .insert((flow.src, flow.dst), TcpFlow::new(handle, flow, id, phase));
         Some(id)
@@ -478,7 +498,8 @@ impl Engine {
         match f.phase {
             Phase::Connecting => {}
             Phase::Inspecting => inspect_step(f, s, &self.gate, self.cfg.inspect_cap, &self.wake),
-            Phase::Open => relay_step(f, s),
+            Phase::Open | Phase::Ingress => relay_step(f, s),
+            Phase::IngressConnecting => super::ingress::connecting_step(f, s, &self.wake),
             Phase::Dns => {
                 let (gate, tx) = (self.gate.clone(), self.events_tx.clone());
                 super::dns::tcp_step(
@@ -502,7 +523,9 @@ impl Engine {
                 // An aborted socket forgets its peer once its RST went out; give it one more
                 // poll in case the device was full.
                 tcp::State::Closed => s.remote_endpoint().is_none() || f.closed_seen,
-                tcp::State::TimeWait => true,
+                // Both sides closed; the guest's last bytes may still be on their way out
+                // (smoltcp's TIME-WAIT timer bounds the wait: the socket is closed after it).
+                tcp::State::TimeWait => f.drained(),
                 _ => false,
             };
             if s.state() == tcp::State::Closed {
@@ -518,8 +541,13 @@ impl Engine {
     }
 
     fn remove_flow(&mut self, key: &Key) {
-        if let Some(f) = self.flows.remove(key) {
+        if let Some(mut f) = self.flows.remove(key) {
             self.sockets.remove(f.handle);
+            // A connection into the guest that closed before it was established: the guest
+            // reset it (nothing listens there).
+            if let Some(reply) = f.ingress_reply.take() {
+                let _ = reply.send(Err(IngressError::Refused(f.flow.src.port())));
+            }
             if f.allowed {
                 self.gate.record(FlowEvent::Closed {
                     flow: f.flow,
@@ -565,6 +593,7 @@ fn inspect_step(
         f.down = None;
         f.upstream = None;
         f.tasks.clear();
+        f.writer = None;
         gate.record(FlowEvent::Denied {
             flow: f.flow,
             host,

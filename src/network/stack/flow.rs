@@ -39,6 +39,16 @@ pub enum Phase {
     Open,
     /// DNS over TCP to the gateway (no upstream).
     Dns,
+    /// A connection into the guest ([`super::ingress`]): SYN sent, waiting for the guest.
+    IngressConnecting,
+    /// A connection into the guest, relaying to the caller's pipe.
+    Ingress,
+}
+
+impl Phase {
+    pub fn is_ingress(&self) -> bool {
+        matches!(self, Phase::IngressConnecting | Phase::Ingress)
+    }
 }
 
 pub struct TcpFlow {
@@ -68,9 +78,14 @@ pub struct TcpFlow {
     pub bytes_up: u64,
     pub bytes_down: u64,
     pub tasks: Vec<AbortOnDrop>,
+    /// The task writing the guest's bytes to the other side (kept apart: a flow whose guest
+    /// closed is only forgotten once it has written everything, see [`TcpFlow::drained`]).
+    pub writer: Option<AbortOnDrop>,
     /// An inspected flow's connected upstream socket, held until the gate decides whether it
     /// is spliced ([`TcpFlow::attach`]) or handed to an interceptor.
     pub upstream: Option<tokio::net::TcpStream>,
+    /// A connection into the guest: whom to hand its pipe to once the guest accepted.
+    pub ingress_reply: Option<super::ingress::Reply>,
 }
 
 impl TcpFlow {
@@ -94,8 +109,16 @@ impl TcpFlow {
             bytes_up: 0,
             bytes_down: 0,
             tasks: Vec::new(),
+            writer: None,
             upstream: None,
+            ingress_reply: None,
         }
+    }
+
+    /// Everything the guest sent went out: its side is finished (the channel is closed) and
+    /// the writer has written (or failed to write) all of it.
+    pub fn drained(&self) -> bool {
+        self.up.is_none() && self.writer.as_ref().is_none_or(|w| w.0.is_finished())
     }
 
     /// Start relaying over a connected upstream socket.
@@ -115,8 +138,7 @@ impl TcpFlow {
         let (down_tx, down_rx) = mpsc::channel(CHANNEL_CHUNKS);
         self.up = Some(up_tx);
         self.down = Some(down_rx);
-        self.tasks
-            .push(AbortOnDrop(tokio::spawn(writer(w, up_rx, wake.clone()))));
+        self.writer = Some(AbortOnDrop(tokio::spawn(writer(w, up_rx, wake.clone()))));
         self.tasks
             .push(AbortOnDrop(tokio::spawn(reader(r, down_tx, wake))));
     }
@@ -134,6 +156,8 @@ async fn writer<W: AsyncWrite + Unpin>(mut w: W, mut rx: mpsc::Receiver<Bytes>, 
         }
     }
     let _ = w.shutdown().await;
+    // The flow may be forgotten now.
+    wake.notify_one();
 }
 
 /// Upstream bytes toward the guest. Reads only when the channel has room, so an upstream that

@@ -32,6 +32,7 @@ pub fn fuzz_config() -> StackConfig {
         inspect_cap: 2048,
         tcp_buffer: 4096,
         max_dns_inflight: 4,
+        max_ingress: 4,
     }
 }
 

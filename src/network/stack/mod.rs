@@ -11,7 +11,8 @@
 //!
 //! Files: `frames.rs` (the length-prefixed frame codec and the smoltcp device), `classify.rs`
 //! (looks at each guest frame before smoltcp does), `engine.rs` (the event loop), `flow.rs`
-//! (one TCP flow and its upstream tasks), `dns.rs` (DNS over UDP and TCP to the gateway).
+//! (one TCP flow and its upstream tasks), `dns.rs` (DNS over UDP and TCP to the gateway),
+//! `ingress.rs` (connections into the guest from the gateway: port exposure).
 //! The design is written down in docs/NETWORK.md.
 //!
 //! [`Gate`]: super::gate::Gate
@@ -24,6 +25,9 @@ mod engine;
 mod flow;
 mod frames;
 pub mod fuzzing;
+pub mod ingress;
+#[cfg(test)]
+mod ingress_tests;
 #[cfg(test)]
 mod tests;
 
@@ -56,6 +60,8 @@ pub struct StackConfig {
     pub tcp_buffer: usize,
     /// DNS queries being answered at once; more are dropped (the guest retries).
     pub max_dns_inflight: usize,
+    /// Connections into the guest ([`ingress`]) at once; more are refused.
+    pub max_ingress: usize,
 }
 
 impl Default for StackConfig {
@@ -66,6 +72,7 @@ impl Default for StackConfig {
             inspect_cap: 16 * 1024,
             tcp_buffer: 64 * 1024,
             max_dns_inflight: 64,
+            max_ingress: 256,
         }
     }
 }
@@ -102,6 +109,7 @@ impl StackStats {
 pub struct NetStack {
     path: PathBuf,
     stats: Arc<StackStats>,
+    ingress: ingress::Ingress,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -121,16 +129,18 @@ impl NetStack {
         }
         let listener = tokio::net::UnixListener::bind(path).map_err(err)?;
         let stats = Arc::new(StackStats::default());
+        let ingress = ingress::Ingress::default();
         let task = tokio::spawn(accept_loop(
             listener,
             gate,
             cfg,
-            stats.clone(),
+            (stats.clone(), ingress.clone()),
             path.to_owned(),
         ));
         Ok(NetStack {
             path: path.to_owned(),
             stats,
+            ingress,
             task,
         })
     }
@@ -141,6 +151,11 @@ impl NetStack {
 
     pub fn stats(&self) -> &Arc<StackStats> {
         &self.stats
+    }
+
+    /// Connections into the guest, through whichever QEMU connection is current.
+    pub fn ingress(&self) -> &ingress::Ingress {
+        &self.ingress
     }
 }
 
@@ -154,7 +169,7 @@ async fn accept_loop(
     listener: tokio::net::UnixListener,
     gate: SharedGate,
     cfg: StackConfig,
-    stats: Arc<StackStats>,
+    (stats, ingress): (Arc<StackStats>, ingress::Ingress),
     path: PathBuf,
 ) {
     // The engine of the current connection; aborting it drops every flow it relays.
@@ -173,6 +188,7 @@ async fn accept_loop(
         stats.attaches.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(socket = %path.display(), "VM NIC attached to the network stack");
         let engine = engine::Engine::new(gate.clone(), cfg.clone(), stats.clone());
+        ingress.set(engine.ingress_sender());
         current = Some(AbortOnDrop(tokio::spawn(engine.run(stream))));
     }
 }

@@ -22,7 +22,7 @@ use crate::network::gate::*;
 /// A gate for tests only: allows the destinations in `allow` (mapped to local upstreams),
 /// denies everything else, records every event.
 #[derive(Default)]
-struct TestGate {
+pub(super) struct TestGate {
     allow: Mutex<Vec<(SocketAddr, SocketAddr, Inspect)>>,
     events: Mutex<Vec<FlowEvent>>,
     inspected: AtomicUsize,
@@ -36,7 +36,7 @@ impl TestGate {
             .unwrap()
             .push((dst.parse().unwrap(), upstream, inspect));
     }
-    fn events(&self) -> Vec<FlowEvent> {
+    pub(super) fn events(&self) -> Vec<FlowEvent> {
         self.events.lock().unwrap().clone()
     }
 }
@@ -101,7 +101,7 @@ impl Gate for TestGate {
     }
 }
 
-struct Guest {
+pub(super) struct Guest {
     iface: Interface,
     sockets: SocketSet<'static>,
     dev: FrameDevice,
@@ -112,7 +112,7 @@ struct Guest {
 }
 
 impl Guest {
-    fn new(sock: UnixStream) -> Guest {
+    pub(super) fn new(sock: UnixStream) -> Guest {
         let mut dev = FrameDevice::default();
         let cfg = Config::new(HardwareAddress::Ethernet(EthernetAddress(GUEST_MAC)));
         let mut iface = Interface::new(cfg, &mut dev, Instant::from_micros(0));
@@ -155,12 +155,22 @@ impl Guest {
         self.sockets.add(s)
     }
 
-    fn t(&mut self, h: SocketHandle) -> &mut tcp::Socket<'static> {
+    /// A socket listening on the guest's `port` (one connection each).
+    pub(super) fn listen(&mut self, port: u16) -> SocketHandle {
+        let mut s = tcp::Socket::new(
+            tcp::SocketBuffer::new(vec![0; 64 * 1024]),
+            tcp::SocketBuffer::new(vec![0; 64 * 1024]),
+        );
+        s.listen(port).unwrap();
+        self.sockets.add(s)
+    }
+
+    pub(super) fn t(&mut self, h: SocketHandle) -> &mut tcp::Socket<'static> {
         self.sockets.get_mut::<tcp::Socket>(h)
     }
 
     /// One round: poll, send our frames, take the stack's frames (waiting briefly).
-    async fn turn(&mut self) {
+    pub(super) async fn turn(&mut self) {
         let now = self.now();
         self.iface.poll(now, &mut self.dev, &mut self.sockets);
         if !self.dev.tx.is_empty() {
@@ -181,7 +191,7 @@ impl Guest {
         self.iface.poll(now, &mut self.dev, &mut self.sockets);
     }
 
-    async fn until(&mut self, what: &str, mut cond: impl FnMut(&mut Guest) -> bool) {
+    pub(super) async fn until(&mut self, what: &str, mut cond: impl FnMut(&mut Guest) -> bool) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while !cond(self) {
             assert!(std::time::Instant::now() < deadline, "timed out: {what}");
