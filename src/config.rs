@@ -42,6 +42,11 @@ pub struct Config {
     /// `tryboxi token` prints (`TRYBOXI_URL=https://host:port`, `TRYBOXI_TOKEN`,
     /// `TRYBOXI_FINGERPRINT`). Default: false.
     pub tcp_tls: bool,
+    /// Serve the E2B-compatible API here (`serve --e2b ADDR` overrides it): E2B SDK code runs
+    /// against the daemon with `E2B_API_URL` and `E2B_SANDBOX_URL` set to `http://ADDR` and
+    /// `E2B_API_KEY=$(tryboxi token)`. A loopback address, or any with `tcp_tls` on. Default:
+    /// unset (off).
+    pub e2b_listen: Option<SocketAddr>,
     /// `auto` (default), `kvm` or `tcg`.
     pub accel: AccelSetting,
     /// The QEMU system emulator. Default: `qemu-system-x86_64` (looked up on PATH).
@@ -413,6 +418,7 @@ impl Default for Config {
         Config {
             tcp_listen: None,
             tcp_tls: false,
+            e2b_listen: None,
             accel: AccelSetting::Auto,
             qemu_binary: "qemu-system-x86_64".into(),
             default_vcpus: 2,

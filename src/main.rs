@@ -10,6 +10,7 @@ mod config;
 mod daemon;
 mod diskspace;
 mod doctor;
+mod e2b;
 mod error;
 mod guest;
 mod ids;

@@ -15,6 +15,9 @@
 //!   migration: `init` creates missing tables)
 //! - `secret_bindings`: sandbox id -> the stored secrets it was given and its placeholder for
 //!   each (names and placeholders only; values live in `secrets.json`)
+//! - `git_grants`: sandbox id -> the repos its git proxy may reach and push to
+//! - `e2b_sandboxes`: sandbox id -> what the E2B face keeps for a sandbox it created (its access
+//!   tokens, metadata, env vars, deadline)
 
 use std::path::{Path, PathBuf};
 
@@ -34,6 +37,7 @@ pub const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapsh
 pub const NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("network");
 pub const SECRET_BINDINGS: TableDefinition<&str, &[u8]> = TableDefinition::new("secret_bindings");
 pub const GIT_GRANTS: TableDefinition<&str, &[u8]> = TableDefinition::new("git_grants");
+pub const E2B_SANDBOXES: TableDefinition<&str, &[u8]> = TableDefinition::new("e2b_sandboxes");
 
 /// Migration from version `n` to `n + 1` is `MIGRATIONS[n - 1]`.
 type Migration = fn(&redb::WriteTransaction) -> Result<(), redb::Error>;
@@ -150,6 +154,7 @@ impl Store {
             txn.open_table(NETWORK)?;
             txn.open_table(SECRET_BINDINGS)?;
             txn.open_table(GIT_GRANTS)?;
+            txn.open_table(E2B_SANDBOXES)?;
         }
         txn.commit()?;
         Ok(Store { db })

@@ -59,6 +59,11 @@ pub enum Command {
         /// `http://127.0.0.1:4318`, the `/v1/traces` path is added).
         #[arg(long, value_name = "URL")]
         otlp_endpoint: Option<String>,
+        /// Also serve the E2B-compatible API on this address (e.g. `127.0.0.1:49982`; config
+        /// `e2b_listen`): E2B SDK code runs with `E2B_API_URL=E2B_SANDBOX_URL=http://ADDR` and
+        /// `E2B_API_KEY=$(tryboxi token)`.
+        #[arg(long = "e2b", value_name = "ADDR")]
+        e2b: Option<std::net::SocketAddr>,
     },
     /// Copy guest images (from `cargo xtask images`) into the data root.
     Install {
@@ -201,12 +206,14 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Serve {
             artifacts,
             otlp_endpoint,
+            e2b,
         } => {
             init_logging(false);
             runtime()?
                 .block_on(crate::daemon::serve(crate::daemon::ServeOptions {
                     artifacts,
                     otlp_endpoint,
+                    e2b,
                 }))
                 .map_err(|e| TopError::Other(e.into()))
         }

@@ -9,7 +9,7 @@
 //! Never: business logic (that is `service`).
 
 mod handlers;
-mod limits;
+pub(crate) mod limits;
 mod listen;
 mod middleware;
 pub mod response;
@@ -72,6 +72,8 @@ pub struct ServeOptions {
     pub artifacts: Option<PathBuf>,
     /// Export traces over OTLP/HTTP here (overrides `otlp_endpoint` in config.toml).
     pub otlp_endpoint: Option<String>,
+    /// Serve the E2B-compatible API here (overrides `e2b_listen` in config.toml).
+    pub e2b: Option<std::net::SocketAddr>,
 }
 
 /// Where a request came from, for access checks.
@@ -137,6 +139,22 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         None => None,
     };
 
+    let e2b_addr = opts.e2b.or(config.e2b_listen);
+    let e2b = match e2b_addr {
+        Some(addr) => {
+            crate::e2b::listen::check_addr(addr, config.tcp_tls).map_err(DaemonError::Setup)?;
+            let l = TcpListener::bind(addr)
+                .await
+                .map_err(io_err("cannot listen on", addr.to_string()))?;
+            let tls = match addr.ip().is_loopback() {
+                true => None,
+                false => Some(tls::acceptor(tls::ensure_identity(&paths)?)?),
+            };
+            Some((l, tls))
+        }
+        None => None,
+    };
+
     let otlp = opts.otlp_endpoint.or_else(|| config.otlp_endpoint.clone());
     let exporter = match otlp {
         Some(url) => Some(
@@ -165,6 +183,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         Arc::new(crate::service::ServicePauser(Arc::downgrade(&svc))),
     );
     svc.start_lifecycle();
+    svc.start_e2b_deadlines();
     let shared = Arc::new(Shared {
         svc: svc.clone(),
         token,
@@ -173,6 +192,14 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
     spawn_signal_handler(shutdown_tx.clone());
     tracing::info!(socket = %sock.display(), tcp = ?shared.svc.config.tcp_listen, tls = tls.is_some(), root = %paths.root.display(), "tryboxi daemon listening");
 
+    if let Some((l, e2b_tls)) = e2b {
+        let face = Arc::new(crate::e2b::Face {
+            svc: svc.clone(),
+            token: shared.token.clone(),
+        });
+        let (cfg, tx) = (shared.svc.config.http.clone(), shutdown_tx.clone());
+        tokio::spawn(async move { crate::e2b::listen::run(l, e2b_tls, &cfg, face, tx).await });
+    }
     listen::run(
         listen::Listeners { unix, tcp, tls },
         &shared.svc.config.http,

@@ -98,14 +98,23 @@ pub fn check_path(path: &str) -> Result<PathBuf, RemoteError> {
     Ok(PathBuf::from(path))
 }
 
-fn stat_of(md: &std::fs::Metadata) -> FileStat {
+fn stat_of(p: &Path, md: &std::fs::Metadata) -> FileStat {
     let ft = md.file_type();
     let kind = FileKind::of(ft);
+    let link = match kind {
+        FileKind::Symlink => std::fs::read_link(p)
+            .ok()
+            .map(|t| t.to_string_lossy().into_owned()),
+        _ => None,
+    };
     FileStat {
         kind,
         size: md.len(),
         mode: md.mode() & 0o7777,
         mtime: md.mtime(),
+        uid: md.uid(),
+        gid: md.gid(),
+        link,
     }
 }
 
@@ -122,7 +131,7 @@ pub fn simple(
             let p = check_path(&path)?;
             let md = std::fs::symlink_metadata(&p)
                 .map_err(|e| RemoteError::from_io(&ctx("stat", &p), &e))?;
-            Ok(Reply::Stat(stat_of(&md)))
+            Ok(Reply::Stat(stat_of(&p, &md)))
         }
         R::List { path } => {
             let p = check_path(&path)?;
@@ -132,12 +141,13 @@ pub fn simple(
             for ent in rd {
                 let ent = ent.map_err(|e| RemoteError::from_io(&ctx("list", &p), &e))?;
                 // An entry removed while listing is skipped, not an error.
-                let Ok(md) = std::fs::symlink_metadata(ent.path()) else {
+                let path = ent.path();
+                let Ok(md) = std::fs::symlink_metadata(&path) else {
                     continue;
                 };
                 out.push(DirEntry {
                     name: ent.file_name().to_string_lossy().into_owned(),
-                    stat: stat_of(&md),
+                    stat: stat_of(&path, &md),
                 });
             }
             out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -172,6 +182,23 @@ pub fn simple(
                 std::fs::remove_file(&p)
             };
             r.map_err(|e| RemoteError::from_io(&ctx("remove", &p), &e))?;
+            Ok(Reply::Done)
+        }
+        R::Rename { from, to } => {
+            let (f, t) = (check_path(&from)?, check_path(&to)?);
+            if f == Path::new("/") || t == Path::new("/") {
+                return Err(RemoteError::new(
+                    ErrorKind::InvalidRequest,
+                    "refusing to move /",
+                ));
+            }
+            std::fs::rename(&f, &t).map_err(|e| RemoteError::from_io(&ctx("move", &f), &e))?;
+            Ok(Reply::Done)
+        }
+        R::Chown { path, uid, gid } => {
+            let p = check_path(&path)?;
+            std::os::unix::fs::lchown(&p, Some(uid), Some(gid))
+                .map_err(|e| RemoteError::from_io(&ctx("chown", &p), &e))?;
             Ok(Reply::Done)
         }
         other => Err(RemoteError::new(

@@ -472,6 +472,8 @@ async fn request(
         req @ (Request::Stat { .. }
         | Request::List { .. }
         | Request::Mkdir { .. }
+        | Request::Rename { .. }
+        | Request::Chown { .. }
         | Request::Remove { .. }) => {
             lock(routes).insert(stream, Route::Busy);
             let (ob, rt) = (outbox.clone(), routes.clone());

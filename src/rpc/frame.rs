@@ -273,6 +273,9 @@ mod tests {
                 size: 0,
                 mode: 0o644,
                 mtime: 0,
+                uid: 1000,
+                gid: 1000,
+                link: None,
             },
         };
         for n in [1_000, 40_000, 200_000] {

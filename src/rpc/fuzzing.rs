@@ -117,6 +117,9 @@ mod tests {
             size: 4096,
             mode: 0o755,
             mtime: 1,
+            uid: 0,
+            gid: 0,
+            link: Some("t".into()),
         }
     }
 
@@ -201,6 +204,15 @@ mod tests {
             Request::SetIdentity {
                 hostname: "h".into(),
                 seed: vec![1, 2, 3],
+            },
+            Request::Rename {
+                from: "/a".into(),
+                to: "/b".into(),
+            },
+            Request::Chown {
+                path: "/a".into(),
+                uid: 1000,
+                gid: 1000,
             },
             Request::SetClock {
                 unix_ms: 1_800_000_000_000,

@@ -152,6 +152,18 @@ pub enum Request {
     SetClock {
         unix_ms: u64,
     },
+    /// `rename(2)` `from` to `to` (both absolute; `to` is replaced when it is a file or an empty
+    /// directory). Answered with `Done`.
+    Rename {
+        from: String,
+        to: String,
+    },
+    /// `lchown(2)`: give `path` (not following a symlink) to `uid`/`gid`. Answered with `Done`.
+    Chown {
+        path: String,
+        uid: u32,
+        gid: u32,
+    },
 }
 
 /// A position in the agent's walk cache: `generation` counts its updates, `epoch` names the cache
@@ -295,6 +307,11 @@ pub struct FileStat {
     pub mode: u32,
     /// Seconds since the epoch.
     pub mtime: i64,
+    /// Owner and group ids.
+    pub uid: u32,
+    pub gid: u32,
+    /// Target of a symlink (bounded by the guest to `PATH_MAX`).
+    pub link: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

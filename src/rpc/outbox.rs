@@ -337,6 +337,9 @@ mod tests {
                 size: 0,
                 mode: 0o644,
                 mtime: 0,
+                uid: 1000,
+                gid: 1000,
+                link: None,
             },
         };
         ob.send(Frame {

@@ -6,6 +6,7 @@
 //! anything except through `safefs`.
 
 mod diskroom;
+pub mod e2b;
 mod exec;
 pub mod execs;
 mod fork;
@@ -27,6 +28,7 @@ pub mod scheduler;
 mod secrets;
 mod snapshots;
 pub mod templates;
+pub mod vmfs;
 mod vms;
 mod workspace;
 mod workspace_fetch;
@@ -45,7 +47,7 @@ use crate::telemetry::Telemetry;
 pub use gc::parse_rfc3339;
 pub use observe::{ExecOutput, OutputQuery};
 pub use pause::ServicePauser;
-pub use sandboxes::now_rfc3339;
+pub use sandboxes::{now_rfc3339, rfc3339};
 pub use vms::Vms;
 
 #[derive(Debug, thiserror::Error)]

@@ -12,8 +12,14 @@ pub fn now_rfc3339() -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
+    rfc3339(secs as i64)
+}
+
+/// `secs` since the epoch as RFC 3339 UTC with seconds (before 1970: the epoch).
+pub fn rfc3339(secs: i64) -> String {
+    let secs = secs.max(0);
     let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (y, m, d) = civil_from_days(days as i64);
+    let (y, m, d) = civil_from_days(days);
     format!(
         "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
         rem / 3600,

@@ -153,7 +153,7 @@ impl Service {
             .map_err(|e| ServiceError::BadRequest(e.to_string()))
     }
 
-    fn max_file_bytes(&self) -> u64 {
+    pub fn max_file_bytes(&self) -> u64 {
         self.config.sync.max_file_mib.saturating_mul(1024 * 1024)
     }
 

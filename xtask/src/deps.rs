@@ -57,6 +57,7 @@ const E2FSPROGS_TAR: &str = "1.47.1";
 pub fn run() -> Result<()> {
     debian()?;
     python_mcp_sdk()?;
+    python_e2b_sdk()?;
     python_venv_package(
         "deps: schemathesis",
         &schemathesis_venv(),
@@ -90,6 +91,26 @@ fn python_mcp_sdk() -> Result<()> {
         &mcp_venv(),
         MCP_SDK,
         "import mcp.client",
+    )
+}
+
+/// The official E2B Python SDKs, pinned to the versions `../shared/e2b/WIRE.md` was measured
+/// with (tests/e2b_e2e.rs drives the E2B face with them, unmodified).
+const E2B_SDK: &str = "e2b==2.63.0";
+const E2B_CODE_INTERPRETER: &str = "e2b-code-interpreter==2.11.5";
+
+/// The venv the E2B end-to-end test runs its scenarios with.
+pub fn e2b_venv() -> PathBuf {
+    crate::util::out_dir().join("e2b-venv")
+}
+
+fn python_e2b_sdk() -> Result<()> {
+    python_venv_package("deps: E2B Python SDK", &e2b_venv(), E2B_SDK, "import e2b")?;
+    python_venv_package(
+        "deps: E2B code interpreter SDK",
+        &e2b_venv(),
+        E2B_CODE_INTERPRETER,
+        "import e2b_code_interpreter",
     )
 }
 

@@ -104,6 +104,8 @@ fn request_name(req: &Request) -> &'static str {
         Request::MountBase { .. } => "mount_base",
         Request::SetIdentity { .. } => "set_identity",
         Request::SetClock { .. } => "set_clock",
+        Request::Rename { .. } => "rename",
+        Request::Chown { .. } => "chown",
     }
 }
 
@@ -438,6 +440,25 @@ impl AgentClient {
         self.call_done(Request::Remove {
             path: path.into(),
             recursive,
+        })
+        .await
+    }
+
+    /// `rename(2)` inside the guest (see [`Request::Rename`]).
+    pub async fn rename(&self, from: &str, to: &str) -> Result<(), RpcError> {
+        self.call_done(Request::Rename {
+            from: from.into(),
+            to: to.into(),
+        })
+        .await
+    }
+
+    /// `lchown(2)` inside the guest (see [`Request::Chown`]).
+    pub async fn chown(&self, path: &str, uid: u32, gid: u32) -> Result<(), RpcError> {
+        self.call_done(Request::Chown {
+            path: path.into(),
+            uid,
+            gid,
         })
         .await
     }

@@ -1,0 +1,526 @@
+//! E2B's control plane (REST/JSON, `X-API-KEY`): create, connect/resume, list, get, kill,
+//! timeout, pause, snapshots, fork, metrics, mapped onto the service.
+//!
+//! Owns: the request/response shapes of these calls, their bounds, the mapping of `templateID`
+//! onto our templates and of E2B's network options onto our egress policy (default: the
+//! daemon's default allowlist, never the open internet; `allow_internet_access: false`: no
+//! egress; `network.allowOut`: those names added). Errors in E2B's shape.
+
+use std::collections::BTreeMap;
+
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::{E2bError, Face, read_body};
+use crate::api;
+use crate::daemon::response::Body;
+use crate::service::e2b::{E2bSandbox, new_token, unix_now};
+
+/// E2B's default sandbox timeout.
+const DEFAULT_TIMEOUT_S: u64 = 300;
+/// The longest timeout (E2B's own cap is 24 h).
+const MAX_TIMEOUT_S: u64 = 24 * 3600;
+const MAX_METADATA: usize = 64;
+const MAX_ENV_VARS: usize = 256;
+const MAX_KEY: usize = 256;
+const MAX_META_VALUE: usize = 1024;
+const MAX_ENV_VALUE: usize = 64 * 1024;
+/// Most sandboxes one list page returns.
+const MAX_PAGE: usize = 1000;
+/// `clientID` of every sandbox (E2B names the cluster node; we have one).
+const CLIENT_ID: &str = "local";
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+struct NetworkOpts {
+    allow_out: Option<Vec<String>>,
+    deny_out: Option<Vec<String>>,
+    allow_public_traffic: Option<bool>,
+    mask_request_host: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<u64>,
+    metadata: Option<BTreeMap<String, String>>,
+    env_vars: Option<BTreeMap<String, String>>,
+    auto_pause: Option<bool>,
+    #[serde(alias = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    network: Option<NetworkOpts>,
+    mcp: Option<Value>,
+    volume_mounts: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct TimeoutBody {
+    timeout: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct SnapshotBody {
+    name: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ForkBody {
+    timeout: Option<u64>,
+    count: Option<u32>,
+}
+
+fn bad(msg: impl Into<String>) -> E2bError {
+    E2bError::new(StatusCode::BAD_REQUEST, msg)
+}
+
+fn parse<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, E2bError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| bad(format!("bad request body: {e}")))
+}
+
+pub async fn handle(req: Request<Incoming>, face: &Face) -> Result<Response<Body>, E2bError> {
+    let key = req
+        .headers()
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if !super::token_eq(key.trim(), &face.token) {
+        return Err(E2bError::new(
+            StatusCode::UNAUTHORIZED,
+            "Invalid API key: set E2B_API_KEY to the output of `tryboxi token`",
+        ));
+    }
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let query = req.uri().query().unwrap_or("").to_owned();
+    let path = path
+        .strip_prefix("/v2")
+        .or_else(|| path.strip_prefix("/v1"))
+        .unwrap_or(&path)
+        .to_owned();
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let body = read_body(req.into_body(), super::MAX_JSON_BODY).await?;
+    match (&method, parts.as_slice()) {
+        (&Method::POST, ["sandboxes"]) => create(face, parse(&body)?).await,
+        (&Method::GET, ["sandboxes"]) => list(face, &query),
+        (&Method::GET, ["sandboxes", id]) => {
+            let (rec, sbx) = own(face, id)?;
+            Ok(super::json(
+                StatusCode::OK,
+                &listed(&disk_sizes(face), &rec, &sbx),
+            ))
+        }
+        (&Method::DELETE, ["sandboxes", id]) => {
+            own(face, id)?;
+            face.svc.remove_sandbox(id).await?;
+            face.svc.e2b_forget(id)?;
+            Ok(super::empty(StatusCode::NO_CONTENT))
+        }
+        (&Method::POST, ["sandboxes", id, "timeout"]) => {
+            let (mut rec, _) = own(face, id)?;
+            let t: TimeoutBody = parse(&body)?;
+            let t = t.timeout.ok_or_else(|| bad("`timeout` is required"))?;
+            rec.end_at = unix_now() + check_timeout(t)?;
+            face.svc.e2b_put(&rec)?;
+            Ok(super::empty(StatusCode::NO_CONTENT))
+        }
+        (&Method::POST, ["sandboxes", id, "pause"]) => {
+            let (_, sbx) = own(face, id)?;
+            if sbx.state == api::SandboxState::Paused {
+                return Err(E2bError::new(
+                    StatusCode::CONFLICT,
+                    format!("sandbox {id} is already paused"),
+                ));
+            }
+            face.svc.pause_sandbox(id).await?;
+            Ok(super::empty(StatusCode::NO_CONTENT))
+        }
+        (&Method::POST, ["sandboxes", id, "connect" | "resume"]) => {
+            let (mut rec, sbx) = own(face, id)?;
+            let t: TimeoutBody = parse(&body)?;
+            let status = if sbx.state == api::SandboxState::Paused {
+                face.svc.resume_sandbox(id).await?;
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            if let Some(t) = t.timeout {
+                rec.end_at = unix_now() + check_timeout(t)?;
+                face.svc.e2b_put(&rec)?;
+            }
+            Ok(super::json(status, &sandbox_json(&rec)))
+        }
+        (&Method::POST, ["sandboxes", id, "snapshots"]) => {
+            own(face, id)?;
+            let b: SnapshotBody = parse(&body)?;
+            let snap = face
+                .svc
+                .create_snapshot(id, api::SnapshotRequest { name: b.name })
+                .await?;
+            let names: Vec<String> = snap.name.iter().cloned().collect();
+            Ok(super::json(
+                StatusCode::CREATED,
+                &json!({ "snapshotID": snap.id, "names": names }),
+            ))
+        }
+        (&Method::POST, ["sandboxes", id, "fork"]) => {
+            let (rec, _) = own(face, id)?;
+            let b: ForkBody = parse(&body)?;
+            fork(face, &rec, b).await
+        }
+        (&Method::GET, ["sandboxes", id, "metrics"]) => {
+            own(face, id)?;
+            Ok(super::json(StatusCode::OK, &json!([])))
+        }
+        _ => Err(E2bError::new(
+            StatusCode::NOT_FOUND,
+            format!("no E2B route {method} {path}"),
+        )),
+    }
+}
+
+/// The E2B record and sandbox of `id`, 404 when the face did not create it.
+fn own(face: &Face, id: &str) -> Result<(E2bSandbox, api::Sandbox), E2bError> {
+    let rec = face
+        .svc
+        .e2b_get(id)?
+        .ok_or_else(|| E2bError::new(StatusCode::NOT_FOUND, format!("sandbox {id} not found")))?;
+    let sbx = face.svc.get_sandbox(id)?;
+    Ok((rec, sbx))
+}
+
+fn check_timeout(t: u64) -> Result<u64, E2bError> {
+    if t == 0 || t > MAX_TIMEOUT_S {
+        return Err(bad(format!(
+            "`timeout` must be 1..={MAX_TIMEOUT_S} seconds, got {t}"
+        )));
+    }
+    Ok(t)
+}
+
+fn check_map(
+    what: &str,
+    m: &BTreeMap<String, String>,
+    max: usize,
+    max_value: usize,
+) -> Result<(), E2bError> {
+    if m.len() > max {
+        return Err(bad(format!(
+            "at most {max} {what} entries, got {}",
+            m.len()
+        )));
+    }
+    for (k, v) in m {
+        if k.is_empty()
+            || k.len() > MAX_KEY
+            || v.len() > max_value
+            || k.contains('\0')
+            || v.contains('\0')
+        {
+            return Err(bad(format!(
+                "{what} key `{}` or its value is empty, too long (keys {MAX_KEY}, values \
+                 {max_value} bytes) or holds a NUL byte",
+                k.chars().take(64).collect::<String>()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Our template for an E2B `templateID`: `base` is ours; `code-interpreter-v1` is our
+/// `code-interpreter`; any of our template names works as is.
+fn template_for(face: &Face, id: &str) -> Result<String, E2bError> {
+    let ours: Vec<String> = face
+        .svc
+        .list_templates()?
+        .templates
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    let want = match id {
+        "code-interpreter-v1" | "code-interpreter" => "code-interpreter",
+        other => other,
+    };
+    if ours.iter().any(|t| t == want) {
+        return Ok(want.to_owned());
+    }
+    Err(bad(format!(
+        "template `{id}` is not available here; this machine has: {}",
+        ours.join(", ")
+    )))
+}
+
+/// E2B's network options as our policy (`None`: the daemon's default allowlist).
+fn policy_for(face: &Face, n: &NewSandbox) -> Result<Option<api::NetworkSpec>, E2bError> {
+    let opts = n.network.as_ref();
+    if opts.is_some_and(|o| o.allow_public_traffic == Some(false) || o.mask_request_host.is_some())
+    {
+        // Ingress options: ours is loopback-only ingress (`tryboxi port`), nothing to mask.
+    }
+    if let Some(deny) = opts.and_then(|o| o.deny_out.as_ref()) {
+        // Our policy is deny-by-default: "deny everything else" is what it already does.
+        if deny.iter().any(|d| d != "0.0.0.0/0") {
+            return Err(bad(
+                "network.denyOut: only `0.0.0.0/0` (deny everything not allowed) is supported; \
+                 egress here is an allowlist, so list what to allow in allowOut",
+            ));
+        }
+    }
+    if n.allow_internet_access == Some(false) {
+        let allow = opts.and_then(|o| o.allow_out.clone()).unwrap_or_default();
+        return Ok(Some(api::NetworkSpec {
+            policy: if allow.is_empty() {
+                vec!["none".into()]
+            } else {
+                allow
+            },
+        }));
+    }
+    match opts.and_then(|o| o.allow_out.as_ref()) {
+        Some(extra) if !extra.is_empty() => {
+            if extra.len() > 256 {
+                return Err(bad("network.allowOut: at most 256 entries"));
+            }
+            let mut policy = face.svc.config.network.default_policy.clone();
+            policy.extend(extra.iter().cloned());
+            Ok(Some(api::NetworkSpec { policy }))
+        }
+        _ => Ok(None),
+    }
+}
+
+async fn create(face: &Face, n: NewSandbox) -> Result<Response<Body>, E2bError> {
+    let template_id = n.template_id.clone().unwrap_or_else(|| "base".into());
+    if n.volume_mounts
+        .as_ref()
+        .is_some_and(|v| !v.is_null() && v != &json!([]))
+    {
+        return Err(bad("volumes are not supported by tryboxi's E2B face"));
+    }
+    if n.mcp.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(bad(
+            "the MCP gateway option is not supported; run `tryboxi mcp` instead",
+        ));
+    }
+    let timeout = check_timeout(n.timeout.unwrap_or(DEFAULT_TIMEOUT_S))?;
+    let metadata = n.metadata.clone().unwrap_or_default();
+    check_map("metadata", &metadata, MAX_METADATA, MAX_META_VALUE)?;
+    let env_vars = n.env_vars.clone().unwrap_or_default();
+    check_map("envVars", &env_vars, MAX_ENV_VARS, MAX_ENV_VALUE)?;
+    let template = template_for(face, &template_id)?;
+    let network = policy_for(face, &n)?;
+    let req = api::CreateSandboxRequest {
+        workspace: Default::default(),
+        template: Some(template),
+        vcpus: None,
+        memory_mib: None,
+        network,
+        secrets: Vec::new(),
+    };
+    let sbx = face.svc.create_sandbox(req, None).await?;
+    let rec = E2bSandbox {
+        sandbox_id: sbx.id.clone(),
+        template_id,
+        envd_token: new_token(),
+        traffic_token: new_token(),
+        metadata,
+        env_vars,
+        started_at: crate::service::now_rfc3339(),
+        end_at: unix_now() + timeout,
+        auto_pause: n.auto_pause.unwrap_or(false),
+    };
+    if let Err(e) = face.svc.e2b_put(&rec) {
+        let _ = face.svc.remove_sandbox(&sbx.id).await;
+        return Err(e.into());
+    }
+    tracing::info!(sandbox = %sbx.id, template = %rec.template_id, timeout, "E2B sandbox created");
+    Ok(super::json(StatusCode::CREATED, &sandbox_json(&rec)))
+}
+
+async fn fork(face: &Face, parent: &E2bSandbox, b: ForkBody) -> Result<Response<Body>, E2bError> {
+    let timeout = check_timeout(b.timeout.unwrap_or(DEFAULT_TIMEOUT_S))?;
+    let res = face
+        .svc
+        .fork_sandbox(
+            &parent.sandbox_id,
+            api::ForkRequest {
+                count: Some(b.count.unwrap_or(1)),
+            },
+        )
+        .await?;
+    let mut out = Vec::new();
+    for child in res.sandboxes {
+        let rec = E2bSandbox {
+            sandbox_id: child.id.clone(),
+            envd_token: new_token(),
+            traffic_token: new_token(),
+            started_at: crate::service::now_rfc3339(),
+            end_at: unix_now() + timeout,
+            ..parent.clone()
+        };
+        match face.svc.e2b_put(&rec) {
+            Ok(()) => out.push(json!({ "sandbox": sandbox_json(&rec) })),
+            Err(e) => out.push(json!({ "error": { "code": 500, "message": e.to_string() } })),
+        }
+    }
+    for f in res.failed {
+        out.push(json!({ "error": { "code": 500, "message": f } }));
+    }
+    Ok(super::json(StatusCode::CREATED, &out))
+}
+
+/// E2B's `Sandbox` (the answer to create, connect and fork).
+fn sandbox_json(rec: &E2bSandbox) -> Value {
+    json!({
+        "templateID": rec.template_id,
+        "sandboxID": rec.sandbox_id,
+        "clientID": CLIENT_ID,
+        "envdVersion": super::ENVD_VERSION,
+        "envdAccessToken": rec.envd_token,
+        "trafficAccessToken": rec.traffic_token,
+        "domain": null,
+    })
+}
+
+/// MiB of each template's disk image (E2B's `diskSizeMB`).
+fn disk_sizes(face: &Face) -> BTreeMap<String, u64> {
+    face.svc
+        .list_templates()
+        .map(|l| {
+            l.templates
+                .into_iter()
+                .map(|t| (t.name, t.size.div_ceil(1 << 20)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// E2B's `ListedSandbox` / `SandboxDetail`.
+fn listed(disks: &BTreeMap<String, u64>, rec: &E2bSandbox, sbx: &api::Sandbox) -> Value {
+    let state = match sbx.state {
+        api::SandboxState::Paused => "paused",
+        _ => "running",
+    };
+    json!({
+        "templateID": rec.template_id,
+        "sandboxID": rec.sandbox_id,
+        "clientID": CLIENT_ID,
+        "startedAt": rec.started_at,
+        "endAt": crate::service::rfc3339(rec.end_at as i64),
+        "cpuCount": sbx.vcpus,
+        "memoryMB": sbx.memory_mib,
+        "diskSizeMB": disks.get(&sbx.template).copied().unwrap_or(0),
+        "metadata": rec.metadata,
+        "state": state,
+        "envdVersion": super::ENVD_VERSION,
+    })
+}
+
+/// `GET /v2/sandboxes?metadata=<urlencoded k=v&...>&state=running,paused&limit=&nextToken=`.
+fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
+    let mut want_meta: Vec<(String, String)> = Vec::new();
+    let mut states: Vec<String> = Vec::new();
+    let mut limit = MAX_PAGE;
+    let mut after: Option<String> = None;
+    for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+        match k.as_ref() {
+            "metadata" => want_meta.extend(
+                form_urlencoded::parse(v.as_bytes()).map(|(a, b)| (a.into_owned(), b.into_owned())),
+            ),
+            "state" => states.extend(v.split(',').map(|s| s.trim().to_owned())),
+            "limit" => {
+                limit = v
+                    .parse::<usize>()
+                    .map_err(|_| bad("`limit` must be a number"))?
+                    .clamp(1, MAX_PAGE)
+            }
+            "nextToken" => after = Some(v.into_owned()),
+            _ => {}
+        }
+    }
+    if want_meta.len() > MAX_METADATA {
+        return Err(bad("too many metadata filters"));
+    }
+    let mut all: Vec<(E2bSandbox, api::Sandbox)> = face
+        .svc
+        .e2b_list()?
+        .into_iter()
+        .filter(|(r, s)| {
+            let state = if s.state == api::SandboxState::Paused {
+                "paused"
+            } else {
+                "running"
+            };
+            (states.is_empty() || states.iter().any(|w| w == state))
+                && want_meta.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
+        })
+        .collect();
+    // Oldest first, then by id: a stable order for paging.
+    all.sort_by(|a, b| (&a.0.started_at, &a.0.sandbox_id).cmp(&(&b.0.started_at, &b.0.sandbox_id)));
+    if let Some(after) = &after {
+        all.retain(|(r, _)| format!("{}|{}", r.started_at, r.sandbox_id) > *after);
+    }
+    let more = all.len() > limit;
+    all.truncate(limit);
+    let disks = disk_sizes(face);
+    let body: Vec<Value> = all.iter().map(|(r, s)| listed(&disks, r, s)).collect();
+    let mut resp = super::json(StatusCode::OK, &body);
+    if more && let Some((r, _)) = all.last() {
+        let token = format!("{}|{}", r.started_at, r.sandbox_id);
+        if let Ok(v) = hyper::header::HeaderValue::from_str(&token) {
+            resp.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_bodies_parse_as_the_sdk_sends_them() {
+        let n: NewSandbox = serde_json::from_str(
+            r#"{"templateID":"base","timeout":60,"metadata":{"k":"v"},"envVars":{"A":"1"},
+                "autoPause":true,"allow_internet_access":false,"network":{"allowOut":["pypi.org"]},
+                "secure":true,"mcp":null,"volumeMounts":[]}"#,
+        )
+        .unwrap();
+        assert_eq!(n.template_id.as_deref(), Some("base"));
+        assert_eq!(n.timeout, Some(60));
+        assert_eq!(n.env_vars.unwrap()["A"], "1");
+        assert_eq!(n.auto_pause, Some(true));
+        assert_eq!(n.allow_internet_access, Some(false));
+        assert_eq!(n.network.unwrap().allow_out.unwrap(), vec!["pypi.org"]);
+        // An empty body is the all-defaults request.
+        let e: NewSandbox = parse(b"").unwrap();
+        assert!(e.template_id.is_none());
+        assert!(parse::<NewSandbox>(b"{").is_err());
+    }
+
+    #[test]
+    fn bounds_are_checked() {
+        assert!(check_timeout(0).is_err());
+        assert!(check_timeout(MAX_TIMEOUT_S + 1).is_err());
+        assert_eq!(check_timeout(300).unwrap(), 300);
+        let mut m = BTreeMap::new();
+        m.insert("k".into(), "x".repeat(MAX_META_VALUE + 1));
+        assert!(check_map("metadata", &m, MAX_METADATA, MAX_META_VALUE).is_err());
+        let many: BTreeMap<String, String> = (0..=MAX_METADATA)
+            .map(|i| (format!("k{i}"), "v".into()))
+            .collect();
+        assert!(check_map("metadata", &many, MAX_METADATA, MAX_META_VALUE).is_err());
+        let mut empty_key = BTreeMap::new();
+        empty_key.insert(String::new(), "v".into());
+        assert!(check_map("envVars", &empty_key, MAX_ENV_VARS, MAX_ENV_VALUE).is_err());
+    }
+}

@@ -1,0 +1,172 @@
+"""E2B Python SDK (sync) scenario against tryboxi's E2B face.
+
+Run by tests/e2b_e2e.rs with E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY pointing at a
+daemon started with `--e2b`. Unmodified SDK calls only: this is the code people already have.
+Prints one JSON object (the observations) on its last stdout line; the Rust test checks it.
+Every step records what it saw; an exception in a step is recorded, not fatal, so one run
+shows every failure.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+from e2b import Sandbox, SandboxQuery
+from e2b.exceptions import AuthenticationException, NotFoundException
+from e2b.sandbox.commands.command_handle import CommandExitException
+
+obs = {}
+
+
+def step(name):
+    def wrap(fn):
+        try:
+            obs[name] = fn()
+        except Exception as e:  # recorded for the Rust side to report
+            obs[name] = {"exception": type(e).__name__, "message": str(e)[:500],
+                         "trace": traceback.format_exc()[-1500:]}
+        return fn
+    return wrap
+
+
+sbx = Sandbox.create(template="base", timeout=600, envs={"FROM_CREATE": "c1"},
+                     metadata={"suite": "tryboxi-e2e", "run": str(os.getpid())})
+obs["sandbox_id"] = sbx.sandbox_id
+
+
+@step("run")
+def _():
+    out, err = [], []
+    r = sbx.commands.run("echo hi $FROM_CREATE $FROM_RUN; echo oops >&2; id -un; pwd",
+                         envs={"FROM_RUN": "r1"},
+                         on_stdout=lambda s: out.append(s), on_stderr=lambda s: err.append(s))
+    return {"stdout": r.stdout, "stderr": r.stderr, "exit_code": r.exit_code,
+            "cb_out": "".join(out), "cb_err": "".join(err)}
+
+
+@step("exit_code")
+def _():
+    try:
+        sbx.commands.run("echo before; exit 3")
+        return {"raised": False}
+    except CommandExitException as e:
+        return {"raised": True, "exit_code": e.exit_code, "stdout": e.stdout}
+
+
+@step("background_stdin")
+def _():
+    h = sbx.commands.run("read x; echo got $x", background=True, stdin=True)
+    listed = [p.pid for p in sbx.commands.list()]
+    sbx.commands.send_stdin(h.pid, "hello\n")
+    r = h.wait()
+    return {"pid_listed": h.pid in listed, "stdout": r.stdout, "exit_code": r.exit_code}
+
+
+@step("kill")
+def _():
+    h = sbx.commands.run("sleep 1000", background=True)
+    killed = sbx.commands.kill(h.pid)
+    try:
+        h.wait()
+        raised = False
+    except CommandExitException as e:
+        raised = True
+    gone = h.pid not in [p.pid for p in sbx.commands.list()]
+    return {"killed": killed, "wait_raised": raised, "gone": gone,
+            "kill_unknown": sbx.commands.kill(999999)}
+
+
+@step("files")
+def _():
+    info = sbx.files.write("dir/a.txt", "content one")
+    read = sbx.files.read("dir/a.txt")
+    listing = sorted(e.name for e in sbx.files.list("dir"))
+    made = sbx.files.make_dir("made/deep")
+    made_again = sbx.files.make_dir("made/deep")
+    renamed = sbx.files.rename("dir/a.txt", "dir/b.txt")
+    exists_old = sbx.files.exists("dir/a.txt")
+    exists_new = sbx.files.exists("dir/b.txt")
+    owner = sbx.commands.run("stat -c %U /home/user/dir/b.txt").stdout.strip()
+    sbx.files.remove("dir")
+    exists_dir = sbx.files.exists("dir")
+    try:
+        sbx.files.read("nope.txt")
+        missing = "no error"
+    except NotFoundException:
+        missing = "NotFoundException"
+    binary = bytes(range(256))
+    sbx.files.write("/tmp/bin.dat", binary)
+    back = sbx.files.read("/tmp/bin.dat", format="bytes")
+    return {"write_path": info.path, "read": read, "list": listing, "made": made,
+            "made_again": made_again, "renamed_path": renamed.path, "exists_old": exists_old,
+            "exists_new": exists_new, "owner": owner, "exists_dir_after_remove": exists_dir,
+            "missing": missing, "binary_ok": bytes(back) == binary}
+
+
+@step("list")
+def _():
+    mine = Sandbox.list(query=SandboxQuery(metadata={"suite": "tryboxi-e2e"})).next_items()
+    other = Sandbox.list(query=SandboxQuery(metadata={"suite": "no-such"})).next_items()
+    return {"mine": [s.sandbox_id for s in mine], "other": len(other),
+            "state": [str(s.state) for s in mine],
+            "metadata": mine[0].metadata if mine else None}
+
+
+@step("info_timeout")
+def _():
+    sbx.set_timeout(900)
+    info = sbx.get_info()
+    return {"template": info.template_id, "running": sbx.is_running(),
+            "end_after_start": info.end_at > info.started_at}
+
+
+@step("pause_connect")
+def _():
+    sbx.files.write("/tmp/keep.txt", "kept across pause")
+    paused = sbx.pause()
+    running_while_paused = sbx.is_running()
+    again = Sandbox.connect(sbx.sandbox_id)
+    kept = again.files.read("/tmp/keep.txt")
+    r = again.commands.run("echo back")
+    return {"paused": paused, "running_while_paused": running_while_paused,
+            "kept": kept, "after": r.stdout}
+
+
+@step("wrong_key")
+def _():
+    try:
+        Sandbox.list(api_key="wrong-key").next_items()
+        return "no error"
+    except AuthenticationException:
+        return "AuthenticationException"
+
+
+@step("short_timeout")
+def _():
+    s = Sandbox.create(template="base", timeout=5)
+    start = time.time()
+    gone = False
+    while time.time() - start < 120:
+        if not s.is_running():
+            gone = True
+            break
+        time.sleep(1)
+    try:
+        Sandbox.connect(s.sandbox_id)
+        connect = "connected"
+    except NotFoundException:
+        connect = "NotFoundException"
+    except Exception as e:
+        connect = type(e).__name__
+    return {"gone": gone, "connect_after": connect}
+
+
+@step("kill_twice")
+def _():
+    return {"first": sbx.kill(), "second": sbx.kill()}
+
+
+print(json.dumps(obs))
+sys.stdout.flush()

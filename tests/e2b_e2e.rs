@@ -1,0 +1,180 @@
+//! End to end for the E2B face: the official E2B Python SDK (`e2b`, pinned, installed by
+//! `cargo xtask deps` into `_out/e2b-venv`), unmodified, drives a real daemon started with
+//! `--e2b` and real VMs, with only `E2B_API_URL`, `E2B_SANDBOX_URL` and `E2B_API_KEY` set.
+//! The scenario is `tests/e2b/sdk_sync.py`; this test supplies the daemon and checks what the
+//! SDK saw.
+//!
+//! Needs the guest images and the SDK venv. Without them it skips with a message, except under
+//! CI, where that is a failure.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::{Daemon, SMALL_VMS, artifacts, free_port};
+
+/// The Python with the E2B SDK: `$TRYBOXI_E2B_PYTHON`, else the venv `cargo xtask deps` makes.
+fn python_sdk() -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("TRYBOXI_E2B_PYTHON") {
+        candidates.push(p.into());
+    }
+    if let Some(a) = std::env::var_os("TRYBOXI_ARTIFACTS") {
+        candidates.push(PathBuf::from(a).join("e2b-venv/bin/python3"));
+    }
+    candidates.push(concat!(env!("CARGO_MANIFEST_DIR"), "/_out/e2b-venv/bin/python3").into());
+    let found = candidates.into_iter().find(|py| {
+        Command::new(py)
+            .args(["-c", "import e2b"])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    assert!(
+        found.is_some() || std::env::var_os("CI").is_none(),
+        "the E2B Python SDK is missing under CI: `cargo xtask deps` installs it"
+    );
+    if found.is_none() {
+        eprintln!("skipped: no python3 with the E2B SDK (run `cargo xtask deps`)");
+    }
+    found
+}
+
+#[test]
+fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
+    let Some(python) = python_sdk() else { return };
+    let Some(art) = artifacts() else { return };
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let d = Daemon::start(
+        Some(SMALL_VMS),
+        &["--artifacts", art.to_str().unwrap(), "--e2b", &addr],
+    );
+    let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
+    let token = token.lines().next().unwrap_or("").trim().to_owned();
+    let url = format!("http://{addr}");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/sdk_sync.py");
+    let out = Command::new(&python)
+        .arg(script)
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", &token)
+        .env("NO_PROXY", "localhost,127.0.0.1")
+        .env("no_proxy", "localhost,127.0.0.1")
+        .output()
+        .expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Whatever happened, leave no VM behind.
+    let left = d.cli(&["ls", "--json"]);
+    let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
+    for s in list["sandboxes"].as_array().into_iter().flatten() {
+        if let Some(id) = s["id"].as_str() {
+            d.cli(&["rm", id]);
+        }
+    }
+    assert!(
+        out.status.success(),
+        "the SDK scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
+        d.log_tail(60)
+    );
+    let obs: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"));
+    let show = serde_json::to_string_pretty(&obs).unwrap();
+    let at = |p: &str| obs.pointer(p).cloned().unwrap_or(serde_json::Value::Null);
+    let check = |p: &str, want: serde_json::Value| {
+        assert_eq!(at(p), want, "{p} in the SDK's observations:\n{show}");
+    };
+    use serde_json::json;
+    // commands.run: callbacks, env from create and from the run, user `user` in its home.
+    check("/run/stdout", json!("hi c1 r1\nuser\n/home/user\n"));
+    check("/run/stderr", json!("oops\n"));
+    check("/run/exit_code", json!(0));
+    check("/run/cb_out", json!("hi c1 r1\nuser\n/home/user\n"));
+    check("/run/cb_err", json!("oops\n"));
+    check("/exit_code/raised", json!(true));
+    check("/exit_code/exit_code", json!(3));
+    check("/exit_code/stdout", json!("before\n"));
+    // background + stdin from another request, and the process list.
+    check("/background_stdin/pid_listed", json!(true));
+    check("/background_stdin/stdout", json!("got hello\n"));
+    check("/kill/killed", json!(true));
+    check("/kill/wait_raised", json!(true));
+    check("/kill/gone", json!(true));
+    check("/kill/kill_unknown", json!(false));
+    // files
+    check("/files/write_path", json!("/home/user/dir/a.txt"));
+    check("/files/read", json!("content one"));
+    check("/files/list", json!(["a.txt"]));
+    check("/files/made", json!(true));
+    check("/files/made_again", json!(false));
+    check("/files/renamed_path", json!("/home/user/dir/b.txt"));
+    check("/files/exists_old", json!(false));
+    check("/files/exists_new", json!(true));
+    check("/files/owner", json!("user"));
+    check("/files/exists_dir_after_remove", json!(false));
+    check("/files/missing", json!("NotFoundException"));
+    check("/files/binary_ok", json!(true));
+    // control plane
+    let id = at("/sandbox_id");
+    check("/list/mine", json!([id]));
+    check("/list/other", json!(0));
+    check("/list/metadata/suite", json!("tryboxi-e2e"));
+    check("/info_timeout/template", json!("base"));
+    check("/info_timeout/running", json!(true));
+    check("/info_timeout/end_after_start", json!(true));
+    check("/pause_connect/paused", json!(true));
+    check("/pause_connect/running_while_paused", json!(false));
+    check("/pause_connect/kept", json!("kept across pause"));
+    check("/pause_connect/after", json!("back\n"));
+    check("/wrong_key", json!("AuthenticationException"));
+    check("/short_timeout/gone", json!(true));
+    check("/short_timeout/connect_after", json!("NotFoundException"));
+    check("/kill_twice/first", json!(true));
+    check("/kill_twice/second", json!(false));
+    // The timeout left its event.
+    let ev = d.request("GET", "/v1/events?limit=1000", None);
+    assert!(
+        ev.text().contains("e2b.timeout"),
+        "no e2b.timeout event:\n{}",
+        ev.text()
+    );
+}
+
+#[test]
+fn the_e2b_listener_refuses_other_hosts_and_wrong_keys() {
+    // No VM needed: the control plane's auth and the Host check answer before any sandbox.
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let d = Daemon::start(None, &["--e2b", &addr]);
+    let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
+    let token = token.lines().next().unwrap_or("").trim().to_owned();
+    let ask = |host: &str, key: &str, extra: &str| {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        let req = format!(
+            "GET /v2/sandboxes HTTP/1.1\r\nHost: {host}\r\nX-API-KEY: {key}\r\n{extra}Connection: close\r\n\r\n"
+        );
+        use std::io::{Read, Write};
+        s.write_all(req.as_bytes()).unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let ok = ask(&addr, &token, "");
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+    assert!(ok.ends_with("[]"), "{ok}");
+    let wrong = ask(&addr, "nope", "");
+    assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
+    assert!(wrong.contains("\"code\":401"), "{wrong}");
+    let rebound = ask("evil.example:49982", &token, "");
+    assert!(rebound.starts_with("HTTP/1.1 403"), "{rebound}");
+    // A sandbox id alone gets nowhere: unknown to the face, and no token.
+    let envd = ask(
+        &addr,
+        "",
+        "E2b-Sandbox-Id: sbx_00000000000000000000000000\r\nE2b-Sandbox-Port: 49983\r\n",
+    );
+    assert!(envd.starts_with("HTTP/1.1 502"), "{envd}");
+    assert!(envd.contains("was not found"), "{envd}");
+}
