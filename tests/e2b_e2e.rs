@@ -99,6 +99,11 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     // background + stdin from another request, and the process list.
     check("/background_stdin/pid_listed", json!(true));
     check("/background_stdin/stdout", json!("got hello\n"));
+    check("/stream_input/stdout", json!("one\ntwo\n"));
+    check("/pty/resized", json!(true));
+    check("/pty/tty", json!(true));
+    check("/async_client/stdout", json!("async c1\n"));
+    check("/async_client/read", json!("from async"));
     check("/kill/killed", json!(true));
     check("/kill/wait_raised", json!(true));
     check("/kill/gone", json!(true));

@@ -13,7 +13,9 @@ import sys
 import time
 import traceback
 
-from e2b import Sandbox, SandboxQuery
+import asyncio
+
+from e2b import AsyncSandbox, PtySize, Sandbox, SandboxQuery
 from e2b.exceptions import AuthenticationException, NotFoundException
 from e2b.sandbox.commands.command_handle import CommandExitException
 
@@ -76,6 +78,38 @@ def _():
     gone = h.pid not in [p.pid for p in sbx.commands.list()]
     return {"killed": killed, "wait_raised": raised, "gone": gone,
             "kill_unknown": sbx.commands.kill(999999)}
+
+
+@step("stream_input")
+def _():
+    h = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.stream_input(h.pid, ["one\n", "two\n"])
+    sbx.commands.close_stdin(h.pid)
+    return {"stdout": h.wait().stdout}
+
+
+@step("pty")
+def _():
+    h = sbx.pty.create(PtySize(rows=24, cols=80))
+    sbx.pty.resize(h.pid, PtySize(rows=30, cols=100))
+    sbx.pty.send_stdin(h.pid, b"stty size; tty; exit\n")
+    chunks = []
+    try:
+        h.wait(on_pty=lambda b: chunks.append(bytes(b)))
+    except CommandExitException:
+        pass
+    out = b"".join(chunks).decode(errors="replace")
+    return {"resized": "30 100" in out, "tty": "/dev/pts/" in out}
+
+
+@step("async_client")
+def _():
+    async def go():
+        a = await AsyncSandbox.connect(sbx.sandbox_id)
+        r = await a.commands.run("echo async $FROM_CREATE")
+        await a.files.write("async.txt", "from async")
+        return {"stdout": r.stdout, "read": await a.files.read("async.txt")}
+    return asyncio.run(go())
 
 
 @step("files")

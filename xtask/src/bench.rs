@@ -15,6 +15,8 @@
 //!     its userspace stack to a local server, vs the same host-local.
 //! (k), (l) secrets (`bench_secrets.rs`): an intercepted HTTPS request with a swap and a 64 MiB
 //!     intercepted download vs pass-through; first sync with one secret stored vs none.
+//! (m) E2B (`bench_e2b.rs`): create + run `true` + kill through the E2B Python SDK vs the native
+//!     API, interleaved.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -182,6 +184,7 @@ pub fn run(reps: usize) -> Result<()> {
     let sn = crate::bench_snap::run(&bin, &home.join("snap"), &out, MEM_MIB, VCPUS, reps)?;
     let net = crate::bench_net::run(&bin, &home.join("net"), &out, &config)?;
     let secrets = crate::bench_secrets::run(&bin, &home.join("secrets"), &out, &config)?;
+    let e2b = crate::bench_e2b::run(&bin, &home.join("e2b"), &out, &config, reps.min(5))?;
 
     let (a, b, c_api, c_cli) = (median(&base), median(&create), median(&api), median(&cli));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
@@ -347,6 +350,7 @@ pub fn run(reps: usize) -> Result<()> {
          emulated, so the ratio mostly measures the emulation, not the stack.\n"
     )?;
     md.push_str(&crate::bench_secrets::section(&secrets, &now_utc()?)?);
+    md.push_str(&crate::bench_e2b::section(&e2b, &now_utc()?)?);
     md.push_str(&ws_section(&ws)?);
     println!("\n{md}");
     let path = util::repo_root().join("BENCHMARKS.md");
@@ -436,6 +440,32 @@ pub fn run_secrets_only() -> Result<()> {
     std::fs::write(
         &path,
         replace_section(&old, crate::bench_secrets::HEADING, &sec),
+    )?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+/// `--e2b-only`: only row (m) on its own daemon; replaces the E2B section of BENCHMARKS.md.
+pub fn run_e2b_only(reps: usize) -> Result<()> {
+    let bin = crate::dist::run()?;
+    crate::images::run(&bin, crate::images::Rebuild::default())?;
+    let out = util::out_dir();
+    let home = out.join("bench-home");
+    if home.exists() {
+        std::fs::remove_dir_all(&home)?;
+    }
+    let config = format!(
+        "default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n[pool]\ngolden = false\n"
+    );
+    let rows = crate::bench_e2b::run(&bin, &home.join("e2b"), &out, &config, reps)?;
+    let mut sec = crate::bench_e2b::section(&rows, &now_utc()?)?;
+    writeln!(sec, "These rows: `cargo xtask bench --e2b-only`.\n")?;
+    println!("\n{sec}");
+    let path = util::repo_root().join("BENCHMARKS.md");
+    let old = std::fs::read_to_string(&path).unwrap_or_default();
+    std::fs::write(
+        &path,
+        replace_section(&old, crate::bench_e2b::HEADING, &sec),
     )?;
     println!("wrote {}", path.display());
     Ok(())

@@ -7,6 +7,7 @@
 //! install in `~/.cargo/bin`.
 
 mod bench;
+mod bench_e2b;
 mod bench_net;
 mod bench_secrets;
 mod bench_snap;
@@ -95,6 +96,9 @@ enum Cmd {
         /// Run only the secrets rows (k), (l) and replace that section of BENCHMARKS.md.
         #[arg(long)]
         secrets_only: bool,
+        /// Run only the E2B SDK row (m) and replace that section of BENCHMARKS.md.
+        #[arg(long, conflicts_with_all = ["secrets_only", "workspace_only"])]
+        e2b_only: bool,
     },
 }
 
@@ -135,6 +139,11 @@ fn main() -> Result<()> {
         Cmd::Bench {
             secrets_only: true, ..
         } => bench::run_secrets_only(),
+        Cmd::Bench {
+            reps,
+            e2b_only: true,
+            ..
+        } => bench::run_e2b_only(reps),
         Cmd::Bench {
             reps,
             workspace_only: false,
