@@ -74,6 +74,10 @@ pub enum Action {
         id: String,
         repo: String,
     },
+    /// `GET`, `POST /v1/sandboxes/{id}/ports`, `DELETE /v1/sandboxes/{id}/ports/{port}`.
+    ListPorts(String),
+    ExposePort(String, api::ExposePortRequest),
+    UnexposePort(String, u16),
     /// Approve (`true`) or reject a request; `face` is the caller's `x-tryboxi-face` header.
     DecideAccess {
         id: String,
@@ -138,6 +142,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}/git"),
     ("POST", "/v1/sandboxes/{id}/git"),
     ("DELETE", "/v1/sandboxes/{id}/git"),
+    ("GET", "/v1/sandboxes/{id}/ports"),
+    ("POST", "/v1/sandboxes/{id}/ports"),
+    ("DELETE", "/v1/sandboxes/{id}/ports/{port}"),
     ("POST", "/v1/sandboxes/{id}/network/rules"),
     ("POST", "/v1/sandboxes/{id}/network/setup"),
     ("GET", "/v1/sandboxes/{id}/network/requests"),
@@ -390,6 +397,16 @@ pub fn parse(
             id: sandbox_id(id)?,
             repo: one(&q, "repo")?,
         }),
+        (&Method::GET, ["v1", "sandboxes", id, "ports"]) => Ok(Action::ListPorts(sandbox_id(id)?)),
+        (&Method::POST, ["v1", "sandboxes", id, "ports"]) => {
+            Ok(Action::ExposePort(sandbox_id(id)?, json(body)?))
+        }
+        (&Method::DELETE, ["v1", "sandboxes", id, "ports", port]) => Ok(Action::UnexposePort(
+            sandbox_id(id)?,
+            port.parse()
+                .map_err(|_| ApiError::bad_request(format!("`{port}` is not a port number")))?,
+        )),
+        (_, ["v1", "sandboxes", _, "ports", _]) => Err(ApiError::method_not_allowed(method)),
         (_, ["v1", "secrets"]) | (_, ["v1", "secrets", _]) => {
             Err(ApiError::method_not_allowed(method))
         }
@@ -432,7 +449,7 @@ pub fn parse(
                 "sandboxes",
                 _,
                 "exec" | "sync" | "diff" | "apply" | "pull" | "files" | "snapshots" | "restore"
-                | "fork" | "pause" | "resume" | "secrets" | "git",
+                | "fork" | "pause" | "resume" | "secrets" | "git" | "ports",
             ],
         ) => Err(ApiError::method_not_allowed(method)),
         _ => Err(ApiError::not_found(format!("no such API route: {path}"))),
@@ -609,6 +626,7 @@ mod tests {
                     .replace("{art_id}", &art)
                     .replace("{req_id}", &crate::ids::new_id(crate::ids::REQUEST))
                     .replace("{name}", "API_KEY")
+                    .replace("{port}", "3000")
             };
             if p.ends_with("/files") {
                 path.push_str("?path=/workspace/a");
@@ -630,6 +648,7 @@ mod tests {
                 }
                 ("POST", p) if p.ends_with("/network/requests") => br#"{"host":"example.com"}"#,
                 ("POST", p) if p.ends_with("/secrets") => br#"{"name":"API_KEY"}"#,
+                ("POST", p) if p.ends_with("/ports") => br#"{"port":3000}"#,
                 ("POST", p) if p.ends_with("/git") => {
                     br#"{"repo":"github.com/o/r","push":["agent/*"],"token_secret":"GH"}"#
                 }
