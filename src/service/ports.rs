@@ -318,6 +318,10 @@ async fn relay(svc: Arc<Service>, id: String, port: u16, mut tcp: TcpStream) {
 }
 
 #[cfg(test)]
+#[path = "ports_tests.rs"]
+mod store_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
