@@ -66,7 +66,8 @@ pub enum Command {
         #[arg(long, value_name = "DIR", default_value = "_out")]
         artifacts: PathBuf,
     },
-    /// Create a sandbox for a workspace; prints its id first on the line.
+    /// Create a sandbox (`-w DIR`: synced from that host folder; none: no host workspace);
+    /// prints its id first on the line.
     Create(create::Args),
     /// Run a command in a sandbox; exits with the command's exit code.
     Exec(exec::Args),
