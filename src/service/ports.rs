@@ -353,5 +353,11 @@ mod tests {
         assert!(e.to_string().contains("port is not open"), "{e}");
         let api = crate::daemon::response::ApiError::from(e);
         assert_eq!(api.status, hyper::StatusCode::BAD_GATEWAY);
+        let e = ServiceError::from(IngressError::Timeout {
+            port: 3000,
+            secs: 10,
+        });
+        assert!(matches!(e, ServiceError::PortNotOpen(_)), "{e:?}");
+        assert!(e.to_string().contains("port is not open"), "{e}");
     }
 }
