@@ -1,6 +1,7 @@
 //! A sandbox created without a host workspace (`tryboxi create` with no `-w`, as the E2B face
 //! creates them), in a real VM: `/workspace` is empty, exec runs without a sync, the files API
-//! works, sync and diff answer 409 `no_workspace`, snapshot and restore work, rm removes it.
+//! works, sync/diff/apply/pull answer 409 `no_workspace`, snapshot/restore, fork and
+//! pause/resume work, rm removes it.
 //! Skips (with a message) without guest images, except under CI.
 
 mod common;
@@ -101,6 +102,33 @@ fn a_sandbox_without_a_workspace() {
     );
     let o = d.cli(&["restore", &id, "s"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(sh_out(&d, &id, "cat /workspace/hello.txt").1, "hi there\n");
+
+    // A fork child has no workspace either and sees the parent's files; pause and resume.
+    let o = d.cli(&["fork", &id]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let child = first_word(&o);
+    let c = d
+        .request("GET", &format!("/v1/sandboxes/{child}"), None)
+        .json();
+    assert!(c.get("workspace").is_none(), "{c}");
+    assert_eq!(
+        sh_out(&d, &child, "cat /workspace/hello.txt").1,
+        "hi there\n"
+    );
+    let r = d.request("GET", &format!("/v1/sandboxes/{child}/diff"), None);
+    assert_eq!(r.error_code(), "no_workspace");
+    assert!(d.cli(&["rm", &child]).status.success());
+    let o = d.cli(&["pause", &id]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Refused from the record: the paused sandbox is not resumed for a diff.
+    let r = d.request("GET", &format!("/v1/sandboxes/{id}/diff"), None);
+    assert_eq!(r.error_code(), "no_workspace");
+    let s = d
+        .request("GET", &format!("/v1/sandboxes/{id}"), None)
+        .json();
+    assert_eq!(s["state"], "paused", "{s}");
+    // An exec resumes it (no sync to do).
     assert_eq!(sh_out(&d, &id, "cat /workspace/hello.txt").1, "hi there\n");
 
     let o = d.cli(&["rm", &id]);

@@ -35,6 +35,20 @@ pub async fn run(a: Args) -> Result<(), TopError> {
             s.created_at,
             s.workspace.as_ref().map_or("-", |w| w.host_path.as_str())
         );
+        // Its exposed ports, on a line under it.
+        if !s.ports.is_empty() {
+            let ports: Vec<String> = (s.ports.iter())
+                .map(|p| {
+                    let down = if p.error.is_some() {
+                        " (not listening)"
+                    } else {
+                        ""
+                    };
+                    format!("{} -> {}{down}", p.port, p.url)
+                })
+                .collect();
+            println!("  ports: {}", ports.join(", "));
+        }
         // Why a sandbox failed, on its own line under it.
         if let Some(e) = s
             .error

@@ -16,6 +16,7 @@ mod ls;
 mod mcp;
 mod net;
 mod pause;
+mod port;
 mod pull;
 mod rm;
 mod secret;
@@ -71,7 +72,8 @@ pub enum Command {
         #[arg(long, value_name = "DIR", default_value = "_out")]
         artifacts: PathBuf,
     },
-    /// Create a sandbox for a workspace; prints its id first on the line.
+    /// Create a sandbox (`-w DIR`: synced from that host folder; none: no host workspace);
+    /// prints its id first on the line.
     Create(create::Args),
     /// Run a command in a sandbox; exits with the command's exit code.
     Exec(exec::Args),
@@ -154,6 +156,9 @@ pub enum Command {
     /// repository gets the token (injected outside the VM); pushes only to allowed branches.
     #[command(subcommand)]
     Git(git::Cmd),
+    /// Expose a guest port on a host loopback port (prints the URL), `--rm PORT` to stop,
+    /// no port to list.
+    Port(port::Args),
     /// Print an exec's kept output (stdout and stderr).
     Logs(logs::Args),
     /// List templates (`base` and the layers built by `cargo xtask images`).
@@ -246,6 +251,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Fork { id, count } => runtime()?.block_on(fork::run(id, count)),
         Command::Pause { id } => runtime()?.block_on(pause::run(id, true)),
         Command::Resume { id } => runtime()?.block_on(pause::run(id, false)),
+        Command::Port(a) => runtime()?.block_on(port::run(a)),
         Command::Logs(a) => runtime()?.block_on(logs::run(a)),
         Command::Template(c) => runtime()?.block_on(template::run(c)),
         Command::Gc(a) => runtime()?.block_on(gc::run(a)),

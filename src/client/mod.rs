@@ -228,6 +228,25 @@ impl Client {
         .await
     }
 
+    /// `GET /v1/sandboxes/{id}/ports`.
+    pub async fn ports(&self, id: &str) -> Result<api::PortList, ClientError> {
+        self.get(&format!("/v1/sandboxes/{}/ports", seg(id))).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/ports`.
+    pub async fn expose_port(
+        &self,
+        id: &str,
+        req: &api::ExposePortRequest,
+    ) -> Result<api::ExposedPort, ClientError> {
+        self.send(
+            Method::POST,
+            &format!("/v1/sandboxes/{}/ports", seg(id)),
+            Some(req),
+        )
+        .await
+    }
+
     /// `PUT /v1/sandboxes/{id}/files?path=/abs` with the content as the body. Whatever JSON
     /// the daemon answers with is ignored (success is the 2xx).
     pub async fn write_file(&self, id: &str, file: &api::FileContent) -> Result<(), ClientError> {

@@ -70,6 +70,7 @@ impl From<ServiceError> for ApiError {
             ServiceError::Unprocessable(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unprocessable"),
             ServiceError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ServiceError::NoWorkspace(_) => (StatusCode::CONFLICT, "no_workspace"),
+            ServiceError::PortNotOpen(_) => (StatusCode::BAD_GATEWAY, "port_not_open"),
             ServiceError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             ServiceError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ServiceError::Busy(_) => (StatusCode::TOO_MANY_REQUESTS, "host_full"),

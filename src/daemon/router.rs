@@ -86,6 +86,10 @@ pub enum Action {
         id: String,
         repo: String,
     },
+    /// `GET`, `POST /v1/sandboxes/{id}/ports`, `DELETE /v1/sandboxes/{id}/ports/{port}`.
+    ListPorts(String),
+    ExposePort(String, api::ExposePortRequest),
+    UnexposePort(String, u16),
     /// Approve (`true`) or reject a request; `face` is the caller's `x-tryboxi-face` header.
     DecideAccess {
         id: String,
@@ -156,6 +160,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}/git"),
     ("POST", "/v1/sandboxes/{id}/git"),
     ("DELETE", "/v1/sandboxes/{id}/git"),
+    ("GET", "/v1/sandboxes/{id}/ports"),
+    ("POST", "/v1/sandboxes/{id}/ports"),
+    ("DELETE", "/v1/sandboxes/{id}/ports/{port}"),
     ("POST", "/v1/sandboxes/{id}/network/rules"),
     ("POST", "/v1/sandboxes/{id}/network/setup"),
     ("GET", "/v1/sandboxes/{id}/network/requests"),
@@ -428,6 +435,16 @@ pub fn parse(
             id: sandbox_id(id)?,
             repo: one(&q, "repo")?,
         }),
+        (&Method::GET, ["v1", "sandboxes", id, "ports"]) => Ok(Action::ListPorts(sandbox_id(id)?)),
+        (&Method::POST, ["v1", "sandboxes", id, "ports"]) => {
+            Ok(Action::ExposePort(sandbox_id(id)?, json(body)?))
+        }
+        (&Method::DELETE, ["v1", "sandboxes", id, "ports", port]) => Ok(Action::UnexposePort(
+            sandbox_id(id)?,
+            port.parse()
+                .map_err(|_| ApiError::bad_request(format!("`{port}` is not a port number")))?,
+        )),
+        (_, ["v1", "sandboxes", _, "ports", _]) => Err(ApiError::method_not_allowed(method)),
         (_, ["v1", "secrets"]) | (_, ["v1", "secrets", _]) => {
             Err(ApiError::method_not_allowed(method))
         }
@@ -470,7 +487,7 @@ pub fn parse(
                 "sandboxes",
                 _,
                 "exec" | "execs" | "sync" | "diff" | "apply" | "pull" | "files" | "snapshots"
-                | "restore" | "fork" | "pause" | "resume" | "secrets" | "git",
+                | "restore" | "fork" | "pause" | "resume" | "secrets" | "git" | "ports",
             ],
         ) => Err(ApiError::method_not_allowed(method)),
         _ => Err(ApiError::not_found(format!("no such API route: {path}"))),

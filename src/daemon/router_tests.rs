@@ -85,6 +85,7 @@ fn openapi_documents_exactly_the_routes_the_router_serves() {
                 .replace("{art_id}", &art)
                 .replace("{req_id}", &crate::ids::new_id(crate::ids::REQUEST))
                 .replace("{name}", "API_KEY")
+                .replace("{port}", "3000")
         };
         if p.ends_with("/files") {
             path.push_str("?path=/workspace/a");
@@ -109,6 +110,7 @@ fn openapi_documents_exactly_the_routes_the_router_serves() {
             }
             ("POST", p) if p.ends_with("/network/requests") => br#"{"host":"example.com"}"#,
             ("POST", p) if p.ends_with("/secrets") => br#"{"name":"API_KEY"}"#,
+            ("POST", p) if p.ends_with("/ports") => br#"{"port":3000}"#,
             ("POST", p) if p.ends_with("/git") => {
                 br#"{"repo":"github.com/o/r","push":["agent/*"],"token_secret":"GH"}"#
             }

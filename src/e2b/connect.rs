@@ -98,6 +98,7 @@ impl From<crate::service::ServiceError> for ConnectError {
             S::Unprocessable(_) => Code::FailedPrecondition,
             S::Conflict(_) => Code::AlreadyExists,
             S::NoWorkspace(_) => Code::FailedPrecondition,
+            S::PortNotOpen(_) => Code::Unavailable,
             S::Forbidden(_) => Code::PermissionDenied,
             S::Unavailable(_) => Code::Unavailable,
             S::Busy(_) | S::NoSpace(_) => Code::ResourceExhausted,

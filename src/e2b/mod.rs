@@ -82,6 +82,7 @@ impl From<crate::service::ServiceError> for E2bError {
             S::NotFound(_) => StatusCode::NOT_FOUND,
             S::BadRequest(_) | S::Unprocessable(_) => StatusCode::BAD_REQUEST,
             S::Conflict(_) | S::NoWorkspace(_) => StatusCode::CONFLICT,
+            S::PortNotOpen(_) => StatusCode::BAD_GATEWAY,
             S::Forbidden(_) => StatusCode::FORBIDDEN,
             S::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             S::Busy(_) => StatusCode::TOO_MANY_REQUESTS,

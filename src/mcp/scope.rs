@@ -100,4 +100,24 @@ mod tests {
         assert!(allowed_workspace(&o, &base.join("extra/a")).is_ok());
         assert!(allowed_workspace(&o, &base.join("ws/link")).is_err());
     }
+
+    #[test]
+    fn a_sandbox_without_a_workspace_is_not_this_servers() {
+        let d = tempfile::tempdir().unwrap();
+        let base = d.path().canonicalize().unwrap();
+        std::fs::create_dir_all(base.join("ws")).unwrap();
+        let o = Options::new(base.join("sock"), base.join("ws"));
+        let mut s: crate::api::Sandbox = serde_json::from_value(serde_json::json!({
+            "id": "sbx_0000000000000001", "state": "ready", "template": "base", "vcpus": 1,
+            "memory_mib": 256, "accel": null, "created_at": "2026-01-01T00:00:00Z"
+        }))
+        .unwrap();
+        let e = allowed_sandbox(&o, &s).unwrap_err();
+        assert!(e.to_string().contains("has no host workspace"), "{e}");
+        s.workspace = Some(crate::api::WorkspaceSpec {
+            host_path: base.join("ws").display().to_string(),
+            exclude: Vec::new(),
+        });
+        assert!(allowed_sandbox(&o, &s).is_ok());
+    }
 }

@@ -250,6 +250,33 @@ impl SandboxServer {
                     "sandbox_id": id,
                 })))
             }
+            "expose_port" => {
+                let a: tools::ExposePortArgs = parse(name, args)?;
+                let id = self.target(a.sandbox_id).await?;
+                let route = "GET /v1/sandboxes/{id}/ports";
+                let list = (me.client.ports(&id).await)
+                    .map_err(|e| ToolError::from_client(e, "expose_port", route, Some(&id)))?;
+                let p = match list.ports.into_iter().find(|p| p.port == a.port) {
+                    Some(p) => p,
+                    None => {
+                        let req = api::ExposePortRequest {
+                            port: a.port,
+                            host_port: a.host_port,
+                        };
+                        let route = "POST /v1/sandboxes/{id}/ports";
+                        (me.client.expose_port(&id, &req).await).map_err(|e| {
+                            ToolError::from_client(e, "expose_port", route, Some(&id))
+                        })?
+                    }
+                };
+                Ok(json_result(&serde_json::json!({
+                    "url": p.url,
+                    "port": p.port,
+                    "host_port": p.host_port,
+                    "error": p.error,
+                    "sandbox_id": id,
+                })))
+            }
             "request_network_access" => {
                 let a: tools::NetworkAccessArgs = parse(name, args)?;
                 let id = self.target(a.sandbox_id).await?;

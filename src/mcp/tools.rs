@@ -160,6 +160,20 @@ pub struct NetworkAccessArgs {
     pub sandbox_id: Option<String>,
 }
 
+/// `expose_port`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExposePortArgs {
+    /// The port a server inside the sandbox listens on (e.g. 3000).
+    pub port: u16,
+    /// The host port to use on 127.0.0.1 (at least 1024). Default: a free one.
+    #[serde(default)]
+    pub host_port: Option<u16>,
+    /// Sandbox id. Default: this workspace's sandbox.
+    #[serde(default)]
+    pub sandbox_id: Option<String>,
+}
+
 /// `read_output`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -323,6 +337,18 @@ pub fn all(allow_apply: bool) -> Vec<Tool> {
                  records a request: the user approves or rejects it outside this session, and \
                  you cannot approve it yourself. `*`, bare TLDs and private or local addresses \
                  are refused outright.",
+            ),
+            false,
+            false,
+        ),
+        annotated(
+            tool::<ExposePortArgs>(
+                "expose_port",
+                "Make a server running inside the sandbox (e.g. a dev server on port 3000) \
+                 reachable from the user's machine at a loopback URL (http://127.0.0.1:N), \
+                 e.g. for the user to open in a browser. Returns the URL; calling it again \
+                 for the same port returns the same URL. Start the server first (in the \
+                 background, e.g. `nohup npm run dev >/tmp/dev.log 2>&1 &`).",
             ),
             false,
             false,

@@ -178,6 +178,8 @@ impl Service {
         rec.api.state = SandboxState::Creating;
         rec.api.created_at = super::now_rfc3339();
         rec.api.error = None;
+        // The parent's host ports stay the parent's.
+        rec.api.ports.clear();
         rec.dir = dir.clone();
         write_lineage(&dir, &parent.dir)?;
         self.store.put(SANDBOXES, &id, &rec)?;

@@ -22,6 +22,7 @@ mod noworkspace_tests;
 mod observe;
 mod pause;
 mod pool;
+mod ports;
 pub mod pressure;
 mod sandboxes;
 pub mod scheduler;
@@ -64,6 +65,10 @@ pub enum ServiceError {
     /// host workspace (409 `no_workspace`).
     #[error("sandbox {0} has no host workspace")]
     NoWorkspace(String),
+    /// A connection to a guest port was refused or not answered (502 `port_not_open`; the
+    /// message keeps the phrase "port is not open", which the E2B SDK looks for).
+    #[error("{0}")]
+    PortNotOpen(String),
     #[error("{0}")]
     Forbidden(String),
     #[error("{0}")]
@@ -149,6 +154,7 @@ impl SandboxRecord {
                 accel: Some(accel.to_string()),
                 created_at: now_rfc3339(),
                 error: None,
+                ports: Vec::new(),
             },
             dir,
         }
@@ -178,6 +184,8 @@ pub struct Service {
     pub manifests: Arc<crate::workspace::manifest::ManifestCache>,
     /// Each sandbox's userspace network stack (`network.rs`).
     pub nets: network::Nets,
+    /// Host listeners of exposed ports.
+    ports: ports::PortListeners,
     /// The host's stored secrets (`<data root>/secrets.json`; values never leave the host).
     pub secret_store: crate::secrets::store::SecretStore,
     /// Each sandbox's live secrets (bindings with values), read by the egress interceptor per
@@ -236,6 +244,7 @@ impl Service {
             walks: Default::default(),
             manifests: Default::default(),
             nets: Default::default(),
+            ports: Default::default(),
             guest_trust: Default::default(),
             execs: Default::default(),
         }
@@ -326,6 +335,7 @@ pub(crate) fn test_sandbox(svc: &Service, dir: &Path) -> String {
             accel: None,
             created_at: now_rfc3339(),
             error: None,
+            ports: Vec::new(),
         },
         dir: dir.join("sandboxes").join(&id),
     };

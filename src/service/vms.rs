@@ -370,6 +370,7 @@ impl Service {
     pub(super) async fn discard(&self, id: &str, dir: &Path) {
         self.kill_leftover(dir).await;
         self.stop_network(id);
+        self.close_ports(id);
         if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
         }
@@ -450,6 +451,7 @@ impl Service {
                 SandboxState::Paused => {}
             }
         }
+        self.rebind_ports().await;
         self.clean_incomplete_golden().await;
         // Cgroups of QEMUs that ended while no daemon ran (a running one is never removed).
         if let Ok(d) = &self.vms.driver {

@@ -34,6 +34,7 @@ fn service() -> (Arc<Service>, String, tempfile::TempDir) {
             accel: None,
             created_at: super::super::now_rfc3339(),
             error: None,
+            ports: Vec::new(),
         },
         dir: dir.path().join("sandboxes").join(&id),
     };

@@ -10,6 +10,7 @@ mod health;
 mod lifecycle;
 mod metrics;
 mod network;
+mod ports;
 mod sandboxes;
 mod secrets;
 mod snapshots;
@@ -73,6 +74,9 @@ pub async fn handle(
         Action::ListGit(id) => git::list(svc, &id),
         Action::AllowGit(id, req) => git::allow(svc, &id, req),
         Action::DenyGit { id, repo } => git::deny(svc, &id, &repo),
+        Action::ListPorts(id) => ports::list(svc, &id),
+        Action::ExposePort(id, req) => ports::expose(svc, &id, req).await,
+        Action::UnexposePort(id, port) => ports::unexpose(svc, &id, port).await,
         Action::ListTemplates => templates::list(svc),
         Action::Gc(req) => gc::gc(svc, req).await,
         Action::GetNetwork(id) => network::get(svc, &id),

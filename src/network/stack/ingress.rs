@@ -34,7 +34,9 @@ pub enum IngressError {
     /// open" is what the E2B SDK looks for in a 502 body.
     #[error("port is not open: nothing in the sandbox accepts connections on port {0}")]
     Refused(u16),
-    #[error("port {port} in the sandbox did not answer within {secs} s")]
+    /// No answer in time (a guest that drops the SYN, or a VM that does not run): to the
+    /// client it is as unreachable as a refused port, hence the same phrase.
+    #[error("port is not open: port {port} in the sandbox did not answer within {secs} s")]
     Timeout { port: u16, secs: u64 },
     #[error("too many connections into the sandbox at once (at most {0})")]
     TooMany(usize),
