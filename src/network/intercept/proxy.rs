@@ -23,6 +23,7 @@ use tokio::net::TcpStream;
 
 use super::body::{BoxError, ProxyBody, Transform, TransformBody, boxed, full};
 use super::git;
+use super::grpc;
 use super::scrub::{Decoder, Replacer, StreamReplace, rendered_forms};
 use super::swap::{self, Blocked};
 use super::{InterceptError, Interceptor};
@@ -405,7 +406,7 @@ impl Scrub {
     }
 }
 
-fn scrub_headers(h: &mut HeaderMap, r: &Replacer) {
+pub(super) fn scrub_headers(h: &mut HeaderMap, r: &Replacer) {
     for v in h.values_mut() {
         if r.contains(v.as_bytes())
             && let Ok(n) = HeaderValue::from_bytes(&r.replace_all(v.as_bytes()))
@@ -533,12 +534,14 @@ impl Flow {
         let sw = swap::swap_head(&mut parts, &snap, &self.sni)
             .map_err(|e| status(StatusCode::BAD_REQUEST, &e.to_string()))?;
         strip_hop_by_hop(&mut parts.headers);
-        // A git request's body (a pack) goes as it is.
+        // A git request's body (a pack) goes as it is, and so does a gRPC call's (its protobuf
+        // fields carry their lengths: the secret travels in metadata).
+        let grpc_req = grpc::is_grpc(&parts.headers);
         let in_body: Vec<usize> = snap
             .bindings
             .iter()
             .enumerate()
-            .filter(|(_, b)| inject.is_none() && b.in_body && b.serves(&self.sni))
+            .filter(|(_, b)| inject.is_none() && !grpc_req && b.in_body && b.serves(&self.sni))
             .map(|(i, _)| i)
             .collect();
         if let Some(r) = Replacer::new(
@@ -592,6 +595,9 @@ impl Flow {
                 header::ACCEPT_ENCODING,
                 HeaderValue::from_static("identity"),
             );
+            if grpc_req {
+                grpc::ask_identity(&mut parts.headers);
+            }
         }
         let method = parts.method.clone();
         let resp = match self.up.send(Request::from_parts(parts, body)).await {
@@ -632,6 +638,25 @@ impl Flow {
         }
         rp.headers.remove(header::CONTENT_LENGTH);
         scrub_headers(&mut rp.headers, &scrubber);
+        if grpc::is_grpc(&rp.headers) {
+            let enc = rp
+                .headers
+                .get("grpc-encoding")
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+            let t = match (decoder, grpc::GrpcScrub::new(scrubber, enc.as_deref())) {
+                (None, Some(t)) => t,
+                _ => {
+                    return Err(status(
+                        StatusCode::BAD_GATEWAY,
+                        "a gRPC response with a content-encoding cannot be scrubbed",
+                    ));
+                }
+            };
+            return Ok(Response::from_parts(
+                rp,
+                boxed(TransformBody::new(boxed(rbody), t)),
+            ));
+        }
         let t = Scrub {
             decoder,
             rep: StreamReplace::new(scrubber),

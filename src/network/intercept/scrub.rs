@@ -28,6 +28,7 @@ pub const MAX_DECODED_CHUNK: usize = 32 * 1024 * 1024;
 /// A fixed set of `pattern -> replacement` pairs.
 pub struct Replacer {
     ac: AhoCorasick,
+    pats: Vec<Vec<u8>>,
     repl: Vec<Vec<u8>>,
     max_len: usize,
 }
@@ -53,11 +54,46 @@ impl Replacer {
             .match_kind(MatchKind::LeftmostLongest)
             .build(pairs.iter().map(|(p, _)| p))
             .ok()?;
+        let (pats, repl) = pairs.into_iter().unzip();
         Some(Arc::new(Replacer {
             ac,
-            repl: pairs.into_iter().map(|(_, r)| r).collect(),
+            pats,
+            repl,
             max_len,
         }))
+    }
+
+    /// The same patterns, each replaced by its replacement cut or repeated to the pattern's
+    /// length: for bytes inside length-framed data (protobuf fields, WebSocket frames) whose
+    /// lengths cannot change.
+    pub fn same_length(&self) -> Option<Arc<Replacer>> {
+        Replacer::new(
+            self.pats
+                .iter()
+                .zip(&self.repl)
+                .map(|(p, r)| {
+                    let mask: Vec<u8> = if r.is_empty() {
+                        vec![b'*'; p.len()]
+                    } else {
+                        r.iter().copied().cycle().take(p.len()).collect()
+                    };
+                    (p.clone(), mask)
+                })
+                .collect(),
+        )
+    }
+
+    /// The longest pattern's length.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Whether `b` holds a pattern that starts before `start` and ends after it (a value split
+    /// across two frames that are forwarded one at a time).
+    pub fn straddles(&self, b: &[u8], start: usize) -> bool {
+        self.ac
+            .find_iter(b)
+            .any(|m| m.start() < start && m.end() > start)
     }
 
     pub fn replace_all(&self, b: &[u8]) -> Vec<u8> {

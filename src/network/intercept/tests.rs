@@ -209,14 +209,13 @@ pub(super) struct Harness {
     addr: std::net::SocketAddr,
     pub(super) seen: Seen,
     /// `(secret, host)` of refused placeholders.
-    blocked: Arc<Mutex<Vec<(String, String)>>>,
+    pub(super) blocked: Arc<Mutex<Vec<(String, String)>>>,
     /// `(secret, host)` of audited ones (in bodies).
     audited: Arc<Mutex<Vec<(String, String)>>>,
     _dir: tempfile::TempDir,
 }
 
 pub(super) async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness {
-    let dir = tempfile::tempdir().unwrap();
     let up_ca = test_ca();
     let (addr, seen) = upstream(&up_ca, h1_only).await;
     let trusted = if trust_upstream {
@@ -224,6 +223,12 @@ pub(super) async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness
     } else {
         test_ca().pem
     };
+    harness_at(trusted, addr, seen)
+}
+
+/// The interceptor for an upstream at `addr` whose certificate chains to `trusted` (PEM).
+pub(super) fn harness_at(trusted: String, addr: std::net::SocketAddr, seen: Seen) -> Harness {
+    let dir = tempfile::tempdir().unwrap();
     let extra = dir.path().join("extra-ca.pem");
     std::fs::write(&extra, trusted).unwrap();
     let tls = tls::upstream_client_config(&[&extra]).unwrap();
@@ -256,7 +261,7 @@ pub(super) async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness
 }
 
 /// The guest's end: TLS trusting the sandbox CA, through `serve`, with the given ALPN.
-async fn guest_tls(
+pub(super) async fn guest_tls(
     h: &Harness,
     alpn: &[&[u8]],
 ) -> std::io::Result<(
