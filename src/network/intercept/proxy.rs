@@ -7,7 +7,7 @@
 //! (421 otherwise); a placeholder of a secret that does not serve this host in an
 //! authorization position is refused (403, `secret.blocked`); the placeholders of the secrets
 //! that serve it are swapped; the response to a request that carried a value is scrubbed
-//! (identity asked upstream; gzip/deflate decoded; other encodings: 502). Redirects are passed
+//! (identity asked upstream; gzip/deflate/br decoded; other encodings: 502). Redirects are passed
 //! to the guest as they are: the client follows them with new requests, each checked again.
 
 use std::convert::Infallible;

@@ -1,7 +1,7 @@
 //! Streaming byte replacement (aho-corasick with a carry of longest-pattern-minus-one bytes, so a
 //! pattern split across chunks is still found), the rendered forms of a secret value that
-//! responses are scrubbed of, and the response content decoders (gzip, deflate; anything else
-//! fails closed).
+//! responses are scrubbed of, and the response content decoders (gzip, deflate, br; anything
+//! else fails closed; each input chunk's output is capped, so a decompression bomb is cut off).
 //!
 //! Used both ways: requests swap placeholder -> value in bodies (`--in-body`), responses scrub
 //! value (and its base64, URL-encoded, JSON-escaped and Basic renderings) -> placeholder.
@@ -225,6 +225,32 @@ pub const QUERY_VALUE: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPH
 pub enum Decoder {
     Gzip(flate2::write::GzDecoder<Vec<u8>>),
     Deflate(flate2::write::ZlibDecoder<Vec<u8>>),
+    /// Boxed: the decoder's state is large.
+    Brotli(Box<brotli_decompressor::DecompressorWriter<Capped>>),
+}
+
+/// The brotli decoder's output: a brotli stream can expand far more per input byte than
+/// deflate (a few KiB to gigabytes), so the cap is enforced while decoding, not after: a write
+/// past [`MAX_DECODED_CHUNK`] fails, which fails the decode.
+pub struct Capped {
+    buf: Vec<u8>,
+    /// Room left for this input chunk's output.
+    limit: usize,
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > self.limit {
+            self.over = true;
+            return Err(std::io::Error::other("decoded response chunk too large"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for Decoder {
@@ -232,6 +258,7 @@ impl std::fmt::Debug for Decoder {
         f.write_str(match self {
             Decoder::Gzip(_) => "Decoder::Gzip",
             Decoder::Deflate(_) => "Decoder::Deflate",
+            Decoder::Brotli(_) => "Decoder::Brotli",
         })
     }
 }
@@ -250,6 +277,16 @@ impl Decoder {
             "deflate" => Ok(Some(Decoder::Deflate(flate2::write::ZlibDecoder::new(
                 Vec::new(),
             )))),
+            "br" => Ok(Some(Decoder::Brotli(Box::new(
+                brotli_decompressor::DecompressorWriter::new(
+                    Capped {
+                        buf: Vec::new(),
+                        limit: MAX_DECODED_CHUNK,
+                        over: false,
+                    },
+                    4096,
+                ),
+            )))),
             other => Err(ScrubError::UnknownEncoding(other.to_owned())),
         }
     }
@@ -258,6 +295,7 @@ impl Decoder {
         match self {
             Decoder::Gzip(_) => "gzip",
             Decoder::Deflate(_) => "deflate",
+            Decoder::Brotli(_) => "br",
         }
     }
 
@@ -265,6 +303,7 @@ impl Decoder {
         match self {
             Decoder::Gzip(d) => std::mem::take(d.get_mut()),
             Decoder::Deflate(d) => std::mem::take(d.get_mut()),
+            Decoder::Brotli(d) => std::mem::take(&mut d.get_mut().buf),
         }
     }
 
@@ -273,10 +312,19 @@ impl Decoder {
         let mut out = Vec::new();
         // Feed in slices so one chunk's output stays bounded.
         for piece in chunk.chunks(4096) {
+            if let Decoder::Brotli(d) = self {
+                d.get_mut().limit = MAX_DECODED_CHUNK.saturating_sub(out.len());
+            }
             let r = match self {
                 Decoder::Gzip(d) => d.write_all(piece),
                 Decoder::Deflate(d) => d.write_all(piece),
+                Decoder::Brotli(d) => d.write_all(piece),
             };
+            if let Decoder::Brotli(d) = self
+                && d.get_ref().over
+            {
+                return Err(ScrubError::TooLarge(MAX_DECODED_CHUNK));
+            }
             r.map_err(|_| ScrubError::Decode(name))?;
             out.extend(self.take());
             if out.len() > MAX_DECODED_CHUNK {
@@ -291,7 +339,13 @@ impl Decoder {
         let r = match self {
             Decoder::Gzip(d) => d.try_finish(),
             Decoder::Deflate(d) => d.try_finish(),
+            Decoder::Brotli(d) => d.close(),
         };
+        if let Decoder::Brotli(d) = self
+            && d.get_ref().over
+        {
+            return Err(ScrubError::TooLarge(MAX_DECODED_CHUNK));
+        }
         r.map_err(|_| ScrubError::Decode(name))?;
         Ok(self.take())
     }
@@ -300,6 +354,54 @@ impl Decoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn brotli(data: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        {
+            let mut w = brotli::CompressorWriter::new(&mut out, 4096, 9, 22);
+            w.write_all(data).unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn brotli_is_decoded_split_anywhere_and_a_bomb_is_cut_off() {
+        let mut text = b"{\"echo\":\"".to_vec();
+        text.extend_from_slice(V);
+        text.extend_from_slice(b"\"} ");
+        text.extend(b"filler ".repeat(2000));
+        let br = brotli(&text);
+        let r = scrubber();
+        for step in [1, 3, 7, 100, br.len()] {
+            let mut d = Decoder::for_encoding(Some("br")).unwrap().unwrap();
+            let mut s = StreamReplace::new(r.clone());
+            let mut out = Vec::new();
+            for c in br.chunks(step) {
+                out.extend(s.push(&d.push(c).unwrap()));
+            }
+            out.extend(s.push(&d.finish().unwrap()));
+            out.extend(s.finish());
+            assert_eq!(out, r.replace_all(&text), "step {step}");
+            assert!(!out.windows(V.len()).any(|w| w == V));
+        }
+        // 64 MiB of zeros compresses to a few KiB (one input chunk): decoding stops at the
+        // 32 MiB cap, with an error, instead of growing a buffer.
+        let mut bomb = Vec::new();
+        {
+            let mut w = brotli::CompressorWriter::new(&mut bomb, 1 << 16, 5, 22);
+            let zeros = vec![0u8; 1 << 20];
+            for _ in 0..64 {
+                w.write_all(&zeros).unwrap();
+            }
+        }
+        assert!(bomb.len() < 16 * 1024, "{}", bomb.len());
+        let mut d = Decoder::for_encoding(Some("br")).unwrap().unwrap();
+        let r = d.push(&bomb);
+        assert!(matches!(r, Err(ScrubError::TooLarge(_))), "{r:?}");
+        // Not brotli at all.
+        let mut d = Decoder::for_encoding(Some("br")).unwrap().unwrap();
+        assert!(d.push(b"\xff\xff\xff\xff not brotli").is_err() || d.finish().is_err());
+    }
 
     const V: &[u8] = b"sk-live-0123456789abcdef";
     const P: &[u8] = b"tbx_aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
@@ -384,7 +486,7 @@ mod tests {
         out.extend(d.finish().unwrap());
         assert_eq!(&out[..6], b"hello ");
         assert!(matches!(
-            Decoder::for_encoding(Some("br")),
+            Decoder::for_encoding(Some("zstd")),
             Err(ScrubError::UnknownEncoding(_))
         ));
         assert!(Decoder::for_encoding(Some("gzip, br")).is_err());

@@ -96,9 +96,20 @@ async fn echo(req: Request<hyper::body::Incoming>, seen: Seen) -> Response<Proxy
             r
         }
         "/br" => {
-            let mut r = Response::new(full(text));
+            let mut out = Vec::new();
+            {
+                let mut w = brotli::CompressorWriter::new(&mut out, 4096, 5, 22);
+                w.write_all(text.as_bytes()).unwrap();
+            }
+            let mut r = Response::new(full(out));
             r.headers_mut()
                 .insert("content-encoding", "br".parse().unwrap());
+            r
+        }
+        "/zstd" => {
+            let mut r = Response::new(full(text));
+            r.headers_mut()
+                .insert("content-encoding", "zstd".parse().unwrap());
             r
         }
         "/evil-encoding" => {
@@ -378,7 +389,7 @@ async fn h1_swaps_every_position_and_scrubs_every_response() {
     let mut c = client(&h, false).await;
     let basic = STANDARD.encode(format!("me:{PH}"));
     let bearer = format!("Bearer {PH}");
-    for path in ["/plain", "/gzip", "/chunks"] {
+    for path in ["/plain", "/gzip", "/br", "/chunks"] {
         let g = c
             .get(
                 &format!("{path}?key={PH}"),
@@ -419,7 +430,7 @@ async fn h1_swaps_every_position_and_scrubs_every_response() {
     );
     assert_no_value(&g);
     // Unknown content encoding of a scrubbed response: fail closed.
-    let g = c.get("/br", &[("authorization", &bearer)]).await;
+    let g = c.get("/zstd", &[("authorization", &bearer)]).await;
     assert_eq!(g.status, 502);
     assert_no_value(&g);
     let g = c.get("/evil-encoding", &[("x-api-key", PH)]).await;
