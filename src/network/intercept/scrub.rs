@@ -1,7 +1,9 @@
-//! Streaming byte replacement (aho-corasick with a carry of longest-pattern-minus-one bytes, so a
-//! pattern split across chunks is still found), the rendered forms of a secret value that
-//! responses are scrubbed of, and the response content decoders (gzip, deflate, br; anything
-//! else fails closed; each input chunk's output is capped, so a decompression bomb is cut off).
+//! Streaming byte replacement (aho-corasick with a carry of the chunk's tail that could start a
+//! pattern, at most longest-pattern-minus-one bytes, so a pattern split across chunks is still
+//! found and a streamed response is not delayed otherwise), the rendered forms of a secret
+//! value that responses are scrubbed of, and the response content decoders (gzip, deflate, br;
+//! anything else fails closed; each input chunk's output is capped, so a decompression bomb is
+//! cut off).
 //!
 //! Used both ways: requests swap placeholder -> value in bodies (`--in-body`), responses scrub
 //! value (and its base64, URL-encoded, JSON-escaped and Basic renderings) -> placeholder.
@@ -83,6 +85,18 @@ impl Replacer {
         )
     }
 
+    /// The length of the longest tail of `b` that is a proper prefix of a pattern.
+    pub fn prefix_tail(&self, b: &[u8]) -> usize {
+        let most = b.len().min(self.max_len.saturating_sub(1));
+        (1..=most)
+            .rev()
+            .find(|&k| {
+                let tail = &b[b.len() - k..];
+                self.pats.iter().any(|p| p.len() > k && p.starts_with(tail))
+            })
+            .unwrap_or(0)
+    }
+
     /// The longest pattern's length.
     pub fn max_len(&self) -> usize {
         self.max_len
@@ -132,13 +146,16 @@ impl StreamReplace {
         &self.r
     }
 
-    /// Replace in `chunk`; returns what can be emitted now (up to `max_len - 1` bytes that might
-    /// start a pattern are held back).
+    /// Replace in `chunk`; returns what can be emitted now. Only a tail of `buf` that is the
+    /// start of some pattern (at most `max_len - 1` bytes) is held back, so a streamed response
+    /// (server-sent events, a model's tokens) is not delayed unless a chunk ends inside what
+    /// might be a value.
     pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
         let mut buf = std::mem::take(&mut self.carry);
         buf.extend_from_slice(chunk);
-        // Any pattern starting before `safe` lies wholly inside `buf`, so it is found now.
-        let safe = buf.len().saturating_sub(self.r.max_len - 1);
+        // Any pattern starting before `safe` lies wholly inside `buf` (otherwise `buf` would end
+        // with a proper prefix of it, held back), so it is found now.
+        let safe = buf.len() - self.r.prefix_tail(&buf);
         let mut out = Vec::with_capacity(buf.len());
         let mut pos = 0;
         for m in self.r.ac.find_iter(&buf) {
@@ -444,6 +461,26 @@ mod tests {
         }
         out.extend(s.finish());
         assert_eq!(out, want);
+    }
+
+    #[test]
+    fn only_a_possible_start_of_a_value_is_held_back() {
+        let r = scrubber();
+        let mut s = StreamReplace::new(r.clone());
+        // Nothing here can start a value: all of it is emitted at once.
+        assert_eq!(
+            s.push(b"data: {\"t\":\"hi\"}\n\n"),
+            b"data: {\"t\":\"hi\"}\n\n"
+        );
+        // A chunk ending in the first bytes of the value: those wait for the next chunk.
+        assert_eq!(s.push(b"x sk-li"), b"x ");
+        let mut out = s.push(&V[5..]);
+        out.extend(s.finish());
+        assert_eq!(out, P);
+        // Ending in a byte that only looks like a start: held, then released.
+        let mut s = StreamReplace::new(r);
+        assert_eq!(s.push(b"ask"), b"a");
+        assert_eq!(s.push(b"ed\n"), b"sked\n");
     }
 
     #[test]
