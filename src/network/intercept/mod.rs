@@ -6,7 +6,8 @@
 //!
 //! Owns: the per-sandbox CA (`ca.rs`), the TLS configs of both ends (`tls.rs`), the per-flow
 //! HTTP proxy (`proxy.rs`), the request swap and block check (`swap.rs`), the streaming
-//! scrubber and decoders (`scrub.rs`), the body adapter (`body.rs`), the git proxy's hook
+//! scrubber and decoders (`scrub.rs`), gRPC's per-message scrub (`grpc.rs`), WebSocket
+//! upgrades and their frame scrub (`ws.rs`), the body adapter (`body.rs`), the git proxy's hook
 //! (`git.rs`: token injection, push screening, forge API checks).
 //! Never: lets a value reach the guest, a log line, an event or an error text; skips upstream
 //! certificate verification; intercepts a host without a secret (those stay pass-through).
@@ -18,17 +19,23 @@
 pub mod body;
 pub mod ca;
 pub mod git;
+pub mod grpc;
 pub mod proxy;
 pub mod scrub;
 pub mod swap;
 pub mod tls;
+pub mod ws;
 
 #[cfg(test)]
 mod git_real_tests;
 #[cfg(test)]
 mod git_tests;
 #[cfg(test)]
+mod grpc_tests;
+#[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod ws_tests;
 
 use std::sync::Arc;
 

@@ -7,7 +7,7 @@
 //! (421 otherwise); a placeholder of a secret that does not serve this host in an
 //! authorization position is refused (403, `secret.blocked`); the placeholders of the secrets
 //! that serve it are swapped; the response to a request that carried a value is scrubbed
-//! (identity asked upstream; gzip/deflate decoded; other encodings: 502). Redirects are passed
+//! (identity asked upstream; gzip/deflate/br decoded; other encodings: 502). Redirects are passed
 //! to the guest as they are: the client follows them with new requests, each checked again.
 
 use std::convert::Infallible;
@@ -23,8 +23,10 @@ use tokio::net::TcpStream;
 
 use super::body::{BoxError, ProxyBody, Transform, TransformBody, boxed, full};
 use super::git;
+use super::grpc;
 use super::scrub::{Decoder, Replacer, StreamReplace, rendered_forms};
 use super::swap::{self, Blocked};
+use super::ws;
 use super::{InterceptError, Interceptor};
 use crate::secrets::git::{self as secrets_git, Verdict as GitVerdict};
 
@@ -154,20 +156,7 @@ impl Upstream {
             }
             Some(Sender::H1(s)) => {
                 s.ready().await.map_err(InterceptError::UpstreamHttp)?;
-                *req.version_mut() = Version::HTTP_11;
-                let pq = req
-                    .uri()
-                    .path_and_query()
-                    .map(|p| p.as_str().to_owned())
-                    .unwrap_or_else(|| "/".into());
-                *req.uri_mut() = pq
-                    .parse::<Uri>()
-                    .map_err(|_| InterceptError::BadRequest("request target"))?;
-                if !req.headers().contains_key(header::HOST) {
-                    let h = HeaderValue::from_str(&self.sni)
-                        .map_err(|_| InterceptError::BadSni(self.sni.clone()))?;
-                    req.headers_mut().insert(header::HOST, h);
-                }
+                h1_target(&mut req, &self.sni)?;
                 let fut = s.send_request(req);
                 drop(g);
                 fut.await.map_err(InterceptError::UpstreamHttp)
@@ -175,6 +164,59 @@ impl Upstream {
             None => Err(InterceptError::BadRequest("no upstream")),
         }
     }
+
+    /// Send a WebSocket handshake on a new HTTP/1.1 connection of its own (to the same
+    /// address, verified the same way), kept open for the upgrade.
+    async fn send_upgrade(
+        &self,
+        mut req: Request<ProxyBody>,
+    ) -> Result<Response<Incoming>, InterceptError> {
+        let Some(tls) = &self.tls else {
+            return Err(InterceptError::BadRequest("upgrade on a plaintext flow"));
+        };
+        let mut cfg = (**tls).clone();
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let tcp = TcpStream::connect(self.addr)
+            .await
+            .map_err(InterceptError::UpstreamIo)?;
+        let _ = tcp.set_nodelay(true);
+        let name = rustls::pki_types::ServerName::try_from(self.sni.clone())
+            .map_err(|_| InterceptError::BadSni(self.sni.clone()))?;
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+            .connect(name, tcp)
+            .await
+            .map_err(InterceptError::UpstreamTls)?;
+        let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .map_err(InterceptError::UpstreamHttp)?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.with_upgrades().await {
+                tracing::debug!(error = %e, "intercepted upstream websocket connection ended");
+            }
+        });
+        h1_target(&mut req, &self.sni)?;
+        s.send_request(req)
+            .await
+            .map_err(InterceptError::UpstreamHttp)
+    }
+}
+
+/// An HTTP/1.1 request line's target (origin form) and Host.
+fn h1_target(req: &mut Request<ProxyBody>, sni: &str) -> Result<(), InterceptError> {
+    *req.version_mut() = Version::HTTP_11;
+    let pq = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "/".into());
+    *req.uri_mut() = pq
+        .parse::<Uri>()
+        .map_err(|_| InterceptError::BadRequest("request target"))?;
+    if !req.headers().contains_key(header::HOST) {
+        let h = HeaderValue::from_str(sni).map_err(|_| InterceptError::BadSni(sni.to_owned()))?;
+        req.headers_mut().insert(header::HOST, h);
+    }
+    Ok(())
 }
 
 struct Flow {
@@ -216,7 +258,7 @@ where
         async move { Ok::<_, Infallible>(flow.handle(req).await) }
     });
     hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-        .serve_connection(TokioIo::new(tls), svc)
+        .serve_connection_with_upgrades(TokioIo::new(tls), svc)
         .await
         .map_err(InterceptError::Guest)
 }
@@ -405,7 +447,7 @@ impl Scrub {
     }
 }
 
-fn scrub_headers(h: &mut HeaderMap, r: &Replacer) {
+pub(super) fn scrub_headers(h: &mut HeaderMap, r: &Replacer) {
     for v in h.values_mut() {
         if r.contains(v.as_bytes())
             && let Ok(n) = HeaderValue::from_bytes(&r.replace_all(v.as_bytes()))
@@ -530,15 +572,25 @@ impl Flow {
             strip_hop_by_hop(&mut rp.headers);
             return Ok(Response::from_parts(rp, boxed(rbody)));
         }
+        let ws_upgrade = if ws::is_upgrade(&parts) {
+            parts.extensions.remove::<hyper::upgrade::OnUpgrade>()
+        } else {
+            None
+        };
         let sw = swap::swap_head(&mut parts, &snap, &self.sni)
             .map_err(|e| status(StatusCode::BAD_REQUEST, &e.to_string()))?;
         strip_hop_by_hop(&mut parts.headers);
-        // A git request's body (a pack) goes as it is.
+        if ws_upgrade.is_some() {
+            ws::restore_upgrade_headers(&mut parts.headers);
+        }
+        // A git request's body (a pack) goes as it is, and so does a gRPC call's (its protobuf
+        // fields carry their lengths: the secret travels in metadata).
+        let grpc_req = grpc::is_grpc(&parts.headers);
         let in_body: Vec<usize> = snap
             .bindings
             .iter()
             .enumerate()
-            .filter(|(_, b)| inject.is_none() && b.in_body && b.serves(&self.sni))
+            .filter(|(_, b)| inject.is_none() && !grpc_req && b.in_body && b.serves(&self.sni))
             .map(|(i, _)| i)
             .collect();
         if let Some(r) = Replacer::new(
@@ -592,15 +644,38 @@ impl Flow {
                 header::ACCEPT_ENCODING,
                 HeaderValue::from_static("identity"),
             );
+            if grpc_req {
+                grpc::ask_identity(&mut parts.headers);
+            }
         }
         let method = parts.method.clone();
-        let resp = match self.up.send(Request::from_parts(parts, body)).await {
+        let req = Request::from_parts(parts, body);
+        let sent = if ws_upgrade.is_some() {
+            self.up.send_upgrade(req).await
+        } else {
+            self.up.send(req).await
+        };
+        let resp = match sent {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!(host = %self.sni, %method, error = %e, "intercepted request failed upstream");
                 return Err(status(StatusCode::BAD_GATEWAY, "upstream request failed"));
             }
         };
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            let Some(guest) = ws_upgrade else {
+                return Err(status(
+                    StatusCode::BAD_GATEWAY,
+                    "the upstream switched protocols unasked",
+                ));
+            };
+            let names: Vec<&str> = sw
+                .used
+                .iter()
+                .map(|&i| snap.bindings[i].name.as_str())
+                .collect();
+            return Ok(self.upgraded(resp, guest, scrubber, names.join(",")));
+        }
         let (mut rp, rbody) = resp.into_parts();
         strip_hop_by_hop(&mut rp.headers);
         let Some(scrubber) = scrubber else {
@@ -632,6 +707,25 @@ impl Flow {
         }
         rp.headers.remove(header::CONTENT_LENGTH);
         scrub_headers(&mut rp.headers, &scrubber);
+        if grpc::is_grpc(&rp.headers) {
+            let enc = rp
+                .headers
+                .get("grpc-encoding")
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+            let t = match (decoder, grpc::GrpcScrub::new(scrubber, enc.as_deref())) {
+                (None, Some(t)) => t,
+                _ => {
+                    return Err(status(
+                        StatusCode::BAD_GATEWAY,
+                        "a gRPC response with a content-encoding cannot be scrubbed",
+                    ));
+                }
+            };
+            return Ok(Response::from_parts(
+                rp,
+                boxed(TransformBody::new(boxed(rbody), t)),
+            ));
+        }
         let t = Scrub {
             decoder,
             rep: StreamReplace::new(scrubber),
@@ -640,6 +734,45 @@ impl Flow {
             rp,
             boxed(TransformBody::new(boxed(rbody), t)),
         ))
+    }
+}
+
+impl Flow {
+    /// Answer the guest's WebSocket handshake with the upstream's 101 and relay the upgraded
+    /// connection (`ws.rs`); frames toward the guest are scrubbed when the handshake carried a
+    /// value.
+    fn upgraded(
+        &self,
+        mut resp: Response<Incoming>,
+        guest: hyper::upgrade::OnUpgrade,
+        scrubber: Option<Arc<Replacer>>,
+        names: String,
+    ) -> Response<ProxyBody> {
+        if resp
+            .headers()
+            .contains_key(header::SEC_WEBSOCKET_EXTENSIONS)
+        {
+            return status(
+                StatusCode::BAD_GATEWAY,
+                "the upstream chose a WebSocket extension it was not offered",
+            );
+        }
+        let upstream = hyper::upgrade::on(&mut resp);
+        let (mut rp, _) = resp.into_parts();
+        strip_hop_by_hop(&mut rp.headers);
+        ws::restore_upgrade_headers(&mut rp.headers);
+        if let Some(s) = &scrubber {
+            scrub_headers(&mut rp.headers, s);
+        }
+        let scrub = scrubber.and_then(|s| s.same_length()).map(|m| (m, names));
+        tokio::spawn(ws::relay(
+            self.icpt.clone(),
+            self.sni.clone(),
+            guest,
+            upstream,
+            scrub,
+        ));
+        Response::from_parts(rp, full(""))
     }
 }
 

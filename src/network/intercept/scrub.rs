@@ -1,7 +1,9 @@
-//! Streaming byte replacement (aho-corasick with a carry of longest-pattern-minus-one bytes, so a
-//! pattern split across chunks is still found), the rendered forms of a secret value that
-//! responses are scrubbed of, and the response content decoders (gzip, deflate; anything else
-//! fails closed).
+//! Streaming byte replacement (aho-corasick with a carry of the chunk's tail that could start a
+//! pattern, at most longest-pattern-minus-one bytes, so a pattern split across chunks is still
+//! found and a streamed response is not delayed otherwise), the rendered forms of a secret
+//! value that responses are scrubbed of, and the response content decoders (gzip, deflate, br;
+//! anything else fails closed; each input chunk's output is capped, so a decompression bomb is
+//! cut off).
 //!
 //! Used both ways: requests swap placeholder -> value in bodies (`--in-body`), responses scrub
 //! value (and its base64, URL-encoded, JSON-escaped and Basic renderings) -> placeholder.
@@ -28,6 +30,7 @@ pub const MAX_DECODED_CHUNK: usize = 32 * 1024 * 1024;
 /// A fixed set of `pattern -> replacement` pairs.
 pub struct Replacer {
     ac: AhoCorasick,
+    pats: Vec<Vec<u8>>,
     repl: Vec<Vec<u8>>,
     max_len: usize,
 }
@@ -53,11 +56,58 @@ impl Replacer {
             .match_kind(MatchKind::LeftmostLongest)
             .build(pairs.iter().map(|(p, _)| p))
             .ok()?;
+        let (pats, repl) = pairs.into_iter().unzip();
         Some(Arc::new(Replacer {
             ac,
-            repl: pairs.into_iter().map(|(_, r)| r).collect(),
+            pats,
+            repl,
             max_len,
         }))
+    }
+
+    /// The same patterns, each replaced by its replacement cut or repeated to the pattern's
+    /// length: for bytes inside length-framed data (protobuf fields, WebSocket frames) whose
+    /// lengths cannot change.
+    pub fn same_length(&self) -> Option<Arc<Replacer>> {
+        Replacer::new(
+            self.pats
+                .iter()
+                .zip(&self.repl)
+                .map(|(p, r)| {
+                    let mask: Vec<u8> = if r.is_empty() {
+                        vec![b'*'; p.len()]
+                    } else {
+                        r.iter().copied().cycle().take(p.len()).collect()
+                    };
+                    (p.clone(), mask)
+                })
+                .collect(),
+        )
+    }
+
+    /// The length of the longest tail of `b` that is a proper prefix of a pattern.
+    pub fn prefix_tail(&self, b: &[u8]) -> usize {
+        let most = b.len().min(self.max_len.saturating_sub(1));
+        (1..=most)
+            .rev()
+            .find(|&k| {
+                let tail = &b[b.len() - k..];
+                self.pats.iter().any(|p| p.len() > k && p.starts_with(tail))
+            })
+            .unwrap_or(0)
+    }
+
+    /// The longest pattern's length.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Whether `b` holds a pattern that starts before `start` and ends after it (a value split
+    /// across two frames that are forwarded one at a time).
+    pub fn straddles(&self, b: &[u8], start: usize) -> bool {
+        self.ac
+            .find_iter(b)
+            .any(|m| m.start() < start && m.end() > start)
     }
 
     pub fn replace_all(&self, b: &[u8]) -> Vec<u8> {
@@ -96,13 +146,16 @@ impl StreamReplace {
         &self.r
     }
 
-    /// Replace in `chunk`; returns what can be emitted now (up to `max_len - 1` bytes that might
-    /// start a pattern are held back).
+    /// Replace in `chunk`; returns what can be emitted now. Only a tail of `buf` that is the
+    /// start of some pattern (at most `max_len - 1` bytes) is held back, so a streamed response
+    /// (server-sent events, a model's tokens) is not delayed unless a chunk ends inside what
+    /// might be a value.
     pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
         let mut buf = std::mem::take(&mut self.carry);
         buf.extend_from_slice(chunk);
-        // Any pattern starting before `safe` lies wholly inside `buf`, so it is found now.
-        let safe = buf.len().saturating_sub(self.r.max_len - 1);
+        // Any pattern starting before `safe` lies wholly inside `buf` (otherwise `buf` would end
+        // with a proper prefix of it, held back), so it is found now.
+        let safe = buf.len() - self.r.prefix_tail(&buf);
         let mut out = Vec::with_capacity(buf.len());
         let mut pos = 0;
         for m in self.r.ac.find_iter(&buf) {
@@ -189,6 +242,32 @@ pub const QUERY_VALUE: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPH
 pub enum Decoder {
     Gzip(flate2::write::GzDecoder<Vec<u8>>),
     Deflate(flate2::write::ZlibDecoder<Vec<u8>>),
+    /// Boxed: the decoder's state is large.
+    Brotli(Box<brotli_decompressor::DecompressorWriter<Capped>>),
+}
+
+/// The brotli decoder's output: a brotli stream can expand far more per input byte than
+/// deflate (a few KiB to gigabytes), so the cap is enforced while decoding, not after: a write
+/// past [`MAX_DECODED_CHUNK`] fails, which fails the decode.
+pub struct Capped {
+    buf: Vec<u8>,
+    /// Room left for this input chunk's output.
+    limit: usize,
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > self.limit {
+            self.over = true;
+            return Err(std::io::Error::other("decoded response chunk too large"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for Decoder {
@@ -196,6 +275,7 @@ impl std::fmt::Debug for Decoder {
         f.write_str(match self {
             Decoder::Gzip(_) => "Decoder::Gzip",
             Decoder::Deflate(_) => "Decoder::Deflate",
+            Decoder::Brotli(_) => "Decoder::Brotli",
         })
     }
 }
@@ -214,6 +294,16 @@ impl Decoder {
             "deflate" => Ok(Some(Decoder::Deflate(flate2::write::ZlibDecoder::new(
                 Vec::new(),
             )))),
+            "br" => Ok(Some(Decoder::Brotli(Box::new(
+                brotli_decompressor::DecompressorWriter::new(
+                    Capped {
+                        buf: Vec::new(),
+                        limit: MAX_DECODED_CHUNK,
+                        over: false,
+                    },
+                    4096,
+                ),
+            )))),
             other => Err(ScrubError::UnknownEncoding(other.to_owned())),
         }
     }
@@ -222,6 +312,7 @@ impl Decoder {
         match self {
             Decoder::Gzip(_) => "gzip",
             Decoder::Deflate(_) => "deflate",
+            Decoder::Brotli(_) => "br",
         }
     }
 
@@ -229,6 +320,7 @@ impl Decoder {
         match self {
             Decoder::Gzip(d) => std::mem::take(d.get_mut()),
             Decoder::Deflate(d) => std::mem::take(d.get_mut()),
+            Decoder::Brotli(d) => std::mem::take(&mut d.get_mut().buf),
         }
     }
 
@@ -237,10 +329,19 @@ impl Decoder {
         let mut out = Vec::new();
         // Feed in slices so one chunk's output stays bounded.
         for piece in chunk.chunks(4096) {
+            if let Decoder::Brotli(d) = self {
+                d.get_mut().limit = MAX_DECODED_CHUNK.saturating_sub(out.len());
+            }
             let r = match self {
                 Decoder::Gzip(d) => d.write_all(piece),
                 Decoder::Deflate(d) => d.write_all(piece),
+                Decoder::Brotli(d) => d.write_all(piece),
             };
+            if let Decoder::Brotli(d) = self
+                && d.get_ref().over
+            {
+                return Err(ScrubError::TooLarge(MAX_DECODED_CHUNK));
+            }
             r.map_err(|_| ScrubError::Decode(name))?;
             out.extend(self.take());
             if out.len() > MAX_DECODED_CHUNK {
@@ -255,7 +356,13 @@ impl Decoder {
         let r = match self {
             Decoder::Gzip(d) => d.try_finish(),
             Decoder::Deflate(d) => d.try_finish(),
+            Decoder::Brotli(d) => d.close(),
         };
+        if let Decoder::Brotli(d) = self
+            && d.get_ref().over
+        {
+            return Err(ScrubError::TooLarge(MAX_DECODED_CHUNK));
+        }
         r.map_err(|_| ScrubError::Decode(name))?;
         Ok(self.take())
     }
@@ -264,6 +371,54 @@ impl Decoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn brotli(data: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        {
+            let mut w = brotli::CompressorWriter::new(&mut out, 4096, 9, 22);
+            w.write_all(data).unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn brotli_is_decoded_split_anywhere_and_a_bomb_is_cut_off() {
+        let mut text = b"{\"echo\":\"".to_vec();
+        text.extend_from_slice(V);
+        text.extend_from_slice(b"\"} ");
+        text.extend(b"filler ".repeat(2000));
+        let br = brotli(&text);
+        let r = scrubber();
+        for step in [1, 3, 7, 100, br.len()] {
+            let mut d = Decoder::for_encoding(Some("br")).unwrap().unwrap();
+            let mut s = StreamReplace::new(r.clone());
+            let mut out = Vec::new();
+            for c in br.chunks(step) {
+                out.extend(s.push(&d.push(c).unwrap()));
+            }
+            out.extend(s.push(&d.finish().unwrap()));
+            out.extend(s.finish());
+            assert_eq!(out, r.replace_all(&text), "step {step}");
+            assert!(!out.windows(V.len()).any(|w| w == V));
+        }
+        // 64 MiB of zeros compresses to a few KiB (one input chunk): decoding stops at the
+        // 32 MiB cap, with an error, instead of growing a buffer.
+        let mut bomb = Vec::new();
+        {
+            let mut w = brotli::CompressorWriter::new(&mut bomb, 1 << 16, 5, 22);
+            let zeros = vec![0u8; 1 << 20];
+            for _ in 0..64 {
+                w.write_all(&zeros).unwrap();
+            }
+        }
+        assert!(bomb.len() < 16 * 1024, "{}", bomb.len());
+        let mut d = Decoder::for_encoding(Some("br")).unwrap().unwrap();
+        let r = d.push(&bomb);
+        assert!(matches!(r, Err(ScrubError::TooLarge(_))), "{r:?}");
+        // Not brotli at all.
+        let mut d = Decoder::for_encoding(Some("br")).unwrap().unwrap();
+        assert!(d.push(b"\xff\xff\xff\xff not brotli").is_err() || d.finish().is_err());
+    }
 
     const V: &[u8] = b"sk-live-0123456789abcdef";
     const P: &[u8] = b"tbx_aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
@@ -309,6 +464,26 @@ mod tests {
     }
 
     #[test]
+    fn only_a_possible_start_of_a_value_is_held_back() {
+        let r = scrubber();
+        let mut s = StreamReplace::new(r.clone());
+        // Nothing here can start a value: all of it is emitted at once.
+        assert_eq!(
+            s.push(b"data: {\"t\":\"hi\"}\n\n"),
+            b"data: {\"t\":\"hi\"}\n\n"
+        );
+        // A chunk ending in the first bytes of the value: those wait for the next chunk.
+        assert_eq!(s.push(b"x sk-li"), b"x ");
+        let mut out = s.push(&V[5..]);
+        out.extend(s.finish());
+        assert_eq!(out, P);
+        // Ending in a byte that only looks like a start: held, then released.
+        let mut s = StreamReplace::new(r);
+        assert_eq!(s.push(b"ask"), b"a");
+        assert_eq!(s.push(b"ed\n"), b"sked\n");
+    }
+
+    #[test]
     fn every_rendered_form_is_scrubbed() {
         use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
         let r = scrubber();
@@ -348,7 +523,7 @@ mod tests {
         out.extend(d.finish().unwrap());
         assert_eq!(&out[..6], b"hello ");
         assert!(matches!(
-            Decoder::for_encoding(Some("br")),
+            Decoder::for_encoding(Some("zstd")),
             Err(ScrubError::UnknownEncoding(_))
         ));
         assert!(Decoder::for_encoding(Some("gzip, br")).is_err());

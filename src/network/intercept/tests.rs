@@ -96,9 +96,20 @@ async fn echo(req: Request<hyper::body::Incoming>, seen: Seen) -> Response<Proxy
             r
         }
         "/br" => {
-            let mut r = Response::new(full(text));
+            let mut out = Vec::new();
+            {
+                let mut w = brotli::CompressorWriter::new(&mut out, 4096, 5, 22);
+                w.write_all(text.as_bytes()).unwrap();
+            }
+            let mut r = Response::new(full(out));
             r.headers_mut()
                 .insert("content-encoding", "br".parse().unwrap());
+            r
+        }
+        "/zstd" => {
+            let mut r = Response::new(full(text));
+            r.headers_mut()
+                .insert("content-encoding", "zstd".parse().unwrap());
             r
         }
         "/evil-encoding" => {
@@ -209,14 +220,13 @@ pub(super) struct Harness {
     addr: std::net::SocketAddr,
     pub(super) seen: Seen,
     /// `(secret, host)` of refused placeholders.
-    blocked: Arc<Mutex<Vec<(String, String)>>>,
+    pub(super) blocked: Arc<Mutex<Vec<(String, String)>>>,
     /// `(secret, host)` of audited ones (in bodies).
     audited: Arc<Mutex<Vec<(String, String)>>>,
     _dir: tempfile::TempDir,
 }
 
 pub(super) async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness {
-    let dir = tempfile::tempdir().unwrap();
     let up_ca = test_ca();
     let (addr, seen) = upstream(&up_ca, h1_only).await;
     let trusted = if trust_upstream {
@@ -224,6 +234,12 @@ pub(super) async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness
     } else {
         test_ca().pem
     };
+    harness_at(trusted, addr, seen)
+}
+
+/// The interceptor for an upstream at `addr` whose certificate chains to `trusted` (PEM).
+pub(super) fn harness_at(trusted: String, addr: std::net::SocketAddr, seen: Seen) -> Harness {
+    let dir = tempfile::tempdir().unwrap();
     let extra = dir.path().join("extra-ca.pem");
     std::fs::write(&extra, trusted).unwrap();
     let tls = tls::upstream_client_config(&[&extra]).unwrap();
@@ -256,7 +272,7 @@ pub(super) async fn harness_with(h1_only: bool, trust_upstream: bool) -> Harness
 }
 
 /// The guest's end: TLS trusting the sandbox CA, through `serve`, with the given ALPN.
-async fn guest_tls(
+pub(super) async fn guest_tls(
     h: &Harness,
     alpn: &[&[u8]],
 ) -> std::io::Result<(
@@ -373,7 +389,7 @@ async fn h1_swaps_every_position_and_scrubs_every_response() {
     let mut c = client(&h, false).await;
     let basic = STANDARD.encode(format!("me:{PH}"));
     let bearer = format!("Bearer {PH}");
-    for path in ["/plain", "/gzip", "/chunks"] {
+    for path in ["/plain", "/gzip", "/br", "/chunks"] {
         let g = c
             .get(
                 &format!("{path}?key={PH}"),
@@ -414,7 +430,7 @@ async fn h1_swaps_every_position_and_scrubs_every_response() {
     );
     assert_no_value(&g);
     // Unknown content encoding of a scrubbed response: fail closed.
-    let g = c.get("/br", &[("authorization", &bearer)]).await;
+    let g = c.get("/zstd", &[("authorization", &bearer)]).await;
     assert_eq!(g.status, 502);
     assert_no_value(&g);
     let g = c.get("/evil-encoding", &[("x-api-key", PH)]).await;
