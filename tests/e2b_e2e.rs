@@ -108,6 +108,10 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/kill/wait_raised", json!(true));
     check("/kill/gone", json!(true));
     check("/kill/kill_unknown", json!(false));
+    // another port of the sandbox, through the same origin, with the traffic token only
+    check("/port/status", json!(200));
+    check("/port/body", json!("served-from-vm\n"));
+    check("/port/wrong_token", json!(403));
     // files
     check("/files/write_path", json!("/home/user/dir/a.txt"));
     check("/files/read", json!("content one"));

@@ -19,6 +19,7 @@ mod control;
 mod files;
 mod filesystem;
 pub mod listen;
+mod ports;
 mod process;
 mod proto;
 
@@ -38,8 +39,6 @@ use crate::service::e2b::E2bSandbox;
 pub const ENVD_VERSION: &str = "0.5.7";
 /// envd's port, as the SDK names it in `E2b-Sandbox-Port`.
 pub const ENVD_PORT: u16 = 49983;
-/// The code interpreter's port.
-pub const INTERPRETER_PORT: u16 = 49999;
 /// Largest control-plane or unary request body.
 const MAX_JSON_BODY: usize = 1024 * 1024;
 /// The user E2B code runs as, and its home (relative paths start there).
@@ -182,24 +181,7 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Response<Body> {
         )
         .into_response();
     }
-    json(
-        StatusCode::BAD_GATEWAY,
-        &serde_json::json!({
-            "code": 502,
-            "message": match port {
-                INTERPRETER_PORT => format!(
-                    "The sandbox {id} is running but port {port} is not open: the code \
-                     interpreter is not offered by tryboxi's E2B face yet"
-                ),
-                _ => format!(
-                    "The sandbox {id} is running but port {port} is not open (other ports are \
-                     not offered through the E2B face yet; use `tryboxi port`)"
-                ),
-            },
-            "sandboxId": id,
-            "port": port,
-        }),
-    )
+    ports::proxy(req, face, &rec, port).await
 }
 
 fn connect_unauthenticated() -> Response<Body> {

@@ -112,6 +112,34 @@ def _():
     return asyncio.run(go())
 
 
+@step("port")
+def _():
+    import urllib.request
+    import urllib.error
+    sbx.commands.run("mkdir -p /tmp/www && echo served-from-vm > /tmp/www/x.txt")
+    srv = sbx.commands.run("cd /tmp/www && exec python3 -m http.server 8000", background=True)
+    base = os.environ["E2B_SANDBOX_URL"]
+
+    def get(token):
+        req = urllib.request.Request(base + "/x.txt", headers={
+            "E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000",
+            "E2B-Traffic-Access-Token": token})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    deadline = time.time() + 60
+    status, body = get(sbx.traffic_access_token)
+    while status == 502 and time.time() < deadline:  # the server is still starting
+        time.sleep(0.5)
+        status, body = get(sbx.traffic_access_token)
+    bad_status, _ = get("wrong")
+    srv.kill()
+    return {"status": status, "body": body, "wrong_token": bad_status}
+
+
 @step("files")
 def _():
     info = sbx.files.write("dir/a.txt", "content one")
