@@ -89,25 +89,6 @@ impl ConnectError {
     }
 }
 
-impl From<crate::service::ServiceError> for ConnectError {
-    fn from(e: crate::service::ServiceError) -> Self {
-        use crate::service::ServiceError as S;
-        let code = match &e {
-            S::NotFound(_) => Code::NotFound,
-            S::BadRequest(_) => Code::InvalidArgument,
-            S::Unprocessable(_) => Code::FailedPrecondition,
-            S::Conflict(_) => Code::AlreadyExists,
-            S::NoWorkspace(_) => Code::FailedPrecondition,
-            S::PortNotOpen(_) => Code::Unavailable,
-            S::Forbidden(_) => Code::PermissionDenied,
-            S::Unavailable(_) => Code::Unavailable,
-            S::Busy(_) | S::NoSpace(_) => Code::ResourceExhausted,
-            S::Internal(_) => Code::Internal,
-        };
-        ConnectError::new(code, e.to_string())
-    }
-}
-
 /// One envelope of a streaming body.
 pub fn envelope(flags: u8, json: &[u8]) -> Bytes {
     let mut b = BytesMut::with_capacity(5 + json.len());
@@ -132,22 +113,6 @@ pub fn end(err: Option<&ConnectError>) -> Bytes {
         Some(e) => serde_json::json!({ "error": e.json() }),
     };
     envelope(FLAG_END, &serde_json::to_vec(&v).unwrap_or_default())
-}
-
-/// A `200 application/connect+json` response whose envelopes arrive on `rx`.
-pub fn stream_response(
-    rx: tokio::sync::mpsc::Receiver<Bytes>,
-) -> hyper::Response<crate::daemon::response::Body> {
-    use futures_util::StreamExt as _;
-    use http_body_util::BodyExt as _;
-    let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
-        .map(|b| Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(b)));
-    hyper::Response::builder()
-        .header(hyper::header::CONTENT_TYPE, "application/connect+json")
-        .body(http_body_util::BodyExt::boxed(
-            http_body_util::StreamBody::new(stream),
-        ))
-        .unwrap_or_else(|_| hyper::Response::new(http_body_util::Full::new(Bytes::new()).boxed()))
 }
 
 /// What the decoder found.

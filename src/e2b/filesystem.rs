@@ -13,7 +13,8 @@ use hyper::{Request, Response, StatusCode};
 use serde_json::{Value, json};
 
 use super::connect::{Code, ConnectError, decode};
-use super::proto::{Entry, MoveRequest, PathRequest};
+use super::entry::Entry;
+use super::proto::{MoveRequest, PathRequest};
 use super::{Face, guest_path, read_body};
 use crate::daemon::response::Body;
 use crate::rpc::msg::{FileKind, FileStat};

@@ -16,8 +16,11 @@
 
 mod connect;
 mod control;
+mod entry;
 mod files;
 mod filesystem;
+#[cfg(test)]
+mod fuzzing;
 pub mod listen;
 mod ports;
 mod process;
@@ -128,6 +131,41 @@ pub fn token_eq(a: &str, b: &str) -> bool {
 
 fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
     h.get(name).and_then(|v| v.to_str().ok())
+}
+
+impl From<crate::service::ServiceError> for connect::ConnectError {
+    fn from(e: crate::service::ServiceError) -> Self {
+        use crate::service::ServiceError as S;
+        let code = match &e {
+            S::NotFound(_) => connect::Code::NotFound,
+            S::BadRequest(_) => connect::Code::InvalidArgument,
+            S::Unprocessable(_) => connect::Code::FailedPrecondition,
+            S::Conflict(_) => connect::Code::AlreadyExists,
+            S::NoWorkspace(_) => connect::Code::FailedPrecondition,
+            S::PortNotOpen(_) => connect::Code::Unavailable,
+            S::Forbidden(_) => connect::Code::PermissionDenied,
+            S::Unavailable(_) => connect::Code::Unavailable,
+            S::Busy(_) | S::NoSpace(_) => connect::Code::ResourceExhausted,
+            S::Internal(_) => connect::Code::Internal,
+        };
+        connect::ConnectError::new(code, e.to_string())
+    }
+}
+
+/// A `200 application/connect+json` response whose envelopes arrive on `rx`.
+pub fn connect_stream(
+    rx: tokio::sync::mpsc::Receiver<Bytes>,
+) -> hyper::Response<crate::daemon::response::Body> {
+    use futures_util::StreamExt as _;
+    use http_body_util::BodyExt as _;
+    let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
+        .map(|b| Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(b)));
+    hyper::Response::builder()
+        .header(hyper::header::CONTENT_TYPE, "application/connect+json")
+        .body(http_body_util::BodyExt::boxed(
+            http_body_util::StreamBody::new(stream),
+        ))
+        .unwrap_or_else(|_| hyper::Response::new(http_body_util::Full::new(Bytes::new()).boxed()))
 }
 
 /// Read a whole (small) body, bounded.

@@ -295,7 +295,7 @@ fn stream_events(
         };
         let _ = tx.send(connect::end(end_err.as_ref())).await;
     });
-    connect::stream_response(rx)
+    super::connect_stream(rx)
 }
 
 fn bytes_of(data: Option<String>, data_b64: Option<String>) -> Vec<u8> {
@@ -432,7 +432,7 @@ async fn stream_input(
             let _ = tx.try_send(connect::end(Some(&e)));
         }
     }
-    Ok(connect::stream_response(rx))
+    Ok(super::connect_stream(rx))
 }
 
 #[cfg(test)]
