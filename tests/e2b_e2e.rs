@@ -125,6 +125,7 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/files/exists_dir_after_remove", json!(false));
     check("/files/missing", json!("NotFoundException"));
     check("/files/binary_ok", json!(true));
+    check("/watch_dir/created", json!(true));
     // control plane
     let id = at("/sandbox_id");
     check("/list/mine", json!([id]));
@@ -142,13 +143,21 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/short_timeout/connect_after", json!("NotFoundException"));
     check("/kill_twice/first", json!(true));
     check("/kill_twice/second", json!(false));
-    // The timeout left its event.
-    let ev = d.request("GET", "/v1/events?limit=1000", None);
-    assert!(
-        ev.text().contains("e2b.timeout"),
-        "no e2b.timeout event:\n{}",
-        ev.text()
-    );
+    // The timeout left its event (already stored: read from the start, bounded).
+    let events = common::follow_events(&d, "?since=0");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut kinds = Vec::new();
+    while let Ok(ev) =
+        events.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+    {
+        let kind = ev["type"].as_str().unwrap_or("").to_owned();
+        if kind == "e2b.timeout" {
+            assert_eq!(ev["data"]["action"], "killed", "{ev}");
+            return;
+        }
+        kinds.push(kind);
+    }
+    panic!("no e2b.timeout event; saw {kinds:?}");
 }
 
 #[test]

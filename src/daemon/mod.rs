@@ -196,6 +196,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         let face = Arc::new(crate::e2b::Face {
             svc: svc.clone(),
             token: shared.token.clone(),
+            watchers: Default::default(),
         });
         let (cfg, tx) = (shared.svc.config.http.clone(), shutdown_tx.clone());
         tokio::spawn(async move { crate::e2b::listen::run(l, e2b_tls, &cfg, face, tx).await });

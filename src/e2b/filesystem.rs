@@ -3,8 +3,8 @@
 //!
 //! Owns: E2B's path rules (relative paths start in the user's home), `EntryInfo` building
 //! (owner and group names from the guest's account files), ListDir's depth walk (bounded), and
-//! the mapping of errors onto Connect codes. The watch methods (WatchDir, CreateWatcher,
-//! GetWatcherEvents, RemoveWatcher) answer `unimplemented` with a clear message.
+//! the mapping of errors onto Connect codes, and the watch methods (WatchDir as a stream;
+//! CreateWatcher, GetWatcherEvents, RemoveWatcher) on the polled watchers of `watch.rs`.
 
 use std::collections::VecDeque;
 
@@ -32,6 +32,12 @@ pub async fn handle(
     rec: &E2bSandbox,
     method: &str,
 ) -> Response<Body> {
+    if method == "WatchDir" {
+        return match watch_dir(req, face, rec).await {
+            Ok(r) => r,
+            Err(e) => super::connect_stream_error(&e),
+        };
+    }
     match unary(req, face, rec, method).await {
         Ok(v) => super::json(StatusCode::OK, &v),
         Err(e) => super::json(
@@ -70,6 +76,118 @@ fn entry(acc: &GuestAccounts, path: &str, st: &FileStat) -> Value {
         group: acc.group_name(st.gid),
     }
     .to_json()
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+struct WatchRequest {
+    path: String,
+    #[serde(alias = "recursive")]
+    recursive: Option<bool>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+struct WatcherRequest {
+    #[serde(alias = "watcher_id")]
+    watcher_id: String,
+}
+
+/// The first listing of a directory to watch (which must be a directory).
+async fn watch_base(
+    face: &Face,
+    id: &str,
+    p: &str,
+    recursive: bool,
+) -> Result<super::watch::Seen, ConnectError> {
+    let st = face.svc.vm_stat(id, p).await?;
+    if st.kind != FileKind::Dir {
+        return Err(ConnectError::new(
+            Code::InvalidArgument,
+            format!("{p} is not a directory"),
+        ));
+    }
+    super::watch::snapshot(&face.svc, id, p, recursive).await
+}
+
+/// `WatchDir`: `{"start":{}}`, then `{"filesystem":{"name","type"}}` for each change (polled,
+/// see `watch.rs`), keepalives when asked; the watch ends with the stream.
+async fn watch_dir(
+    req: Request<Incoming>,
+    face: &Face,
+    rec: &E2bSandbox,
+) -> Result<Response<Body>, ConnectError> {
+    let user = super::request_user(req.headers())?;
+    let keepalive = req
+        .headers()
+        .get("keepalive-ping-interval")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .map(|s| std::time::Duration::from_secs(s.min(300)));
+    let body = read_body(req.into_body(), super::connect::MAX_MESSAGE + 5)
+        .await
+        .map_err(|e| ConnectError::new(Code::ResourceExhausted, e.message))?;
+    let mut d = super::connect::Decoder::default();
+    d.push(&body);
+    let msg = match d.next()? {
+        Some(super::connect::Frame::Message(m)) => m,
+        _ => {
+            return Err(ConnectError::new(
+                Code::InvalidArgument,
+                "a streaming request must hold one whole message envelope",
+            ));
+        }
+    };
+    let r: WatchRequest = decode(&msg)?;
+    let id = rec.sandbox_id.clone();
+    let (_, home) = who(face, rec, &user).await?;
+    let p = guest_path(&r.path, &home)?;
+    face.watchers.check_room(&id, 0)?;
+    let recursive = r.recursive.unwrap_or(false);
+    let base = watch_base(face, &id, &p, recursive).await?;
+    let wid = face
+        .watchers
+        .create(face.svc.clone(), &id, p, recursive, base);
+    let watchers = face.watchers.clone();
+    let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(16);
+    tokio::spawn(async move {
+        use super::connect::{end, message};
+        let _ = tx.send(message(&json!({ "start": {} }))).await;
+        let mut since_ping = std::time::Instant::now();
+        let end_err = loop {
+            tokio::select! {
+                _ = tokio::time::sleep(super::watch::POLL) => {}
+                _ = tx.closed() => break None,
+            }
+            match watchers.take(&id, &wid) {
+                Ok(evs) => {
+                    for ev in evs {
+                        if tx
+                            .send(message(&json!({ "filesystem": ev })))
+                            .await
+                            .is_err()
+                        {
+                            let _ = watchers.remove(&id, &wid);
+                            return;
+                        }
+                    }
+                }
+                Err(e) => break Some(e),
+            }
+            if let Some(k) = keepalive
+                && since_ping.elapsed() >= k
+            {
+                since_ping = std::time::Instant::now();
+                if tx.send(message(&json!({ "keepalive": {} }))).await.is_err() {
+                    break None;
+                }
+            }
+        };
+        let _ = watchers.remove(&id, &wid);
+        let _ = tx.send(end(end_err.as_ref())).await;
+    });
+    Ok(super::connect_stream(rx))
 }
 
 async fn unary(
@@ -156,11 +274,25 @@ async fn unary(
             svc.vm_remove(id, &p).await?;
             Ok(json!({}))
         }
-        "WatchDir" | "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => {
-            Err(ConnectError::new(
-                Code::Unimplemented,
-                "watching directories is not supported by tryboxi's E2B face yet",
-            ))
+        "CreateWatcher" => {
+            let r: WatchRequest = decode(&body)?;
+            let (_, home) = who(face, rec, &user).await?;
+            let p = guest_path(&r.path, &home)?;
+            face.watchers.check_room(id, 0)?;
+            let base = watch_base(face, id, &p, r.recursive.unwrap_or(false)).await?;
+            let wid =
+                face.watchers
+                    .create(face.svc.clone(), id, p, r.recursive.unwrap_or(false), base);
+            Ok(json!({ "watcherId": wid }))
+        }
+        "GetWatcherEvents" => {
+            let r: WatcherRequest = decode(&body)?;
+            Ok(json!({ "events": face.watchers.take(id, &r.watcher_id)? }))
+        }
+        "RemoveWatcher" => {
+            let r: WatcherRequest = decode(&body)?;
+            face.watchers.remove(id, &r.watcher_id)?;
+            Ok(json!({}))
         }
         other => Err(ConnectError::new(
             Code::Unimplemented,

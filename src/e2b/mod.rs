@@ -25,6 +25,7 @@ pub mod listen;
 mod ports;
 mod process;
 mod proto;
+mod watch;
 
 use std::sync::Arc;
 
@@ -52,6 +53,8 @@ pub struct Face {
     pub svc: Arc<Service>,
     /// The daemon's API token (`tryboxi token`): the E2B API key.
     pub token: String,
+    /// Directory watches (`filesystem.Filesystem/WatchDir` and the polled watchers).
+    pub watchers: watch::Watchers,
 }
 
 /// An error in E2B's control-plane shape: `{"code": <http status>, "message": "..."}`.
@@ -166,6 +169,13 @@ pub fn connect_stream(
             http_body_util::StreamBody::new(stream),
         ))
         .unwrap_or_else(|_| hyper::Response::new(http_body_util::Full::new(Bytes::new()).boxed()))
+}
+
+/// A streaming answer that is only an end-of-stream error (Connect sends stream errors in a 200).
+pub fn connect_stream_error(e: &connect::ConnectError) -> Response<Body> {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let _ = tx.try_send(connect::end(Some(e)));
+    connect_stream(rx)
 }
 
 /// Read a whole (small) body, bounded.

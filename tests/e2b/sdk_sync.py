@@ -167,6 +167,20 @@ def _():
             "missing": missing, "binary_ok": bytes(back) == binary}
 
 
+@step("watch_dir")
+def _():
+    sbx.files.make_dir("wdir")
+    w = sbx.files.watch_dir("wdir")
+    sbx.files.write("wdir/new.txt", "x")
+    seen = []
+    deadline = time.time() + 30
+    while time.time() < deadline and not any(e.name == "new.txt" for e in seen):
+        time.sleep(0.5)
+        seen.extend(w.get_new_events())
+    w.stop()
+    return {"created": any(e.name == "new.txt" and "CREATE" in str(e.type) for e in seen)}
+
+
 @step("list")
 def _():
     mine = Sandbox.list(query=SandboxQuery(metadata={"suite": "tryboxi-e2e"})).next_items()
