@@ -432,4 +432,71 @@ mod tests {
         );
         assert_eq!(to_wire(&base, 0).unwrap().timeout, None);
     }
+
+    #[test]
+    fn pty_user_tag_and_stdin_open_are_checked_and_passed_on() {
+        let base = api::ExecRequest {
+            argv: Some(vec!["true".into()]),
+            ..Default::default()
+        };
+        let ok = to_wire(
+            &api::ExecRequest {
+                pty: Some(api::PtySize {
+                    rows: 30,
+                    cols: 100,
+                }),
+                user: Some("user".into()),
+                stdin_open: true,
+                tag: Some("t".repeat(MAX_TAG)),
+                ..base.clone()
+            },
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            ok.pty,
+            Some(rpc::msg::PtySize {
+                rows: 30,
+                cols: 100
+            })
+        );
+        assert_eq!(ok.user.as_deref(), Some("user"));
+        assert!(ok.keep_stdin_open);
+        assert!(!to_wire(&base, 0).unwrap().keep_stdin_open);
+        let bad = [
+            api::ExecRequest {
+                pty: Some(api::PtySize { rows: 0, cols: 80 }),
+                ..base.clone()
+            },
+            api::ExecRequest {
+                pty: Some(api::PtySize {
+                    rows: 24,
+                    cols: 1001,
+                }),
+                ..base.clone()
+            },
+            api::ExecRequest {
+                user: Some("root;rm".into()),
+                ..base.clone()
+            },
+            api::ExecRequest {
+                user: Some("u".repeat(33)),
+                ..base.clone()
+            },
+            api::ExecRequest {
+                tag: Some("t".repeat(MAX_TAG + 1)),
+                ..base.clone()
+            },
+        ];
+        for b in bad {
+            assert!(
+                matches!(to_wire(&b, 0), Err(ServiceError::BadRequest(_))),
+                "{b:?}"
+            );
+        }
+        // Old clients' requests (no new fields) still parse; unknown fields do not.
+        let old: api::ExecRequest = serde_json::from_str(r#"{"cmd":"ls"}"#).unwrap();
+        assert!(!old.detach && old.pty.is_none() && old.user.is_none());
+        assert!(serde_json::from_str::<api::ExecRequest>(r#"{"cmd":"ls","tty":true}"#).is_err());
+    }
 }

@@ -326,7 +326,10 @@ impl Service {
         if let Some(live) = self.execs.get(exec_id) {
             return Ok(live.info.clone());
         }
-        Ok(self.exec_record(exec_id)?.info())
+        // Not live: ended, or lost with a daemon that stopped while it ran.
+        let mut info = self.exec_record(exec_id)?.info();
+        info.running = false;
+        Ok(info)
     }
 
     fn exec_record(&self, exec_id: &str) -> Result<ExecRecord, ServiceError> {
