@@ -1,5 +1,6 @@
-//! Execs that outlive their request (detach, list, attach with replay, later stdin, signals),
-//! pty execs (size, resize) and execs as a guest user, in one real VM.
+//! Execs that outlive their request (detach, list, attach with replay, later stdin, signals,
+//! what a pause does to them), pty execs (size, resize) and execs as a guest user, in one
+//! real VM.
 
 mod common;
 
@@ -246,6 +247,23 @@ fn detached_pty_and_user_execs() {
     );
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("no user `nosuchuser`"), "{}", r.text());
+    // A pause ends the tracking of a running exec (documented in ARCHITECTURE): its followers
+    // get `vm_lost`, it is no longer listed; after resume the sandbox runs commands again.
+    let e = start_and_leave(&d, &id, &json!({"argv": ["sleep", "1000"], "detach": true}));
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_ended(&d, &id, &e);
+    let evs = events(&d, &format!("/v1/execs/{e}/attach"), &json!({}));
+    let end = evs.last().unwrap();
+    assert_eq!(end["type"], "error", "{evs:?}");
+    assert!(
+        end["message"].as_str().unwrap_or_default().contains("lost"),
+        "{end}"
+    );
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (out, _) = stdout_and_end(&events(&d, &exec_path, &json!({"cmd": "echo back"})));
+    assert_eq!(out, "back\n");
     // Bad sizes and names are refused before anything runs.
     for bad in [
         r#"{"cmd":"true","pty":{"rows":0,"cols":80}}"#,
