@@ -1,5 +1,5 @@
 //! Execs that outlive their request (detach, list, attach with replay, later stdin, signals,
-//! what a pause does to them), pty execs (size, resize) and execs as a guest user, in one
+//! a pause and resume under them), pty execs (size, resize) and execs as a guest user, in one
 //! real VM.
 
 mod common;
@@ -247,23 +247,42 @@ fn detached_pty_and_user_execs() {
     );
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("no user `nosuchuser`"), "{}", r.text());
-    // A pause ends the tracking of a running exec (documented in ARCHITECTURE): its followers
-    // get `vm_lost`, it is no longer listed; after resume the sandbox runs commands again.
-    let e = start_and_leave(&d, &id, &json!({"argv": ["sleep", "1000"], "detach": true}));
+    // A running exec survives a pause: still listed while paused; after the resume its
+    // owner re-attaches (the agent's `Resume`), so later stdin reaches it and its output and
+    // exit arrive.
+    let e = start_and_leave(
+        &d,
+        &id,
+        &json!({"cmd": "echo before; read x; echo after $x", "detach": true, "stdin_open": true}),
+    );
     let r = d.request("POST", &format!("/v1/sandboxes/{id}/pause"), None);
     assert_eq!(r.status, 200, "{}", r.text());
-    wait_ended(&d, &id, &e);
-    let evs = events(&d, &format!("/v1/execs/{e}/attach"), &json!({}));
-    let end = evs.last().unwrap();
-    assert_eq!(end["type"], "error", "{evs:?}");
-    assert!(
-        end["message"].as_str().unwrap_or_default().contains("lost"),
-        "{end}"
-    );
+    assert!(live_ids(&d, &id).contains(&e), "a pause ended the exec");
     let r = d.request("POST", &format!("/v1/sandboxes/{id}/resume"), None);
     assert_eq!(r.status, 200, "{}", r.text());
-    let (out, _) = stdout_and_end(&events(&d, &exec_path, &json!({"cmd": "echo back"})));
-    assert_eq!(out, "back\n");
+    // The owner re-attaches within a poll or two; until then input is refused (409).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = d.request(
+            "POST",
+            &format!("/v1/execs/{e}/stdin"),
+            Some(r#"{"data":"z\n"}"#),
+        );
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.status, 409, "{}", r.text());
+        assert!(Instant::now() < deadline, "{}", r.text());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let evs = events(
+        &d,
+        &format!("/v1/execs/{e}/attach"),
+        &json!({"replay": true}),
+    );
+    let (out, end) = stdout_and_end(&evs);
+    assert_eq!(out, "before\nafter z\n", "{evs:?}");
+    assert_eq!(end["exit_code"], 0, "{end}");
     // Bad sizes and names are refused before anything runs.
     for bad in [
         r#"{"cmd":"true","pty":{"rows":0,"cols":80}}"#,

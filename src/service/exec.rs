@@ -6,6 +6,7 @@
 //! (`execs.rs`), until it ends or its sandbox goes.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -199,10 +200,10 @@ impl Service {
         };
         let store = self.store.clone();
         // Held while the command runs: a VM in use is never idle-paused (`service/pause.rs`).
-        let in_use = vm.clone();
+        let mut in_use = Some(vm.clone());
         let registry = self.execs.clone();
+        let weak_svc = self.life.weak();
         tokio::spawn(async move {
-            let _in_use = in_use;
             let watch = primary.clone();
             let primary_gone = async {
                 match &watch {
@@ -241,8 +242,40 @@ impl Service {
                             duration_ms,
                         };
                     }
-                    Some(Err(e)) => break lost(&e),
-                    None => break lost(&RpcError::Disconnected),
+                    other => {
+                        let e = match other {
+                            Some(Err(e)) => e,
+                            _ => RpcError::Disconnected,
+                        };
+                        // A pause breaks the link; the command may run on after the resume.
+                        let old = in_use
+                            .take()
+                            .map(|v| Arc::downgrade(&v))
+                            .unwrap_or_default();
+                        let back = match &weak_svc {
+                            Some(svc) => {
+                                execs::reattach_exec(
+                                    svc,
+                                    &sandbox_id,
+                                    &old,
+                                    stream.exec_id(),
+                                    stream.next_seq(),
+                                )
+                                .await
+                            }
+                            None => None,
+                        };
+                        match back {
+                            Some((s, vm)) => {
+                                tracing::info!(exec = %exec_rec.id, "re-attached to the command after its sandbox resumed");
+                                stream = s;
+                                live.set_control(stream.control());
+                                in_use = Some(vm);
+                                continue;
+                            }
+                            None => break lost(&e),
+                        }
+                    }
                 };
                 let out = api::ExecEvent::output(stderr, &b);
                 live.publish(out.clone(), || obs.output(stderr, &b));
