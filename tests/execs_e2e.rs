@@ -255,9 +255,26 @@ fn detached_pty_and_user_execs() {
         &id,
         &json!({"cmd": "echo before; read x; echo after $x", "detach": true, "stdin_open": true}),
     );
-    let r = d.request("POST", &format!("/v1/sandboxes/{id}/pause"), None);
-    assert_eq!(r.status, 200, "{}", r.text());
-    assert!(live_ids(&d, &id).contains(&e), "a pause ended the exec");
+    // An attached exec's stream ends at the pause (`vm_lost`): its caller does not wait.
+    let attached = std::thread::scope(|sc| {
+        let t = sc.spawn(|| events(&d, &exec_path, &json!({"argv": ["sleep", "30"]})));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while live_ids(&d, &id).len() < 2 {
+            assert!(Instant::now() < deadline, "the attached exec never started");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let r = d.request("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+        assert_eq!(r.status, 200, "{}", r.text());
+        t.join().unwrap()
+    });
+    let end = attached.last().unwrap();
+    assert_eq!(end["type"], "error", "{attached:?}");
+    assert_eq!(end["code"], "vm_lost", "{end}");
+    assert_eq!(
+        live_ids(&d, &id),
+        [e.clone()],
+        "a pause ended the detached exec"
+    );
     let r = d.request("POST", &format!("/v1/sandboxes/{id}/resume"), None);
     assert_eq!(r.status, 200, "{}", r.text());
     // The owner re-attaches within a poll or two; until then input is refused (409).

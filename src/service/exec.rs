@@ -248,12 +248,14 @@ impl Service {
                             _ => RpcError::Disconnected,
                         };
                         // A pause breaks the link; the command may run on after the resume.
+                        // Only a detached exec waits for that: an attached one's caller is
+                        // not left waiting for a resume that may never come.
                         let old = in_use
                             .take()
                             .map(|v| Arc::downgrade(&v))
                             .unwrap_or_default();
                         let back = match &weak_svc {
-                            Some(svc) => {
+                            Some(svc) if exec_rec.detached => {
                                 execs::reattach_exec(
                                     svc,
                                     &sandbox_id,
@@ -263,7 +265,7 @@ impl Service {
                                 )
                                 .await
                             }
-                            None => None,
+                            _ => None,
                         };
                         match back {
                             Some((s, vm)) => {
