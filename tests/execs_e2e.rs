@@ -272,7 +272,7 @@ fn detached_pty_and_user_execs() {
     assert_eq!(end["code"], "vm_lost", "{end}");
     assert_eq!(
         live_ids(&d, &id),
-        [e.clone()],
+        std::slice::from_ref(&e),
         "a pause ended the detached exec"
     );
     let r = d.request("POST", &format!("/v1/sandboxes/{id}/resume"), None);
