@@ -32,6 +32,8 @@ mod reconnect_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod user_tests;
+#[cfg(test)]
 mod vm_tests;
 #[cfg(test)]
 mod window_tests;

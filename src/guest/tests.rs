@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 
 const T: Duration = Duration::from_secs(60);
 
-fn agent() -> Arc<Agent> {
+pub(super) fn agent() -> Arc<Agent> {
     let cfg = ExecConfig {
         default_cwd: "/".into(),
         base_env: None,
@@ -25,7 +25,7 @@ fn agent() -> Arc<Agent> {
 }
 
 /// A client and an agent joined by a cuttable link (aborting the returned task is the VM dying).
-async fn link(
+pub(super) async fn link(
     agent: &Arc<Agent>,
 ) -> (
     AgentClient,
@@ -53,12 +53,12 @@ fn sh(s: &str) -> ExecRequest {
 }
 
 #[derive(Debug, Default)]
-struct Outcome {
-    out: Vec<u8>,
-    err: Vec<u8>,
-    code: Option<i32>,
-    signal: Option<i32>,
-    timed_out: bool,
+pub(super) struct Outcome {
+    pub(super) out: Vec<u8>,
+    pub(super) err: Vec<u8>,
+    pub(super) code: Option<i32>,
+    pub(super) signal: Option<i32>,
+    pub(super) timed_out: bool,
 }
 
 async fn drain(s: &mut ExecStream, o: &mut Outcome) -> Result<(), RpcError> {
@@ -82,7 +82,7 @@ async fn drain(s: &mut ExecStream, o: &mut Outcome) -> Result<(), RpcError> {
     Ok(())
 }
 
-async fn run(c: &AgentClient, req: ExecRequest) -> Outcome {
+pub(super) async fn run(c: &AgentClient, req: ExecRequest) -> Outcome {
     let mut s = c.exec(req).await.unwrap();
     let mut o = Outcome::default();
     drain(&mut s, &mut o).await.unwrap();

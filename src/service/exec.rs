@@ -6,6 +6,7 @@
 //! (`execs.rs`), until it ends or its sandbox goes.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -199,10 +200,10 @@ impl Service {
         };
         let store = self.store.clone();
         // Held while the command runs: a VM in use is never idle-paused (`service/pause.rs`).
-        let in_use = vm.clone();
+        let mut in_use = Some(vm.clone());
         let registry = self.execs.clone();
+        let weak_svc = self.life.weak();
         tokio::spawn(async move {
-            let _in_use = in_use;
             let watch = primary.clone();
             let primary_gone = async {
                 match &watch {
@@ -241,8 +242,42 @@ impl Service {
                             duration_ms,
                         };
                     }
-                    Some(Err(e)) => break lost(&e),
-                    None => break lost(&RpcError::Disconnected),
+                    other => {
+                        let e = match other {
+                            Some(Err(e)) => e,
+                            _ => RpcError::Disconnected,
+                        };
+                        // A pause breaks the link; the command may run on after the resume.
+                        // Only a detached exec waits for that: an attached one's caller is
+                        // not left waiting for a resume that may never come.
+                        let old = in_use
+                            .take()
+                            .map(|v| Arc::downgrade(&v))
+                            .unwrap_or_default();
+                        let back = match &weak_svc {
+                            Some(svc) if exec_rec.detached => {
+                                execs::reattach_exec(
+                                    svc,
+                                    &sandbox_id,
+                                    &old,
+                                    stream.exec_id(),
+                                    stream.next_seq(),
+                                )
+                                .await
+                            }
+                            _ => None,
+                        };
+                        match back {
+                            Some((s, vm)) => {
+                                tracing::info!(exec = %exec_rec.id, "re-attached to the command after its sandbox resumed");
+                                stream = s;
+                                live.set_control(stream.control());
+                                in_use = Some(vm);
+                                continue;
+                            }
+                            None => break lost(&e),
+                        }
+                    }
                 };
                 let out = api::ExecEvent::output(stderr, &b);
                 live.publish(out.clone(), || obs.output(stderr, &b));
@@ -431,5 +466,72 @@ mod tests {
             Some(Duration::from_secs(30))
         );
         assert_eq!(to_wire(&base, 0).unwrap().timeout, None);
+    }
+
+    #[test]
+    fn pty_user_tag_and_stdin_open_are_checked_and_passed_on() {
+        let base = api::ExecRequest {
+            argv: Some(vec!["true".into()]),
+            ..Default::default()
+        };
+        let ok = to_wire(
+            &api::ExecRequest {
+                pty: Some(api::PtySize {
+                    rows: 30,
+                    cols: 100,
+                }),
+                user: Some("user".into()),
+                stdin_open: true,
+                tag: Some("t".repeat(MAX_TAG)),
+                ..base.clone()
+            },
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            ok.pty,
+            Some(rpc::msg::PtySize {
+                rows: 30,
+                cols: 100
+            })
+        );
+        assert_eq!(ok.user.as_deref(), Some("user"));
+        assert!(ok.keep_stdin_open);
+        assert!(!to_wire(&base, 0).unwrap().keep_stdin_open);
+        let bad = [
+            api::ExecRequest {
+                pty: Some(api::PtySize { rows: 0, cols: 80 }),
+                ..base.clone()
+            },
+            api::ExecRequest {
+                pty: Some(api::PtySize {
+                    rows: 24,
+                    cols: 1001,
+                }),
+                ..base.clone()
+            },
+            api::ExecRequest {
+                user: Some("root;rm".into()),
+                ..base.clone()
+            },
+            api::ExecRequest {
+                user: Some("u".repeat(33)),
+                ..base.clone()
+            },
+            api::ExecRequest {
+                tag: Some("t".repeat(MAX_TAG + 1)),
+                ..base.clone()
+            },
+        ];
+        for b in bad {
+            assert!(
+                matches!(to_wire(&b, 0), Err(ServiceError::BadRequest(_))),
+                "{b:?}"
+            );
+        }
+        // Old clients' requests (no new fields) still parse; unknown fields do not.
+        let old: api::ExecRequest = serde_json::from_str(r#"{"cmd":"ls"}"#).unwrap();
+        assert!(!old.detach && old.pty.is_none() && old.user.is_none());
+        assert!(serde_json::from_str::<api::ExecRequest>(r#"{"cmd":"ls","tty":true}"#).is_err());
     }
 }

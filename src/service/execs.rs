@@ -11,15 +11,18 @@
 //! command ends; its store record (`EXECS`) and logs stay.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use tokio::sync::{broadcast, mpsc};
 use zeroize::Zeroizing;
 
 use super::exec::ExecRecord;
+use super::vms::LiveVm;
 use super::{Service, ServiceError};
 use crate::api;
-use crate::rpc::ExecControl;
+use crate::api::SandboxState;
+use crate::rpc::{ExecControl, ExecStream};
 use crate::store::EXECS;
 use crate::telemetry::logs::{self, ExecLog, Stream};
 
@@ -27,14 +30,19 @@ use crate::telemetry::logs::{self, ExecLog, Stream};
 pub const MAX_LIVE_PER_SANDBOX: usize = 64;
 /// Events a subscriber may fall behind before it is cut off.
 pub const SUBSCRIBER_BACKLOG: usize = 1024;
+/// How long a broken agent link under an unchanged, ready VM is given before the exec is lost.
+const LINK_GRACE: Duration = Duration::from_secs(5);
+/// How often a paused exec's owner checks for its sandbox's resume.
+const REATTACH_POLL: Duration = Duration::from_millis(250);
 /// Replayed output is sent in events of at most this many bytes.
 const REPLAY_CHUNK: usize = 64 * 1024;
 
 /// One running exec.
 pub struct LiveExec {
     pub info: api::ExecInfo,
-    /// Stdin, signals, resizes (`None` only in unit tests, which have no VM).
-    control: Option<ExecControl>,
+    /// Stdin, signals, resizes (`None` only in unit tests, which have no VM; replaced when
+    /// the owner re-attaches after a pause).
+    control: Mutex<Option<ExecControl>>,
     hub: Mutex<Hub>,
     stdin: tokio::sync::Mutex<StdinState>,
     /// The output log the owner writes (`None`: no replay).
@@ -64,7 +72,7 @@ impl LiveExec {
         let (tx, _) = broadcast::channel(SUBSCRIBER_BACKLOG);
         Arc::new(LiveExec {
             info,
-            control,
+            control: Mutex::new(control),
             hub: Mutex::new(Hub { tx, end: None }),
             stdin: tokio::sync::Mutex::new(StdinState {
                 open: stdin_open,
@@ -116,10 +124,16 @@ impl LiveExec {
         }
     }
 
-    fn control(&self) -> Result<&ExecControl, ServiceError> {
-        self.control.as_ref().ok_or_else(|| {
+    fn control(&self) -> Result<ExecControl, ServiceError> {
+        let c = self.control.lock().unwrap_or_else(|p| p.into_inner());
+        c.clone().ok_or_else(|| {
             ServiceError::Conflict(format!("exec `{}` has no control channel", self.info.id))
         })
+    }
+
+    /// The owner re-attached to the command on a new agent link.
+    pub fn set_control(&self, control: ExecControl) {
+        *self.control.lock().unwrap_or_else(|p| p.into_inner()) = Some(control);
     }
 }
 
@@ -326,7 +340,10 @@ impl Service {
         if let Some(live) = self.execs.get(exec_id) {
             return Ok(live.info.clone());
         }
-        Ok(self.exec_record(exec_id)?.info())
+        // Not live: ended, or lost with a daemon that stopped while it ran.
+        let mut info = self.exec_record(exec_id)?.info();
+        info.running = false;
+        Ok(info)
     }
 
     fn exec_record(&self, exec_id: &str) -> Result<ExecRecord, ServiceError> {
@@ -463,6 +480,48 @@ impl Service {
             .into_iter()
             .find(|e| e.pid == Some(pid))
             .map(|e| e.id)
+    }
+}
+
+/// After the agent link of a running exec broke: wait while its sandbox is being paused or
+/// is paused, and once it runs again (a new VM in the live map), re-attach to the command
+/// with the agent's `Resume` from `next_seq`. `None` (the exec is lost) when the sandbox
+/// failed or went, its new agent does not know the exec (e.g. restored to a snapshot), or
+/// the link broke for another reason (the VM stays the same for [`LINK_GRACE`]).
+pub(super) async fn reattach_exec(
+    svc: &Weak<Service>,
+    sandbox: &str,
+    old: &Weak<LiveVm>,
+    guest_exec: u64,
+    next_seq: u64,
+) -> Option<(ExecStream, Arc<LiveVm>)> {
+    let since = tokio::time::Instant::now();
+    loop {
+        // Not kept alive while waiting.
+        let this = svc.upgrade()?;
+        let rec = this.record(sandbox).ok()?;
+        let vm = this.vms.get(sandbox);
+        drop(this);
+        let same = vm
+            .as_ref()
+            .is_some_and(|v| old.upgrade().is_some_and(|o| Arc::ptr_eq(v, &o)));
+        match (rec.api.state, vm) {
+            (SandboxState::Ready, Some(vm)) if !same => {
+                return match vm.agent.resume(guest_exec, next_seq).await {
+                    Ok(s) => Some((s, vm)),
+                    Err(e) => {
+                        tracing::info!(sandbox, guest_exec, error = %e, "cannot re-attach to an exec");
+                        None
+                    }
+                };
+            }
+            (SandboxState::Paused, _) => {}
+            // Pausing: the VM left the live map before the record says paused.
+            (SandboxState::Ready, None) if since.elapsed() < LINK_GRACE * 12 => {}
+            (SandboxState::Ready, Some(_)) if since.elapsed() < LINK_GRACE => {}
+            _ => return None,
+        }
+        tokio::time::sleep(REATTACH_POLL).await;
     }
 }
 

@@ -90,6 +90,12 @@ impl Lifecycle {
     pub(super) fn service(&self) -> Option<Arc<Service>> {
         self.me.get().and_then(Weak::upgrade)
     }
+
+    /// The service, not kept alive (for tasks that may outlive it); `None` before
+    /// `start_lifecycle` (unit tests).
+    pub(super) fn weak(&self) -> Option<Weak<Service>> {
+        self.me.get().cloned()
+    }
 }
 
 impl Service {
