@@ -472,8 +472,7 @@ impl Service {
     }
 
     /// The live exec of `sandbox_id` whose guest pid is `pid`.
-    // For the E2B face (which names processes by pid); unused by our own API.
-    #[allow(dead_code)]
+    // The E2B face names processes by pid.
     pub fn exec_by_pid(&self, sandbox_id: &str, pid: u32) -> Option<String> {
         self.execs
             .of_sandbox(sandbox_id)
