@@ -1,8 +1,8 @@
 //! Bench row (m), issue 17: `Sandbox.create()` + `commands.run("true")` + `kill()` through the
 //! official E2B Python SDK against the daemon's E2B face, vs the same three steps through our
 //! native API (create without a workspace, exec `true`, rm), interleaved in the same run on the
-//! same daemon. The SDK's own overhead (Python start excluded: one interpreter runs every SDK
-//! rep) is included, as a user meets it. Target: ratio <= 1.5.
+//! same daemon. The SDK's own overhead is included, as a user meets it (Python start and imports
+//! are not: each rep is timed inside the interpreter). Target: ratio <= 1.5.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -140,8 +140,8 @@ pub fn section(r: &E2bRows, date: &str) -> Result<String> {
         "Measured on {date}, accel **{}**; host load average at the start {}, at the end {}. \
          Native: `POST /v1/sandboxes` (no workspace), exec `true`, `DELETE`, over the unix \
          socket. SDK: `e2b==2.63.0`, unmodified, `Sandbox.create()` + `commands.run(\"true\")` + \
-         `kill()` against `serve --e2b` (one Python process for all reps, so interpreter start \
-         is not counted). Interleaved, same daemon, same run.\n",
+         `kill()` against `serve --e2b` (timed inside Python, so interpreter start and imports \
+         are not counted). Interleaved, same daemon, same run.\n",
         r.accel, r.load_before, r.load_after
     )?;
     writeln!(
