@@ -119,7 +119,6 @@ pub enum Command {
     /// Checkpoint a sandbox, or list its snapshots.
     #[command(subcommand)]
     Snapshot(snapshot::Cmd),
-    /// Put a sandbox back to a snapshot (memory, processes and disk).
     /// New sandboxes that start from the current state of a sandbox (prints their ids).
     Fork {
         /// Sandbox id.
@@ -138,6 +137,7 @@ pub enum Command {
         /// Sandbox id.
         id: String,
     },
+    /// Put a sandbox back to a snapshot (memory, processes and disk).
     Restore {
         /// Sandbox id.
         id: String,
@@ -189,12 +189,13 @@ pub enum Command {
 
 /// Entry for every face but the guest agent. `argv0` picks the face for alias names.
 pub fn run(argv0: &str) -> ExitCode {
-    let mut args: Vec<OsString> = std::env::args_os().collect();
-    match argv0 {
-        "sandboxd" => args.insert(1, "serve".into()),
-        "sandbox-mcp" => args.insert(1, "mcp".into()),
-        _ => {}
-    }
+    let args = match alias_args(argv0, std::env::args_os().collect()) {
+        Ok(a) => a,
+        Err(msg) => {
+            eprintln!("{argv0}: {msg}");
+            return ExitCode::from(2);
+        }
+    };
     let cli = Cli::parse_from(args);
     match dispatch(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
@@ -204,6 +205,39 @@ pub fn run(argv0: &str) -> ExitCode {
             e.exit_code()
         }
     }
+}
+
+/// The daemon's own commands, which `sandboxd` takes as `tryboxi` does.
+const DAEMON_COMMANDS: [&str; 5] = ["serve", "install", "doctor", "token", "help"];
+
+/// The arguments as `tryboxi` would take them, for the alias names of the spec:
+/// `sandboxd [serve|install|doctor|token] ...` (nothing, or only options: `serve`),
+/// `sandboxctl <any command>` (as `tryboxi`), `sandbox-mcp ...` (= `tryboxi mcp ...`).
+fn alias_args(argv0: &str, mut args: Vec<OsString>) -> Result<Vec<OsString>, String> {
+    let first = args.get(1).map(|a| a.to_string_lossy().into_owned());
+    match argv0 {
+        "sandboxd" => match first.as_deref() {
+            Some(c) if DAEMON_COMMANDS.contains(&c) => {}
+            None => args.insert(1.min(args.len()), "serve".into()),
+            Some("-h" | "--help" | "-V" | "--version") => {}
+            Some(o) if o.starts_with('-') => args.insert(1, "serve".into()),
+            Some(other) => {
+                return Err(format!(
+                    "`{other}` is not a daemon command (sandboxd takes serve, install, doctor, \
+                     token); the CLI is `sandboxctl {other}`"
+                ));
+            }
+        },
+        // `sandbox-mcp` is `tryboxi mcp`: usage lines say so (not `sandbox-mcp mcp`).
+        "sandbox-mcp" => {
+            if let Some(name) = args.first_mut() {
+                *name = "tryboxi".into();
+            }
+            args.insert(1.min(args.len()), "mcp".into());
+        }
+        _ => {}
+    }
+    Ok(args)
 }
 
 fn dispatch(cmd: Command) -> Result<(), TopError> {
