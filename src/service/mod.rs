@@ -32,6 +32,7 @@ pub mod templates;
 pub mod vmfs;
 mod vms;
 mod workspace;
+mod workspace_apply;
 mod workspace_fetch;
 pub mod wsguard;
 

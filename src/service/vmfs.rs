@@ -10,8 +10,11 @@
 
 use std::sync::Arc;
 
+use super::workspace::agent_err;
 use super::{Service, ServiceError};
+use crate::api;
 use crate::rpc::RpcError;
+use crate::rpc::msg::FileKind;
 use crate::rpc::msg::{DirEntry, ErrorKind, FileStat};
 use crate::service::vms::LiveVm;
 
@@ -271,6 +274,112 @@ impl Service {
             &read("/etc/passwd").await,
             &read("/etc/group").await,
         ))
+    }
+}
+
+impl Service {
+    /// `GET /v1/sandboxes/{id}/files?path=/abs`.
+    pub async fn read_vm_file(
+        &self,
+        id: &str,
+        path: &str,
+    ) -> Result<api::FileContent, ServiceError> {
+        check_guest_path(path)?;
+        // A single agent call on this VM: no lock held (a VM replaced meanwhile fails it).
+        let (_, _rec, vm) = self.ready_vm(id).await?;
+        let st = vm.agent.stat(path).await.map_err(not_found_or(path))?;
+        if st.kind != FileKind::File {
+            return Err(ServiceError::BadRequest(format!(
+                "{path} is not a regular file"
+            )));
+        }
+        if st.size > self.max_file_bytes() {
+            return Err(ServiceError::BadRequest(format!(
+                "{path} is {} bytes, over the limit (sync.max_file_mib)",
+                st.size
+            )));
+        }
+        let data = vm
+            .agent
+            .read_file(path, self.max_file_bytes())
+            .await
+            .map_err(not_found_or(path))?;
+        let (content, content_b64) = match String::from_utf8(data) {
+            Ok(s) => (Some(s), None),
+            Err(e) => (None, Some(api::b64::encode(e.as_bytes()))),
+        };
+        Ok(api::FileContent {
+            path: path.to_owned(),
+            content,
+            content_b64,
+            mode: Some(st.mode),
+        })
+    }
+
+    /// `PUT /v1/sandboxes/{id}/files?path=/abs`: write a file inside the VM (never the host).
+    pub async fn write_vm_file(
+        &self,
+        id: &str,
+        path: &str,
+        body: api::FileContent,
+    ) -> Result<api::FileContent, ServiceError> {
+        check_guest_path(path)?;
+        if !body.path.is_empty() && body.path != path {
+            return Err(ServiceError::BadRequest(format!(
+                "the body names `{}` but the URL names `{path}`",
+                body.path
+            )));
+        }
+        let data = match (&body.content, &body.content_b64) {
+            (Some(_), Some(_)) => {
+                return Err(ServiceError::BadRequest(
+                    "give `content` or `content_b64`, not both".into(),
+                ));
+            }
+            (Some(s), None) => s.as_bytes().to_vec(),
+            (None, Some(b)) => api::b64::decode(b).map_err(ServiceError::BadRequest)?,
+            (None, None) => Vec::new(),
+        };
+        self.refuse_values(id, "file written through the API", &data)?;
+        let mode = body.mode.unwrap_or(0o644);
+        if mode > 0o7777 {
+            return Err(ServiceError::BadRequest(format!(
+                "mode {mode:o} is not a permission mode"
+            )));
+        }
+        // A single agent call on this VM: no lock held (a VM replaced meanwhile fails it).
+        let (_, _rec, vm) = self.ready_vm(id).await?;
+        if let Some(parent) = std::path::Path::new(path).parent().and_then(|p| p.to_str()) {
+            vm.agent.mkdir(parent, 0o755).await.map_err(agent_err)?;
+        }
+        vm.agent
+            .write_file(path, &data, mode)
+            .await
+            .map_err(agent_err)?;
+        Ok(api::FileContent {
+            path: path.to_owned(),
+            content: None,
+            content_b64: None,
+            mode: Some(mode),
+        })
+    }
+}
+
+fn check_guest_path(path: &str) -> Result<(), ServiceError> {
+    if !path.starts_with('/') || path.contains('\0') {
+        return Err(ServiceError::BadRequest(format!(
+            "`path` must be an absolute path inside the VM, got `{path}`"
+        )));
+    }
+    Ok(())
+}
+
+fn not_found_or(path: &str) -> impl Fn(RpcError) -> ServiceError + '_ {
+    move |e| match e {
+        RpcError::Remote(r) if r.kind == crate::rpc::msg::ErrorKind::NotFound => {
+            ServiceError::NotFound(format!("no file {path} in the sandbox"))
+        }
+        e => agent_err(e),
     }
 }
 

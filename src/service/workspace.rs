@@ -1,5 +1,5 @@
-//! Workspace use cases: sync (before every exec and at create), diff, apply, pull, undo, and
-//! reading/writing single files in a VM.
+//! Workspace use cases: sync (before every exec and at create) and diff; apply, pull and undo
+//! are in `workspace_apply.rs`, single VM files in `vmfs.rs`.
 //!
 //! Owns the order of operations and the per-sandbox workspace lock (sync, diff and apply of
 //! one sandbox never overlap). The file logic lives in `crate::workspace`; this module moves
@@ -14,13 +14,10 @@ use super::vms::LiveVm;
 use super::workspace_fetch as fetch;
 use super::{SandboxRecord, Service, ServiceError};
 use crate::api;
-use crate::ids;
 use crate::rpc::{FileKind, RpcError, WalkCursor, WalkEntry};
-use crate::store::ARTIFACTS;
-use crate::workspace::apply::{self, Mode};
-use crate::workspace::backup::{self, ArtifactRecord, ArtifactState};
+use crate::workspace::apply;
 use crate::workspace::diff::{self, Change};
-use crate::workspace::manifest::{Base, Entry, Kind, Manifest};
+use crate::workspace::manifest::{Base, Manifest};
 use crate::workspace::rules::{self, Ignores, Rules, Skip};
 use crate::workspace::spill::Spill;
 use crate::workspace::{GUEST_ROOT, WorkspaceError, basedisk, sync};
@@ -92,22 +89,22 @@ struct WalkMirror {
 pub struct WalkMirrors(std::sync::Mutex<HashMap<String, WalkMirror>>);
 
 /// The changes of a VM against its base, plus what diff/apply need around them.
-struct Changes {
-    base: Base,
-    manifest: Arc<Manifest>,
-    changes: Vec<Change>,
+pub(super) struct Changes {
+    pub(super) base: Base,
+    pub(super) manifest: Arc<Manifest>,
+    pub(super) changes: Vec<Change>,
     special: Vec<String>,
     /// Never brought back, `path: reason` (git metadata).
     refused: Vec<String>,
     /// VM files over `sync.max_file_mib`: not fetched, never brought back.
-    too_big: Vec<api::TooBigFile>,
+    pub(super) too_big: Vec<api::TooBigFile>,
     /// Where the VM content of `changes` is; removed when this is dropped.
     _spill: Arc<Spill>,
 }
 
 impl Changes {
     /// What apply refuses whatever the host has: git metadata, devices, FIFOs, sockets.
-    fn refused(&self) -> impl Iterator<Item = String> + '_ {
+    pub(super) fn refused(&self) -> impl Iterator<Item = String> + '_ {
         self.refused.iter().cloned().chain(
             self.special.iter().map(|p| {
                 format!("{p}: a device, FIFO or socket; only files and symlinks come back")
@@ -123,7 +120,7 @@ impl Service {
     }
 
     /// The sync rules of a sandbox: the config's plus the `exclude` given at create.
-    fn rules(&self, rec: &SandboxRecord) -> Result<Rules, ServiceError> {
+    pub(super) fn rules(&self, rec: &SandboxRecord) -> Result<Rules, ServiceError> {
         let exclude = rec
             .api
             .workspace
@@ -142,7 +139,7 @@ impl Service {
 
     /// Refuse a workspace operation on a sandbox without a host workspace before it is resumed
     /// or locked (the record alone says so).
-    fn needs_workspace(&self, id: &str) -> Result<(), ServiceError> {
+    pub(super) fn needs_workspace(&self, id: &str) -> Result<(), ServiceError> {
         Self::workspace_of(&self.record(id)?).map(|_| ())
     }
 
@@ -170,7 +167,7 @@ impl Service {
         self.hold_ready(id).await
     }
 
-    fn host_root(rec: &SandboxRecord) -> Result<PathBuf, ServiceError> {
+    pub(super) fn host_root(rec: &SandboxRecord) -> Result<PathBuf, ServiceError> {
         let root = PathBuf::from(&Self::workspace_of(rec)?.host_path);
         if !root.is_dir() {
             return Err(ServiceError::Unprocessable(format!(
@@ -584,7 +581,7 @@ impl Service {
         self.sync_locked(rec, vm, exclude).await.map(|_| ())
     }
 
-    async fn changes(
+    pub(super) async fn changes(
         &self,
         rec: &SandboxRecord,
         vm: &LiveVm,
@@ -663,282 +660,6 @@ impl Service {
             refused,
         })
     }
-
-    /// `POST /v1/sandboxes/{id}/apply`.
-    pub async fn apply(
-        &self,
-        id: &str,
-        req: api::ApplyRequest,
-    ) -> Result<api::ApplyReport, ServiceError> {
-        self.bring_back(id, req.paths, Mode::Apply, "apply").await
-    }
-
-    /// `POST /v1/sandboxes/{id}/pull`.
-    pub async fn pull(
-        &self,
-        id: &str,
-        req: api::ApplyRequest,
-    ) -> Result<api::ApplyReport, ServiceError> {
-        if req.paths.is_empty() {
-            return Err(ServiceError::BadRequest(
-                "pull needs at least one path (use apply to bring everything)".into(),
-            ));
-        }
-        self.bring_back(id, req.paths, Mode::Pull { force: req.force }, "pull")
-            .await
-    }
-
-    async fn bring_back(
-        &self,
-        id: &str,
-        paths: Vec<String>,
-        mode: Mode,
-        kind: &str,
-    ) -> Result<api::ApplyReport, ServiceError> {
-        self.needs_workspace(id)?;
-        let mut refused_early = Vec::new();
-        let mut ok_paths = Vec::new();
-        for p in &paths {
-            match apply::check_path(p.trim_end_matches('/')) {
-                Ok(()) => ok_paths.push(p.trim_end_matches('/').to_owned()),
-                Err(why) => refused_early.push(format!("{p}: {why}")),
-            }
-        }
-        if !paths.is_empty() && ok_paths.is_empty() {
-            return Err(ServiceError::BadRequest(format!(
-                "nothing to {kind}: {}",
-                refused_early.join("; ")
-            )));
-        }
-        let (_life, rec, vm) = self.ready_vm(id).await?;
-        let root = Self::host_root(&rec)?;
-        let lock = self.ws_lock(id);
-        let _g = lock.lock().await;
-        let ch = self.changes(&rec, &vm, &ok_paths).await?;
-        let rules = self.rules(&rec)?;
-        let ch_refused: Vec<String> = ch.refused().collect();
-        let opts = apply::PlanOpts {
-            mode,
-            max_bytes: self.max_file_bytes(),
-            umask: apply::process_umask(),
-        };
-        let (r2, b2, tb) = (root.clone(), ch.base.clone(), ch.too_big.clone());
-        let mut changes = ch.changes;
-        let plan = blocking(move || {
-            diff::load_contents(&mut changes)?;
-            apply::plan(&r2, &b2, changes, &rules, opts, &tb)
-        })
-        .await?;
-        let mut report = api::ApplyReport {
-            artifact_id: None,
-            applied: plan.applied.clone(),
-            conflicts: plan.conflicts.clone(),
-            refused: refused_early,
-            too_big: ch.too_big,
-        };
-        report.too_big.extend(plan.too_big.iter().cloned());
-        report.refused.extend(plan.refused.iter().cloned());
-        report.refused.extend(ch_refused);
-        if !plan.ops.is_empty() {
-            // The backup's size is known (the host files it copies): refused up front when it
-            // cannot fit, with the host repo untouched.
-            let need: u64 = (plan.ops.iter())
-                .filter_map(|op| std::fs::symlink_metadata(root.join(&op.path)).ok())
-                .filter(|m| m.is_file())
-                .map(|m| m.len())
-                .sum();
-            let what = format!("the backup of this {kind}");
-            self.ensure_room_for(&self.paths.artifacts_dir(), &what, need)?;
-            let art_id = ids::new_id(ids::ARTIFACT);
-            let dir = self.paths.artifacts_dir().join(&art_id);
-            let rec0 = ArtifactRecord {
-                id: art_id.clone(),
-                sandbox_id: id.to_owned(),
-                kind: kind.to_owned(),
-                created_at: super::now_rfc3339(),
-                host_root: root.clone(),
-                state: ArtifactState::Applying,
-                entries: Vec::new(),
-                overwritten_by_undo: Vec::new(),
-            };
-            let store = self.store.clone();
-            let ops = plan.ops.clone();
-            let r2 = root.clone();
-            blocking(move || {
-                backup::execute(&r2, &dir, rec0, &ops, &mut |r| {
-                    store
-                        .put(ARTIFACTS, &r.id, r)
-                        .map_err(|e| WorkspaceError::Store(e.to_string()))
-                })
-            })
-            .await?;
-            tracing::info!(sandbox = %id, artifact = %art_id, files = plan.ops.len(), conflicts = plan.conflicts.len(), "{kind} done");
-            report.artifact_id = Some(art_id);
-        }
-        // The VM's version becomes the base of what was taken.
-        let (base, mut manifest) = (ch.base, Arc::unwrap_or_clone(ch.manifest));
-        let updates = plan.base_updates;
-        let cache = self.manifests.clone();
-        blocking(move || {
-            for (path, vm_item) in updates {
-                let Some(v) = vm_item else {
-                    manifest.entries.remove(&path);
-                    continue;
-                };
-                let host = apply::host_state(&root, &path)?;
-                let md = std::fs::symlink_metadata(root.join(&path)).ok();
-                let (size, mtime_ns) = md
-                    .as_ref()
-                    .and_then(|m| rules::HostEntry::from_metadata(m, None))
-                    .map(|h| (h.size, h.mtime_ns))
-                    .unwrap_or((0, 0));
-                let mut e = match v.kind {
-                    Kind::File => {
-                        let sha = base.put_blob(&v.content)?;
-                        let mut e = Entry::file(v.mode, size, mtime_ns, sha);
-                        // The host holds something else (a merge): make the next sync look.
-                        if !matches!(&host, apply::HostState::File { content, .. } if *content == v.content) {
-                            e.mtime_ns = i64::MIN;
-                        }
-                        e
-                    }
-                    _ => Entry {
-                        kind: Kind::Symlink,
-                        mode: v.mode,
-                        size,
-                        mtime_ns,
-                        sha256: String::new(),
-                        link: v.link.clone(),
-                        guest_size: 0,
-                        guest_mtime: 0,
-                        guest_nsec: 0,
-                    },
-                };
-                e.guest_size = v.walk.size;
-                e.guest_mtime = v.walk.mtime;
-                e.guest_nsec = v.walk.mtime_nsec;
-                manifest.entries.insert(path, e);
-            }
-            cache.save(&base, Arc::new(manifest))
-        })
-        .await?;
-        Ok(report)
-    }
-
-    /// `POST /v1/artifacts/{art_id}/undo`: refused (409) when the host changed an applied path
-    /// since, unless `force` (then what it overwrites is backed up first).
-    pub async fn undo(
-        &self,
-        art_id: &str,
-        req: api::UndoRequest,
-    ) -> Result<api::UndoReport, ServiceError> {
-        let rec: ArtifactRecord = self
-            .store
-            .get(ARTIFACTS, art_id)?
-            .ok_or_else(|| WorkspaceError::NoArtifact(art_id.to_owned()))?;
-        check_within(&rec.host_root, &req.within)?;
-        let lock = self.ws_lock(&rec.sandbox_id);
-        let _g = lock.lock().await;
-        let dir = self.paths.artifacts_dir().join(art_id);
-        let store = self.store.clone();
-        let report = blocking(move || {
-            backup::undo(&dir, rec, req.force, &mut |r| {
-                store
-                    .put(ARTIFACTS, &r.id, r)
-                    .map_err(|e| WorkspaceError::Store(e.to_string()))
-            })
-        })
-        .await?;
-        tracing::info!(artifact = %art_id, restored = report.restored.len(), removed = report.removed.len(),
-            overwritten = report.overwritten.len(), "undo done");
-        Ok(report)
-    }
-
-    /// `GET /v1/sandboxes/{id}/files?path=/abs`.
-    pub async fn read_vm_file(
-        &self,
-        id: &str,
-        path: &str,
-    ) -> Result<api::FileContent, ServiceError> {
-        check_guest_path(path)?;
-        // A single agent call on this VM: no lock held (a VM replaced meanwhile fails it).
-        let (_, _rec, vm) = self.ready_vm(id).await?;
-        let st = vm.agent.stat(path).await.map_err(not_found_or(path))?;
-        if st.kind != FileKind::File {
-            return Err(ServiceError::BadRequest(format!(
-                "{path} is not a regular file"
-            )));
-        }
-        if st.size > self.max_file_bytes() {
-            return Err(ServiceError::BadRequest(format!(
-                "{path} is {} bytes, over the limit (sync.max_file_mib)",
-                st.size
-            )));
-        }
-        let data = vm
-            .agent
-            .read_file(path, self.max_file_bytes())
-            .await
-            .map_err(not_found_or(path))?;
-        let (content, content_b64) = match String::from_utf8(data) {
-            Ok(s) => (Some(s), None),
-            Err(e) => (None, Some(api::b64::encode(e.as_bytes()))),
-        };
-        Ok(api::FileContent {
-            path: path.to_owned(),
-            content,
-            content_b64,
-            mode: Some(st.mode),
-        })
-    }
-
-    /// `PUT /v1/sandboxes/{id}/files?path=/abs`: write a file inside the VM (never the host).
-    pub async fn write_vm_file(
-        &self,
-        id: &str,
-        path: &str,
-        body: api::FileContent,
-    ) -> Result<api::FileContent, ServiceError> {
-        check_guest_path(path)?;
-        if !body.path.is_empty() && body.path != path {
-            return Err(ServiceError::BadRequest(format!(
-                "the body names `{}` but the URL names `{path}`",
-                body.path
-            )));
-        }
-        let data = match (&body.content, &body.content_b64) {
-            (Some(_), Some(_)) => {
-                return Err(ServiceError::BadRequest(
-                    "give `content` or `content_b64`, not both".into(),
-                ));
-            }
-            (Some(s), None) => s.as_bytes().to_vec(),
-            (None, Some(b)) => api::b64::decode(b).map_err(ServiceError::BadRequest)?,
-            (None, None) => Vec::new(),
-        };
-        self.refuse_values(id, "file written through the API", &data)?;
-        let mode = body.mode.unwrap_or(0o644);
-        if mode > 0o7777 {
-            return Err(ServiceError::BadRequest(format!(
-                "mode {mode:o} is not a permission mode"
-            )));
-        }
-        // A single agent call on this VM: no lock held (a VM replaced meanwhile fails it).
-        let (_, _rec, vm) = self.ready_vm(id).await?;
-        if let Some(parent) = std::path::Path::new(path).parent().and_then(|p| p.to_str()) {
-            vm.agent.mkdir(parent, 0o755).await.map_err(agent_err)?;
-        }
-        vm.agent
-            .write_file(path, &data, mode)
-            .await
-            .map_err(agent_err)?;
-        Ok(api::FileContent {
-            path: path.to_owned(),
-            content: None,
-            content_b64: None,
-            mode: Some(mode),
-        })
-    }
 }
 
 /// Split a delete list into batches of at most ~256 KiB of path text.
@@ -956,94 +677,4 @@ fn delete_batches(paths: &[String]) -> Vec<Vec<String>> {
         }
     }
     out
-}
-
-fn check_guest_path(path: &str) -> Result<(), ServiceError> {
-    if !path.starts_with('/') || path.contains('\0') {
-        return Err(ServiceError::BadRequest(format!(
-            "`path` must be an absolute path inside the VM, got `{path}`"
-        )));
-    }
-    Ok(())
-}
-
-fn not_found_or(path: &str) -> impl Fn(RpcError) -> ServiceError + '_ {
-    move |e| match e {
-        RpcError::Remote(r) if r.kind == crate::rpc::msg::ErrorKind::NotFound => {
-            ServiceError::NotFound(format!("no file {path} in the sandbox"))
-        }
-        e => agent_err(e),
-    }
-}
-
-/// Most folders an undo's `within` may name (each is resolved on the host).
-const MAX_WITHIN: usize = 64;
-
-/// An undo limited to `within` (see [`api::UndoRequest::within`]): the apply's host folder,
-/// resolved, must be one of those folders (resolved) or below one. Empty: no limit.
-fn check_within(host_root: &std::path::Path, within: &[String]) -> Result<(), ServiceError> {
-    if within.is_empty() {
-        return Ok(());
-    }
-    if within.len() > MAX_WITHIN || within.iter().any(|w| w.len() > 4096) {
-        return Err(ServiceError::BadRequest(format!(
-            "`within` takes at most {MAX_WITHIN} folders of at most 4096 bytes each"
-        )));
-    }
-    let resolve = |p: &std::path::Path| p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
-    let root = resolve(host_root);
-    let allowed: Vec<std::path::PathBuf> = within
-        .iter()
-        .map(|w| resolve(std::path::Path::new(w)))
-        .filter(|w| w.is_absolute())
-        .collect();
-    if allowed.iter().any(|w| root.starts_with(w)) {
-        return Ok(());
-    }
-    Err(ServiceError::Forbidden(format!(
-        "this apply wrote to {}, outside the folders this client may change ({})",
-        root.display(),
-        allowed
-            .iter()
-            .map(|w| w.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    )))
-}
-
-#[cfg(test)]
-mod within_tests {
-    use super::check_within;
-
-    #[test]
-    fn an_undo_outside_the_allowed_folders_is_refused() {
-        let d = tempfile::tempdir().unwrap();
-        let base = d.path().canonicalize().unwrap();
-        for p in ["ws/sub", "other", "ws-evil"] {
-            std::fs::create_dir_all(base.join(p)).unwrap();
-        }
-        std::os::unix::fs::symlink(base.join("other"), base.join("ws/link")).unwrap();
-        let ws = base.join("ws").display().to_string();
-        assert!(check_within(&base.join("other"), &[]).is_ok(), "no limit");
-        assert!(check_within(&base.join("ws"), std::slice::from_ref(&ws)).is_ok());
-        assert!(check_within(&base.join("ws/sub"), std::slice::from_ref(&ws)).is_ok());
-        for bad in ["other", "ws-evil", "ws/link", "ws/.."] {
-            let e = check_within(&base.join(bad), std::slice::from_ref(&ws)).unwrap_err();
-            assert!(
-                matches!(e, super::ServiceError::Forbidden(_)),
-                "{bad}: {e:?}"
-            );
-        }
-        // A relative `within` grants nothing.
-        assert!(check_within(&base.join("ws"), &["ws".to_owned()]).is_err());
-        // A hostile client's list is refused before anything is resolved.
-        let many = vec![ws.clone(); 65];
-        let e = check_within(&base.join("ws"), &many).unwrap_err();
-        assert!(matches!(e, super::ServiceError::BadRequest(_)), "{e:?}");
-        let long = format!("{ws}/{}", "a".repeat(5000));
-        assert!(matches!(
-            check_within(&base.join("ws"), &[long]),
-            Err(super::ServiceError::BadRequest(_))
-        ));
-    }
 }
