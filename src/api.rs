@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 mod execs;
+mod ports;
 pub use execs::*;
+pub use ports::*;
 
 /// Every error response: `{"error":{"code":"not_found","message":"..."}}`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -137,37 +139,6 @@ pub struct Sandbox {
     pub error: Option<String>,
     /// Guest ports forwarded from a host loopback port (`tryboxi port`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub ports: Vec<ExposedPort>,
-}
-
-/// `POST /v1/sandboxes/{id}/ports`: forward a host loopback port to the guest's `port`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ExposePortRequest {
-    pub port: u16,
-    /// The host port (on 127.0.0.1, at least 1024); absent: one the OS picks.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub host_port: Option<u16>,
-}
-
-/// A guest port reachable at `url` on the host's loopback.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ExposedPort {
-    /// The guest's port.
-    pub port: u16,
-    /// The listening port on 127.0.0.1.
-    pub host_port: u16,
-    /// `http://127.0.0.1:<host_port>`.
-    pub url: String,
-    /// Why the host port is not listening now (it was taken when the daemon bound it again
-    /// after a restart).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-/// `GET /v1/sandboxes/{id}/ports`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct PortList {
     pub ports: Vec<ExposedPort>,
 }
 
