@@ -304,7 +304,16 @@ impl Service {
         let secrets = self.secrets.for_sandbox(id);
         match SandboxCa::load_or_create(&dir, &secrets.current().intercepted_hosts()) {
             Ok(ca) => {
-                gate.set_interception(secrets, ca);
+                if gate.set_interception(secrets, ca)
+                    && let (Some(icpt), Some(weak)) = (gate.interceptor(), self.life.weak())
+                {
+                    // `secret ls` shows when each secret was last swapped into a request.
+                    icpt.set_used_sink(Arc::new(move |name: &str| {
+                        if let Some(svc) = weak.upgrade() {
+                            svc.secret_store.mark_used(name);
+                        }
+                    }));
+                }
             }
             Err(e) => {
                 tracing::warn!(sandbox = id, error = %e, "no interception CA: secrets are not intercepted")

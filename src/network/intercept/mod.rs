@@ -78,6 +78,10 @@ pub type BlockSink = Arc<dyn Fn(&Blocked, &str) + Send + Sync>;
 /// names repositories and refs, never a value).
 pub type GitSink = Arc<dyn Fn(&str, u16, &str) + Send + Sync>;
 
+/// Where a swap is reported: the name of the secret whose value a request carried (for
+/// `secret ls`'s "last used"; never the value).
+pub type UsedSink = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// One sandbox's interceptor: its live secrets, its CA, the upstream trust.
 pub struct Interceptor {
     pub(crate) ca: Arc<SandboxCa>,
@@ -85,6 +89,7 @@ pub struct Interceptor {
     pub(crate) upstream_tls: Arc<rustls::ClientConfig>,
     sink: BlockSink,
     git_sink: std::sync::OnceLock<GitSink>,
+    used_sink: std::sync::OnceLock<UsedSink>,
 }
 
 impl std::fmt::Debug for Interceptor {
@@ -106,12 +111,25 @@ impl Interceptor {
             upstream_tls,
             sink,
             git_sink: std::sync::OnceLock::new(),
+            used_sink: std::sync::OnceLock::new(),
         })
     }
 
     /// Where the git proxy's refusals are reported (set once; later calls are ignored).
     pub fn set_git_sink(&self, sink: GitSink) {
         let _ = self.git_sink.set(sink);
+    }
+
+    /// Where swaps are reported (set once; later calls are ignored).
+    pub fn set_used_sink(&self, sink: UsedSink) {
+        let _ = self.used_sink.set(sink);
+    }
+
+    /// A request carried secret `name`'s value upstream.
+    pub fn used(&self, name: &str) {
+        if let Some(s) = self.used_sink.get() {
+            s(name)
+        }
     }
 
     /// Record a request or push the git proxy refused (`git.refused`).

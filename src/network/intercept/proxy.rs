@@ -605,6 +605,10 @@ impl Flow {
             parts.headers.remove(header::CONTENT_LENGTH);
             body = boxed(TransformBody::new(body, StreamReplace::new(r)));
         }
+        // Header and query swaps are certain: each such secret was used (`secret ls`).
+        for &i in &sw.used {
+            self.icpt.used(&snap.bindings[i].name);
+        }
         let mut scrub_set: Vec<usize> = sw.used.clone();
         scrub_set.extend(in_body);
         scrub_set.sort_unstable();

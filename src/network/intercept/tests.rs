@@ -386,6 +386,12 @@ pub(super) fn assert_no_value(g: &Got) {
 #[tokio::test]
 async fn h1_swaps_every_position_and_scrubs_every_response() {
     let h = harness_with(true, true).await;
+    // Each swap is reported by name (`secret ls`'s "last used"), never with the value.
+    let used: Arc<Mutex<Vec<String>>> = Default::default();
+    let u = used.clone();
+    h.icpt.set_used_sink(Arc::new(move |name: &str| {
+        u.lock().unwrap().push(name.to_owned())
+    }));
     let mut c = client(&h, false).await;
     let basic = STANDARD.encode(format!("me:{PH}"));
     let bearer = format!("Bearer {PH}");
@@ -410,6 +416,11 @@ async fn h1_swaps_every_position_and_scrubs_every_response() {
             g.body
         );
         assert_eq!(g.headers["x-echo-auth"], bearer.as_str());
+    }
+    {
+        let used = used.lock().unwrap();
+        assert_eq!(used.len(), 4, "one report per swapped request: {used:?}");
+        assert!(used.iter().all(|n| n == "KEY"), "{used:?}");
     }
     // Basic: decoded, swapped, re-encoded; the echoed Basic form comes back as the placeholder's.
     let g = c
