@@ -113,6 +113,19 @@ def _():
     return sbx.run_code("x").text
 
 
+@step("fork")
+def _():
+    # A fork is the VM's memory: its server and kernel (with `x`) run on in the child.
+    child = sbx.fork(count=1)[0]
+    if isinstance(child, Exception):
+        raise child
+    try:
+        return {"x": child.run_code("x").text, "set": child.run_code("x = 5; x").text,
+                "parent_x": sbx.run_code("x").text}
+    finally:
+        child.kill()
+
+
 try:
     obs["kill"] = sbx.kill()
 finally:
