@@ -310,6 +310,7 @@ fn the_e2b_code_interpreter_sdk_runs_code_in_a_kernel() {
     check("/contexts/after_restart", json!("False"));
     check("/contexts/listed_after", json!(false));
     check("/contexts/removed_raises", json!("NotFoundException"));
+    check("/server_log", json!(true));
     // A fork keeps the server and the kernel's state; the two kernels are separate after.
     check("/fork/x", json!("1"));
     check("/fork/set", json!("5"));

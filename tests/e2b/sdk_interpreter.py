@@ -113,6 +113,12 @@ def _():
     return sbx.run_code("x").text
 
 
+@step("server_log")
+def _():
+    # The server writes its own log file (not the exec stream nobody follows).
+    return "ready on port 49999" in sbx.commands.run("cat /tmp/tryboxi-interpreter.log").stdout
+
+
 @step("fork")
 def _():
     # A fork is the VM's memory: its server and kernel (with `x`) run on in the child.

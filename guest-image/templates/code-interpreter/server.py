@@ -36,6 +36,7 @@ MAX_BODY = 8 << 20
 MAX_CONTEXTS = 16
 HOME = os.environ.get("HOME") or "/home/user"
 KERNEL_READY_S = 300
+LOG = "/tmp/tryboxi-interpreter.log"
 
 # Kernel MIME bundle key -> the SDK's `Result` field.
 MIME = {
@@ -268,7 +269,11 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "tryboxi-interpreter/1"
 
     def log_message(self, fmt, *args):
-        sys.stderr.write("interpreter: " + (fmt % args) + "\n")
+        # Requests are not logged (the log would grow without bound); errors are (log_error).
+        pass
+
+    def log_error(self, fmt, *args):
+        log(fmt % args)
 
     def _body(self):
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
@@ -306,7 +311,7 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         except Exception as e:  # a bug here must not kill the server
-            self.log_message("error: %r", e)
+            self.log_error("error: %r", e)
             try:
                 self._send(500, {"error": repr(e)})
             except OSError:
@@ -378,13 +383,25 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+def log(line):
+    sys.stderr.write(f"interpreter: {line}\n")
+    sys.stderr.flush()
+
+
 def main():
     global STATE
+    # Our output (and the kernels', which inherit it) goes to a file of our own, not to the
+    # exec that started us: nobody follows that stream, and a fork or snapshot of the VM
+    # carries this process into a sandbox whose daemon has no record of that exec.
+    fd = os.open(LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
     os.chdir(HOME)
     STATE = State()
     srv = ThreadingHTTPServer(("0.0.0.0", PORT), Handler)
     srv.daemon_threads = True
-    sys.stderr.write(f"interpreter: ready on port {PORT}\n")
+    log(f"ready on port {PORT}")
     srv.serve_forever()
 
 
