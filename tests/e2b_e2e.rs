@@ -310,6 +310,10 @@ fn the_e2b_code_interpreter_sdk_runs_code_in_a_kernel() {
     check("/contexts/after_restart", json!("False"));
     check("/contexts/listed_after", json!(false));
     check("/contexts/removed_raises", json!("NotFoundException"));
+    // The SDK's timeout interrupts the cell; the context answers again at once.
+    check("/timeout/raised", json!("TimeoutException"));
+    check("/timeout/after", json!("1"));
+    check("/timeout/quick", json!(true));
     check("/server_log", json!(true));
     // A fork keeps the server and the kernel's state; the two kernels are separate after.
     check("/fork/x", json!("1"));

@@ -113,6 +113,20 @@ def _():
     return sbx.run_code("x").text
 
 
+@step("timeout")
+def _():
+    # The SDK's timeout closes the request: the server interrupts the cell, so the context
+    # is free again at once (not after the sleep).
+    t = time.monotonic()
+    try:
+        sbx.run_code("import time\ntime.sleep(600)", timeout=5)
+        raised = None
+    except Exception as e:
+        raised = type(e).__name__
+    after = sbx.run_code("x", timeout=60)
+    return {"raised": raised, "after": after.text, "quick": time.monotonic() - t < 60}
+
+
 @step("server_log")
 def _():
     # The server writes its own log file (not the exec stream nobody follows).

@@ -23,6 +23,8 @@ context (others wait their turn).
 import json
 import os
 import queue
+import select
+import socket
 import sys
 import threading
 import time
@@ -110,9 +112,10 @@ class Context:
         msg_id = self.kc.execute(code, silent=True, store_history=False)
         self._drain(msg_id, time.monotonic() + 60)
 
-    def execute(self, code, env_vars, emit):
+    def execute(self, code, env_vars, emit, gone):
         """Runs `code`, calling `emit(dict)` for each output line as it arrives. `emit`
-        raising (the client went away) interrupts the kernel."""
+        raising, or `gone()` saying so while the cell is quiet (the client went away, e.g. its
+        timeout), interrupts the kernel."""
         with self.lock:
             if env_vars:
                 self._silent(
@@ -121,7 +124,7 @@ class Context:
                     f"_tb_os.environ.update({dict(env_vars)!r})\n"
                 )
             try:
-                self._run(code, emit)
+                self._run(code, emit, gone)
             finally:
                 if env_vars:
                     self._silent(
@@ -131,13 +134,16 @@ class Context:
                         "del _tb_saved_env, _tb_k, _tb_v, _tb_os\n"
                     )
 
-    def _run(self, code, emit):
+    def _run(self, code, emit, client_gone):
         msg_id = self.kc.execute(code, store_history=True, allow_stdin=False)
         gone = False
         while True:
             try:
                 m = self.kc.get_iopub_msg(timeout=1)
             except queue.Empty:
+                if not gone and client_gone():
+                    gone = True
+                    self.km.interrupt_kernel()
                 if not self.km.is_alive():
                     if not gone:
                         emit(
@@ -378,7 +384,15 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
             self.wfile.flush()
 
-        ctx.execute(code, env, emit)
+        def gone():
+            # The client closed its connection (readable with nothing to read = EOF).
+            try:
+                r, _, _ = select.select([self.connection], [], [], 0)
+                return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
+
+        ctx.execute(code, env, emit, gone)
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
