@@ -314,6 +314,8 @@ fn the_e2b_code_interpreter_sdk_runs_code_in_a_kernel() {
     check("/timeout/raised", json!("TimeoutException"));
     check("/timeout/after", json!("1"));
     check("/timeout/quick", json!(true));
+    check("/async_client/text", json!("10"));
+    check("/async_client/stdout", json!("async 1\n"));
     check("/server_log", json!(true));
     // A fork keeps the server and the kernel's state; the two kernels are separate after.
     check("/fork/x", json!("1"));

@@ -6,12 +6,13 @@ SDK's default). One sandbox. Prints one JSON object (the observations) on its la
 line; the Rust test checks it. A failing step is recorded, not fatal.
 """
 
+import asyncio
 import json
 import re
 import time
 import traceback
 
-from e2b_code_interpreter import Sandbox
+from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 obs = {}
 
@@ -125,6 +126,16 @@ def _():
         raised = type(e).__name__
     after = sbx.run_code("x", timeout=60)
     return {"raised": raised, "after": after.text, "quick": time.monotonic() - t < 60}
+
+
+@step("async_client")
+def _():
+    async def go():
+        a = await AsyncSandbox.connect(sbx.sandbox_id)
+        out = []
+        r = await a.run_code("print('async', x)\nx * 10", on_stdout=lambda m: out.append(m.line))
+        return {"text": r.text, "stdout": "".join(out)}
+    return asyncio.run(go())
 
 
 @step("server_log")
