@@ -229,39 +229,46 @@ fn the_e2b_code_interpreter_sdk_runs_code_in_a_kernel() {
     }
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
+    // Golden snapshots on (the harness turns them off by default), no warm pool: the second
+    // part needs the interpreter's golden snapshot.
+    let config = format!("{SMALL_VMS}\n[pool]\ngolden = true\nsize = 0\n");
     let d = Daemon::start(
-        Some(SMALL_VMS),
+        Some(&config),
         &["--artifacts", art.to_str().unwrap(), "--e2b", &addr],
     );
     let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
     let token = token.lines().next().unwrap_or("").trim().to_owned();
     let url = format!("http://{addr}");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/sdk_interpreter.py");
-    let out = Command::new(&python)
-        .arg(script)
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", &token)
-        .env("NO_PROXY", "localhost,127.0.0.1")
-        .env("no_proxy", "localhost,127.0.0.1")
-        .output()
-        .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let left = d.cli(&["ls", "--json"]);
-    let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
-    for s in list["sandboxes"].as_array().into_iter().flatten() {
-        if let Some(id) = s["id"].as_str() {
-            d.cli(&["rm", id]);
+    let run = |args: &[&str]| -> serde_json::Value {
+        let out = Command::new(&python)
+            .arg(script)
+            .args(args)
+            .env("E2B_API_URL", &url)
+            .env("E2B_SANDBOX_URL", &url)
+            .env("E2B_API_KEY", &token)
+            .env("NO_PROXY", "localhost,127.0.0.1")
+            .env("no_proxy", "localhost,127.0.0.1")
+            .output()
+            .expect("run python3");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let left = d.cli(&["ls", "--json"]);
+        let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
+        for s in list["sandboxes"].as_array().into_iter().flatten() {
+            if let Some(id) = s["id"].as_str() {
+                d.cli(&["rm", id]);
+            }
         }
-    }
-    assert!(
-        out.status.success(),
-        "the interpreter scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
-        d.log_tail(60)
-    );
-    let obs: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
-        .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"));
+        assert!(
+            out.status.success(),
+            "the interpreter scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
+            d.log_tail(60)
+        );
+        serde_json::from_str(stdout.lines().last().unwrap_or(""))
+            .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"))
+    };
+    let obs = run(&[]);
     let show = serde_json::to_string_pretty(&obs).unwrap();
     let check = |p: &str, want: serde_json::Value| {
         let got = obs.pointer(p).cloned().unwrap_or(serde_json::Value::Null);
@@ -322,4 +329,33 @@ fn the_e2b_code_interpreter_sdk_runs_code_in_a_kernel() {
     check("/fork/set", json!("5"));
     check("/fork/parent_x", json!("1"));
     check("/kill", json!(true));
+    check("/server_exec", json!(true));
+
+    // The first create booted cold and left a golden snapshot being built in the background
+    // with the server and its kernel running (service/golden.rs `warm_up`); wait for it
+    // (bounded), then a new sandbox comes from it.
+    let events = common::follow_events(&d, "?since=0");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(400);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match events.recv_timeout(left) {
+            Ok(ev) if ev["type"] == "golden.built" => break,
+            Ok(_) => {}
+            Err(_) => panic!("no golden.built event:\n{}", d.log_tail(60)),
+        }
+    }
+    let g = run(&["golden"]);
+    let show = serde_json::to_string_pretty(&g).unwrap();
+    eprintln!(
+        "from the golden snapshot: first run_code {}s after create",
+        g["first_run_s"]
+    );
+    for (p, want) in [
+        ("/env", json!("'g1'")),
+        ("/state", json!("6")),
+        ("/server_exec", json!(false)),
+        ("/kill", json!(true)),
+    ] {
+        assert_eq!(g.pointer(p), Some(&want), "{p} (golden) in:\n{show}");
+    }
 }

@@ -271,6 +271,51 @@ pub fn is_interpreter(template_id: &str) -> bool {
 /// ([`super::ports::proxy`]). The exec runs until the sandbox goes (a fork or a snapshot
 /// restore keeps it: it is in the VM's memory).
 async fn start_interpreter(face: &Face, rec: &E2bSandbox) -> Result<(), E2bError> {
+    let port = super::ports::INTERPRETER_PORT;
+    if face
+        .svc
+        .connect_guest_port(&rec.sandbox_id, port)
+        .await
+        .is_ok()
+    {
+        // Cloned from the golden snapshot (`service/golden.rs`): the server and its kernel
+        // run already, started before this sandbox had env vars; it reads them from a file.
+        if !rec.env_vars.is_empty() {
+            let env = serde_json::to_string(&rec.env_vars)
+                .map_err(|e| crate::service::ServiceError::Internal(e.to_string()))?;
+            let write = api::ExecRequest {
+                argv: Some(vec![
+                    "/bin/sh".into(),
+                    "-c".into(),
+                    "umask 077 && cat > /tmp/tryboxi-interpreter-env.json.new && \
+                     mv /tmp/tryboxi-interpreter-env.json.new /tmp/tryboxi-interpreter-env.json"
+                        .into(),
+                ]),
+                stdin: Some(env),
+                user: Some("user".into()),
+                timeout_s: Some(30.0),
+                ..Default::default()
+            };
+            let mut events = face.svc.start_exec(&rec.sandbox_id, write).await?;
+            let mut ok = false;
+            while let Some(ev) = events.recv().await {
+                ok = matches!(
+                    ev,
+                    api::ExecEvent::Exit {
+                        exit_code: Some(0),
+                        ..
+                    }
+                );
+            }
+            if !ok {
+                return Err(crate::service::ServiceError::Internal(
+                    "cannot hand the env vars to the code interpreter".into(),
+                )
+                .into());
+            }
+        }
+        return Ok(());
+    }
     let exec = api::ExecRequest {
         argv: Some(vec![
             "/usr/bin/python3".into(),

@@ -39,6 +39,10 @@ MAX_CONTEXTS = 16
 HOME = os.environ.get("HOME") or "/home/user"
 KERNEL_READY_S = 300
 LOG = "/tmp/tryboxi-interpreter.log"
+# The sandbox's env vars (E2B `envs` at create), as a JSON object: written by the E2B face
+# when it finds the server already running (a sandbox cloned from the golden snapshot, whose
+# server started before the sandbox had any); applied to each kernel before its next cell.
+ENV_FILE = "/tmp/tryboxi-interpreter-env.json"
 
 # Kernel MIME bundle key -> the SDK's `Result` field.
 MIME = {
@@ -72,6 +76,7 @@ class Context:
         self.language = language
         self.cwd = cwd
         self.lock = threading.Lock()
+        self.env_seen = None
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(cwd=cwd)
         self.kc = self.km.client()
@@ -112,11 +117,26 @@ class Context:
         msg_id = self.kc.execute(code, silent=True, store_history=False)
         self._drain(msg_id, time.monotonic() + 60)
 
+    def _sandbox_env(self):
+        try:
+            st = os.stat(ENV_FILE)
+            if st.st_mtime_ns == self.env_seen:
+                return
+            with open(ENV_FILE, encoding="utf-8") as f:
+                env = json.loads(f.read(1 << 20))
+        except (OSError, ValueError):
+            return
+        if isinstance(env, dict):
+            env = {k: v for k, v in env.items() if isinstance(k, str) and isinstance(v, str)}
+            self._silent(f"import os as _tb_os\n_tb_os.environ.update({env!r})\ndel _tb_os\n")
+        self.env_seen = st.st_mtime_ns
+
     def execute(self, code, env_vars, emit, gone):
         """Runs `code`, calling `emit(dict)` for each output line as it arrives. `emit`
         raising, or `gone()` saying so while the cell is quiet (the client went away, e.g. its
         timeout), interrupts the kernel."""
         with self.lock:
+            self._sandbox_env()
             if env_vars:
                 self._silent(
                     "import os as _tb_os\n"
