@@ -291,3 +291,166 @@ fn the_e2b_listener_refuses_other_hosts_and_wrong_keys() {
     assert!(envd.starts_with("HTTP/1.1 502"), "{envd}");
     assert!(envd.contains("was not found"), "{envd}");
 }
+
+/// The `code-interpreter` template's layer is in the images (`cargo xtask images --template
+/// code-interpreter`; CI builds it); without it the interpreter test skips with a message,
+/// except under CI.
+fn interpreter_image(art: &std::path::Path) -> bool {
+    let manifest = std::fs::read_to_string(art.join("images/manifest.json")).unwrap_or_default();
+    if manifest.contains("\"template.code-interpreter\"") {
+        return true;
+    }
+    common::skip_unless_ci(
+        "no code-interpreter template in the images \
+         (`cargo xtask images --template code-interpreter`)",
+    );
+    false
+}
+
+#[test]
+fn the_e2b_code_interpreter_sdk_runs_code_in_a_kernel() {
+    let Some(python) = python_sdk() else { return };
+    let Some(art) = artifacts() else { return };
+    if !interpreter_image(&art) {
+        return;
+    }
+    let has_sdk = Command::new(&python)
+        .args(["-c", "import e2b_code_interpreter"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_sdk {
+        common::skip_unless_ci("no e2b-code-interpreter SDK (run `cargo xtask deps`)");
+        return;
+    }
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    // Golden snapshots on (the harness turns them off by default), no warm pool: the second
+    // part needs the interpreter's golden snapshot.
+    let config = format!("{SMALL_VMS}\n[pool]\ngolden = true\nsize = 0\n");
+    let d = Daemon::start(
+        Some(&config),
+        &["--artifacts", art.to_str().unwrap(), "--e2b", &addr],
+    );
+    let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
+    let token = token.lines().next().unwrap_or("").trim().to_owned();
+    let url = format!("http://{addr}");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/sdk_interpreter.py");
+    let run = |args: &[&str]| -> serde_json::Value {
+        let out = Command::new(&python)
+            .arg(script)
+            .args(args)
+            .env("E2B_API_URL", &url)
+            .env("E2B_SANDBOX_URL", &url)
+            .env("E2B_API_KEY", &token)
+            .env("NO_PROXY", "localhost,127.0.0.1")
+            .env("no_proxy", "localhost,127.0.0.1")
+            .output()
+            .expect("run python3");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let left = d.cli(&["ls", "--json"]);
+        let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
+        for s in list["sandboxes"].as_array().into_iter().flatten() {
+            if let Some(id) = s["id"].as_str() {
+                d.cli(&["rm", id]);
+            }
+        }
+        assert!(
+            out.status.success(),
+            "the interpreter scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
+            d.log_tail(60)
+        );
+        serde_json::from_str(stdout.lines().last().unwrap_or(""))
+            .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"))
+    };
+    let obs = run(&[]);
+    let show = serde_json::to_string_pretty(&obs).unwrap();
+    let check = |p: &str, want: serde_json::Value| {
+        let got = obs.pointer(p).cloned().unwrap_or(serde_json::Value::Null);
+        assert_eq!(got, want, "{p} in the SDK's observations:\n{show}");
+    };
+    use serde_json::json;
+    eprintln!(
+        "first run_code answered {}s after create",
+        obs["first_run_s"]
+    );
+    // State across run_code, the last expression as the main result.
+    check("/state/first_results", json!(0));
+    check("/state/first_error", json!(false));
+    check("/state/text", json!("2"));
+    check("/state/main", json!([true]));
+    check("/state/count_grows", json!(true));
+    check("/state_kept", json!("1"));
+    // print streams as stdout (callback too); env from create and from the run (reset after);
+    // runs as `user` in /home/user.
+    check("/stdout/stdout", json!("hello 1\nc1 r1 /home/user True\n"));
+    check(
+        "/stdout/callback",
+        json!("hello 1\nc1 r1 /home/user True\n"),
+    );
+    check("/stdout/stderr", json!("to err\n"));
+    check("/stdout/env_reset", json!("None\n"));
+    // Errors: name, value, traceback.
+    check("/error/name", json!("ValueError"));
+    check("/error/value", json!("bad value"));
+    check("/error/traceback_has_f", json!(true));
+    check("/error/callback", json!(["ValueError"]));
+    check("/error/results", json!(0));
+    // Rich results: html and png from the value's _repr_*_, display() as a side result.
+    check("/rich/html", json!("<b>bold</b>"));
+    check("/rich/text", json!("H()"));
+    check("/rich/formats", json!(["html", "text"]));
+    check("/rich/png", json!("iVBORw0KGgo="));
+    check("/rich/display_html", json!(["<i>shown</i>"]));
+    check("/rich/display_main", json!(["7"]));
+    // Contexts: own state and cwd, listed, restart clears, remove.
+    check("/contexts/cwd", json!("/tmp"));
+    check("/contexts/language", json!("python"));
+    check("/contexts/in_ctx", json!("('in ctx', '/tmp')"));
+    check("/contexts/default", json!("False"));
+    check("/contexts/listed", json!(true));
+    check("/contexts/after_restart", json!("False"));
+    check("/contexts/listed_after", json!(false));
+    check("/contexts/removed_raises", json!("NotFoundException"));
+    // The SDK's timeout interrupts the cell; the context answers again at once.
+    check("/timeout/raised", json!("TimeoutException"));
+    check("/timeout/after", json!("1"));
+    check("/timeout/quick", json!(true));
+    check("/async_client/text", json!("10"));
+    check("/async_client/stdout", json!("async 1\n"));
+    check("/server_log", json!(true));
+    // A fork keeps the server and the kernel's state; the two kernels are separate after.
+    check("/fork/x", json!("1"));
+    check("/fork/set", json!("5"));
+    check("/fork/parent_x", json!("1"));
+    check("/kill", json!(true));
+    check("/server_exec", json!(true));
+
+    // The first create booted cold and left a golden snapshot being built in the background
+    // with the server and its kernel running (service/golden.rs `warm_up`); wait for it
+    // (bounded), then a new sandbox comes from it.
+    let events = common::follow_events(&d, "?since=0");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(400);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match events.recv_timeout(left) {
+            Ok(ev) if ev["type"] == "golden.built" => break,
+            Ok(_) => {}
+            Err(_) => panic!("no golden.built event:\n{}", d.log_tail(60)),
+        }
+    }
+    let g = run(&["golden"]);
+    let show = serde_json::to_string_pretty(&g).unwrap();
+    eprintln!(
+        "from the golden snapshot: first run_code {}s after create",
+        g["first_run_s"]
+    );
+    for (p, want) in [
+        ("/env", json!("'g1'")),
+        ("/state", json!("6")),
+        ("/server_exec", json!(false)),
+        ("/kill", json!(true)),
+    ] {
+        assert_eq!(g.pointer(p), Some(&want), "{p} (golden) in:\n{show}");
+    }
+}

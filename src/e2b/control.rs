@@ -259,6 +259,82 @@ fn template_for(face: &Face, id: &str) -> Result<String, E2bError> {
     )))
 }
 
+/// An E2B template id that means our `code-interpreter` template (its sandboxes run the
+/// interpreter server on [`super::ports::INTERPRETER_PORT`]).
+pub fn is_interpreter(template_id: &str) -> bool {
+    matches!(template_id, "code-interpreter-v1" | "code-interpreter")
+}
+
+/// Starts the code interpreter server (`/opt/tryboxi/interpreter/server.py`, installed by the
+/// template) as a detached exec of `user` in its home; it opens its port once its default
+/// kernel is ready, and the first request to the port waits for that
+/// ([`super::ports::proxy`]). The exec runs until the sandbox goes (a fork or a snapshot
+/// restore keeps it: it is in the VM's memory).
+async fn start_interpreter(face: &Face, rec: &E2bSandbox) -> Result<(), E2bError> {
+    let port = super::ports::INTERPRETER_PORT;
+    if face
+        .svc
+        .connect_guest_port(&rec.sandbox_id, port)
+        .await
+        .is_ok()
+    {
+        // Cloned from the golden snapshot (`service/golden.rs`): the server and its kernel
+        // run already, started before this sandbox had env vars; it reads them from a file.
+        if !rec.env_vars.is_empty() {
+            let env = serde_json::to_string(&rec.env_vars)
+                .map_err(|e| crate::service::ServiceError::Internal(e.to_string()))?;
+            let write = api::ExecRequest {
+                argv: Some(vec![
+                    "/bin/sh".into(),
+                    "-c".into(),
+                    "umask 077 && cat > /tmp/tryboxi-interpreter-env.json.new && \
+                     mv /tmp/tryboxi-interpreter-env.json.new /tmp/tryboxi-interpreter-env.json"
+                        .into(),
+                ]),
+                stdin: Some(env),
+                user: Some("user".into()),
+                timeout_s: Some(30.0),
+                ..Default::default()
+            };
+            let mut events = face.svc.start_exec(&rec.sandbox_id, write).await?;
+            let mut ok = false;
+            while let Some(ev) = events.recv().await {
+                ok = matches!(
+                    ev,
+                    api::ExecEvent::Exit {
+                        exit_code: Some(0),
+                        ..
+                    }
+                );
+            }
+            if !ok {
+                return Err(crate::service::ServiceError::Internal(
+                    "cannot hand the env vars to the code interpreter".into(),
+                )
+                .into());
+            }
+        }
+        return Ok(());
+    }
+    let exec = api::ExecRequest {
+        argv: Some(vec![
+            "/usr/bin/python3".into(),
+            "/opt/tryboxi/interpreter/server.py".into(),
+        ]),
+        env: rec.env_vars.clone(),
+        cwd: Some("/home/user".into()),
+        user: Some("user".into()),
+        detach: true,
+        // As long as the sandbox lives (the exec timeout must be finite: ~3 years).
+        timeout_s: Some(1e8),
+        tag: Some("e2b-code-interpreter".into()),
+        ..Default::default()
+    };
+    // The receiver goes at once: a detached exec runs on without a follower.
+    drop(face.svc.start_exec(&rec.sandbox_id, exec).await?);
+    Ok(())
+}
+
 /// E2B's network options as our policy (`None`: the daemon's default allowlist).
 fn policy_for(face: &Face, n: &NewSandbox) -> Result<Option<api::NetworkSpec>, E2bError> {
     let opts = n.network.as_ref();
@@ -341,6 +417,13 @@ async fn create(face: &Face, n: NewSandbox) -> Result<Response<Body>, E2bError> 
     if let Err(e) = face.svc.e2b_put(&rec) {
         let _ = face.svc.remove_sandbox(&sbx.id).await;
         return Err(e.into());
+    }
+    if is_interpreter(&rec.template_id)
+        && let Err(e) = start_interpreter(face, &rec).await
+    {
+        let _ = face.svc.e2b_forget(&sbx.id);
+        let _ = face.svc.remove_sandbox(&sbx.id).await;
+        return Err(e);
     }
     tracing::info!(sandbox = %sbx.id, template = %rec.template_id, timeout, "E2B sandbox created");
     Ok(super::json(StatusCode::CREATED, &sandbox_json(&rec)))

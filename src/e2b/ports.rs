@@ -2,7 +2,8 @@
 //! `E2B-Traffic-Access-Token`): proxied as HTTP/1.1 to the guest's port N through the
 //! sandbox's userspace network stack (`Service::connect_guest_port`, the ingress `tryboxi port`
 //! uses). This is how the code interpreter's `/execute` on port 49999 reaches a server in the
-//! VM, and how E2B code reaches any server it started there.
+//! VM, and how E2B code reaches any server it started there. A code-interpreter sandbox's
+//! port 49999 is waited for (bounded) while its server starts its kernel.
 //!
 //! Owns: dropping the E2B routing and token headers before the request enters the VM, and the
 //! error shapes the SDK understands (a 502 whose body says "port is not open").
@@ -14,6 +15,11 @@ use hyper_util::rt::TokioIo;
 use super::Face;
 use crate::daemon::response::Body;
 use crate::service::e2b::E2bSandbox;
+
+/// The code interpreter's port (the SDK's `JUPYTER_PORT`).
+pub const INTERPRETER_PORT: u16 = 49999;
+/// How long a request to the interpreter's port waits for the server to open it.
+const INTERPRETER_START_WAIT: std::time::Duration = std::time::Duration::from_secs(180);
 
 /// Headers that steer or authenticate the E2B face and never go into the VM.
 const STRIPPED: [&str; 4] = [
@@ -42,10 +48,22 @@ pub async fn proxy(
     port: u16,
 ) -> Response<Body> {
     let id = rec.sandbox_id.as_str();
-    let io = match face.svc.connect_guest_port(id, port).await {
-        Ok(io) => io,
-        Err(crate::service::ServiceError::NotFound(_)) => return super::not_running(id),
-        Err(e) => return closed(id, port, &e.to_string()),
+    // The code interpreter's server opens its port once its kernel is up (seconds, or a
+    // minute and more under TCG): a request before that waits for it, bounded.
+    let wait = port == INTERPRETER_PORT && super::control::is_interpreter(&rec.template_id);
+    let deadline = tokio::time::Instant::now() + INTERPRETER_START_WAIT;
+    let io = loop {
+        match face.svc.connect_guest_port(id, port).await {
+            Ok(io) => break io,
+            Err(crate::service::ServiceError::NotFound(_)) => return super::not_running(id),
+            Err(e) if !wait || tokio::time::Instant::now() >= deadline => {
+                return closed(id, port, &e.to_string());
+            }
+            Err(e) => {
+                tracing::debug!(sandbox = %id, error = %e, "waiting for the code interpreter");
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+        }
     };
     for h in STRIPPED {
         req.headers_mut().remove(h);

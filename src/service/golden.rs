@@ -76,6 +76,10 @@ pub fn golden_key(spec: &VmSpec, images: &Images, qemu_version: &str) -> String 
         h.update(format!("rootfs={}:{}:{}\0", m.len(), m.mtime(), m.mtime_nsec()).as_bytes());
     }
     h.update(format!("qemu={qemu_version}\0").as_bytes());
+    if is_interpreter(spec) {
+        // What [`warm_up`] leaves running is part of the snapshot.
+        h.update(b"warm=code-interpreter-1\0");
+    }
     let shape = VmSpec {
         id: "golden".into(),
         dir: PathBuf::from("/golden"),
@@ -86,6 +90,56 @@ pub fn golden_key(spec: &VmSpec, images: &Images, qemu_version: &str) -> String 
         h.update(b"\0");
     }
     hex::encode(&h.finalize()[..8])
+}
+
+/// The code interpreter's template image: its golden snapshot has the interpreter server (and
+/// its default kernel) already running, because the kernel starts slowly (tens of seconds
+/// under TCG). The E2B face finds it running and does not start another.
+const INTERPRETER_IMAGE: &str = "template-code-interpreter.qcow2";
+
+fn is_interpreter(spec: &VmSpec) -> bool {
+    spec.rootfs.file_name() == Some(std::ffi::OsStr::new(INTERPRETER_IMAGE))
+}
+
+/// Before a golden VM is paused: start what its template serves (only the code interpreter
+/// has something), and wait until it is ready.
+async fn warm_up(vm: &LiveVm, spec: &VmSpec) -> Result<(), ServiceError> {
+    if !is_interpreter(spec) {
+        return Ok(());
+    }
+    // Its own session (setsid): it outlives this exec and its process group.
+    let start = "setsid -f /usr/bin/python3 /opt/tryboxi/interpreter/server.py \
+                 </dev/null >/dev/null 2>&1";
+    // The server opens its port once its default kernel answered.
+    let wait = "for i in $(seq 1200); do \
+                python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 49999), 1)' \
+                2>/dev/null && exit 0; sleep 0.25; done; exit 1";
+    for (what, shell, secs) in [("start", start, 30), ("wait for", wait, 330)] {
+        let req = crate::rpc::client::ExecRequest {
+            shell: Some(shell.into()),
+            env: vec![("HOME".into(), "/home/user".into())],
+            cwd: Some("/home/user".into()),
+            user: Some("user".into()),
+            timeout: Some(std::time::Duration::from_secs(secs)),
+            ..Default::default()
+        };
+        let fail = |e: String| {
+            ServiceError::Internal(format!("golden: cannot {what} the code interpreter: {e}"))
+        };
+        let mut s = vm.agent.exec(req).await.map_err(|e| fail(e.to_string()))?;
+        loop {
+            match s.next().await {
+                Some(Ok(crate::rpc::client::ExecEvent::Exit { code: Some(0), .. })) => break,
+                Some(Ok(crate::rpc::client::ExecEvent::Exit { code, signal, .. })) => {
+                    return Err(fail(format!("exit {code:?}, signal {signal:?}")));
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(fail(e.to_string())),
+                None => return Err(fail("the exec stream ended".into())),
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Service {
@@ -230,6 +284,7 @@ impl Service {
         };
         let t0 = Instant::now();
         let vm = self.boot(&driver, &gspec).await?;
+        warm_up(&vm, spec).await?;
         let boot_ms = t0.elapsed().as_millis() as u64;
         let cp = driver
             .pause_to_disk(&vm.info, &gdir.join("state"))
@@ -323,6 +378,16 @@ mod tests {
             memory_mib: 256,
             accel: Accel::Tcg,
         }
+    }
+
+    #[test]
+    fn only_the_code_interpreter_template_is_warmed_before_its_snapshot() {
+        assert!(!is_interpreter(&spec("sbx_a", 1)));
+        let ci = VmSpec {
+            rootfs: "/img/template-code-interpreter.qcow2".into(),
+            ..spec("sbx_a", 1)
+        };
+        assert!(is_interpreter(&ci));
     }
 
     #[test]

@@ -35,7 +35,7 @@ const VCPUS: u32 = 1;
 pub fn run(reps: usize) -> Result<()> {
     let reps = reps.max(5);
     let bin = crate::dist::run()?;
-    crate::images::run(&bin, crate::images::Rebuild::default())?;
+    crate::images::run(&bin, crate::images::Rebuild::default(), &Default::default())?;
     let out = util::out_dir();
     let images = out.join("images");
     let home = out.join("bench-home");
@@ -373,7 +373,7 @@ pub fn run(reps: usize) -> Result<()> {
 pub fn run_workspace_only(reps: usize) -> Result<()> {
     let reps = reps.max(5);
     let bin = crate::dist::run()?;
-    crate::images::run(&bin, crate::images::Rebuild::default())?;
+    crate::images::run(&bin, crate::images::Rebuild::default(), &Default::default())?;
     let out = util::out_dir();
     let home = out.join("bench-home");
     if home.exists() {
@@ -422,7 +422,7 @@ pub fn run_workspace_only(reps: usize) -> Result<()> {
 /// section of BENCHMARKS.md (or puts it before the workspace section) and leaves the rest.
 pub fn run_secrets_only() -> Result<()> {
     let bin = crate::dist::run()?;
-    crate::images::run(&bin, crate::images::Rebuild::default())?;
+    crate::images::run(&bin, crate::images::Rebuild::default(), &Default::default())?;
     let out = util::out_dir();
     let home = out.join("bench-home");
     if home.exists() {
@@ -448,7 +448,7 @@ pub fn run_secrets_only() -> Result<()> {
 /// `--e2b-only`: only row (m) on its own daemon; replaces the E2B section of BENCHMARKS.md.
 pub fn run_e2b_only(reps: usize) -> Result<()> {
     let bin = crate::dist::run()?;
-    crate::images::run(&bin, crate::images::Rebuild::default())?;
+    crate::images::run(&bin, crate::images::Rebuild::default(), &Default::default())?;
     let out = util::out_dir();
     let home = out.join("bench-home");
     if home.exists() {

@@ -36,7 +36,14 @@ pub fn run() -> Result<()> {
                 "cargo clippy",
             ),
             "dist" => dist::run().map(|b| binary = b),
-            "images" => images::run(&binary, images::Rebuild::default()).map(|_| ()),
+            "images" => {
+                // Every on-demand template too (the code interpreter's test runs in CI).
+                let all = images::template::OnDemand {
+                    all: true,
+                    names: Vec::new(),
+                };
+                images::run(&binary, images::Rebuild::default(), &all).map(|_| ())
+            }
             "test" => run_inherit(
                 cargo_cmd(&["test", "--workspace"]).env("TRYBOXI_ARTIFACTS", out_dir()),
                 "cargo test",

@@ -53,6 +53,11 @@ enum Cmd {
         /// Useful to pick up Debian updates, since the rootfs key does not change with them.
         #[arg(long, value_enum)]
         rebuild: Vec<Rebuildable>,
+        /// Also build this on-demand template (a recipe directory with an `on-demand` file,
+        /// e.g. `code-interpreter`; repeatable). Without it an on-demand template is shipped
+        /// only when the image cache already has it.
+        #[arg(long = "template")]
+        templates: Vec<String>,
     },
     /// Everything CI runs: deps, fmt, clippy, dist, images, tests.
     Ci,
@@ -107,7 +112,11 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Deps => deps::run(),
         Cmd::Dist => dist::run().map(|_| ()),
-        Cmd::Images { no_dist, rebuild } => {
+        Cmd::Images {
+            no_dist,
+            rebuild,
+            templates,
+        } => {
             let binary = if no_dist {
                 util::out_dir().join("bin").join("tryboxi")
             } else {
@@ -117,7 +126,11 @@ fn main() -> Result<()> {
                 kernel: rebuild.contains(&Rebuildable::Kernel),
                 rootfs: rebuild.contains(&Rebuildable::Rootfs),
             };
-            images::run(&binary, rebuild).map(|_| ())
+            let on_demand = images::template::OnDemand {
+                all: false,
+                names: templates,
+            };
+            images::run(&binary, rebuild, &on_demand).map(|_| ())
         }
         Cmd::Ci => ci::run(),
         Cmd::Demo { repo } => demo::run(repo),

@@ -52,7 +52,7 @@ pub struct Rebuild {
 }
 
 /// Builds or reuses all three artifacts; returns `_out/images/`.
-pub fn run(binary: &Path, rebuild: Rebuild) -> Result<PathBuf> {
+pub fn run(binary: &Path, rebuild: Rebuild, on_demand: &template::OnDemand) -> Result<PathBuf> {
     // mmdebstrap, linux-source, e2fsprogs...: a fresh machine has none of them (a dpkg-query
     // when all are there).
     crate::deps::debian()?;
@@ -60,7 +60,7 @@ pub fn run(binary: &Path, rebuild: Rebuild) -> Result<PathBuf> {
     println!("    image cache: {}", cache.root.display());
     let initramfs = initramfs::build(&cache, binary)?;
     let rootfs = rootfs::build(&cache, rebuild.rootfs)?;
-    let templates = template::build_all(&cache, &rootfs)?;
+    let templates = template::build_all(&cache, &rootfs, on_demand)?;
     let kernel = kernel::build(&cache, rebuild.kernel)?;
 
     let step = Step::start("images: placing into _out/images");

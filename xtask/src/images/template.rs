@@ -13,7 +13,13 @@
 //! page cache for all templates).
 //!
 //! Cache key = sha256(recipe version, template name, the base rootfs sha256, packages,
-//! customize.sh). A template with no packages and no customize.sh (`base`) is the rootfs itself.
+//! customize.sh, and any other files beside them that customize.sh installs, e.g. the code
+//! interpreter's `server.py`). A template with no packages and no customize.sh (`base`) is the
+//! rootfs itself.
+//!
+//! A recipe directory holding a file `on-demand` (`code-interpreter`) is built only when asked
+//! (`cargo xtask images --template NAME`, and by `cargo xtask ci`, which builds them all); a
+//! run that does not ask still ships it when the cache has it for the current recipe.
 
 use super::cache::{Begin, Cache, Entry};
 use super::rootfs::parse_packages;
@@ -36,6 +42,10 @@ pub struct Recipe {
     pub name: String,
     pub packages_text: Vec<u8>,
     pub customize: Option<(PathBuf, Vec<u8>)>,
+    /// Other files in the recipe directory (name, content), by name: part of the cache key.
+    pub files: Vec<(String, Vec<u8>)>,
+    /// Built only when asked (a file `on-demand` in the directory).
+    pub on_demand: bool,
 }
 
 impl Recipe {
@@ -83,21 +93,66 @@ pub fn recipes() -> Result<Vec<Recipe>> {
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => None,
             Err(err) => return Err(err).context("reading a template customize.sh"),
         };
+        let mut files = Vec::new();
+        let mut on_demand = false;
+        for f in std::fs::read_dir(e.path())? {
+            let f = f?;
+            let fname = f.file_name().to_string_lossy().into_owned();
+            match fname.as_str() {
+                "packages" | "customize.sh" => {}
+                "on-demand" => on_demand = true,
+                _ if f.file_type()?.is_file() => {
+                    let text = std::fs::read(f.path())
+                        .with_context(|| format!("reading {}", f.path().display()))?;
+                    files.push((fname, text));
+                }
+                _ => {}
+            }
+        }
+        files.sort();
         out.push(Recipe {
             name,
             packages_text,
             customize,
+            files,
+            on_demand,
         });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
 }
 
-/// Build (or find in the cache) every template layer over `base`. Returns (name, entry).
-pub fn build_all(cache: &Cache, base: &Entry) -> Result<Vec<(String, Entry)>> {
+/// Which on-demand templates to build.
+#[derive(Debug, Clone, Default)]
+pub struct OnDemand {
+    /// All of them (CI).
+    pub all: bool,
+    /// These, by name.
+    pub names: Vec<String>,
+}
+
+/// Build (or find in the cache) every template layer over `base`; an on-demand one only when
+/// `want` asks for it (else it is shipped only if the cache has it). Returns (name, entry).
+pub fn build_all(cache: &Cache, base: &Entry, want: &OnDemand) -> Result<Vec<(String, Entry)>> {
+    let all = recipes()?;
+    for n in &want.names {
+        if !all.iter().any(|r| &r.name == n) {
+            bail!("no template recipe `{n}` in {}", recipes_dir().display());
+        }
+    }
     let mut out = Vec::new();
-    for r in recipes()? {
+    for r in all {
         if r.is_base() {
+            continue;
+        }
+        if r.on_demand && !want.all && !want.names.contains(&r.name) {
+            match cache.lookup(KIND, &key(base, &r)) {
+                Some(e) => out.push((r.name.clone(), e)),
+                None => println!(
+                    "==> template {}: on demand, not built (`cargo xtask images --template {}`)",
+                    r.name, r.name
+                ),
+            }
             continue;
         }
         out.push((r.name.clone(), build(cache, base, &r)?));
@@ -105,9 +160,18 @@ pub fn build_all(cache: &Cache, base: &Entry) -> Result<Vec<(String, Entry)>> {
     Ok(out)
 }
 
-pub fn build(cache: &Cache, base: &Entry, r: &Recipe) -> Result<Entry> {
+/// The recipe hash. Extra files join the key only when there are some, so the keys of
+/// recipes without them did not change when they were introduced.
+fn key(base: &Entry, r: &Recipe) -> String {
     let empty = Vec::new();
-    let key = recipe_key(&[
+    let mut files = Vec::new();
+    for (name, text) in &r.files {
+        files.extend_from_slice(&(name.len() as u64).to_le_bytes());
+        files.extend_from_slice(name.as_bytes());
+        files.extend_from_slice(&(text.len() as u64).to_le_bytes());
+        files.extend_from_slice(text);
+    }
+    let mut parts: Vec<(&str, &[u8])> = vec![
         ("recipe", RECIPE_VERSION.as_bytes()),
         ("name", r.name.as_bytes()),
         ("base", base.meta.sha256.as_bytes()),
@@ -116,7 +180,15 @@ pub fn build(cache: &Cache, base: &Entry, r: &Recipe) -> Result<Entry> {
             "customize",
             r.customize.as_ref().map(|(_, t)| t).unwrap_or(&empty),
         ),
-    ]);
+    ];
+    if !files.is_empty() {
+        parts.push(("files", &files));
+    }
+    recipe_key(&parts)
+}
+
+pub fn build(cache: &Cache, base: &Entry, r: &Recipe) -> Result<Entry> {
+    let key = key(base, r);
     if let Some(e) = cache.lookup(KIND, &key) {
         println!(
             "==> template {}: cached (built {})",
@@ -335,7 +407,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shipped_recipes_have_base_node_and_python() {
+    fn shipped_recipes_have_base_node_python_and_the_interpreter() {
         let r = recipes().unwrap();
         let names: Vec<&str> = r.iter().map(|r| r.name.as_str()).collect();
         for want in ["base", "node", "python"] {
@@ -349,5 +421,12 @@ mod tests {
             py.contains(&"python3-venv".to_string()) && py.contains(&"python3-pip".to_string())
         );
         assert_eq!(get("node").file(), "template-node.qcow2");
+        assert!(!get("node").on_demand && get("node").files.is_empty());
+        // The code interpreter: on demand, and its server is part of the cache key.
+        let ci = get("code-interpreter");
+        assert!(ci.on_demand);
+        assert!(ci.packages().contains(&"python3-ipykernel".to_string()));
+        let names: Vec<&str> = ci.files.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["server.py"]);
     }
 }
