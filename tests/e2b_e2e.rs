@@ -43,46 +43,73 @@ fn python_sdk() -> Option<PathBuf> {
     found
 }
 
+/// A daemon serving the E2B face with the guest images, and what an SDK needs to reach it.
+struct E2bDaemon {
+    d: Daemon,
+    url: String,
+    token: String,
+}
+
+impl E2bDaemon {
+    fn start(config: &str, art: &std::path::Path) -> E2bDaemon {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let d = Daemon::start(
+            Some(config),
+            &["--artifacts", art.to_str().unwrap(), "--e2b", &addr],
+        );
+        let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
+        let token = token.lines().next().unwrap_or("").trim().to_owned();
+        E2bDaemon {
+            d,
+            url: format!("http://{addr}"),
+            token,
+        }
+    }
+
+    /// Run an SDK scenario (`cmd` with only the three E2B variables set), remove every sandbox
+    /// it left behind, and return its JSON summary (its last stdout line); `what` names it in
+    /// failures.
+    fn scenario(&self, mut cmd: Command, what: &str) -> serde_json::Value {
+        let out = cmd
+            .env("E2B_API_URL", &self.url)
+            .env("E2B_SANDBOX_URL", &self.url)
+            .env("E2B_API_KEY", &self.token)
+            .env("NO_PROXY", "localhost,127.0.0.1")
+            .env("no_proxy", "localhost,127.0.0.1")
+            .output()
+            .expect("run the SDK scenario");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // Whatever happened, leave no VM behind.
+        let left = self.d.cli(&["ls", "--json"]);
+        let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
+        for s in list["sandboxes"].as_array().into_iter().flatten() {
+            if let Some(id) = s["id"].as_str() {
+                self.d.cli(&["rm", id]);
+            }
+        }
+        assert!(
+            out.status.success(),
+            "the {what} scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
+            self.d.log_tail(60)
+        );
+        serde_json::from_str(stdout.lines().last().unwrap_or(""))
+            .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"))
+    }
+}
+
 #[test]
 fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     let Some(python) = python_sdk() else { return };
     let Some(art) = artifacts() else { return };
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let d = Daemon::start(
-        Some(SMALL_VMS),
-        &["--artifacts", art.to_str().unwrap(), "--e2b", &addr],
-    );
-    let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
-    let token = token.lines().next().unwrap_or("").trim().to_owned();
-    let url = format!("http://{addr}");
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/sdk_sync.py");
-    let out = Command::new(&python)
-        .arg(script)
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", &token)
-        .env("NO_PROXY", "localhost,127.0.0.1")
-        .env("no_proxy", "localhost,127.0.0.1")
-        .output()
-        .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    // Whatever happened, leave no VM behind.
-    let left = d.cli(&["ls", "--json"]);
-    let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
-    for s in list["sandboxes"].as_array().into_iter().flatten() {
-        if let Some(id) = s["id"].as_str() {
-            d.cli(&["rm", id]);
-        }
-    }
-    assert!(
-        out.status.success(),
-        "the SDK scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
-        d.log_tail(60)
-    );
-    let obs: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
-        .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"));
+    let e = E2bDaemon::start(SMALL_VMS, &art);
+    let d = &e.d;
+    let mut cmd = Command::new(&python);
+    cmd.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/e2b/sdk_sync.py"
+    ));
+    let obs = e.scenario(cmd, "Python SDK");
     let show = serde_json::to_string_pretty(&obs).unwrap();
     let at = |p: &str| obs.pointer(p).cloned().unwrap_or(serde_json::Value::Null);
     let check = |p: &str, want: serde_json::Value| {
@@ -146,7 +173,7 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/kill_twice/first", json!(true));
     check("/kill_twice/second", json!(false));
     // The timeout left its event (already stored: read from the start, bounded).
-    let events = common::follow_events(&d, "?since=0");
+    let events = common::follow_events(d, "?since=0");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let mut kinds = Vec::new();
     while let Ok(ev) =
@@ -190,15 +217,7 @@ fn the_e2b_js_sdk_runs_unchanged_on_node() {
         return;
     };
     let Some(art) = artifacts() else { return };
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let d = Daemon::start(
-        Some(SMALL_VMS),
-        &["--artifacts", art.to_str().unwrap(), "--e2b", &addr],
-    );
-    let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
-    let token = token.lines().next().unwrap_or("").trim().to_owned();
-    let url = format!("http://{addr}");
+    let e = E2bDaemon::start(SMALL_VMS, &art);
     // ES modules resolve `e2b` from the script's own directory: run a copy placed there.
     let script = dir.join(format!("sdk_js-{}.mjs", std::process::id()));
     std::fs::copy(
@@ -206,32 +225,10 @@ fn the_e2b_js_sdk_runs_unchanged_on_node() {
         &script,
     )
     .unwrap();
-    let out = Command::new(&node)
-        .arg(&script)
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", &token)
-        .env("NO_PROXY", "localhost,127.0.0.1")
-        .env("no_proxy", "localhost,127.0.0.1")
-        .output()
-        .expect("run node");
+    let mut cmd = Command::new(&node);
+    cmd.arg(&script);
+    let obs = e.scenario(cmd, "JS SDK");
     let _ = std::fs::remove_file(&script);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let left = d.cli(&["ls", "--json"]);
-    let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
-    for s in list["sandboxes"].as_array().into_iter().flatten() {
-        if let Some(id) = s["id"].as_str() {
-            d.cli(&["rm", id]);
-        }
-    }
-    assert!(
-        out.status.success(),
-        "the JS SDK scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
-        d.log_tail(60)
-    );
-    let obs: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
-        .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"));
     let show = serde_json::to_string_pretty(&obs).unwrap();
     let check = |p: &str, want: serde_json::Value| {
         let got = obs.pointer(p).cloned().unwrap_or(serde_json::Value::Null);
@@ -322,46 +319,16 @@ fn the_e2b_code_interpreter_sdk_runs_code_in_a_kernel() {
         common::skip_unless_ci("no e2b-code-interpreter SDK (run `cargo xtask deps`)");
         return;
     }
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
     // Golden snapshots on (the harness turns them off by default), no warm pool: the second
     // part needs the interpreter's golden snapshot.
     let config = format!("{SMALL_VMS}\n[pool]\ngolden = true\nsize = 0\n");
-    let d = Daemon::start(
-        Some(&config),
-        &["--artifacts", art.to_str().unwrap(), "--e2b", &addr],
-    );
-    let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
-    let token = token.lines().next().unwrap_or("").trim().to_owned();
-    let url = format!("http://{addr}");
+    let e = E2bDaemon::start(&config, &art);
+    let d = &e.d;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/sdk_interpreter.py");
     let run = |args: &[&str]| -> serde_json::Value {
-        let out = Command::new(&python)
-            .arg(script)
-            .args(args)
-            .env("E2B_API_URL", &url)
-            .env("E2B_SANDBOX_URL", &url)
-            .env("E2B_API_KEY", &token)
-            .env("NO_PROXY", "localhost,127.0.0.1")
-            .env("no_proxy", "localhost,127.0.0.1")
-            .output()
-            .expect("run python3");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let left = d.cli(&["ls", "--json"]);
-        let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
-        for s in list["sandboxes"].as_array().into_iter().flatten() {
-            if let Some(id) = s["id"].as_str() {
-                d.cli(&["rm", id]);
-            }
-        }
-        assert!(
-            out.status.success(),
-            "the interpreter scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
-            d.log_tail(60)
-        );
-        serde_json::from_str(stdout.lines().last().unwrap_or(""))
-            .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"))
+        let mut cmd = Command::new(&python);
+        cmd.arg(script).args(args);
+        e.scenario(cmd, "interpreter")
     };
     let obs = run(&[]);
     let show = serde_json::to_string_pretty(&obs).unwrap();
@@ -429,7 +396,7 @@ fn the_e2b_code_interpreter_sdk_runs_code_in_a_kernel() {
     // The first create booted cold and left a golden snapshot being built in the background
     // with the server and its kernel running (service/golden.rs `warm_up`); wait for it
     // (bounded), then a new sandbox comes from it.
-    let events = common::follow_events(&d, "?since=0");
+    let events = common::follow_events(d, "?since=0");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(400);
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
