@@ -15,12 +15,10 @@ mod error;
 mod guest;
 mod ids;
 mod mcp;
-#[allow(dead_code)] // the stack and the policy engine land next; see docs/NETWORK.md
 mod network;
 mod oom;
 mod rpc;
 mod safefs;
-#[allow(dead_code)] // the store, the service wiring and the interceptor land next (issue 16)
 mod secrets;
 mod service;
 mod store;

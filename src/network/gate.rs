@@ -27,8 +27,6 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 
-/// The sandbox's private subnet: every sandbox gets the same one (each VM has its own stack).
-pub const SUBNET_V4: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 0);
 pub const PREFIX_LEN_V4: u8 = 24;
 /// The gateway; also the sandbox's DNS resolver. Nothing else on it answers.
 pub const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 2);

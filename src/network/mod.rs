@@ -11,6 +11,7 @@
 //! The design is written down in docs/NETWORK.md.
 
 pub mod deny;
+#[cfg(any(test, fuzzing))]
 pub mod fuzzing;
 pub mod gate;
 pub mod intercept;

@@ -106,6 +106,7 @@ impl Snapshot {
     }
 
     /// The bindings that serve `host`.
+    #[cfg(test)]
     pub fn for_host<'a>(&'a self, host: &'a str) -> impl Iterator<Item = &'a Binding> + 'a {
         self.bindings.iter().filter(move |b| b.serves(host))
     }

@@ -34,6 +34,7 @@ pub fn mint() -> Result<String, NoRandom> {
 }
 
 /// `p` has a placeholder's shape.
+#[cfg(test)]
 pub fn is_placeholder(p: &str) -> bool {
     p.strip_prefix(PREFIX)
         .is_some_and(|r| r.len() == RANDOM_LEN && r.bytes().all(|c| ALPHABET.contains(&c)))

@@ -252,6 +252,7 @@ impl SecretStore {
     }
 
     /// Every secret's name and value (for the inbound scanners).
+    #[cfg(test)]
     pub fn values(&self) -> Vec<(String, Value)> {
         let g = self.lock();
         if g.broken.is_some() {

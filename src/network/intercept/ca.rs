@@ -267,6 +267,7 @@ impl SandboxCa {
         self.lock().as_ref().map(|s| s.cert_pem.clone())
     }
 
+    #[cfg(test)]
     pub fn cert_der(&self) -> Option<CertificateDer<'static>> {
         self.lock().as_ref().map(|s| s.cert_der.clone())
     }

@@ -69,6 +69,7 @@ pub fn why_blocked(ip: IpAddr, host: &[IpAddr]) -> Option<String> {
     hit.map(|(net, why)| format!("{ip} is in {net} ({why})"))
 }
 
+#[cfg(test)]
 pub fn is_blocked(ip: IpAddr, host: &[IpAddr]) -> bool {
     why_blocked(ip, host).is_some()
 }

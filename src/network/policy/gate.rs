@@ -141,12 +141,9 @@ impl PolicyGate {
         *self.inner.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(p);
     }
 
+    #[cfg(test)]
     pub fn policy(&self) -> Arc<Policy> {
         self.inner.policy()
-    }
-
-    pub fn sandbox(&self) -> &str {
-        &self.inner.sandbox
     }
 
     /// Intercept TLS flows to the hosts of `secrets` (read per flow, so a secret added later
@@ -184,11 +181,6 @@ impl PolicyGate {
 
     pub fn interceptor(&self) -> Option<Arc<Interceptor>> {
         self.inner.interceptor()
-    }
-
-    /// Names pinned to `ip` now (for events and `net policy`).
-    pub fn pinned_names(&self, ip: IpAddr) -> Vec<String> {
-        self.inner.pinned(ip)
     }
 }
 

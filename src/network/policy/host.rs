@@ -8,7 +8,7 @@
 //! are not letters/digits/`-`/`_`, and all-numeric last labels (`127.1`, `0x7f.1`,
 //! `2130706433`, which URL parsers read as IPv4). Ports are split off by [`split_host_port`].
 
-use std::net::{IpAddr, Ipv6Addr};
+use std::net::IpAddr;
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Host {
@@ -170,11 +170,6 @@ pub fn normalize_name(input: &str) -> Result<String, HostError> {
             "an IP address where a name is needed",
         )),
     }
-}
-
-/// Whether `ip` is an IPv6 address with the IPv4-mapped prefix (for tests and messages).
-pub fn is_v4_mapped(ip: &Ipv6Addr) -> bool {
-    ip.to_ipv4_mapped().is_some()
 }
 
 #[cfg(test)]

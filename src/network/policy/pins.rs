@@ -59,6 +59,7 @@ impl Pins {
         self.names(ip, now).contains(&name)
     }
 
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
     }

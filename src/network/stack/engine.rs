@@ -429,6 +429,7 @@ impl Engine {
 
     /// Handle every result the tasks sent so far (the fuzz target's stand-in for the loop's
     /// wake-ups); returns how many there were.
+    #[cfg(any(test, fuzzing))]
     pub(super) fn pump_events(&mut self) -> usize {
         let mut n = 0;
         while let Ok(ev) = self.events_rx.try_recv() {
@@ -439,6 +440,7 @@ impl Engine {
     }
 
     /// Distinct denied UDP flows remembered (bounded by `UDP_DENIED_MEMORY`).
+    #[cfg(any(test, fuzzing))]
     pub(super) fn udp_denied_len(&self) -> usize {
         self.udp_denied.len()
     }

@@ -35,6 +35,7 @@
 //! report), [`forge`] (REST/GraphQL side door), [`fuzzing`] (the fuzz target's check).
 
 pub mod forge;
+#[cfg(any(test, fuzzing))]
 pub mod fuzzing;
 pub mod pktline;
 pub mod refs;
