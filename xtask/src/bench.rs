@@ -418,9 +418,14 @@ pub fn run_workspace_only(reps: usize) -> Result<()> {
     Ok(())
 }
 
-/// `--secrets-only`: only the secrets rows (k), (l) on their own daemon; replaces the secrets
-/// section of BENCHMARKS.md (or puts it before the workspace section) and leaves the rest.
-pub fn run_secrets_only() -> Result<()> {
+/// A `--*-only` run: the binary and images, a fresh bench home, `rows` measured on its own
+/// daemon (`rows(bin, home, artifacts, config)` gives the section), and that section of
+/// BENCHMARKS.md replaced (`heading`), the rest left as it was.
+fn run_only(
+    flag: &str,
+    heading: &str,
+    rows: impl FnOnce(&Path, &Path, &Path, &str) -> Result<String>,
+) -> Result<()> {
     let bin = crate::dist::run()?;
     crate::images::run(&bin, crate::images::Rebuild::default(), &Default::default())?;
     let out = util::out_dir();
@@ -431,44 +436,39 @@ pub fn run_secrets_only() -> Result<()> {
     let config = format!(
         "default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n[pool]\ngolden = false\n"
     );
-    let rows = crate::bench_secrets::run(&bin, &home.join("secrets"), &out, &config)?;
-    let mut sec = crate::bench_secrets::section(&rows, &now_utc()?)?;
-    writeln!(sec, "These rows: `cargo xtask bench --secrets-only`.\n")?;
+    let mut sec = rows(&bin, &home, &out, &config)?;
+    writeln!(sec, "These rows: `cargo xtask bench {flag}`.\n")?;
     println!("\n{sec}");
     let path = util::repo_root().join("BENCHMARKS.md");
     let old = std::fs::read_to_string(&path).unwrap_or_default();
-    std::fs::write(
-        &path,
-        replace_section(&old, crate::bench_secrets::HEADING, &sec),
-    )?;
+    std::fs::write(&path, replace_section(&old, heading, &sec))?;
     println!("wrote {}", path.display());
     Ok(())
 }
 
+/// `--secrets-only`: only the secrets rows (k), (l) on their own daemon; replaces the secrets
+/// section of BENCHMARKS.md (or puts it before the workspace section) and leaves the rest.
+pub fn run_secrets_only() -> Result<()> {
+    run_only(
+        "--secrets-only",
+        crate::bench_secrets::HEADING,
+        |bin, home, out, config| {
+            let rows = crate::bench_secrets::run(bin, &home.join("secrets"), out, config)?;
+            crate::bench_secrets::section(&rows, &now_utc()?)
+        },
+    )
+}
+
 /// `--e2b-only`: only row (m) on its own daemon; replaces the E2B section of BENCHMARKS.md.
 pub fn run_e2b_only(reps: usize) -> Result<()> {
-    let bin = crate::dist::run()?;
-    crate::images::run(&bin, crate::images::Rebuild::default(), &Default::default())?;
-    let out = util::out_dir();
-    let home = out.join("bench-home");
-    if home.exists() {
-        std::fs::remove_dir_all(&home)?;
-    }
-    let config = format!(
-        "default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n[pool]\ngolden = false\n"
-    );
-    let rows = crate::bench_e2b::run(&bin, &home.join("e2b"), &out, &config, reps)?;
-    let mut sec = crate::bench_e2b::section(&rows, &now_utc()?)?;
-    writeln!(sec, "These rows: `cargo xtask bench --e2b-only`.\n")?;
-    println!("\n{sec}");
-    let path = util::repo_root().join("BENCHMARKS.md");
-    let old = std::fs::read_to_string(&path).unwrap_or_default();
-    std::fs::write(
-        &path,
-        replace_section(&old, crate::bench_e2b::HEADING, &sec),
-    )?;
-    println!("wrote {}", path.display());
-    Ok(())
+    run_only(
+        "--e2b-only",
+        crate::bench_e2b::HEADING,
+        |bin, home, out, config| {
+            let rows = crate::bench_e2b::run(bin, &home.join("e2b"), out, config, reps)?;
+            crate::bench_e2b::section(&rows, &now_utc()?)
+        },
+    )
 }
 
 /// `old` with the section under `heading` (up to the next `## `) replaced by `sec`; without

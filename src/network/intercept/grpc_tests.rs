@@ -4,14 +4,10 @@
 //! trailers), so no gRPC library stands between the test and the bytes. The upstream is a
 //! rustls + hyper HTTP/2 server on 127.0.0.1 with a certificate from the test's extra CA.
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, StreamBody};
 use hyper::Response;
 use hyper::body::Frame;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
 
 use super::body::{BoxError, ProxyBody, boxed};
 use super::tests::{HOST, PH, Seen, VAL, guest_tls, harness_at, server_tls, test_ca};
@@ -152,28 +148,8 @@ async fn serve(req: hyper::Request<hyper::body::Incoming>, seen: Seen) -> Respon
 async fn grpc_upstream() -> super::tests::Harness {
     let ca = test_ca();
     let acceptor = server_tls(&ca, HOST, &[b"h2"]);
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let seen: Seen = Arc::default();
-    let s2 = seen.clone();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = l.accept().await {
-            let acceptor = acceptor.clone();
-            let seen = s2.clone();
-            tokio::spawn(async move {
-                let Ok(tls) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let svc = hyper::service::service_fn(move |req| {
-                    let seen = seen.clone();
-                    async move { Ok::<_, std::convert::Infallible>(serve(req, seen).await) }
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(tls), svc)
-                    .await;
-            });
-        }
-    });
+    let (addr, seen) =
+        super::tests::serve_tls(acceptor, |req, seen| async move { serve(req, seen).await }).await;
     harness_at(ca.pem, addr, seen)
 }
 

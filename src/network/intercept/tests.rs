@@ -170,6 +170,40 @@ pub(super) fn server_tls(ca: &TestCa, host: &str, alpn: &[&[u8]]) -> tokio_rustl
     tokio_rustls::TlsAcceptor::from(Arc::new(cfg))
 }
 
+/// Serves `handle` on 127.0.0.1 behind `acceptor` (HTTP/1.1 with upgrades, or h2 by ALPN);
+/// returns its address and what the handler recorded.
+pub(super) async fn serve_tls<F, Fut>(
+    acceptor: tokio_rustls::TlsAcceptor,
+    handle: F,
+) -> (std::net::SocketAddr, Seen)
+where
+    F: Fn(Request<hyper::body::Incoming>, Seen) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen: Seen = Arc::default();
+    let s2 = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let (acceptor, seen, handle) = (acceptor.clone(), s2.clone(), handle.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let svc = hyper::service::service_fn(move |req| {
+                    let (seen, handle) = (seen.clone(), handle.clone());
+                    async move { Ok::<_, std::convert::Infallible>(handle(req, seen).await) }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection_with_upgrades(TokioIo::new(tls), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
 /// A TLS + HTTP echo server for `HOST` on 127.0.0.1 (ALPN h2 and http/1.1 unless `h1_only`).
 async fn upstream(ca: &TestCa, h1_only: bool) -> (std::net::SocketAddr, Seen) {
     let alpn: &[&[u8]] = if h1_only {
@@ -177,30 +211,10 @@ async fn upstream(ca: &TestCa, h1_only: bool) -> (std::net::SocketAddr, Seen) {
     } else {
         &[b"h2", b"http/1.1"]
     };
-    let acceptor = server_tls(ca, HOST, alpn);
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let seen: Seen = Arc::default();
-    let s2 = seen.clone();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = l.accept().await {
-            let acceptor = acceptor.clone();
-            let seen = s2.clone();
-            tokio::spawn(async move {
-                let Ok(tls) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let svc = hyper::service::service_fn(move |req| {
-                    let seen = seen.clone();
-                    async move { Ok::<_, std::convert::Infallible>(echo(req, seen).await) }
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(tls), svc)
-                    .await;
-            });
-        }
-    });
-    (addr, seen)
+    serve_tls(server_tls(ca, HOST, alpn), |req, seen| async move {
+        echo(req, seen).await
+    })
+    .await
 }
 
 pub(super) fn binding(name: &str, host: &str, ph: &str, val: &str, in_body: bool) -> Binding {

@@ -3,12 +3,9 @@
 //! answers the handshake with 101 and then speaks RFC 6455 frames by hand (no WebSocket library
 //! between the test and the bytes).
 
-use std::sync::Arc;
-
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::TcpListener;
 
 use super::body::{ProxyBody, full};
 use super::tests::{HOST, PH, Seen, VAL, guest_tls, harness_at, server_tls, test_ca};
@@ -51,29 +48,8 @@ async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Option<(u8, Vec<u8>)> {
 async fn ws_upstream() -> super::tests::Harness {
     let ca = test_ca();
     let acceptor = server_tls(&ca, HOST, &[b"http/1.1"]);
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let seen: Seen = Arc::default();
-    let s2 = seen.clone();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = l.accept().await {
-            let acceptor = acceptor.clone();
-            let seen = s2.clone();
-            tokio::spawn(async move {
-                let Ok(tls) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let svc = hyper::service::service_fn(move |req| {
-                    let seen = seen.clone();
-                    async move { Ok::<_, std::convert::Infallible>(handshake(req, seen)) }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(tls), svc)
-                    .with_upgrades()
-                    .await;
-            });
-        }
-    });
+    let (addr, seen) =
+        super::tests::serve_tls(acceptor, |req, seen| async move { handshake(req, seen) }).await;
     harness_at(ca.pem, addr, seen)
 }
 
