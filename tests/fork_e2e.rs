@@ -191,6 +191,39 @@ fn pause_and_resume_across_a_daemon_restart() {
     assert!(d.cli(&["rm", &id]).status.success());
 }
 
+/// Ctrl-C on a foreground `tryboxi serve` (SIGINT) pauses sandboxes to disk as SIGTERM does,
+/// and the next daemon resumes them with their state.
+#[test]
+fn ctrl_c_on_a_foreground_daemon_pauses_sandboxes_to_disk() {
+    let cfg = format!("{LIGHT}[pool]\ngolden = false\nsize = 0\n");
+    let Some(mut d) = vm_daemon(&cfg) else { return };
+    let o = d.cli(&["create"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let id = common::first_word(&o);
+    assert_eq!(sh_out(&d, &id, "echo kept > /root/f").0, Some(0));
+    assert!(
+        d.stop_with(nix::sys::signal::Signal::SIGINT).success(),
+        "{}",
+        d.log_text()
+    );
+    let pause_file = d
+        .root()
+        .join("sandboxes")
+        .join(&id)
+        .join("paused/pause.json");
+    assert!(
+        pause_file.exists(),
+        "SIGINT did not pause to disk:\n{}",
+        d.log_text()
+    );
+    d.respawn();
+    wait_for(Duration::from_secs(60), "the resume after restart", || {
+        state(&d, &id) == "ready"
+    });
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "kept\n");
+    assert!(d.cli(&["rm", &id]).status.success());
+}
+
 #[test]
 fn idle_sandboxes_pause_and_wake_on_use() {
     let cfg = format!("{LIGHT}idle_pause_secs = 2\n[pool]\ngolden = false\nsize = 0\n");

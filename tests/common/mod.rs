@@ -163,9 +163,15 @@ impl Daemon {
 
     /// SIGTERM, then wait (bounded) for a clean exit; returns the exit status.
     pub fn stop(&mut self) -> std::process::ExitStatus {
+        self.stop_with(nix::sys::signal::Signal::SIGTERM)
+    }
+
+    /// Stop the daemon with `sig` (SIGTERM as a service manager does, SIGINT as Ctrl-C in a
+    /// terminal does) and wait for it to exit (bounded).
+    pub fn stop_with(&mut self, sig: nix::sys::signal::Signal) -> std::process::ExitStatus {
         let mut child = self.child.take().expect("running");
         let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let _ = nix::sys::signal::kill(pid, sig);
         wait_bounded(&mut child, Duration::from_secs(60))
     }
 
