@@ -40,10 +40,7 @@ pub async fn handle(
     }
     match unary(req, face, rec, method).await {
         Ok(v) => super::json(StatusCode::OK, &v),
-        Err(e) => super::json(
-            StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-            &e.json(),
-        ),
+        Err(e) => super::connect_unary_error(&e),
     }
 }
 

@@ -171,6 +171,13 @@ pub fn connect_stream(
         .unwrap_or_else(|_| hyper::Response::new(http_body_util::Full::new(Bytes::new()).boxed()))
 }
 
+/// A unary Connect error: the code's HTTP status and `{"code","message"}`.
+pub fn connect_unary_error(e: &connect::ConnectError) -> Response<Body> {
+    let status =
+        StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json(status, &e.json())
+}
+
 /// A streaming answer that is only an end-of-stream error (Connect sends stream errors in a 200).
 pub fn connect_stream_error(e: &connect::ConnectError) -> Response<Body> {
     let (tx, rx) = tokio::sync::mpsc::channel(1);
@@ -233,11 +240,10 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Response<Body> {
 }
 
 fn connect_unauthenticated() -> Response<Body> {
-    let e = connect::ConnectError::new(
+    connect_unary_error(&connect::ConnectError::new(
         connect::Code::Unauthenticated,
         "missing or wrong X-Access-Token for this sandbox",
-    );
-    json(StatusCode::UNAUTHORIZED, &e.json())
+    ))
 }
 
 /// envd: `/health`, `/files`, and the Connect services.

@@ -47,11 +47,7 @@ pub async fn handle(
             .await
             .map(|v| super::json(StatusCode::OK, &v)),
     };
-    r.unwrap_or_else(|e| {
-        let status =
-            StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        super::json(status, &e.json())
-    })
+    r.unwrap_or_else(|e| super::connect_unary_error(&e))
 }
 
 /// The single message of a server-stream request (one envelope) or of a unary one (plain JSON).
