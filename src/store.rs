@@ -4,6 +4,11 @@
 //! with `#[serde(default)]`), the schema version and migrations. Opening a file that is not a
 //! redb database, is corrupt, or carries a newer schema is a clear error and never overwrites it.
 //!
+//! An I/O error (a full data root: ENOSPC in a commit) leaves redb refusing every later
+//! transaction ("Previous I/O error occurred"); the store then closes and reopens the database
+//! file (redb's repair brings it back to its last committed state), so the operation after the
+//! space is freed works without a daemon restart. The failed call itself reports its error.
+//!
 //! Tables (key -> value):
 //! - `meta`: `&str -> u64` (`schema_version`)
 //! - `sandboxes`: sandbox id -> sandbox record
@@ -20,6 +25,7 @@
 //!   tokens, metadata, env vars, deadline)
 
 use std::path::{Path, PathBuf};
+use std::sync::{RwLock, RwLockReadGuard};
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition, TableHandle};
 use serde::Serialize;
@@ -65,6 +71,11 @@ pub enum StoreError {
     },
     #[error("store: {0}")]
     Db(#[from] redb::Error),
+    #[error(
+        "store: the database is closed after an I/O error and cannot be reopened yet (is the \
+         data root full?)"
+    )]
+    Closed,
     #[error("store: a record in `{table}` under `{key}` cannot be decoded: {message}")]
     Decode {
         table: String,
@@ -87,8 +98,23 @@ from_redb!(
     redb::CommitError
 );
 
+/// Opens the database again after an I/O error.
+type Reopen = Box<dyn Fn() -> Result<Database, redb::DatabaseError> + Send + Sync>;
+
 pub struct Store {
-    db: Database,
+    /// `None` only between a failed reopen and the next successful one.
+    db: RwLock<Option<Database>>,
+    reopen: Reopen,
+}
+
+impl StoreError {
+    /// redb refuses every transaction after an I/O error until the database is reopened.
+    fn needs_reopen(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Db(redb::Error::Io(_) | redb::Error::PreviousIo)
+        )
+    }
 }
 
 impl Store {
@@ -109,19 +135,20 @@ impl Store {
             path: path.to_path_buf(),
             source,
         })?;
-        Store::init(db, path)
+        let again = path.to_path_buf();
+        Store::init(db, path, Box::new(move || Database::create(&again)))
     }
 
     /// A store in memory, for tests.
     #[cfg(test)]
     pub fn in_memory() -> Store {
-        let db = Database::builder()
-            .create_with_backend(redb::backends::InMemoryBackend::new())
-            .expect("in-memory redb");
-        Store::init(db, Path::new(":memory:")).expect("fresh in-memory store")
+        let fresh =
+            || Database::builder().create_with_backend(redb::backends::InMemoryBackend::new());
+        let db = fresh().expect("in-memory redb");
+        Store::init(db, Path::new(":memory:"), Box::new(fresh)).expect("fresh in-memory store")
     }
 
-    fn init(db: Database, path: &Path) -> Result<Store, StoreError> {
+    fn init(db: Database, path: &Path, reopen: Reopen) -> Result<Store, StoreError> {
         let txn = db.begin_write()?;
         {
             let mut meta = txn.open_table(META)?;
@@ -157,14 +184,59 @@ impl Store {
             txn.open_table(E2B_SANDBOXES)?;
         }
         txn.commit()?;
-        Ok(Store { db })
+        Ok(Store {
+            db: RwLock::new(Some(db)),
+            reopen,
+        })
+    }
+
+    fn guard(&self) -> RwLockReadGuard<'_, Option<Database>> {
+        self.db.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Run `f` on the database; after an I/O error, reopen it for the next call.
+    fn with_db<R>(
+        &self,
+        f: impl FnOnce(&Database) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        let closed = self.guard().is_none();
+        if closed {
+            self.reopen();
+        }
+        let r = match self.guard().as_ref() {
+            Some(db) => f(db),
+            None => Err(StoreError::Closed),
+        };
+        if let Err(e) = &r
+            && e.needs_reopen()
+        {
+            tracing::warn!(error = %e, "store I/O error; reopening the database");
+            self.reopen();
+        }
+        r
+    }
+
+    /// Close the database and open it again (waits for calls in flight).
+    fn reopen(&self) {
+        let mut g = self.db.write().unwrap_or_else(|e| e.into_inner());
+        // Dropped first: redb refuses a second open of a file this process holds.
+        drop(g.take());
+        match (self.reopen)() {
+            Ok(db) => {
+                tracing::info!("store reopened");
+                *g = Some(db);
+            }
+            Err(e) => tracing::error!(error = %e, "cannot reopen the store; will try again"),
+        }
     }
 
     #[cfg(test)]
     pub fn schema_version(&self) -> Result<u64, StoreError> {
-        let txn = self.db.begin_read()?;
-        let meta = txn.open_table(META)?;
-        Ok(meta.get("schema_version")?.map(|v| v.value()).unwrap_or(0))
+        self.with_db(|db| {
+            let txn = db.begin_read()?;
+            let meta = txn.open_table(META)?;
+            Ok(meta.get("schema_version")?.map(|v| v.value()).unwrap_or(0))
+        })
     }
 
     /// Insert or replace a record.
@@ -174,11 +246,13 @@ impl Store {
         key: &str,
         value: &T,
     ) -> Result<(), StoreError> {
-        let bytes = serde_json::to_vec(value).expect("store records serialize to JSON");
-        let txn = self.db.begin_write()?;
-        txn.open_table(table)?.insert(key, bytes.as_slice())?;
-        txn.commit()?;
-        Ok(())
+        self.with_db(|db| {
+            let bytes = serde_json::to_vec(value).expect("store records serialize to JSON");
+            let txn = db.begin_write()?;
+            txn.open_table(table)?.insert(key, bytes.as_slice())?;
+            txn.commit()?;
+            Ok(())
+        })
     }
 
     pub fn get<T: DeserializeOwned>(
@@ -186,12 +260,14 @@ impl Store {
         table: TableDefinition<&str, &[u8]>,
         key: &str,
     ) -> Result<Option<T>, StoreError> {
-        let txn = self.db.begin_read()?;
-        let t = txn.open_table(table)?;
-        let Some(v) = t.get(key)? else {
-            return Ok(None);
-        };
-        decode(table.name(), key, v.value()).map(Some)
+        self.with_db(|db| {
+            let txn = db.begin_read()?;
+            let t = txn.open_table(table)?;
+            let Some(v) = t.get(key)? else {
+                return Ok(None);
+            };
+            decode(table.name(), key, v.value()).map(Some)
+        })
     }
 
     /// Every record of a table, in key order.
@@ -199,14 +275,16 @@ impl Store {
         &self,
         table: TableDefinition<&str, &[u8]>,
     ) -> Result<Vec<T>, StoreError> {
-        let txn = self.db.begin_read()?;
-        let t = txn.open_table(table)?;
-        let mut out = Vec::new();
-        for row in t.iter()? {
-            let (k, v) = row?;
-            out.push(decode(table.name(), k.value(), v.value())?);
-        }
-        Ok(out)
+        self.with_db(|db| {
+            let txn = db.begin_read()?;
+            let t = txn.open_table(table)?;
+            let mut out = Vec::new();
+            for row in t.iter()? {
+                let (k, v) = row?;
+                out.push(decode(table.name(), k.value(), v.value())?);
+            }
+            Ok(out)
+        })
     }
 
     /// Every record of a table with its key, in key order.
@@ -214,17 +292,19 @@ impl Store {
         &self,
         table: TableDefinition<&str, &[u8]>,
     ) -> Result<Vec<(String, T)>, StoreError> {
-        let txn = self.db.begin_read()?;
-        let t = txn.open_table(table)?;
-        let mut out = Vec::new();
-        for row in t.iter()? {
-            let (k, v) = row?;
-            out.push((
-                k.value().to_owned(),
-                decode(table.name(), k.value(), v.value())?,
-            ));
-        }
-        Ok(out)
+        self.with_db(|db| {
+            let txn = db.begin_read()?;
+            let t = txn.open_table(table)?;
+            let mut out = Vec::new();
+            for row in t.iter()? {
+                let (k, v) = row?;
+                out.push((
+                    k.value().to_owned(),
+                    decode(table.name(), k.value(), v.value())?,
+                ));
+            }
+            Ok(out)
+        })
     }
 
     /// Remove a record; true if it existed.
@@ -233,10 +313,12 @@ impl Store {
         table: TableDefinition<&str, &[u8]>,
         key: &str,
     ) -> Result<bool, StoreError> {
-        let txn = self.db.begin_write()?;
-        let existed = txn.open_table(table)?.remove(key)?.is_some();
-        txn.commit()?;
-        Ok(existed)
+        self.with_db(|db| {
+            let txn = db.begin_write()?;
+            let existed = txn.open_table(table)?.remove(key)?.is_some();
+            txn.commit()?;
+            Ok(existed)
+        })
     }
 
     /// Append an event; returns its sequence number (1, 2, ...). With `keep`, the same
@@ -248,19 +330,21 @@ impl Store {
         event: &T,
         keep: Option<u64>,
     ) -> Result<u64, StoreError> {
-        let bytes = serde_json::to_vec(event).expect("events serialize to JSON");
-        let txn = self.db.begin_write()?;
-        let seq = {
-            let mut t = txn.open_table(EVENTS)?;
-            let next = t.last()?.map(|(k, _)| k.value() + 1).unwrap_or(1);
-            t.insert(next, bytes.as_slice())?;
-            if let Some(keep) = keep {
-                prune_oldest(&mut t, keep, PRUNE_ON_APPEND, |_| false)?;
-            }
-            next
-        };
-        txn.commit()?;
-        Ok(seq)
+        self.with_db(|db| {
+            let bytes = serde_json::to_vec(event).expect("events serialize to JSON");
+            let txn = db.begin_write()?;
+            let seq = {
+                let mut t = txn.open_table(EVENTS)?;
+                let next = t.last()?.map(|(k, _)| k.value() + 1).unwrap_or(1);
+                t.insert(next, bytes.as_slice())?;
+                if let Some(keep) = keep {
+                    prune_oldest(&mut t, keep, PRUNE_ON_APPEND, |_| false)?;
+                }
+                next
+            };
+            txn.commit()?;
+            Ok(seq)
+        })
     }
 
     /// Delete the oldest events past `keep` and, from the oldest on, those `expired` says are
@@ -273,24 +357,30 @@ impl Store {
         batch: usize,
         expired: impl Fn(&[u8]) -> bool,
     ) -> Result<usize, StoreError> {
-        let txn = self.db.begin_write()?;
-        let n = prune_oldest(&mut txn.open_table(EVENTS)?, keep, batch.max(1), expired)?;
-        txn.commit()?;
-        Ok(n)
+        self.with_db(|db| {
+            let txn = db.begin_write()?;
+            let n = prune_oldest(&mut txn.open_table(EVENTS)?, keep, batch.max(1), expired)?;
+            txn.commit()?;
+            Ok(n)
+        })
     }
 
     /// How many events are stored.
     #[cfg(test)]
     pub fn event_count(&self) -> Result<u64, StoreError> {
-        let txn = self.db.begin_read()?;
-        Ok(redb::ReadableTableMetadata::len(&txn.open_table(EVENTS)?)?)
+        self.with_db(|db| {
+            let txn = db.begin_read()?;
+            Ok(redb::ReadableTableMetadata::len(&txn.open_table(EVENTS)?)?)
+        })
     }
 
     /// The newest event's sequence number (0 when there is none).
     pub fn last_event_id(&self) -> Result<u64, StoreError> {
-        let txn = self.db.begin_read()?;
-        let t = txn.open_table(EVENTS)?;
-        Ok(t.last()?.map(|(k, _)| k.value()).unwrap_or(0))
+        self.with_db(|db| {
+            let txn = db.begin_read()?;
+            let t = txn.open_table(EVENTS)?;
+            Ok(t.last()?.map(|(k, _)| k.value()).unwrap_or(0))
+        })
     }
 
     /// Events with a sequence number greater than `after`, oldest first, at most `limit`.
@@ -299,17 +389,19 @@ impl Store {
         after: u64,
         limit: usize,
     ) -> Result<Vec<(u64, T)>, StoreError> {
-        let txn = self.db.begin_read()?;
-        let t = txn.open_table(EVENTS)?;
-        let mut out = Vec::new();
-        for row in t.range(after.saturating_add(1)..)?.take(limit) {
-            let (k, v) = row?;
-            out.push((
-                k.value(),
-                decode("events", &k.value().to_string(), v.value())?,
-            ));
-        }
-        Ok(out)
+        self.with_db(|db| {
+            let txn = db.begin_read()?;
+            let t = txn.open_table(EVENTS)?;
+            let mut out = Vec::new();
+            for row in t.range(after.saturating_add(1)..)?.take(limit) {
+                let (k, v) = row?;
+                out.push((
+                    k.value(),
+                    decode("events", &k.value().to_string(), v.value())?,
+                ));
+            }
+            Ok(out)
+        })
     }
 }
 
@@ -488,5 +580,91 @@ mod tests {
             std::fs::read(&p).unwrap() == before,
             "the file was modified"
         );
+    }
+
+    /// A file backend whose writes fail with ENOSPC while `full` is set.
+    #[derive(Debug)]
+    struct FillableDisk {
+        inner: redb::backends::FileBackend,
+        full: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl FillableDisk {
+        fn check(&self) -> std::io::Result<()> {
+            if self.full.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+            }
+            Ok(())
+        }
+    }
+
+    impl redb::StorageBackend for FillableDisk {
+        fn len(&self) -> std::io::Result<u64> {
+            self.inner.len()
+        }
+        fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+            self.inner.read(offset, out)
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.check()?;
+            self.inner.set_len(len)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            self.check()?;
+            self.inner.sync_data()
+        }
+        fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.check()?;
+            self.inner.write(offset, data)
+        }
+        fn close(&self) -> std::io::Result<()> {
+            self.inner.close()
+        }
+    }
+
+    #[test]
+    fn a_full_disk_fails_the_write_and_the_store_works_again_once_there_is_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.redb");
+        let full = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let open = {
+            let (p, full) = (p.clone(), full.clone());
+            move || {
+                let file = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(&p)
+                    .map_err(redb::DatabaseError::from)?;
+                let inner = redb::backends::FileBackend::new(file)?;
+                Database::builder().create_with_backend(FillableDisk {
+                    inner,
+                    full: full.clone(),
+                })
+            }
+        };
+        let db = open().unwrap();
+        let s = Store::init(db, &p, Box::new(open)).unwrap();
+        let rec = |n| Rec {
+            id: format!("sbx_{n}"),
+            n,
+        };
+        s.put(SANDBOXES, "sbx_1", &rec(1)).unwrap();
+
+        full.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut big = rec(2);
+        big.id = "x".repeat(1 << 20);
+        assert!(s.put(SANDBOXES, "sbx_2", &big).is_err());
+        // Still full: refused again (reopening cannot repair the file yet), never a panic.
+        assert!(s.put(SANDBOXES, "sbx_3", &rec(3)).is_err());
+
+        // Room again: the next write works without a restart, and what was committed is there.
+        full.store(false, std::sync::atomic::Ordering::SeqCst);
+        s.put(SANDBOXES, "sbx_4", &rec(4)).unwrap();
+        assert_eq!(s.get::<Rec>(SANDBOXES, "sbx_1").unwrap(), Some(rec(1)));
+        assert_eq!(s.get::<Rec>(SANDBOXES, "sbx_4").unwrap(), Some(rec(4)));
+        assert_eq!(s.get::<Rec>(SANDBOXES, "sbx_2").unwrap(), None);
+        s.append_event(&1u32, None).unwrap();
     }
 }
