@@ -2,6 +2,8 @@
 //! and by raw HTTP over its unix socket.
 #![allow(dead_code)]
 
+pub mod ws;
+
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
