@@ -1,6 +1,8 @@
 //! `tryboxi exec [OPTIONS] ID -- CMD...`: stdout to stdout, stderr to stderr, as they come;
 //! exits with the command's exit code (128+N for signal N, 124 on timeout). With `-d` it
 //! prints the exec id and returns, the command running on (`tryboxi attach`, `execs`, `kill`).
+//! With `-i` standard input is streamed to the command as it comes; `-it` is an interactive
+//! terminal session (`cli/interactive.rs`, as `tryboxi shell`).
 
 use std::io::Read as _;
 
@@ -32,9 +34,13 @@ pub struct Args {
     #[arg(short = 'd', long)]
     detach: bool,
     /// Run under a pseudo-terminal of this terminal's size (80x24 when not a terminal).
-    /// Input is not put in raw mode.
+    /// Alone, input is not forwarded; with `-i` the local terminal goes into raw mode
+    /// (Ctrl-C goes to the command, Ctrl-P Ctrl-Q detaches).
     #[arg(short = 't', long)]
     tty: bool,
+    /// Keep standard input open and send it to the command as it is typed or read.
+    #[arg(short = 'i', long, conflicts_with_all = ["stdin", "detach"])]
+    interactive: bool,
     /// Run as this guest user (e.g. `user`; default root).
     #[arg(short = 'u', long)]
     user: Option<String>,
@@ -57,6 +63,7 @@ pub async fn run(a: Args) -> Result<(), TopError> {
         user: a.user,
         tag: a.tag,
         pty: a.tty.then(terminal_size),
+        env: terminal_env(a.tty && a.interactive),
         ..Default::default()
     };
     if a.shell {
@@ -76,6 +83,9 @@ pub async fn run(a: Args) -> Result<(), TopError> {
             .read_to_end(&mut buf)
             .map_err(|e| TopError::Other(e.into()))?;
         req.stdin_b64 = Some(api::b64::encode(&buf));
+    }
+    if a.interactive {
+        return super::interactive::run(&a.id, req).await;
     }
     let mut events = super::client()?.exec(&a.id, &req).await?;
     if a.detach {
@@ -107,18 +117,7 @@ pub async fn follow(mut events: crate::client::ExecEvents) -> Result<(), TopErro
                 signal,
                 timed_out,
                 ..
-            } => {
-                if timed_out {
-                    eprintln!("tryboxi: command timed out and was killed");
-                    return Err(TopError::ExitStatus(124));
-                }
-                return match (exit_code, signal) {
-                    (Some(0), _) => Ok(()),
-                    (Some(c), _) => Err(TopError::ExitStatus(c.clamp(1, 255) as u8)),
-                    (None, Some(s)) => Err(TopError::ExitStatus((128 + s).clamp(1, 255) as u8)),
-                    (None, None) => Err(TopError::ExitStatus(1)),
-                };
-            }
+            } => return exit_status(exit_code, signal, timed_out),
             api::ExecEvent::Error { code, message } => return Err(TopError::Api { code, message }),
         }
     }
@@ -127,8 +126,26 @@ pub async fn follow(mut events: crate::client::ExecEvents) -> Result<(), TopErro
     )))
 }
 
+/// A command's end as our exit status: its code, 128+N for signal N, 124 for a timeout.
+pub fn exit_status(
+    exit_code: Option<i32>,
+    signal: Option<i32>,
+    timed_out: bool,
+) -> Result<(), TopError> {
+    if timed_out {
+        eprintln!("tryboxi: command timed out and was killed");
+        return Err(TopError::ExitStatus(124));
+    }
+    match (exit_code, signal) {
+        (Some(0), _) => Ok(()),
+        (Some(c), _) => Err(TopError::ExitStatus(c.clamp(1, 255) as u8)),
+        (None, Some(s)) => Err(TopError::ExitStatus((128 + s).clamp(1, 255) as u8)),
+        (None, None) => Err(TopError::ExitStatus(1)),
+    }
+}
+
 /// Write one output chunk to `w` at once (the user sees output as it comes).
-fn copy(
+pub fn copy(
     w: &mut impl std::io::Write,
     data: &Option<String>,
     data_b64: &Option<String>,
@@ -142,22 +159,18 @@ fn copy(
 
 /// The size of the terminal on stdout (or stdin), else 24x80.
 fn terminal_size() -> api::PtySize {
-    for fd in [libc::STDOUT_FILENO, libc::STDIN_FILENO] {
-        let mut ws = libc::winsize {
-            ws_row: 0,
-            ws_col: 0,
-            ws_xpixel: 0,
-            ws_ypixel: 0,
-        };
-        // SAFETY: TIOCGWINSZ writes one `winsize` into the struct we own.
-        let r = unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) };
-        if r == 0 && ws.ws_row > 0 && ws.ws_col > 0 {
-            let side = |n: u16| n.min(api::MAX_PTY_SIDE);
-            return api::PtySize {
-                rows: side(ws.ws_row),
-                cols: side(ws.ws_col),
-            };
-        }
+    super::interactive::local_size().unwrap_or(api::PtySize { rows: 24, cols: 80 })
+}
+
+/// `TERM` for an interactive terminal session: the local one's, else `xterm-256color`.
+pub fn terminal_env(interactive_tty: bool) -> std::collections::BTreeMap<String, String> {
+    let mut env = std::collections::BTreeMap::new();
+    if interactive_tty {
+        let term = std::env::var("TERM")
+            .ok()
+            .filter(|t| !t.is_empty() && t.len() < 64 && t != "dumb")
+            .unwrap_or_else(|| "xterm-256color".into());
+        env.insert("TERM".into(), term);
     }
-    api::PtySize { rows: 24, cols: 80 }
+    env
 }

@@ -1,14 +1,23 @@
 //! `tryboxi attach EXEC_ID`, `tryboxi execs ID`, `tryboxi kill EXEC_ID [-s SIGNAL]`: running
 //! (e.g. detached) execs.
 
+use std::io::IsTerminal as _;
+
 use hyper::Method;
 
 use crate::api;
 use crate::error::TopError;
 
-/// Replay the exec's output so far, then follow it; exit with its exit code.
-pub async fn attach(exec_id: String, no_replay: bool) -> Result<(), TopError> {
-    let events = super::client()?.attach(&exec_id, !no_replay).await?;
+/// Replay the exec's output so far, then follow it; exit with its exit code. A pty exec from
+/// a terminal (or with `-i`) is an interactive session again.
+pub async fn attach(exec_id: String, no_replay: bool, interactive: bool) -> Result<(), TopError> {
+    let client = super::client()?;
+    let info: api::ExecInfo = client.get(&format!("/v1/execs/{exec_id}")).await?;
+    let interactive = info.running && (interactive || (info.pty && std::io::stdin().is_terminal()));
+    let events = client.attach(&exec_id, !no_replay).await?;
+    if interactive {
+        return super::interactive::session(client, exec_id, info.pty, events).await;
+    }
     super::exec::follow(events).await
 }
 

@@ -11,6 +11,7 @@ mod fork;
 mod gc;
 mod git;
 mod install;
+mod interactive;
 mod logs;
 mod ls;
 mod mcp;
@@ -20,6 +21,7 @@ mod port;
 mod pull;
 mod rm;
 mod secret;
+mod shell;
 mod snapshot;
 mod sync;
 mod template;
@@ -77,13 +79,21 @@ pub enum Command {
     Create(create::Args),
     /// Run a command in a sandbox; exits with the command's exit code.
     Exec(exec::Args),
+    /// An interactive login shell in a sandbox (bash, else sh) on a pseudo-terminal: raw mode,
+    /// window resizes, Ctrl-C to the guest; Ctrl-P Ctrl-Q detaches (`tryboxi attach` returns).
+    Shell(shell::Args),
     /// Follow a running (or ended) exec: its output so far, then live; exits with its code.
+    /// A pty exec attached from a terminal is interactive again (input, resizes, detach keys).
     Attach {
         /// Exec id (`exe_...`, printed by `exec -d`).
         exec_id: String,
         /// Only what comes from now on.
         #[arg(long)]
         no_replay: bool,
+        /// Send standard input to the command (default for a pty exec when stdin is a
+        /// terminal).
+        #[arg(short = 'i', long)]
+        interactive: bool,
     },
     /// List a sandbox's running execs (id, pid, start, flags, tag, command).
     Execs {
@@ -259,9 +269,12 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Install { artifacts } => install::run(&artifacts),
         Command::Create(a) => runtime()?.block_on(create::run(a)),
         Command::Exec(a) => runtime()?.block_on(exec::run(a)),
-        Command::Attach { exec_id, no_replay } => {
-            runtime()?.block_on(execs::attach(exec_id, no_replay))
-        }
+        Command::Shell(a) => runtime()?.block_on(shell::run(a)),
+        Command::Attach {
+            exec_id,
+            no_replay,
+            interactive,
+        } => runtime()?.block_on(execs::attach(exec_id, no_replay, interactive)),
         Command::Execs { id } => runtime()?.block_on(execs::list(id)),
         Command::Kill { exec_id, signal } => runtime()?.block_on(execs::kill(exec_id, signal)),
         Command::Ls(a) => runtime()?.block_on(ls::run(a)),
