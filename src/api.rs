@@ -71,7 +71,7 @@ pub struct WorkspaceSpec {
 }
 
 /// `POST /v1/sandboxes`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSandboxRequest {
     /// The host folder synced into `/workspace`; absent: the sandbox has no host workspace

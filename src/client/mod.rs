@@ -1,7 +1,10 @@
-//! Typed HTTP client for the daemon, used by the CLI and the MCP server: over its unix socket,
-//! or over TCP (`TRYBOXI_URL`, TLS with a pinned certificate off loopback; see `transport`).
+//! Typed HTTP client for the daemon, used by the CLI and the MCP server (and public: the
+//! library's Rust SDK): over its unix socket, or over TCP (`TRYBOXI_URL`, TLS with a pinned
+//! certificate off loopback; see `transport`). Requests and responses are the [`crate::api`]
+//! types the daemon itself uses; an exec's events come as they happen ([`ExecEvents::next`],
+//! or as a `futures` stream with [`ExecEvents::into_stream`]).
 
-pub mod transport;
+pub(crate) mod transport;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -53,9 +56,17 @@ impl Client {
         }
     }
 
+    /// The client the CLI would use: the daemon `TRYBOXI_URL` names (with `TRYBOXI_TOKEN`,
+    /// and `TRYBOXI_FINGERPRINT` for https), else the unix socket of the data root
+    /// (`TRYBOXI_HOME`, else `/var/lib/tryboxi` as root, else `~/.local/share/tryboxi`).
+    pub fn discover() -> Result<Client, ClientError> {
+        let paths = Paths::discover().map_err(|e| ClientError::Protocol(e.to_string()))?;
+        Client::from_env(&paths).map_err(ClientError::Protocol)
+    }
+
     /// A client of the daemon `TRYBOXI_URL` names (with `TRYBOXI_TOKEN`, and
     /// `TRYBOXI_FINGERPRINT` for https), else of this data root's unix socket.
-    pub fn from_env(paths: &Paths) -> Result<Client, String> {
+    pub(crate) fn from_env(paths: &Paths) -> Result<Client, String> {
         Ok(Client {
             endpoint: Arc::new(Endpoint::from_env(paths)?),
             face: None,
@@ -296,6 +307,23 @@ pub struct ExecEvents {
 }
 
 impl ExecEvents {
+    /// The events as a stream (`futures_util::StreamExt::next`); it ends after the last one.
+    pub fn into_stream(
+        self,
+    ) -> futures_util::stream::BoxStream<'static, Result<api::ExecEvent, ClientError>> {
+        use futures_util::StreamExt as _;
+        futures_util::stream::unfold(Some(self), |state| async move {
+            let mut events = state?;
+            match events.next().await {
+                Ok(Some(ev)) => Some((Ok(ev), Some(events))),
+                Ok(None) => None,
+                Err(e) => Some((Err(e), None)),
+            }
+        })
+        .boxed()
+    }
+
+    /// The next event; `None` once the stream has ended.
     pub async fn next(&mut self) -> Result<Option<api::ExecEvent>, ClientError> {
         loop {
             if let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {

@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! TRYBOXI_TEST_KERNEL=vmlinuz TRYBOXI_TEST_INITRD=initramfs.cpio.gz TRYBOXI_TEST_ROOTFS=rootfs.ext4 \
-//!   cargo test --bin tryboxi vm_tests -- --ignored --nocapture
+//!   cargo test --lib vm_tests -- --ignored --nocapture
 //! ```
 
 use crate::rpc::{AgentClient, ExecEvent, ExecRequest};

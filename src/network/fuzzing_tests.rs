@@ -454,7 +454,7 @@ fn placeholder_seeds() -> Seeds {
 }
 
 /// Rewrites the seeds under `fuzz/corpus/{sniff,dns_msg,stack_frames,placeholders}/`:
-/// `cargo test --bin tryboxi write_network_seed_corpus -- --ignored`.
+/// `cargo test --lib write_network_seed_corpus -- --ignored`.
 #[test]
 #[ignore = "writes the seed corpus into the source tree"]
 fn write_network_seed_corpus() {

@@ -327,7 +327,7 @@ mod tests {
         out
     }
 
-    /// Rewrites `fuzz/corpus/msg_decode/` from [`seeds`]: `cargo test --bin tryboxi
+    /// Rewrites `fuzz/corpus/msg_decode/` from [`seeds`]: `cargo test --lib
     /// write_msg_seed_corpus -- --ignored`.
     #[test]
     #[ignore = "writes the seed corpus into the source tree"]

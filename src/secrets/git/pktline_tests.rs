@@ -387,7 +387,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
-/// Writes the seed corpus: `cargo test --bin tryboxi write_receive_pack_seed_corpus -- --ignored`.
+/// Writes the seed corpus: `cargo test --lib write_receive_pack_seed_corpus -- --ignored`.
 #[test]
 #[ignore]
 fn write_receive_pack_seed_corpus() {
