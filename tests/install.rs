@@ -504,3 +504,47 @@ fn purge_asks_on_a_terminal() {
     assert!(text.contains("deleted the data root"), "{text}");
     assert!(!s.home.exists());
 }
+
+/// A service manager that fails (e.g. `systemctl --user` with no user bus): install exits 1,
+/// names the failing call and still says how to run the daemon by hand.
+#[test]
+fn a_failing_service_manager_is_reported_with_the_manual_way() {
+    let mut s = Setup::new();
+    let tools = s._tmp.path().join("tools");
+    std::fs::create_dir_all(&tools).unwrap();
+    let failing = tools.join("systemctl");
+    std::fs::write(
+        &failing,
+        "#!/bin/sh\necho 'Failed to connect to bus: No medium found' >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&failing, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir_all(s.staged("/run/systemd/system")).unwrap();
+    // Lingering counts as on, so only systemctl is called.
+    let user = nix::unistd::User::from_uid(nix::unistd::geteuid())
+        .unwrap()
+        .unwrap()
+        .name;
+    std::fs::create_dir_all(s.staged("/var/lib/systemd/linger")).unwrap();
+    std::fs::write(s.staged(&format!("/var/lib/systemd/linger/{user}")), "").unwrap();
+    s.env.push(("TRYBOXI_SYSTEMCTL".into(), failing));
+    let a = s.artifacts.to_str().unwrap().to_owned();
+    let d = s.destdir.to_str().unwrap().to_owned();
+    let out = s.run(&[
+        "install",
+        "--artifacts",
+        &a,
+        "--prefix",
+        PREFIX,
+        "--destdir",
+        &d,
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("daemon-reload") && err.contains("Failed to connect to bus"),
+        "{err}"
+    );
+    assert!(err.contains("/opt/tb/bin/tryboxi serve"), "{err}");
+    assert!(s.unit().exists() && s.staged("/opt/tb/bin/tryboxi").exists());
+}

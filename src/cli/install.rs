@@ -84,7 +84,17 @@ pub fn run(a: Args) -> Result<(), TopError> {
             &mut report,
         );
         record.save(&paths.root)?;
-        r?;
+        // The files are in place: say how to go on by hand (e.g. no user bus for --user).
+        r.map_err(|e| {
+            InstallError::Setup(format!(
+                "{e}\nthe files are installed; {}",
+                systemd::absent_message(
+                    "the service manager refused",
+                    layout.scope,
+                    &layout.binary()
+                )
+            ))
+        })?;
     }
     if report.changed.is_empty() {
         println!(
