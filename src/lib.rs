@@ -54,6 +54,7 @@ mod e2b;
 mod error;
 mod guest;
 mod ids;
+mod install;
 mod mcp;
 mod network;
 mod oom;

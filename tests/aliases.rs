@@ -1,6 +1,7 @@
-//! The alias names work as the spec writes them: `sandboxd serve|install|doctor|token` (alone or
-//! with only options it serves), `sandboxctl <any CLI command>`, `sandbox-mcp` (= `mcp`), and
-//! every subcommand's `--help` answers under every name (no VM, no daemon).
+//! The alias names work as the spec writes them: `sandboxd serve|install|uninstall|doctor|token`
+//! (alone or with only options it serves), `sandboxctl <any CLI command>`, `sandbox-mcp`
+//! (= `mcp`), and every subcommand's `--help` answers under every name; the shell completions
+//! and man pages name every command (no VM, no daemon).
 
 mod common;
 
@@ -75,7 +76,7 @@ fn every_help_answers_under_every_name() {
     let n = all_helps(Path::new(BIN), &[]);
     assert_eq!(all_helps(&sandboxctl, &[]), n);
     // sandboxd: the daemon's commands.
-    for c in ["serve", "install", "doctor", "token"] {
+    for c in ["serve", "install", "uninstall", "doctor", "token"] {
         all_helps(&sandboxd, &[c]);
     }
     let serve = String::from_utf8(run(&sandboxd, &["serve", "--help"]).stdout).unwrap();
@@ -123,4 +124,48 @@ fn fork_and_restore_say_what_they_do() {
     let fork = help("fork");
     assert!(fork.contains("New sandboxes"), "{fork}");
     assert!(!fork.contains("Put a sandbox back"), "{fork}");
+}
+
+#[test]
+fn completions_and_man_pages_name_every_command() {
+    let top = String::from_utf8(run(Path::new(BIN), &["--help"]).stdout).unwrap();
+    let cmds = commands(&top);
+    for c in ["uninstall", "completions", "man", "serve", "exec"] {
+        assert!(cmds.iter().any(|x| x == c), "{c} not in {cmds:?}");
+    }
+    for shell in ["bash", "zsh", "fish"] {
+        let out = run(Path::new(BIN), &["completions", shell]);
+        let script = String::from_utf8(out.stdout).unwrap();
+        assert!(out.status.success() && !script.is_empty(), "{shell}");
+        for c in &cmds {
+            assert!(script.contains(c.as_str()), "{shell} completion lacks {c}");
+        }
+        // Subcommands of subcommands too.
+        assert!(
+            script.contains("allow") && script.contains("requests"),
+            "{shell}"
+        );
+    }
+    let out = run(Path::new(BIN), &["man"]);
+    let page = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success() && page.starts_with(".ie"), "{page}");
+    for c in &cmds {
+        // roff escapes `-` as `\-`.
+        assert!(page.contains(&c.replace('-', "\\-")), "man page lacks {c}");
+    }
+    // --dir: one page per command and subcommand.
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(
+        Path::new(BIN),
+        &["man", "--dir", dir.path().to_str().unwrap()],
+    );
+    assert!(out.status.success(), "{out:?}");
+    for c in cmds.iter().map(|c| format!("tryboxi-{c}.1")).chain([
+        "tryboxi.1".into(),
+        "tryboxi-net-allow.1".into(),
+        "tryboxi-mcp-install.1".into(),
+    ]) {
+        let len = std::fs::metadata(dir.path().join(&c)).map(|m| m.len());
+        assert!(len.as_ref().is_ok_and(|n| *n > 0), "{c}: {len:?}");
+    }
 }

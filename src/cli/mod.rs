@@ -4,6 +4,7 @@
 mod apply;
 mod create;
 mod diff;
+mod docs;
 mod events;
 mod exec;
 mod execs;
@@ -27,6 +28,7 @@ mod sync;
 mod template;
 mod trace;
 mod undo;
+mod uninstall;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -68,12 +70,13 @@ pub enum Command {
         #[arg(long = "e2b", value_name = "ADDR")]
         e2b: Option<std::net::SocketAddr>,
     },
-    /// Copy guest images (from `cargo xtask images`) into the data root.
-    Install {
-        /// Directory holding `images/manifest.json` (e.g. `_out`).
-        #[arg(long, value_name = "DIR", default_value = "_out")]
-        artifacts: PathBuf,
-    },
+    /// Install: guest images (from `cargo xtask images`) into the data root; the binary, its
+    /// aliases, completions and man pages under a prefix; and the systemd unit, started (a
+    /// system unit as root, a user unit with lingering otherwise; `--no-service`: none).
+    Install(install::Args),
+    /// Stop and remove the service and everything install put on the host; the data root
+    /// stays unless `--purge` (confirmed).
+    Uninstall(uninstall::Args),
     /// Create a sandbox (`-w DIR`: synced from that host folder; none: no host workspace);
     /// prints its id first on the line.
     Create(create::Args),
@@ -193,6 +196,14 @@ pub enum Command {
         #[arg(long)]
         fingerprint: bool,
     },
+    /// Print a shell completion script (e.g. `tryboxi completions bash >
+    /// ~/.local/share/bash-completion/completions/tryboxi`; install puts them in place).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff; `tryboxi man | man -l -`), or write every page with `--dir`.
+    Man(docs::ManArgs),
     /// Print the version.
     Version,
 }
@@ -218,10 +229,10 @@ pub fn run(argv0: &str) -> ExitCode {
 }
 
 /// The daemon's own commands, which `sandboxd` takes as `tryboxi` does.
-const DAEMON_COMMANDS: [&str; 5] = ["serve", "install", "doctor", "token", "help"];
+const DAEMON_COMMANDS: [&str; 6] = ["serve", "install", "uninstall", "doctor", "token", "help"];
 
 /// The arguments as `tryboxi` would take them, for the alias names of the spec:
-/// `sandboxd [serve|install|doctor|token] ...` (nothing, or only options: `serve`),
+/// `sandboxd [serve|install|uninstall|doctor|token] ...` (nothing, or only options: `serve`),
 /// `sandboxctl <any command>` (as `tryboxi`), `sandbox-mcp ...` (= `tryboxi mcp ...`).
 fn alias_args(argv0: &str, mut args: Vec<OsString>) -> Result<Vec<OsString>, String> {
     let first = args.get(1).map(|a| a.to_string_lossy().into_owned());
@@ -233,8 +244,8 @@ fn alias_args(argv0: &str, mut args: Vec<OsString>) -> Result<Vec<OsString>, Str
             Some(o) if o.starts_with('-') => args.insert(1, "serve".into()),
             Some(other) => {
                 return Err(format!(
-                    "`{other}` is not a daemon command (sandboxd takes serve, install, doctor, \
-                     token); the CLI is `sandboxctl {other}`"
+                    "`{other}` is not a daemon command (sandboxd takes serve, install, uninstall, \
+                     doctor, token); the CLI is `sandboxctl {other}`"
                 ));
             }
         },
@@ -266,7 +277,10 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
                 }))
                 .map_err(|e| TopError::Other(e.into()))
         }
-        Command::Install { artifacts } => install::run(&artifacts),
+        Command::Install(a) => install::run(a),
+        Command::Uninstall(a) => uninstall::run(a),
+        Command::Completions { shell } => docs::completions(shell),
+        Command::Man(a) => docs::man(a),
         Command::Create(a) => runtime()?.block_on(create::run(a)),
         Command::Exec(a) => runtime()?.block_on(exec::run(a)),
         Command::Shell(a) => runtime()?.block_on(shell::run(a)),

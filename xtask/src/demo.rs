@@ -20,9 +20,13 @@ pub fn run(repo: Option<std::path::PathBuf>) -> Result<()> {
         "\n==> installing the guest images into the data root {}",
         home.display()
     );
+    // A scratch install: the images go into the demo's data root, the programs below
+    // `_out/demo-root` (not the host's /usr/local) and no service is started.
     let st = Command::new(&bin)
-        .args(["install", "--artifacts"])
+        .args(["install", "--no-service", "--artifacts"])
         .arg(&out)
+        .arg("--destdir")
+        .arg(out.join("demo-root"))
         .env("TRYBOXI_HOME", &home)
         .status()?;
     if !st.success() {

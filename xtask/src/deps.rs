@@ -46,6 +46,9 @@ const PACKAGES: &[&str] = &[
     "rsync",
     // What `mke2fs -d` reads a tar archive with (see E2FSPROGS_TAR).
     "libarchive13",
+    // `systemd-analyze verify` checks the unit `tryboxi install` writes
+    // (install::tests::systemd_analyze_verify_accepts_the_unit).
+    "systemd",
 ];
 
 /// The e2fsprogs whose `mke2fs -d` takes a tar archive: the daemon then builds a first sync's
