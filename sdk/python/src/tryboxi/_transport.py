@@ -285,8 +285,9 @@ class Endpoint:
 
 
 def _reason(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    return text
+    if isinstance(e, http.client.BadStatusLine):
+        return f"not an HTTP answer ({e!r}; a TLS listener answering http://?)"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def _local_fingerprint() -> Optional[str]:
