@@ -8,7 +8,8 @@
 //!   real VM on a tiny repo whose check fails until the harness's fix step repairs it; the
 //!   harness shows the diff and applies it (the host file changes). Then `tests/python_sdk/
 //!   checks.py` drives the same sandbox through the installed SDK: exec with streaming
-//!   callbacks, stdin, env, timeout, files, typed exceptions, undo of the harness's apply, rm.
+//!   callbacks, stdin, env, timeout, files, snapshot/restore, pause/resume, typed exceptions,
+//!   undo of the harness's apply, rm.
 //!
 //! Needs `python3` (>= 3.9, with venv) and, for the VM test, the guest images
 //! (`TRYBOXI_ARTIFACTS`, else `_out/`). Without them a test skips with a message, except under
@@ -281,6 +282,19 @@ fn harness_and_sdk_against_a_real_vm() {
     assert_eq!(s["env_cwd"], "bar\n/tmp\n", "{s}");
     assert_eq!(s["timeout"]["timed_out"], true, "{s}");
     assert_eq!(s["file_roundtrip"], true, "{s}");
+    let l = &s["lifecycle"];
+    assert_eq!(l["snapshot_name"], "sdk-before", "{s}");
+    assert_eq!(l["listed"], serde_json::json!(["sdk-before"]), "{s}");
+    assert_eq!(
+        l["after_restore"], "absent\n",
+        "restore did not bring the VM back: {s}"
+    );
+    assert_eq!(
+        (&l["paused"], &l["resumed"]),
+        (&"paused".into(), &"ready".into()),
+        "{s}"
+    );
+    assert_eq!(l["exec_after_resume"], "back\n", "{s}");
     let e = &s["errors"];
     assert_eq!(
         e["unknown_sandbox"],

@@ -65,6 +65,22 @@ def main() -> None:
     sbx.write_file("/tmp/sdk-bin", b"\x00\x01\xfe")
     summary["file_roundtrip"] = sbx.read_file("/tmp/sdk-bin") == b"\x00\x01\xfe"
 
+    # Checkpoint, change, restore; pause to disk and resume (the same VM all along).
+    snap = sbx.snapshot("sdk-before")
+    sbx.exec("echo changed > /tmp/sdk-marker")
+    sbx.restore("sdk-before")
+    after_restore = sbx.exec("cat /tmp/sdk-marker 2>/dev/null || echo absent").stdout
+    paused = sbx.pause().state
+    resumed = sbx.resume().state
+    summary["lifecycle"] = {
+        "snapshot_name": snap.name,
+        "listed": [s.name for s in sbx.snapshots()],
+        "after_restore": after_restore,
+        "paused": paused,
+        "resumed": resumed,
+        "exec_after_resume": sbx.exec("echo back").stdout,
+    }
+
     errors: Dict[str, List[Any]] = {}
     try:
         client.get("sbx_0000000000000000")
