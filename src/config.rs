@@ -276,6 +276,15 @@ pub struct NetworkConfig {
     /// A PEM file of extra CAs that intercepted flows (secrets) trust upstream, besides the
     /// host's CA bundle, e.g. the test CA of a local upstream. Default: none.
     pub intercept_extra_ca: Option<std::path::PathBuf>,
+    /// Every sandbox's guest trusts the CA certificates the host added locally (those in
+    /// `host_ca_dirs`), besides its own distribution's bundle: they go into the guest's trust
+    /// store and the CA env vars of every exec, so that a TLS-inspecting proxy the host trusts
+    /// works from the guest too. Read when the daemon starts. Default: true.
+    pub trust_host_cas: bool,
+    /// The host's local CA directories read for `trust_host_cas` (those that exist; `.crt`
+    /// and `.pem` files, PEM, only CA certificates). Default:
+    /// `["/usr/local/share/ca-certificates", "/etc/pki/ca-trust/source/anchors"]`.
+    pub host_ca_dirs: Vec<std::path::PathBuf>,
 }
 
 impl Default for NetworkConfig {
@@ -286,6 +295,11 @@ impl Default for NetworkConfig {
             test_hosts: BTreeMap::new(),
             test_upstream_map: BTreeMap::new(),
             intercept_extra_ca: None,
+            trust_host_cas: true,
+            host_ca_dirs: crate::network::host_cas::DEFAULT_DIRS
+                .iter()
+                .map(std::path::PathBuf::from)
+                .collect(),
         }
     }
 }
@@ -620,6 +634,24 @@ mod tests {
             ["registries", "github"]
         );
         assert!(Config::parse("[network]\nupstream = \"x\"").is_err());
+    }
+
+    #[test]
+    fn host_cas_are_trusted_by_default_from_the_usual_anchor_dirs() {
+        let n = Config::parse("").unwrap().network;
+        assert!(n.trust_host_cas);
+        assert_eq!(
+            n.host_ca_dirs,
+            [
+                std::path::PathBuf::from("/usr/local/share/ca-certificates"),
+                "/etc/pki/ca-trust/source/anchors".into()
+            ]
+        );
+        let n = Config::parse("[network]\ntrust_host_cas = false\nhost_ca_dirs = [\"/x\"]")
+            .unwrap()
+            .network;
+        assert!(!n.trust_host_cas);
+        assert_eq!(n.host_ca_dirs, [std::path::PathBuf::from("/x")]);
     }
 
     #[test]

@@ -51,6 +51,7 @@ pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> 
         disk(&paths.root, &config.limits),
         e2fsprogs(),
         fence(&config.qemu_binary),
+        guest_cas(&config.network),
     ];
     checks.sort_by_key(|c| c.status == Status::Ok);
     let failed = checks.iter().filter(|c| c.status == Status::Fail).count();
@@ -392,6 +393,89 @@ fn disk_verdict(at: &Path, free_mib: u64, limits: &crate::config::LimitsConfig) 
             Status::Ok,
             format!("{free_mib} MiB free at {}", at.display()),
         )
+    }
+}
+
+/// Which of the host's locally added CAs every guest will trust (`[network] trust_host_cas`),
+/// by subject CN and file; files left out are a warning with their reason.
+fn guest_cas(cfg: &crate::config::NetworkConfig) -> Check {
+    if !cfg.trust_host_cas {
+        return Check::new(
+            "guest-ca",
+            Status::Ok,
+            "off ([network] trust_host_cas = false): guests trust only their own CA bundle",
+        );
+    }
+    let h = crate::network::host_cas::read_dirs(&cfg.host_ca_dirs);
+    let mut parts = Vec::new();
+    if h.cas.is_empty() {
+        let dirs: Vec<String> = cfg
+            .host_ca_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect();
+        parts.push(format!(
+            "no local CA in {} to add to the guests",
+            dirs.join(", ")
+        ));
+    } else {
+        parts.push(format!(
+            "every guest trusts {} host CA(s) besides its own bundle: {}",
+            h.cas.len(),
+            h.describe().join(", ")
+        ));
+    }
+    for s in &h.skipped {
+        parts.push(format!("not used: {}: {}", s.file.display(), s.reason));
+    }
+    let status = if h.skipped.is_empty() {
+        Status::Ok
+    } else {
+        Status::Warn
+    };
+    Check::new("guest-ca", status, parts.join("; "))
+}
+
+#[cfg(test)]
+mod guest_ca_tests {
+    use super::*;
+
+    #[test]
+    fn doctor_lists_the_host_cas_the_guests_get_or_says_off() {
+        let d = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::default();
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, "Doctor Proxy CA");
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        std::fs::write(
+            d.path().join("proxy.crt"),
+            p.self_signed(&key).unwrap().pem(),
+        )
+        .unwrap();
+        let mut cfg = crate::config::NetworkConfig {
+            host_ca_dirs: vec![d.path().to_path_buf()],
+            ..Default::default()
+        };
+        let c = guest_cas(&cfg);
+        assert_eq!(c.status, Status::Ok, "{}", c.detail);
+        let file = d.path().join("proxy.crt");
+        assert!(
+            c.detail
+                .contains(&format!("CN=Doctor Proxy CA ({})", file.display())),
+            "{}",
+            c.detail
+        );
+        std::fs::write(d.path().join("junk.pem"), "junk").unwrap();
+        let c = guest_cas(&cfg);
+        assert_eq!(c.status, Status::Warn, "{}", c.detail);
+        assert!(c.detail.contains("junk.pem"), "{}", c.detail);
+        cfg.trust_host_cas = false;
+        let c = guest_cas(&cfg);
+        assert!(c.detail.starts_with("off"), "{}", c.detail);
+        cfg.trust_host_cas = true;
+        cfg.host_ca_dirs = vec![d.path().join("none")];
+        assert!(guest_cas(&cfg).detail.starts_with("no local CA in"));
     }
 }
 

@@ -6,7 +6,8 @@
 //!
 //! Files: `gate.rs` (the contract between the packet side and the policy side: what the
 //! stack asks, what the policy answers), `deny.rs` (the gate of a sandbox without a policy),
-//! `stack/` (the per-VM userspace network stack). The stack (`stack/`), the policy engine
+//! `stack/` (the per-VM userspace network stack), `host_cas.rs` (the host's locally added CA
+//! certificates, which every guest trusts too). The stack (`stack/`), the policy engine
 //! (`policy/`), the DNS resolver (`dns/`) and the first-bytes sniffers (`sniff.rs`) build on it.
 //! The design is written down in docs/NETWORK.md.
 
@@ -14,6 +15,7 @@ pub mod deny;
 #[cfg(any(test, fuzzing))]
 pub mod fuzzing;
 pub mod gate;
+pub mod host_cas;
 pub mod intercept;
 pub mod stack;
 

@@ -120,8 +120,9 @@ impl Service {
         // added to the running sandbox shows up in the next exec). The caller's own env comes
         // after and wins.
         let mut env = self.secret_env(id);
-        // With secrets, the guest trusts the sandbox's interception CA (written again when the
-        // VM or the CA changed) and every TLS client is told where the bundle is.
+        // The guest trusts the host's local CAs and, with secrets, the sandbox's interception
+        // CA (written again when the VM or the CAs changed); every TLS client is told where
+        // the bundle is. A sandbox with nothing to add is left alone.
         env.extend(self.guest_trust_env(id, &vm, !env.is_empty()).await);
         env.append(&mut wire.env);
         wire.env = env;

@@ -1,15 +1,28 @@
-//! The guest's clock and trust bundle: what a VM needs so that TLS interception works for the
-//! real programs inside it.
+//! The guest's clock and trust bundle: what a VM needs so that TLS works for the real programs
+//! inside it, behind a TLS-inspecting proxy the host trusts and through the secrets
+//! interceptor.
 //!
 //! Owns: setting the guest's wall clock whenever a VM comes up (boot, resume, restore, clone:
-//! a VM started from a snapshot otherwise runs on the snapshot's time), and, for a sandbox
-//! with secrets, the guest trust bundle (the host's system CA bundle, which holds the host's
-//! locally added CAs, plus the sandbox's interception CA) written to the guest's trust store and
-//! named by the usual CA environment variables in every exec. The bundle is written again
-//! before an exec whenever the VM or the CA certificate changed since the last write, which
-//! covers create, pool claim, restore, fork and a secret added for a new host.
-//! Never: holds a CA key (only the public certificate enters the VM), or touches a sandbox
-//! without secrets (no env, no write).
+//! a VM started from a snapshot otherwise runs on the snapshot's time), and the guest trust
+//! bundle of every sandbox that has something to add: the guest's own distribution bundle
+//! (kept once as [`GUEST_BUNDLE_DISTRO`] before the first overwrite), then the host's locally
+//! added CAs (`[network] trust_host_cas`, read at start from `host_ca_dirs`, see
+//! `network::host_cas`), then, for a sandbox with secrets, its interception CA. It is written
+//! to the guest's trust store and named by the usual CA environment variables ([`CA_ENV`]) in
+//! every exec. The bundle is written again before an exec whenever the VM or the added
+//! certificates changed since the last write, which covers create, pool claim, restore, fork
+//! and a secret added for a new host.
+//!
+//! Why the distribution bundle and not the host's whole system bundle (as the secrets path
+//! once used): the guest verifies only two kinds of server. Intercepted hosts present a leaf
+//! from the sandbox CA, so no host root matters there; every other host is verified by the
+//! guest itself against the real (or proxy-re-signed) chain, for which its own distribution's
+//! roots plus the host's local CAs are what the host itself trusts, without importing the host
+//! distribution's root choices into another distribution. One composition for every sandbox
+//! also means that turning `trust_host_cas` off really keeps the host's local CAs out of every
+//! guest, secrets or not.
+//! Never: holds a CA key (only public certificates enter the VM), or touches a sandbox with
+//! nothing to add (no env, no write).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -17,13 +30,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::Service;
 use super::vms::LiveVm;
-use crate::rpc::AgentClient;
+use crate::network::host_cas::HostCas;
+use crate::rpc::{AgentClient, RpcError};
 
 /// The guest's trust store: the file Debian's `ca-certificates` (and OpenSSL's default) reads.
 pub const GUEST_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// The guest's original bundle, kept once before the first overwrite.
 pub const GUEST_BUNDLE_DISTRO: &str = "/etc/ssl/certs/ca-certificates.crt.distro";
-/// Variables every exec of a sandbox with secrets gets, each naming [`GUEST_BUNDLE`].
+/// Variables every exec of a sandbox with added CAs gets, each naming [`GUEST_BUNDLE`].
 pub const CA_ENV: [&str; 6] = [
     "SSL_CERT_FILE",
     "REQUESTS_CA_BUNDLE",
@@ -32,24 +46,48 @@ pub const CA_ENV: [&str; 6] = [
     "GIT_SSL_CAINFO",
     "CARGO_HTTP_CAINFO",
 ];
-/// Most bytes of a CA bundle read from the host or the guest (Debian's is ~200 KiB).
+/// Starts the comment line before each certificate tryboxi adds; a bundle is cut at the first
+/// such line when kept as the distribution's, so additions are never kept twice.
+const MARK: &str = "# tryboxi-added:";
+/// Most bytes of a CA bundle read from the guest (Debian's is ~200 KiB).
 const MAX_BUNDLE: u64 = 8 << 20;
 
-/// Per sandbox: the VM and the CA certificate its bundle was last written for.
+/// The host's CAs every guest trusts, and per sandbox: the VM and the additions its bundle
+/// was last written for.
 #[derive(Default)]
 pub struct GuestTrust {
+    /// The host's local CAs as one PEM block ("" when off or none).
+    host_block: String,
     written: Mutex<HashMap<String, (Weak<LiveVm>, String)>>,
 }
 
 impl GuestTrust {
-    fn is_current(&self, id: &str, vm: &Arc<LiveVm>, pem: &str) -> bool {
-        self.lock()
-            .get(id)
-            .is_some_and(|(w, p)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(vm)) && p == pem)
+    /// Reads the host's local CAs when `[network] trust_host_cas` is on (logged).
+    pub fn new(cfg: &crate::config::NetworkConfig) -> GuestTrust {
+        let host = host_cas(cfg);
+        if let Some(h) = &host {
+            for s in &h.skipped {
+                tracing::warn!(file = %s.file.display(), reason = %s.reason, "host CA file not used");
+            }
+            if !h.cas.is_empty() {
+                tracing::info!(cas = ?h.describe(), "every guest trusts the host's local CAs");
+            }
+        }
+        GuestTrust {
+            host_block: host.map(|h| h.pem_block(MARK)).unwrap_or_default(),
+            written: Default::default(),
+        }
     }
 
-    fn record(&self, id: &str, vm: &Arc<LiveVm>, pem: String) {
-        self.lock().insert(id.to_owned(), (Arc::downgrade(vm), pem));
+    fn is_current(&self, id: &str, vm: &Arc<LiveVm>, added: &str) -> bool {
+        self.lock()
+            .get(id)
+            .is_some_and(|(w, p)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(vm)) && p == added)
+    }
+
+    fn record(&self, id: &str, vm: &Arc<LiveVm>, added: String) {
+        self.lock()
+            .insert(id.to_owned(), (Arc::downgrade(vm), added));
     }
 
     /// A removed sandbox.
@@ -60,6 +98,12 @@ impl GuestTrust {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Weak<LiveVm>, String)>> {
         self.written.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// The host's local CAs per `cfg`, or `None` when `trust_host_cas` is off.
+pub fn host_cas(cfg: &crate::config::NetworkConfig) -> Option<HostCas> {
+    cfg.trust_host_cas
+        .then(|| crate::network::host_cas::read_dirs(&cfg.host_ca_dirs))
 }
 
 /// Set the guest's wall clock to the host's (best effort: a failure is logged, the VM stays up).
@@ -73,18 +117,40 @@ pub(super) async fn sync_clock(agent: &AgentClient, vm: &str) {
     }
 }
 
-/// The bundle: `base` (PEM certificates), a newline if it lacks one, then the sandbox CA.
-fn bundle(base: &[u8], ca_pem: &str) -> Vec<u8> {
-    let mut out = Vec::with_capacity(base.len() + ca_pem.len() + 64);
+/// What is added for one sandbox: the host's CAs, then the sandbox CA (if any).
+fn additions(host_block: &str, sandbox_ca: Option<&str>) -> String {
+    let mut out = host_block.to_owned();
+    if let Some(pem) = sandbox_ca {
+        out.push_str(MARK);
+        out.push_str(" sandbox interception CA\n");
+        out.push_str(pem);
+        if !out.ends_with('\n') {
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The distribution's part of a guest bundle: everything before the first [`MARK`] line.
+fn distro_part(b: &[u8]) -> &[u8] {
+    let mut at = 0;
+    for line in b.split_inclusive(|&c| c == b'\n') {
+        if line.starts_with(MARK.as_bytes()) {
+            return &b[..at];
+        }
+        at += line.len();
+    }
+    b
+}
+
+/// The bundle: `base` (PEM certificates), a newline if it lacks one, then the additions.
+fn bundle(base: &[u8], added: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(base.len() + added.len() + 1);
     out.extend_from_slice(base);
     if !out.is_empty() && !out.ends_with(b"\n") {
         out.push(b'\n');
     }
-    out.extend_from_slice(b"# tryboxi sandbox interception CA\n");
-    out.extend_from_slice(ca_pem.as_bytes());
-    if !out.ends_with(b"\n") {
-        out.push(b'\n');
-    }
+    out.extend_from_slice(added.as_bytes());
     out
 }
 
@@ -97,31 +163,27 @@ fn ca_env() -> Vec<(String, String)> {
 }
 
 impl Service {
-    /// Before an exec: make sure the guest's trust bundle holds the sandbox's current
-    /// interception CA, and return the CA env for the exec. A sandbox without secrets (or
-    /// without an interceptor) gets nothing.
+    /// Before an exec: make sure the guest's trust bundle holds the host's local CAs and, with
+    /// secrets, the sandbox's current interception CA; return the CA env for the exec. A
+    /// sandbox with nothing to add gets nothing.
     pub(super) async fn guest_trust_env(
         &self,
         id: &str,
         vm: &Arc<LiveVm>,
         has_secrets: bool,
     ) -> Vec<(String, String)> {
-        if !has_secrets {
+        let sandbox_ca = if has_secrets {
+            self.sandbox_ca_pem(id)
+        } else {
+            None
+        };
+        let added = additions(&self.guest_trust.host_block, sandbox_ca.as_deref());
+        if added.is_empty() {
             return Vec::new();
         }
-        let Some(icpt) = self.network_gate(id).ok().and_then(|g| g.interceptor()) else {
-            return Vec::new();
-        };
-        let ca = icpt.ca();
-        if let Err(e) = ca.ensure(&icpt.secrets().current().intercepted_hosts()) {
-            tracing::warn!(sandbox = %id, error = %e, "cannot re-issue the interception CA");
-        }
-        let Some(pem) = ca.cert_pem() else {
-            return Vec::new();
-        };
-        if !self.guest_trust.is_current(id, vm, &pem) {
-            match self.write_guest_bundle(&vm.agent, &pem).await {
-                Ok(()) => self.guest_trust.record(id, vm, pem),
+        if !self.guest_trust.is_current(id, vm, &added) {
+            match write_guest_bundle(&vm.agent, &added).await {
+                Ok(()) => self.guest_trust.record(id, vm, added),
                 Err(e) => {
                     tracing::warn!(sandbox = %id, error = %e, "cannot write the guest CA bundle")
                 }
@@ -130,45 +192,45 @@ impl Service {
         ca_env()
     }
 
-    async fn write_guest_bundle(&self, agent: &AgentClient, ca_pem: &str) -> Result<(), String> {
-        // The guest's original bundle is kept once, before the first overwrite; it is the
-        // base only when the host has no bundle of its own.
-        let mut distro = None;
-        if agent.stat(GUEST_BUNDLE_DISTRO).await.is_err()
-            && let Ok(b) = agent.read_file(GUEST_BUNDLE, MAX_BUNDLE).await
-        {
-            agent
-                .write_file(GUEST_BUNDLE_DISTRO, &b, 0o644)
-                .await
-                .map_err(|e| format!("keeping {GUEST_BUNDLE_DISTRO}: {e}"))?;
-            distro = Some(b);
+    /// The sandbox's interception CA (re-issued first if a new host needs it), if it has one.
+    fn sandbox_ca_pem(&self, id: &str) -> Option<String> {
+        let icpt = self.network_gate(id).ok().and_then(|g| g.interceptor())?;
+        let ca = icpt.ca();
+        if let Err(e) = ca.ensure(&icpt.secrets().current().intercepted_hosts()) {
+            tracing::warn!(sandbox = %id, error = %e, "cannot re-issue the interception CA");
         }
-        let host = match crate::network::intercept::tls::system_bundle() {
-            Some(p) => read_bounded(&p).await,
-            None => None,
-        };
-        let base = match (host, distro) {
-            (Some(h), _) => h,
-            (None, Some(d)) => d,
-            (None, None) => agent
-                .read_file(GUEST_BUNDLE_DISTRO, MAX_BUNDLE)
-                .await
-                .unwrap_or_default(),
-        };
-        agent
-            .write_file(GUEST_BUNDLE, &bundle(&base, ca_pem), 0o644)
-            .await
-            .map_err(|e| format!("writing {GUEST_BUNDLE}: {e}"))
+        ca.cert_pem()
     }
 }
 
-async fn read_bounded(path: &std::path::Path) -> Option<Vec<u8>> {
-    let len = tokio::fs::metadata(path).await.ok()?.len();
-    if len > MAX_BUNDLE {
-        tracing::warn!(path = %path.display(), len, "host CA bundle too large; not used");
-        return None;
-    }
-    tokio::fs::read(path).await.ok()
+async fn write_guest_bundle(agent: &AgentClient, added: &str) -> Result<(), String> {
+    // The guest's original bundle is kept once, before the first overwrite (cut at any
+    // addition of ours, should the guest have lost the copy); an image without one gets an
+    // empty copy, so that our own bundle is never taken for the distribution's.
+    let base = if agent.stat(GUEST_BUNDLE_DISTRO).await.is_err() {
+        let b = match agent.read_file(GUEST_BUNDLE, MAX_BUNDLE).await {
+            Ok(b) => distro_part(&b).to_vec(),
+            // The agent answered: no bundle in this image (one that exists but cannot be read
+            // is left alone).
+            Err(RpcError::Remote(_)) if agent.stat(GUEST_BUNDLE).await.is_err() => Vec::new(),
+            Err(e) => return Err(format!("reading {GUEST_BUNDLE}: {e}")),
+        };
+        agent
+            .write_file(GUEST_BUNDLE_DISTRO, &b, 0o644)
+            .await
+            .map_err(|e| format!("keeping {GUEST_BUNDLE_DISTRO}: {e}"))?;
+        b
+    } else {
+        let b = agent
+            .read_file(GUEST_BUNDLE_DISTRO, MAX_BUNDLE)
+            .await
+            .map_err(|e| format!("reading {GUEST_BUNDLE_DISTRO}: {e}"))?;
+        distro_part(&b).to_vec()
+    };
+    agent
+        .write_file(GUEST_BUNDLE, &bundle(&base, added), 0o644)
+        .await
+        .map_err(|e| format!("writing {GUEST_BUNDLE}: {e}"))
 }
 
 #[cfg(test)]
@@ -176,18 +238,73 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bundle_keeps_the_base_and_appends_the_ca_on_its_own_line() {
+    fn bundle_keeps_the_base_and_appends_the_additions_on_their_own_line() {
+        let added = additions("", Some("CA\n"));
         let b = bundle(
             b"-----BEGIN CERTIFICATE-----\nA\n-----END CERTIFICATE-----",
-            "CA\n",
+            &added,
         );
         let s = String::from_utf8(b).unwrap();
         assert!(s.starts_with("-----BEGIN CERTIFICATE-----\nA\n-----END CERTIFICATE-----\n#"));
         assert!(s.ends_with("interception CA\nCA\n"), "{s}");
         assert_eq!(
-            bundle(b"", "CA").as_slice(),
-            b"# tryboxi sandbox interception CA\nCA\n"
+            bundle(b"", &additions("", Some("CA"))).as_slice(),
+            b"# tryboxi-added: sandbox interception CA\nCA\n"
         );
+    }
+
+    #[test]
+    fn additions_are_the_host_cas_then_the_sandbox_ca_or_nothing() {
+        assert_eq!(
+            additions("", None),
+            "",
+            "nothing to add: the guest is left alone"
+        );
+        let host = "# tryboxi-added: host CA Corp (/x.crt)\nHOST\n";
+        assert_eq!(additions(host, None), host);
+        assert_eq!(
+            additions(host, Some("SBX\n")),
+            format!("{host}# tryboxi-added: sandbox interception CA\nSBX\n")
+        );
+    }
+
+    #[test]
+    fn the_distro_part_stops_at_the_first_addition() {
+        let distro = b"-----BEGIN CERTIFICATE-----\nD\n-----END CERTIFICATE-----\n";
+        let ours = bundle(
+            distro,
+            &additions("# tryboxi-added: host CA X (f)\nH\n", Some("S")),
+        );
+        assert_eq!(distro_part(&ours), distro);
+        assert_eq!(distro_part(distro), distro);
+        assert_eq!(distro_part(b""), b"");
+        // Only at the start of a line.
+        let odd = b"x # tryboxi-added: not ours\n";
+        assert_eq!(distro_part(odd), odd);
+    }
+
+    #[test]
+    fn the_host_cas_are_read_only_when_on() {
+        let d = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::default();
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, "Trust Test CA");
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        std::fs::write(d.path().join("t.crt"), p.self_signed(&key).unwrap().pem()).unwrap();
+        let mut cfg = crate::config::NetworkConfig {
+            host_ca_dirs: vec![d.path().to_path_buf()],
+            ..Default::default()
+        };
+        let t = GuestTrust::new(&cfg);
+        assert!(
+            t.host_block
+                .starts_with("# tryboxi-added: host CA Trust Test CA (")
+        );
+        assert_eq!(t.host_block.matches("BEGIN CERTIFICATE").count(), 1);
+        cfg.trust_host_cas = false;
+        assert!(host_cas(&cfg).is_none());
+        assert_eq!(GuestTrust::new(&cfg).host_block, "");
     }
 
     async fn vm(id: &str) -> (Arc<LiveVm>, tokio::net::UnixStream) {

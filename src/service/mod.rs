@@ -192,7 +192,8 @@ pub struct Service {
     /// Each sandbox's live secrets (bindings with values), read by the egress interceptor per
     /// flow.
     pub secrets: crate::secrets::Registry,
-    /// Per sandbox: the VM and CA its guest trust bundle was last written for.
+    /// The host's CAs every guest trusts, and per sandbox: the VM and the certificates its
+    /// guest trust bundle was last written for.
     pub guest_trust: guest_trust::GuestTrust,
     /// Running execs (`execs.rs`).
     pub execs: Arc<execs::LiveExecs>,
@@ -229,7 +230,9 @@ impl Service {
         if let Some(why) = secret_store.broken() {
             tracing::error!(error = %why, "the secret store cannot be read");
         }
+        let guest_trust = guest_trust::GuestTrust::new(&config.network);
         Service {
+            guest_trust,
             secret_store,
             secrets: Default::default(),
             ledger,
@@ -246,7 +249,6 @@ impl Service {
             manifests: Default::default(),
             nets: Default::default(),
             ports: Default::default(),
-            guest_trust: Default::default(),
             execs: Default::default(),
         }
     }
