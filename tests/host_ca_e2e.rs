@@ -153,7 +153,12 @@ fn the_guest_trusts_a_ca_that_only_the_configured_host_ca_dir_holds() {
         let o = d.cli(&["net", "allow", &id, HOST]);
         assert!(o.status.success(), "net allow: {}", text(&o));
 
+        let t = std::time::Instant::now();
         let (_, out) = bash(&d, &id, STATE);
+        eprintln!("on: first exec (writes the bundle) {:?}", t.elapsed());
+        let t = std::time::Instant::now();
+        let _ = bash(&d, &id, "true");
+        eprintln!("on: second exec {:?}", t.elapsed());
         if !out.contains("SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt\n")
             || !out.contains("NODE_EXTRA_CA_CERTS=/etc/ssl/certs/ca-certificates.crt\n")
         {
@@ -195,7 +200,9 @@ fn the_guest_trusts_a_ca_that_only_the_configured_host_ca_dir_holds() {
         let id = create_with(&d, ws.path(), &[]);
         let o = d.cli(&["net", "allow", &id, HOST]);
         assert!(o.status.success(), "net allow: {}", text(&o));
+        let t = std::time::Instant::now();
         let (_, out) = bash(&d, &id, STATE);
+        eprintln!("off: first exec {:?}", t.elapsed());
         if out.contains("SSL_CERT_FILE=/") || out.contains("DISTRO-KEPT") {
             bad.push(format!("off: the guest was touched: {out}"));
         }
