@@ -343,7 +343,7 @@ pub struct RestoreRequest {
     pub snapshot: String,
 }
 
-// ---- Workspace: sync, diff, apply, pull, undo (the workspace milestone implements these) ----
+// ---- Workspace: sync, diff, apply, pull, undo ----
 
 /// `POST /v1/sandboxes/{id}/sync` (also done before every exec): what went host -> VM.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]

@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::{Daemon, SMALL_VMS, artifacts, create, follow_events};
+use common::{Daemon, SMALL_VMS, artifacts, bash, create_with, follow_events};
 use serde_json::Value;
 
 /// Samples of a `/metrics` body, as parsed by prometheus_client's parser.
@@ -153,12 +153,56 @@ fn span_names(trace: &Value) -> Vec<&str> {
         .collect()
 }
 
+/// A plain HTTP server on the host loopback answering every request with `hello\n`: the
+/// upstream the guest's allowed name is mapped to.
+fn hello_server() -> std::net::SocketAddr {
+    use std::io::Read;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for mut c in l.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = c.read(&mut buf);
+            let _ = c.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\nconnection: close\r\n\r\nhello\n",
+            );
+        }
+    });
+    addr
+}
+
+/// The metric names the Grafana dashboard's panels query (histograms by their base name).
+fn dashboard_metrics() -> Vec<String> {
+    let dash: Value = serde_json::from_str(include_str!("../deploy/grafana/tryboxi.json")).unwrap();
+    let re = regex::Regex::new(r"tryboxi_[a-z_]+").unwrap();
+    let mut names: Vec<String> = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            for m in re.find_iter(t["expr"].as_str().unwrap()) {
+                let n = m.as_str().strip_suffix("_bucket").unwrap_or(m.as_str());
+                if !names.iter().any(|x| x == n) {
+                    names.push(n.to_owned());
+                }
+            }
+        }
+    }
+    assert!(names.len() >= 10, "{names:?}");
+    names
+}
+
 #[test]
 fn a_sandbox_whole_life_is_observable() {
     let Some(art) = artifacts() else { return };
     let (collector, exported) = fake_collector();
+    // The guest may reach `allowed.test` (a loopback server here) and nothing else.
+    let web = hello_server();
+    let cfg = format!(
+        "{SMALL_VMS}[network]\ndefault_policy = []\n\
+         [network.test_hosts]\n\"allowed.test\" = [\"203.0.113.10\"]\n\
+         [network.test_upstream_map]\n\"203.0.113.10:80\" = \"{web}\"\n"
+    );
     let d = Daemon::start(
-        Some(SMALL_VMS),
+        Some(&cfg),
         &[
             "--artifacts",
             art.to_str().unwrap(),
@@ -171,8 +215,9 @@ fn a_sandbox_whole_life_is_observable() {
     // round trip after connecting makes that certain without sleeping.
     assert_eq!(d.request("GET", "/v1/health", None).status, 200);
     let ws = tempfile::tempdir().unwrap();
+    std::fs::write(ws.path().join("synced.txt"), "in the first sync\n").unwrap();
 
-    let id = create(&d, ws.path());
+    let id = create_with(&d, ws.path(), &["--network", "allowed.test"]);
     let script = "echo hello; echo world; printf '\\033[31mred\\033[0m\\n' >&2; exit 3";
     let out = d.cli(&["exec", &id, "--", "sh", "-c", script]);
     assert_eq!(
@@ -230,13 +275,15 @@ fn a_sandbox_whole_life_is_observable() {
         .collect();
     assert_eq!(lines, seen);
 
-    // Trace of the exec: its phases in order, each with a non-zero duration.
+    // Trace of the exec: its phases in order (the sync before it first), each with a
+    // non-zero duration.
     let t = d.request("GET", &format!("/v1/traces/{exe}"), None).json();
     assert_eq!(
         span_names(&t),
-        ["exec.spawn", "exec", "output.flush"],
+        ["workspace.sync", "exec.spawn", "exec", "output.flush"],
         "{t}"
     );
+    assert_eq!(t["spans"][0]["attrs"]["files"], "0", "nothing changed: {t}");
     assert!(t["finished"].as_bool().unwrap());
     let spans = t["spans"].as_array().unwrap();
     for w in spans.windows(2) {
@@ -249,13 +296,20 @@ fn a_sandbox_whole_life_is_observable() {
         spans.iter().all(|s| s["duration_ns"].as_u64().unwrap() > 0),
         "{t}"
     );
-    assert_eq!(spans[1]["attrs"]["exit_code"], "3");
+    assert_eq!(spans[2]["attrs"]["exit_code"], "3");
     let t = d.request("GET", &format!("/v1/traces/{id}"), None).json();
     assert_eq!(
         span_names(&t),
-        ["scheduler.reserve", "vm.boot", "guest.connect"],
+        [
+            "scheduler.reserve",
+            "vm.boot",
+            "guest.connect",
+            "workspace.sync"
+        ],
         "{t}"
     );
+    assert_eq!(t["spans"][3]["attrs"]["files"], "1", "{t}");
+    assert_eq!(t["spans"][3]["attrs"]["bytes"], "18", "{t}");
     let out = d.cli(&["trace", &id]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -312,6 +366,79 @@ fn a_sandbox_whole_life_is_observable() {
         get("tryboxi_exec_output_bytes_total", &[("stream", "stdout")]),
         12.0
     );
+    // Two syncs (the create's, the exec's); the first sent the one file.
+    assert_eq!(get("tryboxi_syncs_total", &[]), 2.0);
+    assert_eq!(get("tryboxi_sync_files_total", &[]), 1.0);
+    assert_eq!(get("tryboxi_sync_bytes_total", &[]), 18.0);
+    assert_eq!(get("tryboxi_errors_total", &[("kind", "sync_failed")]), 0.0);
+
+    // The network: an allowed name over HTTP, a denied address, a denied name.
+    let out = bash(
+        &d,
+        &id,
+        "curl -sS --max-time 30 http://allowed.test/; \
+         curl -sS --max-time 10 http://203.0.113.99/ || echo denied-fast; \
+         getent hosts denied.test || echo no-such-name",
+    );
+    assert!(
+        out.contains("hello\n") && out.contains("denied-fast") && out.contains("no-such-name"),
+        "{out}"
+    );
+    // Every metric a dashboard panel queries is in /metrics after this life (the relayed bytes
+    // are counted when the flow closes, a moment after curl is done).
+    let panels = dashboard_metrics();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let samples = loop {
+        let samples = parse_metrics(&d.request("GET", "/metrics", None).text());
+        let down = sample(
+            &samples,
+            "tryboxi_network_bytes_total",
+            &[("direction", "down")],
+        );
+        if down.is_some_and(|b| b > 0.0) || std::time::Instant::now() > deadline {
+            break samples;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let missing: Vec<&String> = panels
+        .iter()
+        .filter(|m| {
+            !samples.iter().any(|s| {
+                let n = s["name"].as_str().unwrap_or_default();
+                n == m.as_str() || n.strip_prefix(m.as_str()).is_some_and(|r| r == "_bucket")
+            })
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "dashboard panels query metrics never emitted: {missing:?}"
+    );
+    let get = |n: &str, l: &[(&str, &str)]| {
+        sample(&samples, n, l).unwrap_or_else(|| panic!("no {n} {l:?} in {samples:?}"))
+    };
+    for verdict in ["allowed", "denied"] {
+        assert!(
+            get(
+                "tryboxi_network_flows_total",
+                &[("verdict", verdict), ("proto", "tcp")]
+            ) >= 1.0,
+            "{verdict}"
+        );
+    }
+    assert!(
+        get(
+            "tryboxi_network_dns_queries_total",
+            &[("outcome", "answered")]
+        ) >= 1.0
+    );
+    assert!(
+        get(
+            "tryboxi_network_dns_queries_total",
+            &[("outcome", "denied")]
+        ) >= 1.0
+    );
+    assert!(get("tryboxi_network_bytes_total", &[("direction", "down")]) >= 6.0);
+    assert!(get("tryboxi_network_bytes_total", &[("direction", "up")]) > 0.0);
 
     // OTLP: both traces (the sandbox's create, the exec) reached the collector as protobuf.
     let mut seen_names = String::new();

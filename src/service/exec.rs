@@ -126,9 +126,14 @@ impl Service {
         env.extend(self.guest_trust_env(id, &vm, !env.is_empty()).await);
         env.append(&mut wire.env);
         wire.env = env;
-        // The VM sees the host repo as it is now (one-way delta sync).
-        self.sync_before_exec(&rec, &vm, &req.sync_exclude).await?;
+        // The exec's id comes first: the sync is the first span of its trace.
         let exec_id = ids::new_id(ids::EXEC);
+        // The VM sees the host repo as it is now (one-way delta sync).
+        if let Err(e) = (self.sync_before_exec(&rec, &vm, &req.sync_exclude, &exec_id)).await {
+            // The exec never starts: its trace ends with the failed sync.
+            self.telemetry.traces.finish(&exec_id);
+            return Err(e);
+        }
         let started = Instant::now();
         let stdin_so_far = wire.stdin.clone().unwrap_or_default();
         let mut stream = match vm.agent.exec(wire).await {

@@ -221,7 +221,7 @@ impl Service {
         self.record(id)?;
         match self.store.get::<NetworkRecord>(NETWORK, id)? {
             Some(r) => Ok(r),
-            // A sandbox from before the network milestone: the default policy.
+            // A sandbox recorded by a daemon that kept no network record: the default policy.
             None => Ok(NetworkRecord {
                 policy: parse_policy(&self.networks.default_policy).map_err(bad)?,
                 requests: Vec::new(),

@@ -285,7 +285,7 @@ impl Service {
         self.vms.insert(&id, vm.clone());
         self.watch(id.clone(), vm.clone());
         if rec.api.workspace.is_some()
-            && let Err(e) = self.sync_locked(&rec, &vm, &[]).await
+            && let Err(e) = self.sync_locked(&rec, &vm, &[], Some(&id)).await
         {
             self.vms.take(&id);
             self.telemetry.sandbox_create_failed(&id, &e.to_string());

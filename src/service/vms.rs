@@ -206,7 +206,7 @@ impl Service {
                 self.watch(id.clone(), vm.clone());
                 // The workspace goes in before anyone can exec.
                 if rec.api.workspace.is_some()
-                    && let Err(e) = self.sync_locked(&rec, &vm, &[]).await
+                    && let Err(e) = self.sync_locked(&rec, &vm, &[], Some(&id)).await
                 {
                     tracing::warn!(sandbox = %id, error = %e, "first workspace sync failed; cleaning up");
                     self.vms.take(&id);

@@ -189,13 +189,46 @@ impl Service {
         let (_life, rec, vm) = self.ready_vm(id).await?;
         let lock = self.ws_lock(id);
         let _g = lock.lock().await;
-        self.sync_locked(&rec, &vm, &req.exclude).await
+        // Counted in the metrics; its span would land in a create's trace that has ended.
+        self.sync_locked(&rec, &vm, &req.exclude, None).await
     }
 
     /// Send what changed on the host since the base; record the new base. The caller holds
     /// the sandbox's workspace lock (or owns the sandbox exclusively, at create). Paths that
     /// `exclude` (this request's patterns) matches are left as they are in the VM and base.
+    /// Every sync is counted in the sync metrics; with `trace_id` (the create's sandbox id, an
+    /// exec's id) it is also a `workspace.sync` span of that trace.
     pub(super) async fn sync_locked(
+        &self,
+        rec: &SandboxRecord,
+        vm: &LiveVm,
+        exclude: &[String],
+        trace_id: Option<&str>,
+    ) -> Result<api::SyncReport, ServiceError> {
+        let mut span = trace_id.map(|t| self.telemetry.traces.span(t, "workspace.sync"));
+        let res = self.sync_unobserved(rec, vm, exclude).await;
+        match &res {
+            Ok(r) => {
+                crate::telemetry::metrics::record_sync(r.bytes_sent, r.files_sent);
+                if let Some(s) = &mut span {
+                    s.attr("files", r.files_sent);
+                    s.attr("bytes", r.bytes_sent);
+                    s.attr("deleted", r.deleted);
+                    let via = serde_json::to_value(r.via).unwrap_or_default();
+                    s.attr("via", via.as_str().unwrap_or("?"));
+                }
+            }
+            Err(e) => {
+                crate::telemetry::metrics::error(crate::telemetry::metrics::ErrorKind::SyncFailed);
+                if let Some(s) = &mut span {
+                    s.attr("error", e);
+                }
+            }
+        }
+        res
+    }
+
+    async fn sync_unobserved(
         &self,
         rec: &SandboxRecord,
         vm: &LiveVm,
@@ -566,11 +599,13 @@ impl Service {
     }
 
     /// Sync before an exec (takes the workspace lock); `exclude` as in [`Self::sync_locked`].
+    /// The sync before exec `exec_id` (a span of its trace).
     pub(super) async fn sync_before_exec(
         &self,
         rec: &SandboxRecord,
         vm: &LiveVm,
         exclude: &[String],
+        exec_id: &str,
     ) -> Result<(), ServiceError> {
         // Nothing on the host to bring in: the command runs on the VM as it is.
         if rec.api.workspace.is_none() {
@@ -578,7 +613,9 @@ impl Service {
         }
         let lock = self.ws_lock(&rec.api.id);
         let _g = lock.lock().await;
-        self.sync_locked(rec, vm, exclude).await.map(|_| ())
+        self.sync_locked(rec, vm, exclude, Some(exec_id))
+            .await
+            .map(|_| ())
     }
 
     pub(super) async fn changes(

@@ -39,7 +39,8 @@ pub struct Event {
     pub data: serde_json::Value,
 }
 
-/// Event kinds the core emits (other milestones add their own dotted names).
+/// Event kinds of the sandbox and exec lifecycle. Other modules publish their own dotted names
+/// (`network.*`, `secret.*`, `sandbox.paused`, `port.exposed`, ...).
 pub mod kind {
     pub const SANDBOX_CREATED: &str = "sandbox.created";
     pub const SANDBOX_READY: &str = "sandbox.ready";

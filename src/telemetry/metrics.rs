@@ -26,13 +26,16 @@ pub const EXEC_OUTPUT_BYTES: &str = "tryboxi_exec_output_bytes_total";
 pub const VM_MEMORY: &str = "tryboxi_vm_memory_bytes";
 /// The daemon's own resident set size. Gauge.
 pub const DAEMON_RSS: &str = "tryboxi_daemon_resident_memory_bytes";
-/// Errors by `kind` (boot_failed, vm_died, agent_lost, exec_lost, ...). Counter.
+/// Errors by `kind` (every [`ErrorKind`], exported at 0 from the start). Counter.
 pub const ERRORS: &str = "tryboxi_errors_total";
 /// Events recorded by `type`. Counter.
 pub const EVENTS: &str = "tryboxi_events_total";
-/// Workspace sync: bytes and files sent into VMs. Counters (recorded by the workspace code).
+/// Workspace sync: bytes and files sent into VMs, at create and before each exec (and on
+/// `POST /v1/sandboxes/{id}/sync`). Counters.
 pub const SYNC_BYTES: &str = "tryboxi_sync_bytes_total";
 pub const SYNC_FILES: &str = "tryboxi_sync_files_total";
+/// Workspace syncs done (a sync that sent nothing counts too). Counter.
+pub const SYNCS: &str = "tryboxi_syncs_total";
 /// Host ledger (scheduler): `resource` = vcpus|memory_mib, `kind` = reserved|capacity.
 pub const HOST_LEDGER: &str = "tryboxi_host_ledger";
 /// Requests waiting in the scheduler's queue.
@@ -47,6 +50,41 @@ pub const NET_DNS: &str = "tryboxi_network_dns_queries_total";
 pub const POOL_READY: &str = "tryboxi_pool_ready";
 /// Network events dropped by the per-sandbox rate limit (counted, not recorded). Counter.
 pub const NET_EVENTS_SUPPRESSED: &str = "tryboxi_network_events_suppressed_total";
+
+/// What `tryboxi_errors_total` counts, as its `kind` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A create failed (boot, agent or first sync).
+    BootFailed,
+    /// A ready sandbox failed (VM died, agent link broke, lost over a restart).
+    SandboxFailed,
+    /// An exec ended without an exit status (VM or agent lost).
+    ExecLost,
+    /// A workspace sync failed.
+    SyncFailed,
+    /// A batch of traces could not be exported over OTLP.
+    OtlpExport,
+}
+
+impl ErrorKind {
+    pub const ALL: [ErrorKind; 5] = [
+        ErrorKind::BootFailed,
+        ErrorKind::SandboxFailed,
+        ErrorKind::ExecLost,
+        ErrorKind::SyncFailed,
+        ErrorKind::OtlpExport,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::BootFailed => "boot_failed",
+            ErrorKind::SandboxFailed => "sandbox_failed",
+            ErrorKind::ExecLost => "exec_lost",
+            ErrorKind::SyncFailed => "sync_failed",
+            ErrorKind::OtlpExport => "otlp_export",
+        }
+    }
+}
 
 /// The Prometheus text exposition content type.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -80,6 +118,10 @@ pub fn install() -> Option<&'static PrometheusHandle> {
             match metrics::set_global_recorder(recorder) {
                 Ok(()) => {
                     describe();
+                    // Known error kinds exist at 0 (an error panel shows "none", not "no data").
+                    for k in ErrorKind::ALL {
+                        metrics::counter!(ERRORS, "kind" => k.as_str()).increment(0);
+                    }
                     Some(handle)
                 }
                 Err(e) => {
@@ -113,6 +155,7 @@ fn describe() {
     describe_counter!(EVENTS, "Events recorded by type");
     describe_counter!(SYNC_BYTES, Unit::Bytes, "Bytes synced into sandboxes");
     describe_counter!(SYNC_FILES, "Files synced into sandboxes");
+    describe_counter!(SYNCS, "Workspace syncs into sandboxes");
     describe_gauge!(
         HOST_LEDGER,
         "Host vCPUs and memory reserved by sandboxes, and the capacity"
@@ -182,14 +225,14 @@ pub fn render(snap: &Snapshot) -> Option<String> {
     Some(handle.render())
 }
 
-/// Count one error of `kind` (a short snake_case word).
-pub fn error(kind: &'static str) {
-    metrics::counter!(ERRORS, "kind" => kind).increment(1);
+/// Count one error of `kind`.
+pub fn error(kind: ErrorKind) {
+    metrics::counter!(ERRORS, "kind" => kind.as_str()).increment(1);
 }
 
-/// Record a workspace sync (for the workspace code).
-#[allow(dead_code)] // called by the workspace milestone
+/// Count a workspace sync that sent `bytes` in `files` files (both may be 0).
 pub fn record_sync(bytes: u64, files: u64) {
+    metrics::counter!(SYNCS).increment(1);
     metrics::counter!(SYNC_BYTES).increment(bytes);
     metrics::counter!(SYNC_FILES).increment(files);
 }
@@ -230,7 +273,7 @@ mod tests {
             pool_ready: 3,
         };
         install().expect("recorder installed");
-        error("unit_test_kind");
+        error(ErrorKind::OtlpExport);
         let text = render(&snap).expect("recorder installed");
         assert!(
             text.contains("tryboxi_host_ledger{resource=\"memory_mib\",kind=\"capacity\"} 4096"),
@@ -243,7 +286,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("tryboxi_errors_total{kind=\"unit_test_kind\"}"),
+            text.contains("tryboxi_errors_total{kind=\"otlp_export\"}"),
             "{text}"
         );
         assert!(
@@ -252,9 +295,37 @@ mod tests {
         );
     }
 
+    /// The two copies of the dashboard (for importing, and provisioned by the compose recipe).
+    const DASHBOARDS: [&str; 2] = [
+        include_str!("../../deploy/grafana/tryboxi.json"),
+        include_str!("../../deploy/observability/grafana-dashboard.json"),
+    ];
+
+    /// The metric names a dashboard's panel queries use (histogram series by their base name).
+    fn dashboard_metrics(dash: &str) -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_str(dash).expect("dashboard JSON");
+        let re = regex::Regex::new(r"tryboxi_[a-z_]+").unwrap();
+        let mut names: Vec<String> = Vec::new();
+        for p in v["panels"].as_array().expect("panels") {
+            for t in p["targets"].as_array().into_iter().flatten() {
+                for m in re.find_iter(t["expr"].as_str().unwrap_or_default()) {
+                    let n = m.as_str();
+                    let base = ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .find_map(|s| n.strip_suffix(s))
+                        .filter(|b| *b == BOOT_SECONDS || *b == EXEC_SECONDS)
+                        .unwrap_or(n);
+                    if !names.iter().any(|x| x == base) {
+                        names.push(base.to_owned());
+                    }
+                }
+            }
+        }
+        names
+    }
+
     #[test]
     fn the_grafana_dashboard_only_queries_metrics_that_exist() {
-        let dash = include_str!("../../deploy/grafana/tryboxi.json");
         let known = [
             SANDBOXES,
             CREATES,
@@ -268,18 +339,47 @@ mod tests {
             EVENTS,
             SYNC_BYTES,
             SYNC_FILES,
+            SYNCS,
+            NET_FLOWS,
+            NET_BYTES,
+            NET_DNS,
         ];
-        let re = regex::Regex::new(r"tryboxi_[a-z_]+").unwrap();
-        let mut used = 0;
-        for m in re.find_iter(dash) {
-            let name = m.as_str();
-            let base = name.strip_suffix("_bucket").unwrap_or(name);
-            assert!(
-                known.contains(&base),
-                "the dashboard queries unknown metric `{name}`"
-            );
-            used += 1;
+        for dash in DASHBOARDS {
+            let used = dashboard_metrics(dash);
+            for name in &used {
+                assert!(
+                    known.contains(&name.as_str()),
+                    "the dashboard queries unknown metric `{name}`"
+                );
+            }
+            for k in known {
+                assert!(used.iter().any(|u| u == k), "no panel shows `{k}`");
+            }
         }
-        assert!(used >= known.len(), "the dashboard shows too few metrics");
+    }
+
+    #[test]
+    fn both_dashboard_copies_show_the_same_panels() {
+        let panels = |d: &str| {
+            let mut v: serde_json::Value = serde_json::from_str(d).unwrap();
+            let mut p = v["panels"].take();
+            for x in p.as_array_mut().unwrap() {
+                x.as_object_mut().unwrap().remove("datasource");
+            }
+            p
+        };
+        assert_eq!(panels(DASHBOARDS[0]), panels(DASHBOARDS[1]));
+    }
+
+    #[test]
+    fn every_error_kind_is_exported_from_the_start() {
+        install().expect("recorder installed");
+        let text = render(&Snapshot::default()).expect("recorder installed");
+        for k in ErrorKind::ALL {
+            assert!(
+                text.contains(&format!("tryboxi_errors_total{{kind=\"{}\"}}", k.as_str())),
+                "{k:?} missing from {text}"
+            );
+        }
     }
 }

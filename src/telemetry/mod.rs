@@ -90,7 +90,7 @@ impl Telemetry {
     /// A create failed (its VM and directory are discarded next).
     pub fn sandbox_create_failed(&self, id: &str, error: &str) {
         ::metrics::counter!(metrics::CREATES, "outcome" => "error").increment(1);
-        metrics::error("boot_failed");
+        metrics::error(metrics::ErrorKind::BootFailed);
         self.events
             .publish(kind::SANDBOX_FAILED, id, None, json!({"error": error}));
         self.traces.finish(id);
@@ -98,7 +98,7 @@ impl Telemetry {
 
     /// A ready sandbox failed (its VM died, its agent link broke, or it was lost over a restart).
     pub fn sandbox_failed(&self, id: &str, reason: &str) {
-        metrics::error("sandbox_failed");
+        metrics::error(metrics::ErrorKind::SandboxFailed);
         self.events
             .publish(kind::SANDBOX_FAILED, id, None, json!({"error": reason}));
     }
@@ -191,7 +191,7 @@ impl ExecObserver {
         ::metrics::counter!(metrics::EXECS, "outcome" => outcome).increment(1);
         ::metrics::histogram!(metrics::EXEC_SECONDS).record(run.as_secs_f64());
         if end.error.is_some() {
-            metrics::error("exec_lost");
+            metrics::error(metrics::ErrorKind::ExecLost);
         }
         self.tel.events.publish(
             kind::EXEC_FINISHED,

@@ -58,7 +58,7 @@ struct Otlp {
 impl Exporter for Otlp {
     fn export(&self, trace: &Trace) {
         if self.tx.try_send(trace.clone()).is_err() {
-            super::metrics::error("otlp_export");
+            super::metrics::error(super::metrics::ErrorKind::OtlpExport);
         }
     }
 }
@@ -89,7 +89,7 @@ pub fn exporter(url: &str) -> Result<Box<dyn Exporter>, OtlpError> {
     handle.spawn(async move {
         while let Some(t) = rx.recv().await {
             if let Err(e) = exp.export(to_span_data(&t)).await {
-                super::metrics::error("otlp_export");
+                super::metrics::error(super::metrics::ErrorKind::OtlpExport);
                 tracing::warn!(error = %e, trace = %t.id, "OTLP export failed");
             }
         }

@@ -201,7 +201,6 @@ pub struct SpanGuard<'a> {
 }
 
 impl SpanGuard<'_> {
-    #[allow(dead_code)] // for phases with details (workspace.sync: bytes, files)
     pub fn attr(&mut self, key: &'static str, value: impl ToString) {
         self.attrs.push((key, value.to_string()));
     }
