@@ -19,7 +19,6 @@ pub fn is_valid(prefix: &str, id: &str) -> bool {
 
 pub const SANDBOX: &str = "sbx_";
 pub const EXEC: &str = "exe_";
-#[allow(dead_code)]
 pub const ARTIFACT: &str = "art_";
 pub const SNAPSHOT: &str = "snap_";
 /// Network access requests.

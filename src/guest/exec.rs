@@ -155,6 +155,7 @@ impl ExecTable {
     }
 
     /// Number of execs still held (running, or with unacknowledged output).
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.lock().len()
     }
@@ -502,6 +503,7 @@ impl Exec {
     }
 
     /// Bytes of output (plus per-event overhead) held for the host right now.
+    #[cfg(test)]
     pub fn spooled_bytes(&self) -> usize {
         self.lock().spool_bytes
     }

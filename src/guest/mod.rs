@@ -9,9 +9,6 @@
 //! Outside a VM (argv[0] `init` but not PID 1) it serves one connection on stdin/stdout,
 //! which is handy for poking at it by hand; tests use [`server::serve`] directly.
 
-// Parts are reachable only from PID 1 or from tests.
-#![allow(dead_code)]
-
 pub mod exec;
 pub mod files;
 pub mod init;

@@ -25,8 +25,6 @@ struct ChannelReader {
     buf: Vec<u8>,
     pos: usize,
     done: bool,
-    outbox: Arc<Outbox>,
-    stream: u32,
 }
 
 impl Read for ChannelReader {
@@ -98,7 +96,6 @@ pub async fn untar(
     outbox: Arc<Outbox>,
     stream: u32,
 ) {
-    let ob = outbox.clone();
     let work = Work::default();
     let _ticker = Ticker::start(outbox.clone(), stream, work.clone());
     let res = tokio::task::spawn_blocking(move || {
@@ -107,8 +104,6 @@ pub async fn untar(
             buf: Vec::new(),
             pos: 0,
             done: false,
-            outbox: ob,
-            stream,
         };
         unpack(&dir, &delete, reader, &work)
     })

@@ -123,6 +123,7 @@ pub fn decode_answer<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, 
 
 /// Decodes the first frame of `buf`: `Ok(None)` if more bytes are needed, else the frame and
 /// the number of bytes it used.
+#[cfg(any(test, fuzzing))]
 pub fn decode_frame(buf: &[u8]) -> Result<Option<(Frame, usize)>, FrameError> {
     let Some(prefix) = buf.get(..4) else {
         return Ok(None);

@@ -9,11 +9,9 @@
 //! Layout: [`msg`] (types), [`frame`] (codec), [`outbox`] (fair writer), [`client`] (host API:
 //! `client/{connect,streams,exec}.rs` inside).
 
-// The daemon adopts this API in its own branch; until then parts are only used by tests.
-#![allow(dead_code)]
-
 pub mod client;
 pub mod frame;
+#[cfg(any(test, fuzzing))]
 pub mod fuzzing;
 #[cfg(test)]
 pub mod hostile;

@@ -224,6 +224,7 @@ impl ExecStream {
     }
 
     /// Resizes the pty (no-op for a non-pty exec).
+    #[cfg(test)]
     pub async fn resize(&self, rows: u16, cols: u16) -> Result<(), RpcError> {
         self.s.send(Body::Resize { rows, cols })
     }
