@@ -97,6 +97,14 @@ fn python_sdk_drives_the_mcp_server_against_real_vms() {
         "write_file",
         "list",
         "rm",
+        "checkpoint",
+        "list_checkpoints",
+        "restore",
+        "fork",
+        "pause",
+        "exec_output",
+        "stop_exec",
+        "expose_port",
     ] {
         assert!(
             s["tools"].as_array().unwrap().iter().any(|x| x == t),
@@ -108,6 +116,17 @@ fn python_sdk_drives_the_mcp_server_against_real_vms() {
     assert!(s["progress_notifications"].as_u64().unwrap() >= 2, "{s}");
     assert_eq!(s["paged_bytes"], 588_895, "{s}");
     assert!(s["workspace_routes"].is_boolean(), "{s}");
+    assert_eq!(s["restored"], true, "{s}");
+    assert!(s["forked"].as_str().unwrap().starts_with("sbx_"), "{s}");
+    assert_eq!(s["paused_and_resumed"], true, "{s}");
+    assert!(
+        s["dev_server_url"]
+            .as_str()
+            .unwrap()
+            .starts_with("http://127.0.0.1:"),
+        "{s}"
+    );
+    assert_eq!(s["background_stopped"], true, "{s}");
     assert_eq!(
         list["sandboxes"].as_array().map_or(0, Vec::len),
         0,

@@ -258,6 +258,81 @@ impl Client {
         .await
     }
 
+    /// `POST /v1/sandboxes/{id}/snapshots`: checkpoint memory, device state and disk.
+    pub async fn snapshot(
+        &self,
+        id: &str,
+        req: &api::SnapshotRequest,
+    ) -> Result<api::Snapshot, ClientError> {
+        let path = format!("/v1/sandboxes/{}/snapshots", seg(id));
+        self.send(Method::POST, &path, Some(req)).await
+    }
+
+    /// `GET /v1/sandboxes/{id}/snapshots`, oldest first.
+    pub async fn snapshots(&self, id: &str) -> Result<api::SnapshotList, ClientError> {
+        self.get(&format!("/v1/sandboxes/{}/snapshots", seg(id)))
+            .await
+    }
+
+    /// `POST /v1/sandboxes/{id}/restore`: `snapshot` is an id or a name.
+    pub async fn restore(&self, id: &str, snapshot: &str) -> Result<api::Sandbox, ClientError> {
+        let path = format!("/v1/sandboxes/{}/restore", seg(id));
+        let req = api::RestoreRequest {
+            snapshot: snapshot.to_owned(),
+        };
+        self.send(Method::POST, &path, Some(&req)).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/fork`.
+    pub async fn fork(
+        &self,
+        id: &str,
+        req: &api::ForkRequest,
+    ) -> Result<api::ForkResult, ClientError> {
+        let path = format!("/v1/sandboxes/{}/fork", seg(id));
+        self.send(Method::POST, &path, Some(req)).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/pause`: to disk; the next use resumes it.
+    pub async fn pause(&self, id: &str) -> Result<api::Sandbox, ClientError> {
+        let path = format!("/v1/sandboxes/{}/pause", seg(id));
+        self.send::<(), _>(Method::POST, &path, None).await
+    }
+
+    /// `GET /v1/execs/{id}`: an exec, running or ended.
+    pub async fn exec_info(&self, exec_id: &str) -> Result<api::ExecInfo, ClientError> {
+        self.get(&format!("/v1/execs/{}", seg(exec_id))).await
+    }
+
+    /// `GET /v1/execs/{id}/output`: a piece of an exec's kept output from `offset`
+    /// (`stream` = output|stdout|stderr), waiting up to `wait_ms` at the end of a running one.
+    pub async fn exec_output(
+        &self,
+        exec_id: &str,
+        stream: &str,
+        offset: u64,
+        wait_ms: u64,
+        max_bytes: u64,
+    ) -> Result<crate::service::ExecOutput, ClientError> {
+        self.get(&format!(
+            "/v1/execs/{}/output?stream={}&offset={offset}&wait_ms={wait_ms}&max_bytes={max_bytes}",
+            seg(exec_id),
+            qv(stream)
+        ))
+        .await
+    }
+
+    /// `POST /v1/execs/{id}/signal`: a signal to the exec's process group; the exec after it.
+    pub async fn signal_exec(
+        &self,
+        exec_id: &str,
+        signal: api::SignalSpec,
+    ) -> Result<api::ExecInfo, ClientError> {
+        let path = format!("/v1/execs/{}/signal", seg(exec_id));
+        let req = api::ExecSignalRequest { signal };
+        self.send(Method::POST, &path, Some(&req)).await
+    }
+
     /// `PUT /v1/sandboxes/{id}/files?path=/abs` with the content as the body. Whatever JSON
     /// the daemon answers with is ignored (success is the 2xx).
     pub async fn write_file(&self, id: &str, file: &api::FileContent) -> Result<(), ClientError> {

@@ -75,7 +75,7 @@ impl ToolError {
                     }
                 } else if code == "not_found"
                     && let Some(id) = id
-                    && message.contains(id)
+                    && message.starts_with(&format!("no sandbox `{id}`"))
                 {
                     ToolError::UnknownSandbox { id: id.to_owned() }
                 } else {
@@ -125,6 +125,18 @@ mod tests {
         );
         assert!(matches!(e, ToolError::UnknownSandbox { .. }), "{e}");
         assert!(e.to_string().contains("`list`"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_snapshot_of_a_known_sandbox_is_not_an_unknown_sandbox() {
+        let e = ToolError::from_client(
+            api("not_found", "sandbox `sbx_9` has no snapshot `nope`"),
+            "restore",
+            "POST /v1/sandboxes/{id}/restore",
+            Some("sbx_9"),
+        );
+        assert!(matches!(e, ToolError::Api { .. }), "{e}");
+        assert!(e.to_string().contains("no snapshot `nope`"), "{e}");
     }
 
     #[test]

@@ -206,12 +206,13 @@ fn progress_message(secs: f64, out: &Captured, err: &Captured, last: &str) -> St
     m
 }
 
-/// Validate and clamp the model's exec arguments into a request.
+/// Validate and clamp the model's exec arguments into a request. `default_timeout_s`: the
+/// user's default (`None` for a background command: it runs until stopped).
 pub fn request(
     cmd: String,
     timeout_s: Option<f64>,
     cwd: Option<String>,
-    default_timeout_s: f64,
+    default_timeout_s: Option<f64>,
 ) -> Result<api::ExecRequest, ToolError> {
     let invalid = |m: &str| ToolError::InvalidArgs {
         tool: "exec".into(),
@@ -220,14 +221,16 @@ pub fn request(
     if cmd.trim().is_empty() {
         return Err(invalid("`cmd` is empty"));
     }
-    let timeout = timeout_s.unwrap_or(default_timeout_s);
-    if !timeout.is_finite() || timeout <= 0.0 {
+    let timeout = timeout_s.or(default_timeout_s);
+    if let Some(t) = timeout
+        && (!t.is_finite() || t <= 0.0)
+    {
         return Err(invalid("`timeout_s` must be a positive number of seconds"));
     }
     Ok(api::ExecRequest {
         cmd: Some(cmd),
         cwd,
-        timeout_s: Some(timeout.min(MAX_TIMEOUT_S)),
+        timeout_s: timeout.map(|t| t.min(MAX_TIMEOUT_S)),
         ..Default::default()
     })
 }
@@ -279,11 +282,15 @@ mod tests {
 
     #[test]
     fn timeouts_are_validated_and_capped() {
-        assert!(request("true".into(), Some(-1.0), None, 600.0).is_err());
-        assert!(request("  ".into(), None, None, 600.0).is_err());
-        let r = request("true".into(), Some(1e9), None, 600.0).unwrap();
+        assert!(request("true".into(), Some(-1.0), None, Some(600.0)).is_err());
+        assert!(request("  ".into(), None, None, Some(600.0)).is_err());
+        let r = request("true".into(), Some(1e9), None, Some(600.0)).unwrap();
         assert_eq!(r.timeout_s, Some(MAX_TIMEOUT_S));
-        let r = request("true".into(), None, None, 600.0).unwrap();
+        let r = request("true".into(), None, None, Some(600.0)).unwrap();
         assert_eq!(r.timeout_s, Some(600.0));
+        // A background command has no default timeout; one the model gives still holds.
+        let r = request("true".into(), None, None, None).unwrap();
+        assert_eq!(r.timeout_s, None);
+        assert!(request("true".into(), Some(0.0), None, None).is_err());
     }
 }

@@ -2,7 +2,8 @@
 //! agents (Cursor, Claude Code, Codex), and `tryboxi mcp install` for those harnesses.
 //!
 //! Owns: the protocol plumbing (the official `rmcp` SDK behind a small line shim, [`stdio`]),
-//! the tools and what they tell the model ([`tools`], [`server`]), command output kept for
+//! the tools and what they tell the model ([`tools`], [`server`]; background commands in
+//! [`background`], checkpoints, fork and pause in [`lifecycle`]), command output kept for
 //! paging ([`outputs`]) and the harness configuration writers ([`install`]).
 //!
 //! Must never: talk to a VM or the store directly (every tool goes through
@@ -11,9 +12,11 @@
 //! flags (template default, vCPUs, memory, network preset, whether apply/pull are allowed,
 //! which host folders may be a workspace).
 
+mod background;
 mod error;
 mod exec;
 pub mod install;
+mod lifecycle;
 mod outputs;
 mod scope;
 mod server;

@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::outputs::Outputs;
 use super::tools::{self, parse};
-use super::{Options, ToolError, exec, scope};
+use super::{Options, ToolError, background, exec, scope};
 use crate::api;
 use crate::client::Client;
 
@@ -28,12 +28,12 @@ const DIFF_SHOWN: usize = 48 << 10;
 /// The `sandbox` MCP server. Cheap to clone (shared state).
 #[derive(Clone)]
 pub struct SandboxServer {
-    inner: Arc<Inner>,
+    pub(super) inner: Arc<Inner>,
 }
 
-struct Inner {
-    opts: Options,
-    client: Client,
+pub(super) struct Inner {
+    pub(super) opts: Options,
+    pub(super) client: Client,
     tools: Vec<Tool>,
     /// workspace (canonical) -> its sandbox.
     by_workspace: Mutex<HashMap<PathBuf, String>>,
@@ -96,10 +96,16 @@ impl SandboxServer {
             }
             "exec" => {
                 let a: tools::ExecArgs = parse(name, args)?;
-                let mut req = exec::request(a.cmd, a.timeout_s, a.cwd, me.opts.exec_timeout_s)?;
+                let default_timeout = (!a.background).then_some(me.opts.exec_timeout_s);
+                let mut req = exec::request(a.cmd, a.timeout_s, a.cwd, default_timeout)?;
                 req.sync_exclude = a.sync_exclude;
+                req.detach = a.background;
                 let id = self.target_or_create(a.sandbox_id).await?;
-                exec::run(&me.client, &id, &req, ctx, &me.outputs).await
+                if a.background {
+                    background::start(&me.client, &id, &req).await
+                } else {
+                    exec::run(&me.client, &id, &req, ctx, &me.outputs).await
+                }
             }
             "read_output" => {
                 let a: tools::ReadOutputArgs = parse(name, args)?;
@@ -312,13 +318,20 @@ impl SandboxServer {
                     ),
                 })))
             }
+            "exec_output" => self.exec_output(parse(name, args)?).await,
+            "stop_exec" => self.stop_exec(parse(name, args)?).await,
+            "checkpoint" => self.checkpoint(parse(name, args)?).await,
+            "list_checkpoints" => self.list_checkpoints(parse(name, args)?).await,
+            "restore" => self.restore(parse(name, args)?).await,
+            "fork" => self.fork(parse(name, args)?).await,
+            "pause" => self.pause(parse(name, args)?).await,
             other => Err(ToolError::UnknownTool(other.to_owned())),
         }
     }
 
     /// The sandbox a tool acts on: the given id (if its workspace is one this server may
     /// use), else this workspace's (which must exist).
-    async fn target(&self, id: Option<String>) -> Result<String, ToolError> {
+    pub(super) async fn target(&self, id: Option<String>) -> Result<String, ToolError> {
         if let Some(id) = id {
             self.check_scope(&id).await?;
             return Ok(id);
@@ -335,7 +348,7 @@ impl SandboxServer {
 
     /// The sandbox a tool acts on: the given id, else this workspace's, created if needed
     /// (default template, no extra excludes).
-    async fn target_or_create(&self, id: Option<String>) -> Result<String, ToolError> {
+    pub(super) async fn target_or_create(&self, id: Option<String>) -> Result<String, ToolError> {
         match id {
             Some(id) => {
                 self.check_scope(&id).await?;
@@ -351,7 +364,7 @@ impl SandboxServer {
 
     /// A sandbox named by the model must work on a folder this server may use (another
     /// sandbox of the daemon may hold the user's home or another repo).
-    async fn check_scope(&self, id: &str) -> Result<(), ToolError> {
+    pub(super) async fn check_scope(&self, id: &str) -> Result<(), ToolError> {
         let s =
             self.inner.client.sandbox(id).await.map_err(|e| {
                 ToolError::from_client(e, "exec", "GET /v1/sandboxes/{id}", Some(id))
@@ -373,13 +386,14 @@ impl SandboxServer {
         Ok((self.boot(ws, template, exclude).await?, false))
     }
 
-    /// The remembered sandbox of `ws` if it is still ready; else a ready one the daemon has for
-    /// that workspace (e.g. from an earlier session), which is then remembered.
+    /// The remembered sandbox of `ws` if it is still usable; else a usable one the daemon has
+    /// for that workspace (e.g. from an earlier session), which is then remembered. Usable:
+    /// ready, or paused (by `pause` or the daemon's idle pause; the next use resumes it).
     async fn find(&self, ws: &Path) -> Result<Option<api::Sandbox>, ToolError> {
         let client = &self.inner.client;
         if let Some(id) = self.remembered(ws) {
             match client.sandbox(&id).await {
-                Ok(s) if s.state == api::SandboxState::Ready => return Ok(Some(s)),
+                Ok(s) if usable(s.state) => return Ok(Some(s)),
                 Ok(s) => {
                     tracing::info!(sandbox = %id, state = %s.state, "remembered sandbox unusable")
                 }
@@ -403,8 +417,7 @@ impl SandboxServer {
             .sandboxes
             .into_iter()
             .filter(|s| {
-                s.state == api::SandboxState::Ready
-                    && s.workspace.as_ref().is_some_and(|w| w.host_path == ws_str)
+                usable(s.state) && s.workspace.as_ref().is_some_and(|w| w.host_path == ws_str)
             })
             .max_by(|a, b| a.created_at.cmp(&b.created_at));
         if let Some(s) = &found {
@@ -512,7 +525,7 @@ impl ServerHandler for SandboxServer {
     }
 }
 
-fn json_result<T: Serialize>(v: &T) -> CallToolResult {
+pub(super) fn json_result<T: Serialize>(v: &T) -> CallToolResult {
     let value = serde_json::to_value(v).unwrap_or_default();
     let text = serde_json::to_string_pretty(&value).unwrap_or_default();
     let mut r = CallToolResult::success(vec![ContentBlock::text(text)]);
@@ -562,6 +575,11 @@ fn diff_result(report: &api::DiffReport) -> CallToolResult {
     let mut r = CallToolResult::success(vec![ContentBlock::text(text)]);
     r.structured_content = serde_json::to_value(report).ok();
     r
+}
+
+/// A sandbox the tools may use as this workspace's: a paused one resumes on use.
+fn usable(state: api::SandboxState) -> bool {
+    matches!(state, api::SandboxState::Ready | api::SandboxState::Paused)
 }
 
 /// A path in the VM: relative ones are under /workspace.

@@ -428,7 +428,12 @@ mod tests {
                     };
                     // The list holds a sandbox on `/` (another client's) and one on
                     // `listed_ws`, if any.
-                    let body = if line.starts_with("GET /v1/sandboxes ") {
+                    let body = if line.starts_with("GET /v1/execs/") {
+                        // An exec of the sandbox on `/`.
+                        json!({"id": "exe_0000000000000001", "sandbox_id": "sbx_0000000000000001",
+                        "pid": 7, "command": ["sh"], "cwd": null, "tag": null,
+                        "started_at": "2026-01-01T00:00:00Z", "running": true})
+                    } else if line.starts_with("GET /v1/sandboxes ") {
                         let mut all = vec![sandbox("sbx_0000000000000001", "/")];
                         if let Some(ws) = &listed_ws {
                             all.push(sandbox("sbx_0000000000000002", ws));
@@ -500,10 +505,25 @@ mod tests {
             "no create reached the daemon: {:?}",
             seen.lock().unwrap()
         );
-        for (i, tool) in ["apply", "exec", "diff", "rm"].into_iter().enumerate() {
+        let tools = [
+            "apply",
+            "exec",
+            "diff",
+            "rm",
+            "checkpoint",
+            "list_checkpoints",
+            "restore",
+            "fork",
+            "pause",
+            "expose_port",
+        ];
+        for (i, tool) in tools.into_iter().enumerate() {
             let mut args = json!({"sandbox_id": "sbx_0000000000000001"});
-            if tool == "exec" {
-                args["cmd"] = "true".into();
+            match tool {
+                "exec" => args["cmd"] = "true".into(),
+                "restore" => args["checkpoint"] = "x".into(),
+                "expose_port" => args["port"] = 3000.into(),
+                _ => {}
             }
             let r = p
                 .request(
@@ -516,11 +536,27 @@ mod tests {
             let text = r["result"]["content"][0]["text"].as_str().unwrap();
             assert!(text.contains("--allow-workspace"), "{tool}: {text}");
         }
+        // A background exec (its output, stopping it) of a sandbox out of scope is refused too,
+        // after the exec's sandbox was looked up.
+        for (i, tool) in ["exec_output", "stop_exec"].into_iter().enumerate() {
+            let r = p
+                .request(
+                    40 + i as u64,
+                    "tools/call",
+                    json!({"name": tool, "arguments": {"exec_id": "exe_0000000000000001"}}),
+                )
+                .await;
+            assert_eq!(r["result"]["isError"], true, "{tool}: {r}");
+            let text = r["result"]["content"][0]["text"].as_str().unwrap();
+            assert!(text.contains("--allow-workspace"), "{tool}: {text}");
+        }
         let seen = seen.lock().unwrap().clone();
         assert!(
-            seen.iter()
-                .all(|l| l.starts_with("GET /v1/sandboxes/sbx_0000000000000001 ")),
-            "only the sandbox was looked up: {seen:?}"
+            seen.iter().all(|l| {
+                l.starts_with("GET /v1/sandboxes/sbx_0000000000000001 ")
+                    || l.starts_with("GET /v1/execs/exe_0000000000000001 ")
+            }),
+            "only the sandbox and the exec were looked up: {seen:?}"
         );
     }
 

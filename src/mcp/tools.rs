@@ -50,6 +50,11 @@ pub struct ExecArgs {
     /// VM), e.g. a huge data directory the command does not need.
     #[serde(default)]
     pub sync_exclude: Vec<String>,
+    /// Start the command in the background and return at once with its `exec_id` (for dev
+    /// servers, watchers, long jobs). It keeps running after this call, with no timeout unless
+    /// `timeout_s` is given; read its output with `exec_output`, stop it with `stop_exec`.
+    #[serde(default)]
+    pub background: bool,
 }
 
 /// `rm` (and any tool that only needs a sandbox).
@@ -174,6 +179,96 @@ pub struct ExposePortArgs {
     pub sandbox_id: Option<String>,
 }
 
+/// `checkpoint`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointArgs {
+    /// A name to restore it by later (1-64 characters, unique in this sandbox), e.g.
+    /// `before-upgrade`. Default: none (restore by the returned `checkpoint_id`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Sandbox id. Default: this workspace's sandbox (created if there is none).
+    #[serde(default)]
+    pub sandbox_id: Option<String>,
+}
+
+/// `restore`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreArgs {
+    /// The checkpoint's name or `checkpoint_id` (`snap_...`), as `checkpoint` or
+    /// `list_checkpoints` returned it.
+    pub checkpoint: String,
+    /// Sandbox id. Default: this workspace's sandbox.
+    #[serde(default)]
+    pub sandbox_id: Option<String>,
+}
+
+/// `fork`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkArgs {
+    /// How many copies (default 1, at most 4).
+    #[serde(default)]
+    pub count: Option<u32>,
+    /// Sandbox to copy. Default: this workspace's sandbox.
+    #[serde(default)]
+    pub sandbox_id: Option<String>,
+}
+
+/// Most copies one `fork` call makes (each is a whole VM on the user's machine).
+pub const MAX_FORKS: u32 = 4;
+
+/// Which output of a background command `exec_output` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ExecStream {
+    /// stdout and stderr interleaved as they came.
+    #[default]
+    Output,
+    Stdout,
+    Stderr,
+}
+
+impl ExecStream {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExecStream::Output => "output",
+            ExecStream::Stdout => "stdout",
+            ExecStream::Stderr => "stderr",
+        }
+    }
+}
+
+/// `exec_output`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecOutputArgs {
+    /// The `exec_id` (`exe_...`) a background `exec` returned.
+    pub exec_id: String,
+    /// Which output (default `output`: stdout and stderr interleaved).
+    #[serde(default)]
+    pub stream: ExecStream,
+    /// Byte offset to read from (default 0); use the previous call's `next_offset`.
+    #[serde(default)]
+    pub offset: u64,
+    /// If the command is still running and has nothing new, wait up to this many seconds for
+    /// more (default 0, at most 30).
+    #[serde(default)]
+    pub wait_s: Option<f64>,
+}
+
+/// `stop_exec`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StopExecArgs {
+    /// The `exec_id` (`exe_...`) a background `exec` returned.
+    pub exec_id: String,
+    /// Signal to send to the command's process group: `TERM` (default), `INT`, `KILL`, ...
+    #[serde(default)]
+    pub signal: Option<String>,
+}
+
 /// `read_output`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -246,7 +341,10 @@ pub fn all(allow_apply: bool) -> Vec<Tool> {
                  return its stdout, stderr and exit code. Use it for tests, builds, installs and \
                  anything that could harm the host. Long output is cut to its head and tail; \
                  the full text stays available through `read_output` with the returned \
-                 `output_id`. Default timeout set by the user; a timed-out command is killed.",
+                 `output_id`. Default timeout set by the user; a timed-out command is killed. \
+                 With `background: true` it returns at once with an `exec_id` and the command \
+                 keeps running (dev servers, watchers): read it with `exec_output`, stop it \
+                 with `stop_exec`.",
             ),
             false,
             false,
@@ -342,13 +440,87 @@ pub fn all(allow_apply: bool) -> Vec<Tool> {
             false,
         ),
         annotated(
+            tool::<ExecOutputArgs>(
+                "exec_output",
+                "Read the output of a background command (`exec` with `background: true`) \
+                 from `offset`, and whether it is still running (with its exit code once it \
+                 ended). Returns `text`, `next_offset` (pass it as `offset` next time), \
+                 `running`, `exit_code`.",
+            ),
+            true,
+            false,
+        ),
+        annotated(
+            tool::<StopExecArgs>(
+                "stop_exec",
+                "Stop a background command: send its process group a signal (default TERM; \
+                 use KILL if it ignores that). Returns whether it is still running.",
+            ),
+            false,
+            true,
+        ),
+        annotated(
             tool::<ExposePortArgs>(
                 "expose_port",
                 "Make a server running inside the sandbox (e.g. a dev server on port 3000) \
                  reachable from the user's machine at a loopback URL (http://127.0.0.1:N), \
                  e.g. for the user to open in a browser. Returns the URL; calling it again \
-                 for the same port returns the same URL. Start the server first (in the \
-                 background, e.g. `nohup npm run dev >/tmp/dev.log 2>&1 &`).",
+                 for the same port returns the same URL. Start the server first with `exec` \
+                 and `background: true` (e.g. `npm run dev -- --host 0.0.0.0`).",
+            ),
+            false,
+            false,
+        ),
+        annotated(
+            tool::<CheckpointArgs>(
+                "checkpoint",
+                "Save the sandbox's whole state (files, memory, running processes) so you can \
+                 go back to it with `restore`, e.g. before a risky change such as upgrading \
+                 dependencies or a migration. Takes a few seconds; the sandbox keeps running. \
+                 Give it a `name`. The host repo is not part of it: after a `restore`, the \
+                 next `exec` syncs the host's current files in again.",
+            ),
+            false,
+            false,
+        ),
+        annotated(
+            tool::<SandboxArgs>(
+                "list_checkpoints",
+                "List the sandbox's checkpoints, oldest first: `checkpoint_id`, `name`, \
+                 `created_at`.",
+            ),
+            true,
+            false,
+        ),
+        annotated(
+            tool::<RestoreArgs>(
+                "restore",
+                "Put the sandbox back to a checkpoint (by name or id): files, memory and \
+                 processes as they were then; everything done in the sandbox since is lost \
+                 and running commands end. The host repo is untouched. Use it when an \
+                 experiment failed.",
+            ),
+            false,
+            true,
+        ),
+        annotated(
+            tool::<ForkArgs>(
+                "fork",
+                "Make copies of the sandbox as it is now (files, memory, processes), each a \
+                 new sandbox with its own id, e.g. to try several approaches side by side: \
+                 pass a copy's `sandbox_id` to `exec` and the other tools. The original keeps \
+                 running. `rm` the copies when done (the original cannot be removed while \
+                 copies exist).",
+            ),
+            false,
+            false,
+        ),
+        annotated(
+            tool::<SandboxArgs>(
+                "pause",
+                "Pause the sandbox to disk (frees its memory and CPU; files and running \
+                 processes are kept). The next tool that uses it resumes it by itself. Use it \
+                 when you will not need the sandbox for a while but want to keep its state.",
             ),
             false,
             false,

@@ -1,5 +1,6 @@
 """Drive `tryboxi mcp` with the official MCP Python SDK (`pip install mcp`, 2.x) as a real
-agent would: connect, list tools, run commands, page output, time out, cancel, diff/apply.
+agent would: connect, list tools, run commands, page output, time out, cancel, diff/apply,
+checkpoint/restore, fork, pause, a dev server in the background behind `expose_port`.
 
 Usage: client.py TRYBOXI_BIN TRYBOXI_HOME WORKSPACE
 Asserts as it goes (a failure exits non-zero with a traceback) and prints one JSON summary line
@@ -147,9 +148,118 @@ async def main_session():
             assert not r.is_error, t
             assert not os.path.exists(os.path.join(WORKSPACE, "from_vm.txt"))
 
+        await checkpoints_fork_and_pause(client)
+        await dev_server_in_the_background(client)
+
         r, t, s = await call(client, "list", {})
         mine = [x for x in s["sandboxes"] if x["id"] == summary["sandbox_id"]]
         assert mine and mine[0]["this_workspace"], s
+
+
+async def checkpoints_fork_and_pause(client):
+    """The spec's prompt: checkpoint, try a change, run the tests; they fail: restore."""
+    sid = summary["sandbox_id"]
+    r, t, s = await call(client, "checkpoint", {"name": "before-upgrade"})
+    assert not r.is_error and s["name"] == "before-upgrade", t
+    assert s["checkpoint_id"].startswith("snap_") and s["sandbox_id"] == sid, s
+    r, t, _ = await call(client, "checkpoint", {"name": "before-upgrade"})
+    assert r.is_error and "already has a snapshot named" in t, t
+    r, t, s = await call(
+        client, "exec",
+        {"cmd": "echo upgraded > marker.txt && touch /tmp/new-dep && cat marker.txt; exit 1"},
+    )
+    assert s["exit_code"] == 1 and s["stdout"] == "upgraded\n", t
+    r, t, s = await call(client, "list_checkpoints", {})
+    assert [c["name"] for c in s["checkpoints"]] == ["before-upgrade"], t
+    r, t, s = await call(client, "restore", {"checkpoint": "before-upgrade"})
+    assert not r.is_error and s["sandbox_id"] == sid and s["state"] == "ready", t
+    # The file is back (read without a sync first), and so is the rest of the VM.
+    r, t, s = await call(client, "read_file", {"path": "marker.txt"})
+    assert not r.is_error and s["content"] == "synced from the host\n", t
+    r, t, s = await call(
+        client, "exec", {"cmd": "cat marker.txt; test -e /tmp/new-dep && echo dep || echo no-dep"},
+    )
+    assert s["stdout"] == "synced from the host\nno-dep\n" and s["sandbox_id"] == sid, t
+    r, t, _ = await call(client, "restore", {"checkpoint": "no-such-checkpoint"})
+    assert r.is_error and "no snapshot" in t, t
+    summary["restored"] = True
+
+    # Fork: a copy with its own id, the same files; the original is still the default.
+    r, t, s = await call(client, "exec", {"cmd": "echo forked-state > /tmp/state"})
+    r, t, s = await call(client, "fork", {})
+    assert not r.is_error and s["parent"] == sid and len(s["sandboxes"]) == 1, t
+    child = s["sandboxes"][0]["sandbox_id"]
+    assert child != sid and child.startswith("sbx_"), s
+    r, t, s = await call(client, "exec", {"cmd": "cat /tmp/state marker.txt", "sandbox_id": child})
+    assert s["sandbox_id"] == child and s["stdout"] == "forked-state\nsynced from the host\n", t
+    r, t, s = await call(client, "fork", {"count": 9})
+    assert r.is_error and "count" in t, t
+    r, t, s = await call(client, "rm", {"sandbox_id": child})
+    assert not r.is_error and s["removed"] == child, t
+    summary["forked"] = child
+
+    # Pause: the next tool call resumes the same sandbox (not a new one).
+    r, t, s = await call(client, "pause", {})
+    assert not r.is_error and s["state"] == "paused" and s["sandbox_id"] == sid, t
+    r, t, s = await call(client, "list", {})
+    assert [x["state"] for x in s["sandboxes"] if x["id"] == sid] == ["paused"], t
+    r, t, s = await call(client, "exec", {"cmd": "cat /tmp/state"})
+    assert s["sandbox_id"] == sid and s["stdout"] == "forked-state\n", t
+    summary["paused_and_resumed"] = True
+
+
+async def dev_server_in_the_background(client):
+    """The spec's prompt: start the dev server and give me the URL."""
+    r, t, s = await call(
+        client, "exec",
+        {"cmd": "mkdir -p /tmp/site && echo hello-from-the-dev-server > /tmp/site/index.html"
+                " && cd /tmp/site && exec python3 -u -m http.server 8000",
+         "background": True},
+    )
+    assert not r.is_error and s["running"] and s["exec_id"].startswith("exe_"), t
+    exe = s["exec_id"]
+    assert "exec_output" in t and "stop_exec" in t, t
+    # Its output, read as it comes (waiting at the end), until it says it listens.
+    text, off = "", 0
+    with anyio.fail_after(120):
+        while "Serving HTTP" not in text:
+            _, t, s = await call(client, "exec_output", {"exec_id": exe, "offset": off, "wait_s": 5})
+            assert s["running"], t
+            text += s["text"]
+            off = s["next_offset"]
+    r, t, s = await call(client, "expose_port", {"port": 8000})
+    assert not r.is_error and s["url"].startswith("http://127.0.0.1:"), t
+    url = s["url"]
+    body = None
+    with anyio.fail_after(60):
+        while body is None:
+            try:
+                body = await anyio.to_thread.run_sync(fetch, url)
+            except OSError:
+                await anyio.sleep(0.5)
+    assert body == "hello-from-the-dev-server\n", body
+    summary["dev_server_url"] = url
+    # The server logged the request.
+    with anyio.fail_after(60):
+        while '"GET / HTTP/1.1" 200' not in text:
+            _, t, s = await call(client, "exec_output", {"exec_id": exe, "offset": off, "wait_s": 5})
+            text += s["text"]
+            off = s["next_offset"]
+    r, t, s = await call(client, "stop_exec", {"exec_id": exe})
+    assert not r.is_error and s["running"] is False, t
+    _, t, s = await call(client, "exec_output", {"exec_id": exe, "offset": off})
+    assert s["running"] is False and s["eof"], t
+    r, t, s = await call(client, "stop_exec", {"exec_id": exe})
+    assert not r.is_error and "already ended" in t, t
+    r, t, _ = await call(client, "exec_output", {"exec_id": "exe_0123456789abcdef"})
+    assert r.is_error, t
+    summary["background_stopped"] = True
+
+
+def fetch(url: str) -> str:
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
 
 
 async def second_session_reuses_and_removes():
