@@ -458,11 +458,27 @@ fn a_sandbox_whole_life_is_observable() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let e = next_event(&events, &d);
-    assert_eq!(
-        (e["type"].as_str(), e["sandbox_id"].as_str()),
-        (Some("sandbox.removed"), Some(id.as_str()))
-    );
+    // Before it: the network exec's events (its flows and the denied name among them).
+    let mut kinds = Vec::new();
+    let e = loop {
+        let e = next_event(&events, &d);
+        assert_eq!(e["sandbox_id"], id.as_str(), "{e}");
+        if e["type"] == "sandbox.removed" {
+            break e;
+        }
+        kinds.push(e["type"].as_str().unwrap().to_owned());
+        assert!(kinds.len() < 64, "no sandbox.removed after {kinds:?}");
+    };
+    for k in [
+        "exec.started",
+        "network.allowed",
+        "network.denied",
+        "network.dns_denied",
+        "exec.finished",
+    ] {
+        assert!(kinds.iter().any(|x| x == k), "no {k} in {kinds:?}");
+    }
+    assert_eq!(e["type"], "sandbox.removed");
     let r = d.request("GET", &format!("/v1/execs/{exe}/output"), None);
     assert_eq!(r.status, 404, "the log goes with its sandbox");
 }
