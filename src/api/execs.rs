@@ -63,6 +63,35 @@ pub struct ExecInfo {
     pub error: Option<String>,
 }
 
+/// Which output of an exec (`GET /v1/execs/{id}/output?stream=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputStream {
+    /// Both streams interleaved in arrival order.
+    Output,
+    Stdout,
+    Stderr,
+}
+
+/// `GET /v1/execs/{id}/output`: a piece of an exec's output log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExecOutput {
+    pub exec_id: String,
+    pub stream: OutputStream,
+    pub offset: u64,
+    pub next_offset: u64,
+    /// The bytes as UTF-8 text; absent when they are not valid UTF-8 (then `data_b64`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_b64: Option<String>,
+    pub running: bool,
+    /// The log cap (`exec_log_max_bytes`) dropped some output of this stream.
+    pub truncated: bool,
+    /// No more output will come after `next_offset`.
+    pub eof: bool,
+}
+
 /// `GET /v1/sandboxes/{id}/execs`: the running execs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExecList {

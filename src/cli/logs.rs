@@ -3,8 +3,8 @@
 
 use std::io::Write as _;
 
+use crate::api::ExecOutput;
 use crate::error::TopError;
-use crate::service::ExecOutput;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -313,7 +313,7 @@ impl Client {
         offset: u64,
         wait_ms: u64,
         max_bytes: u64,
-    ) -> Result<crate::service::ExecOutput, ClientError> {
+    ) -> Result<api::ExecOutput, ClientError> {
         self.get(&format!(
             "/v1/execs/{}/output?stream={}&offset={offset}&wait_ms={wait_ms}&max_bytes={max_bytes}",
             seg(exec_id),

@@ -47,7 +47,7 @@ use crate::store::{Store, StoreError};
 use crate::telemetry::Telemetry;
 
 pub use gc::parse_rfc3339;
-pub use observe::{ExecOutput, OutputQuery};
+pub use observe::OutputQuery;
 pub use pause::ServicePauser;
 pub use sandboxes::{now_rfc3339, rfc3339};
 pub use vms::Vms;

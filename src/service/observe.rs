@@ -3,8 +3,6 @@
 
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
 use super::{SandboxRecord, Service, ServiceError};
 use crate::api::SandboxState;
 use crate::store::{EXECS, SANDBOXES};
@@ -39,24 +37,7 @@ impl Default for OutputQuery {
     }
 }
 
-/// A piece of an exec's output log.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ExecOutput {
-    pub exec_id: String,
-    pub stream: Stream,
-    pub offset: u64,
-    pub next_offset: u64,
-    /// The bytes as UTF-8 text; absent when they are not valid UTF-8 (then `data_b64`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data_b64: Option<String>,
-    pub running: bool,
-    /// The log cap (`exec_log_max_bytes`) dropped some output of this stream.
-    pub truncated: bool,
-    /// No more output will come after `next_offset`.
-    pub eof: bool,
-}
+use crate::api::ExecOutput;
 
 impl Service {
     /// Events after `since` (`None`: from now on), live, optionally for one sandbox.

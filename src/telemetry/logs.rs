@@ -23,14 +23,8 @@ const WRITE_BUFFER: usize = 16 * 1024;
 /// Largest chunk one read returns.
 pub const MAX_READ: usize = 1024 * 1024;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Stream {
-    /// Both streams interleaved in arrival order.
-    Output,
-    Stdout,
-    Stderr,
-}
+/// The API's output stream names (`api::OutputStream`).
+pub use crate::api::OutputStream as Stream;
 
 impl Stream {
     const ALL: [Stream; 3] = [Stream::Output, Stream::Stdout, Stream::Stderr];
