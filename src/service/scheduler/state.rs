@@ -40,7 +40,7 @@ pub(super) struct State {
     pub(super) used: Resources,
     pub(super) held: HashMap<String, Held>,
     /// Evicted pool VMs not stopped yet: the memory they pin, freed once they are gone
-    /// (their [`Ledger::release`]).
+    /// (their [`super::Ledger::release`]).
     pub(super) freeing: HashMap<String, u64>,
     pub(super) queue: VecDeque<Waiter>,
     pub(super) next_ticket: u64,
