@@ -3,7 +3,8 @@
 //! Owns: reading `/proc/PID/smaps_rollup` (a QEMU's PSS), `/proc/meminfo` and
 //! `/proc/pressure/cpu`; the pure rules of how much memory a VM counts for, how much room the
 //! host has for a new one, and whether the host is CPU saturated; the sampler task that feeds
-//! every VM's measured use to the ledger.
+//! every VM's measured use to the ledger (reading PSS only when a VM's resident size moved or
+//! a minute passed: PSS walks the page tables, so idle VMs must not pay it every tick).
 //! Never: grants or refuses anything itself (the ledger does, `scheduler.rs`).
 //!
 //! Memory rules (see docs/ARCHITECTURE.md, "Scheduler"):
@@ -18,8 +19,9 @@
 //! - room for a new VM = `MemAvailable - reserve - sum(outstanding)`; it is admitted when its
 //!   expected use (`min(size, new_vm)`) fits.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::Service;
 
@@ -193,26 +195,97 @@ impl MemPolicy {
     }
 }
 
-/// How often every VM's use is measured (and queued requests look at the host again).
+/// How often the sampler looks at the VMs (and queued requests at the host again).
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(2);
+/// A VM's PSS is read again when its resident size moved by this much since the last read...
+const RESAMPLE_RSS_KIB: u64 = 16 << 10;
+/// ...or this long after it (pages shared with other VMs come and go with them).
+const RESAMPLE_AFTER: Duration = Duration::from_secs(60);
 
-/// Start the sampler: every [`SAMPLE_EVERY`] it reads each running QEMU's PSS (sandboxes and
-/// warm-pool VMs) and hands them to the ledger, which then serves the queue if the host has
-/// room. Ends when the service is dropped.
+/// Resident size of `pid` in KiB from `/proc/PID/statm` (a counter: cheap, unlike PSS, which
+/// walks the page tables: about 30 µs per MiB resident).
+pub fn read_rss_kib(pid: u32) -> Option<u64> {
+    let t = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let pages: u64 = t.split_whitespace().nth(1)?.parse().ok()?;
+    // 4 KiB pages: the x86_64 hosts tryboxi runs on.
+    Some(pages * 4)
+}
+
+struct Cached {
+    pid: u32,
+    rss_kib: Option<u64>,
+    at: Instant,
+    usage: Usage,
+}
+
+/// Which VMs to measure again: a VM's PSS is read when it is new (or a new process), when its
+/// resident size moved by [`RESAMPLE_RSS_KIB`], or [`RESAMPLE_AFTER`] after the last read; an
+/// idle VM costs a `statm` read per tick.
+#[derive(Default)]
+pub struct Sampler {
+    cache: HashMap<String, Cached>,
+}
+
+impl Sampler {
+    /// Every VM's use now, reading with `rss` (cheap) and `pss` (dear) only as needed.
+    pub fn sample(
+        &mut self,
+        vms: &[(String, u32)],
+        now: Instant,
+        rss: impl Fn(u32) -> Option<u64>,
+        pss: impl Fn(u32) -> Usage,
+    ) -> Vec<(String, Usage)> {
+        self.cache.retain(|id, _| vms.iter().any(|(v, _)| v == id));
+        vms.iter()
+            .map(|(id, pid)| {
+                let r = rss(*pid);
+                let stale = match self.cache.get(id) {
+                    None => true,
+                    Some(c) => {
+                        c.pid != *pid
+                            || now.duration_since(c.at) >= RESAMPLE_AFTER
+                            || match (c.rss_kib, r) {
+                                (Some(a), Some(b)) => a.abs_diff(b) >= RESAMPLE_RSS_KIB,
+                                _ => true,
+                            }
+                    }
+                };
+                if stale {
+                    let usage = pss(*pid);
+                    self.cache.insert(
+                        id.clone(),
+                        Cached {
+                            pid: *pid,
+                            rss_kib: r,
+                            at: now,
+                            usage,
+                        },
+                    );
+                }
+                (id.clone(), self.cache[id].usage)
+            })
+            .collect()
+    }
+}
+
+/// Start the sampler: every [`SAMPLE_EVERY`] it measures each running QEMU (sandboxes and
+/// warm-pool VMs; see [`Sampler`]) and hands the uses to the ledger, which then serves the
+/// queue if the host has room. Ends when the service is dropped.
 pub fn spawn_sampler(svc: &Arc<Service>) {
     let weak: Weak<Service> = Arc::downgrade(svc);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(SAMPLE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let sampler = Arc::new(std::sync::Mutex::new(Sampler::default()));
         loop {
             tick.tick().await;
             let Some(svc) = weak.upgrade() else { return };
-            let pids = svc.vm_pids();
+            let vms = svc.vm_pids();
             drop(svc);
+            let s = sampler.clone();
             let Ok(samples) = tokio::task::spawn_blocking(move || {
-                pids.into_iter()
-                    .map(|(id, pid)| (id, read_vm_use(pid)))
-                    .collect::<Vec<_>>()
+                let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+                s.sample(&vms, Instant::now(), read_rss_kib, read_vm_use)
             })
             .await
             else {

@@ -109,3 +109,52 @@ fn cpu_is_saturated_only_with_psi_at_or_over_the_limit() {
     };
     assert!(!off.cpu_saturated(Some(100.0)));
 }
+
+#[test]
+fn the_sampler_reads_pss_only_when_a_vm_changed_or_a_minute_passed() {
+    use std::cell::Cell;
+    let reads = Cell::new(0u32);
+    let rss = Cell::new(100_000u64);
+    let pss = |_pid: u32| {
+        reads.set(reads.get() + 1);
+        Usage::Measured(VmUse {
+            pss_mib: 50,
+            pinned_mib: 20,
+        })
+    };
+    let mut s = Sampler::default();
+    let t0 = Instant::now();
+    let vms = vec![("a".to_string(), 10), ("b".to_string(), 11)];
+    let out = s.sample(&vms, t0, |_| Some(rss.get()), pss);
+    assert_eq!(reads.get(), 2, "new VMs are read");
+    assert_eq!(out[0].1.pss_mib(), Some(50));
+    // Idle: the same resident size, no PSS read.
+    let out = s.sample(&vms, t0 + Duration::from_secs(2), |_| Some(rss.get()), pss);
+    assert_eq!(reads.get(), 2);
+    assert_eq!(out.len(), 2);
+    assert_eq!(out[1].1.pss_mib(), Some(50), "the cached use");
+    // `a` grew by 16 MiB: only it is read.
+    let grown = |pid: u32| Some(if pid == 10 { 100_000 + 16_384 } else { 100_000 });
+    s.sample(&vms, t0 + Duration::from_secs(4), grown, pss);
+    assert_eq!(reads.get(), 3);
+    // A minute on: both again.
+    s.sample(&vms, t0 + Duration::from_secs(70), grown, pss);
+    assert_eq!(reads.get(), 5);
+    // A new process under the same id (restore, resume), and a VM gone: forgotten.
+    let out = s.sample(
+        &[("a".to_string(), 99)],
+        t0 + Duration::from_secs(72),
+        grown,
+        pss,
+    );
+    assert_eq!((reads.get(), out.len()), (6, 1));
+    // Unreadable resident size: read PSS (which says unreadable too).
+    s.sample(
+        &[("a".to_string(), 99)],
+        t0 + Duration::from_secs(74),
+        |_| None,
+        |_| Usage::Unreadable,
+    );
+    assert!(read_rss_kib(std::process::id()).is_some_and(|k| k > 0));
+    assert_eq!(read_rss_kib(u32::MAX), None);
+}
