@@ -64,6 +64,9 @@ pub struct Capacity {
     /// Requests that waited in the queue since the daemon started.
     #[serde(default)]
     pub waited: u64,
+    /// Of `waited`, the ones that had room (vCPUs, memory) but met a CPU-saturated host.
+    #[serde(default)]
+    pub waited_cpu: u64,
     pub reservations: Vec<LedgerEntry>,
 }
 

@@ -323,7 +323,7 @@ fn capacity_line(c: &crate::api::Capacity) -> String {
     };
     format!(
         "; {} VMs ({pool} warm-pool): {}/{} vCPUs held ({:.0}x {} CPUs){strict}; memory used \
-         {} MiB (PSS), counted {} MiB, room {room} (reserve {} MiB); {cpu}; {} queued, {} waited",
+         {} MiB (PSS), counted {} MiB, room {room} (reserve {} MiB); {cpu}; {} queued, {} waited ({} for CPU)",
         c.reservations.len(),
         c.reserved_vcpus,
         c.max_vcpus,
@@ -333,7 +333,8 @@ fn capacity_line(c: &crate::api::Capacity) -> String {
         m.counted_mib,
         m.reserve_mib,
         c.queued,
-        c.waited
+        c.waited,
+        c.waited_cpu
     )
 }
 

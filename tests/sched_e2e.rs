@@ -587,14 +587,27 @@ fn defaults_admit_twelve_forks_and_more_creates_without_waiting() {
         assert!(o.status.success(), "{}\n{}", out(&o), d.log_text());
         others.push(first_word(&o));
     }
-    // Nothing waited: the ledger counts every request that queued, and logs it.
+    // Nothing waited for vCPUs or memory: the ledger counts every request that queued (and
+    // logs it), and apart those that had room but met a CPU-saturated host (PSI `some avg60`
+    // at or over 90%: a shared machine may be; waiting then is right, and they were served).
     let c = health();
-    assert_eq!(c["waited"], 0, "{c}");
-    assert!(
-        !d.log_text().contains("host full; waiting in the queue"),
-        "{}",
-        d.log_text()
+    let (waited, for_cpu) = (
+        c["waited"].as_u64().unwrap(),
+        c["waited_cpu"].as_u64().unwrap(),
     );
+    assert_eq!(waited, for_cpu, "{c}\n{}", d.log_text());
+    if waited > 0 {
+        eprintln!(
+            "note: {waited} requests waited for a CPU-saturated host: {}",
+            c["cpu"]
+        );
+    } else {
+        assert!(
+            !d.log_text().contains("host full; waiting in the queue"),
+            "{}",
+            d.log_text()
+        );
+    }
     let sandboxes: Vec<&serde_json::Value> = c["reservations"]
         .as_array()
         .unwrap()
@@ -621,6 +634,10 @@ fn defaults_admit_twelve_forks_and_more_creates_without_waiting() {
         );
     }
     let m = &c["memory"];
+    eprintln!(
+        "16 sandboxes (1 + 12 forks + 3 creates): vCPUs {}/{}, memory {m}, cpu {}",
+        c["reserved_vcpus"], c["max_vcpus"], c["cpu"]
+    );
     assert!(m["used_mib"].as_u64().unwrap() > 0, "{c}");
     assert!(m["room_mib"].is_u64(), "{c}");
     // The children run: one answers.

@@ -304,6 +304,7 @@ impl Service {
             },
             queued: v.queued,
             waited: v.waited,
+            waited_cpu: v.waited_cpu,
             reservations: v
                 .held
                 .into_iter()

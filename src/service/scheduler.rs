@@ -46,7 +46,7 @@ use tokio::sync::oneshot;
 use super::usage::{HostProbe, HostReading, MemPolicy, Usage};
 pub use crate::service::pressure::{Candidate, Pauser, rank_idle};
 pub use state::MemView;
-use state::{Held, State, Waiter};
+use state::{Held, Short, State, Waiter};
 
 mod state;
 
@@ -186,6 +186,8 @@ pub struct LedgerView {
     pub queued: usize,
     /// Requests that waited in the queue since the daemon started.
     pub waited: u64,
+    /// Of those, the ones that had vCPUs and memory but met a CPU-saturated host.
+    pub waited_cpu: u64,
     pub host: HostReading,
     pub mem: MemView,
     /// Every reservation, by id.
@@ -223,6 +225,7 @@ impl Ledger {
                 next_ticket: 0,
                 next_seq: 0,
                 waited: 0,
+                waited_cpu: 0,
             }),
             probe,
             queue_timeout,
@@ -258,6 +261,7 @@ impl Ledger {
             used: s.used,
             queued: s.queue.len(),
             waited: s.waited,
+            waited_cpu: s.waited_cpu,
             host,
             mem: s.mem_view(&host),
             held,
@@ -376,6 +380,9 @@ impl Ledger {
             });
             s.waited += 1;
             let short = s.check(&host, &[need], Holder::Sandbox, &[]).err();
+            if short == Some(Short::Cpu) {
+                s.waited_cpu += 1;
+            }
             tracing::info!(sandbox = %id, queued = s.queue.len(), vcpus = need.vcpus, memory_mib = need.memory_mib, short = ?short, host = %s.describe(&host), "host full; waiting in the queue");
             (ticket, rx)
         };

@@ -97,7 +97,7 @@ async fn a_full_host_waits_for_memory_and_is_served_when_the_host_has_room() {
     while !l.has_waiters() {
         tokio::task::yield_now().await;
     }
-    assert_eq!(l.view().waited, 1);
+    assert_eq!((l.view().waited, l.view().waited_cpu), (1, 0));
     // A background VM never starts while the host is short (nor while someone waits).
     assert!(l.try_reserve("p", r(1, 128), Holder::Pool).is_none());
     // Memory came back (another process ended): the next sample serves the queue.
@@ -138,6 +138,7 @@ async fn cpu_saturation_makes_requests_wait_and_background_vms_skip() {
     while !l.has_waiters() {
         tokio::task::yield_now().await;
     }
+    assert_eq!((l.view().waited, l.view().waited_cpu), (1, 1));
     host.set(|h| h.cpu_some_avg60 = Some(40.0));
     l.record_usage(&[]);
     w.await.unwrap().unwrap();

@@ -47,6 +47,8 @@ pub(super) struct State {
     pub(super) next_seq: u64,
     /// Requests that waited in the queue since the daemon started.
     pub(super) waited: u64,
+    /// Of those, the ones that had vCPUs and memory but met a CPU-saturated host.
+    pub(super) waited_cpu: u64,
 }
 
 /// What the memory rules make of the ledger and one host reading.
