@@ -37,16 +37,71 @@ pub struct Health {
     pub capacity: Option<Capacity>,
 }
 
-/// The host's vCPU and memory ledger, in `GET /v1/health`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+/// The host's vCPU and memory ledger, in `GET /v1/health` (docs/ARCHITECTURE.md,
+/// "Scheduler").
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Capacity {
+    /// vCPUs all VMs may hold together: `[limits] max_vcpus`, else `vcpu_overcommit` x the
+    /// host's CPUs.
     pub max_vcpus: u32,
-    pub max_memory_mib: u64,
+    #[serde(default)]
+    pub host_cpus: u32,
+    /// `max_vcpus` / `host_cpus`: how far vCPUs are overcommitted.
+    #[serde(default)]
+    pub vcpu_overcommit: f64,
+    /// `[limits] max_memory_mib`: a strict cap on the configured memory of all VMs together;
+    /// `null`: none (memory is admitted by use, see `memory`).
+    pub max_memory_mib: Option<u64>,
     pub reserved_vcpus: u32,
+    /// The configured memory of all reservations together (what they could grow to).
     pub reserved_memory_mib: u64,
+    #[serde(default)]
+    pub memory: MemoryUse,
+    #[serde(default)]
+    pub cpu: CpuPressure,
     /// Requests waiting for room.
     pub queued: usize,
+    /// Requests that waited in the queue since the daemon started.
+    #[serde(default)]
+    pub waited: u64,
+    /// Of `waited`, the ones that had room (vCPUs, memory) but met a CPU-saturated host.
+    #[serde(default)]
+    pub waited_cpu: u64,
     pub reservations: Vec<LedgerEntry>,
+}
+
+/// Memory by use: what the VMs really hold and the room for new ones.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MemoryUse {
+    /// MemTotal (`null`: unknown).
+    pub total_mib: Option<u64>,
+    /// MemAvailable now (`null`: unknown; then memory is not checked by use).
+    pub available_mib: Option<u64>,
+    /// `[limits] memory_reserve_mib`: kept free for the daemon and the host.
+    pub reserve_mib: u64,
+    /// `[limits] memory_headroom_mib`: growth each measured VM counts for on top of its PSS.
+    pub headroom_mib: u64,
+    /// `[limits] memory_new_vm_mib`: what a VM counts for until measured.
+    pub new_vm_mib: u64,
+    /// The measured VMs' PSS together.
+    pub used_mib: u64,
+    /// What all VMs count for together (PSS + headroom, at most each one's size).
+    pub counted_mib: u64,
+    /// Room for new VMs now: MemAvailable - reserve - what running VMs may still grow into.
+    pub room_mib: Option<u64>,
+}
+
+/// CPU pressure as admission sees it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct CpuPressure {
+    /// `psi` (`/proc/pressure/cpu`) or `none` (no PSI: only the vCPU ratio applies).
+    pub source: String,
+    /// PSI `some avg60`, percent.
+    pub some_avg60: Option<f64>,
+    /// `[limits] cpu_pressure_psi_avg60` (0: ignored).
+    pub limit: f64,
+    /// Requests wait and no background VM starts while this is true.
+    pub saturated: bool,
 }
 
 /// One reservation in the ledger.
@@ -57,7 +112,14 @@ pub struct LedgerEntry {
     /// `sandbox`, `pool` (a warm-pool VM) or `golden` (building a golden snapshot).
     pub holder: String,
     pub vcpus: u32,
+    /// Its configured memory (the most it ever counts for).
     pub memory_mib: u64,
+    /// Its QEMU's measured PSS (`null`: not measured yet).
+    #[serde(default)]
+    pub used_mib: Option<u64>,
+    /// What it counts for now.
+    #[serde(default)]
+    pub counted_mib: u64,
 }
 
 /// The workspace of a sandbox: a directory on the host.

@@ -79,7 +79,8 @@ pub struct Config {
     pub otlp_endpoint: Option<String>,
     /// Workspace sync, diff, apply and pull (`[sync]` table).
     pub sync: SyncConfig,
-    /// Host capacity, the wait queue and memory pressure (`[limits]` table).
+    /// Host capacity (vCPU overcommit, memory by use), the wait queue, memory and CPU
+    /// pressure, free disk (`[limits]` table).
     pub limits: LimitsConfig,
     /// What `tryboxi gc` deletes (`[gc]` table).
     pub gc: GcConfig,
@@ -134,14 +135,41 @@ impl Default for HttpConfig {
     }
 }
 
-/// `[limits]`: what all sandboxes together may reserve on this host (the scheduler's ledger).
+/// `[limits]`: what all VMs together may hold on this host (the scheduler's ledger,
+/// `service/scheduler.rs`; its accounting is `service/usage.rs`).
+///
+/// vCPUs are overcommitted (an idle guest uses no CPU): all VMs together may hold
+/// `vcpu_overcommit` x the host's CPUs, and a request waits while the host is really CPU
+/// saturated (PSI). Memory is admitted by what VMs really use (each QEMU's PSS plus headroom,
+/// at most its configured size), keeping `memory_reserve_mib` free for the daemon and the host.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LimitsConfig {
-    /// vCPUs all sandboxes may reserve together. Default: 4 x the host's CPU count.
-    pub max_vcpus: u32,
-    /// Memory all sandboxes may reserve together, in MiB. Default: 3/4 of the host's MemTotal.
-    pub max_memory_mib: u64,
+    /// vCPUs all VMs may hold together per host CPU (a ratio; idle guests use no CPU).
+    /// Default: 128 (on 2 CPUs, 128 sandboxes of 2 vCPUs). `max_vcpus` overrides it.
+    pub vcpu_overcommit: f64,
+    /// vCPUs all VMs may hold together, exactly (a strict limit); unset: `vcpu_overcommit` x
+    /// the host's CPU count. Default: unset.
+    pub max_vcpus: Option<u32>,
+    /// A strict cap on the configured memory of all VMs together, in MiB (no memory
+    /// overcommit past it); unset: memory is admitted by use alone. Default: unset.
+    pub max_memory_mib: Option<u64>,
+    /// Memory (MiB) kept free for the daemon and the host: a VM is admitted only if its
+    /// expected use fits in `MemAvailable` minus this and minus what running VMs may still grow
+    /// into (their headroom). Default: 10% of MemTotal, at least 512 (above the memory
+    /// pressure floor, so an admission does not itself cause pressure pauses).
+    pub memory_reserve_mib: u64,
+    /// Growth (MiB) each running VM counts for on top of its measured use (PSS), never past
+    /// its configured memory. Default: 64.
+    pub memory_headroom_mib: u64,
+    /// What a VM counts for (MiB, at most its configured memory) from admission until its
+    /// first measurement (a boot, a restore or a fork child starting). Default: 256.
+    pub memory_new_vm_mib: u64,
+    /// PSI `some avg60` (percent) of `/proc/pressure/cpu` at or above which the host counts as
+    /// CPU saturated: requests wait in the queue and no warm-pool VM or golden build starts;
+    /// 0 = ignore CPU pressure. Without `/proc/pressure/cpu` only the vCPU ratio applies.
+    /// Default: 90.
+    pub cpu_pressure_psi_avg60: f64,
     /// How long a create/restore/fork waits in the queue when the host is full. Default: 30.
     pub queue_timeout_s: u64,
     /// Requests allowed to wait at once; more are refused. Default: 16.
@@ -167,25 +195,43 @@ pub struct LimitsConfig {
     pub disk_reserve_mib: u64,
 }
 
+/// The host's CPU count (at least 1).
+pub fn host_cpus() -> u32 {
+    std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(2)
+}
+
 impl LimitsConfig {
     /// [`LimitsConfig::disk_reserve_mib`] in bytes.
     pub fn disk_reserve(&self) -> u64 {
         self.disk_reserve_mib.saturating_mul(1 << 20)
     }
+
+    /// vCPUs all VMs may hold together on a host of `cpus` CPUs: `max_vcpus`, else
+    /// `vcpu_overcommit` x `cpus` (rounded down, at least 1).
+    pub fn vcpu_cap(&self, cpus: u32) -> u32 {
+        self.max_vcpus.unwrap_or_else(|| {
+            let v = (self.vcpu_overcommit.max(0.0) * f64::from(cpus)).floor();
+            (v.min(f64::from(u32::MAX)) as u32).max(1)
+        })
+    }
 }
 
 impl Default for LimitsConfig {
     fn default() -> Self {
-        let cpus = std::thread::available_parallelism()
-            .map(|n| n.get() as u32)
-            .unwrap_or(2);
         let total = std::fs::read_to_string("/proc/meminfo")
             .ok()
             .and_then(|t| crate::service::pressure::parse_meminfo_mib(&t, "MemTotal"))
             .unwrap_or(4096);
         LimitsConfig {
-            max_vcpus: cpus * 4,
-            max_memory_mib: total * 3 / 4,
+            vcpu_overcommit: 128.0,
+            max_vcpus: None,
+            max_memory_mib: None,
+            memory_reserve_mib: (total / 10).max(512),
+            memory_headroom_mib: 64,
+            memory_new_vm_mib: 256,
+            cpu_pressure_psi_avg60: 90.0,
             queue_timeout_s: 30,
             max_queue: 16,
             pressure_check_s: 5,
@@ -437,9 +483,7 @@ impl Default for Config {
             qemu_binary: "qemu-system-x86_64".into(),
             default_vcpus: 2,
             default_memory_mib: 1024,
-            max_vcpus: std::thread::available_parallelism()
-                .map(|n| n.get() as u32)
-                .unwrap_or(2),
+            max_vcpus: host_cpus(),
             max_memory_mib: 16384,
             boot_timeout_s: 120,
             agent_timeout_s: 120,
@@ -607,9 +651,16 @@ mod tests {
             "[limits]\nmax_memory_mib = 2048\nqueue_timeout_s = 1\n[gc]\nbackup_retention_days = 7",
         )
         .unwrap();
-        assert_eq!(c.limits.max_memory_mib, 2048);
+        assert_eq!(c.limits.max_memory_mib, Some(2048));
         assert_eq!(c.limits.queue_timeout_s, 1);
-        assert!(c.limits.max_vcpus >= 4);
+        // vCPUs are overcommitted by default; `max_vcpus` is a strict limit.
+        assert_eq!(c.limits.max_vcpus, None);
+        assert_eq!(c.limits.vcpu_cap(2), 256);
+        let strict = Config::parse("[limits]\nmax_vcpus = 3\nvcpu_overcommit = 64").unwrap();
+        assert_eq!(strict.limits.vcpu_cap(2), 3);
+        let ratio = Config::parse("[limits]\nvcpu_overcommit = 1.5").unwrap();
+        assert_eq!(ratio.limits.vcpu_cap(2), 3);
+        assert_eq!(ratio.limits.vcpu_cap(1), 1);
         assert_eq!(c.gc.backup_retention_days, 7);
         assert_eq!(c.gc.keep_snapshots_per_sandbox, 10);
         assert!(Config::parse("[limits]\nmax_mem = 1").is_err());

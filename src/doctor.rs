@@ -48,6 +48,7 @@ pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> 
         data_root(&paths),
         daemon(&paths).await,
         memory(),
+        cpu_pressure(&config.limits),
         disk(&paths.root, &config.limits),
         e2fsprogs(),
         fence(&config.qemu_binary),
@@ -279,17 +280,7 @@ async fn daemon(paths: &Paths) -> Check {
     let client = Client::new(&paths.socket());
     match client.get::<crate::api::Health>("/v1/health").await {
         Ok(h) => {
-            let cap = h.capacity.map(|c| {
-                let pool = c.reservations.iter().filter(|r| r.holder == "pool").count();
-                format!(
-                    "; reserved {}/{} vCPUs, {}/{} MiB ({pool} warm-pool VMs), {} queued",
-                    c.reserved_vcpus,
-                    c.max_vcpus,
-                    c.reserved_memory_mib,
-                    c.max_memory_mib,
-                    c.queued
-                )
-            });
+            let cap = h.capacity.map(|c| capacity_line(&c));
             Check::new(
                 "daemon",
                 Status::Ok,
@@ -303,6 +294,93 @@ async fn daemon(paths: &Paths) -> Check {
             )
         }
         Err(e) => Check::new("daemon", Status::Warn, e.to_string()),
+    }
+}
+
+/// The daemon's ledger in one line: vCPUs held against the overcommitted cap, memory by use
+/// (PSS of the VMs, what they count for, the room left above the reserve), CPU pressure.
+fn capacity_line(c: &crate::api::Capacity) -> String {
+    let pool = c.reservations.iter().filter(|r| r.holder == "pool").count();
+    let m = &c.memory;
+    let strict = c
+        .max_memory_mib
+        .map(|cap| {
+            format!(
+                ", {}/{cap} MiB configured (strict cap)",
+                c.reserved_memory_mib
+            )
+        })
+        .unwrap_or_default();
+    let room = m
+        .room_mib
+        .map_or("unknown".to_owned(), |r| format!("{r} MiB"));
+    let cpu = match c.cpu.some_avg60 {
+        Some(p) => format!(
+            "CPU pressure {p:.0}% (PSI some avg60; admission waits at {:.0}%)",
+            c.cpu.limit
+        ),
+        None => "no CPU pressure reading (vCPU ratio only)".to_owned(),
+    };
+    format!(
+        "; {} VMs ({pool} warm-pool): {}/{} vCPUs held ({:.0}x {} CPUs){strict}; memory used \
+         {} MiB (PSS), counted {} MiB, room {room} (reserve {} MiB); {cpu}; {} queued, {} waited ({} for CPU)",
+        c.reservations.len(),
+        c.reserved_vcpus,
+        c.max_vcpus,
+        c.vcpu_overcommit,
+        c.host_cpus,
+        m.used_mib,
+        m.counted_mib,
+        m.reserve_mib,
+        c.queued,
+        c.waited,
+        c.waited_cpu
+    )
+}
+
+/// Which CPU pressure signal admission uses: PSI when `/proc/pressure/cpu` exists, else none
+/// (only the vCPU overcommit ratio bounds admission).
+fn cpu_pressure(limits: &crate::config::LimitsConfig) -> Check {
+    cpu_pressure_verdict(crate::service::usage::cpu_psi_now(), limits)
+}
+
+fn cpu_pressure_verdict(psi: Option<f64>, limits: &crate::config::LimitsConfig) -> Check {
+    let ratio = format!(
+        "vCPUs overcommitted up to {} for {} CPUs",
+        limits.vcpu_cap(crate::config::host_cpus()),
+        crate::config::host_cpus()
+    );
+    match psi {
+        None => Check::new(
+            "cpu-pressure",
+            Status::Warn,
+            format!(
+                "no /proc/pressure/cpu (kernel without PSI, or psi=0): admission is bounded by \
+                 the vCPU ratio only ({ratio}), never by how busy the host is"
+            ),
+        ),
+        Some(_) if limits.cpu_pressure_psi_avg60 <= 0.0 => Check::new(
+            "cpu-pressure",
+            Status::Ok,
+            format!("PSI available but ignored ([limits] cpu_pressure_psi_avg60 = 0); {ratio}"),
+        ),
+        Some(p) => {
+            let saturated = p >= limits.cpu_pressure_psi_avg60;
+            Check::new(
+                "cpu-pressure",
+                if saturated { Status::Warn } else { Status::Ok },
+                format!(
+                    "PSI some avg60 {p:.1}%: admission {} at {:.0}% ([limits] \
+                     cpu_pressure_psi_avg60); {ratio}",
+                    if saturated {
+                        "waits now, saturated"
+                    } else {
+                        "would wait"
+                    },
+                    limits.cpu_pressure_psi_avg60
+                ),
+            )
+        }
     }
 }
 
@@ -502,5 +580,40 @@ mod disk_tests {
         let fail = disk_verdict(at, 500, &limits);
         assert_eq!(fail.status, Status::Fail, "{}", fail.detail);
         assert!(fail.detail.contains("min_free_disk_mib"), "{}", fail.detail);
+    }
+}
+
+#[cfg(test)]
+mod cpu_tests {
+    use super::*;
+
+    #[test]
+    fn doctor_says_which_cpu_pressure_signal_admission_uses() {
+        let limits = crate::config::LimitsConfig {
+            cpu_pressure_psi_avg60: 90.0,
+            ..Default::default()
+        };
+        let none = cpu_pressure_verdict(None, &limits);
+        assert_eq!(none.status, Status::Warn);
+        assert!(none.detail.contains("vCPU ratio only"), "{}", none.detail);
+        let calm = cpu_pressure_verdict(Some(3.0), &limits);
+        assert_eq!(calm.status, Status::Ok);
+        assert!(
+            calm.detail.contains("PSI some avg60 3.0%"),
+            "{}",
+            calm.detail
+        );
+        let busy = cpu_pressure_verdict(Some(95.0), &limits);
+        assert_eq!(busy.status, Status::Warn);
+        assert!(busy.detail.contains("saturated"), "{}", busy.detail);
+        let off = crate::config::LimitsConfig {
+            cpu_pressure_psi_avg60: 0.0,
+            ..Default::default()
+        };
+        assert!(
+            cpu_pressure_verdict(Some(99.0), &off)
+                .detail
+                .contains("ignored")
+        );
     }
 }

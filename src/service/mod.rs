@@ -29,6 +29,7 @@ pub mod scheduler;
 mod secrets;
 mod snapshots;
 pub mod templates;
+pub mod usage;
 pub mod vmfs;
 mod vms;
 mod workspace;
@@ -221,7 +222,8 @@ impl Service {
         );
         let limits = &config.limits;
         let ledger = scheduler::Ledger::new(
-            scheduler::Resources::new(limits.max_vcpus, limits.max_memory_mib),
+            scheduler::Policy::from_limits(limits),
+            Arc::new(usage::ProcHost),
             std::time::Duration::from_secs(limits.queue_timeout_s),
             limits.max_queue,
         );
@@ -271,23 +273,63 @@ impl Service {
     /// The scheduler's ledger, for `GET /v1/health`.
     pub fn capacity(&self) -> api::Capacity {
         let v = self.ledger.view();
+        let p = v.policy;
         api::Capacity {
-            max_vcpus: v.cap.vcpus,
-            max_memory_mib: v.cap.memory_mib,
+            max_vcpus: p.vcpus,
+            host_cpus: p.host_cpus,
+            vcpu_overcommit: f64::from(p.vcpus) / f64::from(p.host_cpus.max(1)),
+            max_memory_mib: p.memory_cap,
             reserved_vcpus: v.used.vcpus,
             reserved_memory_mib: v.used.memory_mib,
+            memory: api::MemoryUse {
+                total_mib: v.host.total_mib,
+                available_mib: v.host.available_mib,
+                reserve_mib: p.mem.reserve_mib,
+                headroom_mib: p.mem.headroom_mib,
+                new_vm_mib: p.mem.new_vm_mib,
+                used_mib: v.mem.used_mib,
+                counted_mib: v.mem.counted_mib,
+                room_mib: v.mem.room_mib,
+            },
+            cpu: api::CpuPressure {
+                source: if v.host.cpu_some_avg60.is_some() {
+                    "psi"
+                } else {
+                    "none"
+                }
+                .into(),
+                some_avg60: v.host.cpu_some_avg60,
+                limit: p.mem.cpu_psi_limit,
+                saturated: p.mem.cpu_saturated(v.host.cpu_some_avg60),
+            },
             queued: v.queued,
+            waited: v.waited,
+            waited_cpu: v.waited_cpu,
             reservations: v
                 .held
                 .into_iter()
-                .map(|(id, r, who)| api::LedgerEntry {
-                    id,
-                    holder: who.as_str().to_owned(),
-                    vcpus: r.vcpus,
-                    memory_mib: r.memory_mib,
+                .map(|h| api::LedgerEntry {
+                    id: h.id,
+                    holder: h.who.as_str().to_owned(),
+                    vcpus: h.r.vcpus,
+                    memory_mib: h.r.memory_mib,
+                    used_mib: h.used_mib,
+                    counted_mib: h.counted_mib,
                 })
                 .collect(),
         }
+    }
+
+    /// Every running QEMU the sampler measures: ready sandboxes' and warm-pool VMs' (id, pid).
+    pub(crate) fn vm_pids(&self) -> Vec<(String, u32)> {
+        let mut out: Vec<(String, u32)> = self
+            .vms
+            .live
+            .lock()
+            .map(|m| m.iter().map(|(id, vm)| (id.clone(), vm.info.pid)).collect())
+            .unwrap_or_default();
+        out.extend(self.pool_pids());
+        out
     }
 
     /// Graceful shutdown: the warm pool ends; with `shutdown = "pause"` running sandboxes are

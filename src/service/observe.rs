@@ -75,13 +75,13 @@ impl Service {
                 .collect(),
             ledger: {
                 let v = self.ledger.view();
-                Some((
-                    v.used.vcpus,
-                    v.cap.vcpus,
-                    v.used.memory_mib,
-                    v.cap.memory_mib,
-                    v.queued,
-                ))
+                let p = v.policy;
+                // Memory capacity: the strict cap, else what VMs could ever count for.
+                let mem_cap = p
+                    .memory_cap
+                    .or_else(|| v.host.total_mib.map(|t| p.mem.usable(t)))
+                    .unwrap_or(0);
+                Some((v.used.vcpus, p.vcpus, v.used.memory_mib, mem_cap, v.queued))
             },
             pool_ready: self.pool_ready(),
             ..Default::default()

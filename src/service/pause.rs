@@ -104,6 +104,7 @@ impl Service {
     pub fn start_lifecycle(self: &Arc<Self>) {
         let _ = self.life.me.set(Arc::downgrade(self));
         self.start_pool_upkeep();
+        super::usage::spawn_sampler(self);
         if let Ok(recs) = self.store.list::<SandboxRecord>(SANDBOXES) {
             for rec in recs {
                 let id = rec.api.id.clone();

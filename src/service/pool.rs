@@ -327,6 +327,15 @@ impl Service {
         }
     }
 
+    /// Warm-pool VMs waiting, every key together: (id, QEMU pid), for the usage sampler.
+    pub(super) fn pool_pids(&self) -> Vec<(String, u32)> {
+        lock(&self.life.golden.pool)
+            .values()
+            .flatten()
+            .map(|p| (p.id.clone(), p.vm.info.pid))
+            .collect()
+    }
+
     /// Warm-pool VMs waiting, every key together (the `tryboxi_pool_ready` gauge).
     pub(super) fn pool_ready(&self) -> usize {
         lock(&self.life.golden.pool).values().map(Vec::len).sum()

@@ -11,7 +11,6 @@ use std::time::Duration;
 use super::Service;
 #[cfg(test)]
 use super::scheduler::{Ledger, Resources};
-use super::scheduler::{Pauser, pick_to_free};
 use crate::config::LimitsConfig;
 
 /// `some avg10` of `/proc/pressure/memory` (percent of time some task stalled on memory).
@@ -146,6 +145,52 @@ pub fn spawn(svc: &Arc<Service>, pauser: Arc<dyn Pauser>) {
     });
 }
 
+/// A sandbox that memory pressure could pause.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub id: String,
+    pub idle: Duration,
+    pub running_execs: u32,
+    pub memory_mib: u64,
+}
+
+/// Idlest first: sandboxes running a command are never candidates; then the longest idle; on a
+/// tie the bigger one (pausing it frees more); then by id so the order is stable.
+pub fn rank_idle(mut c: Vec<Candidate>) -> Vec<Candidate> {
+    c.retain(|c| c.running_execs == 0);
+    c.sort_by(|a, b| {
+        b.idle
+            .cmp(&a.idle)
+            .then(b.memory_mib.cmp(&a.memory_mib))
+            .then(a.id.cmp(&b.id))
+    });
+    c
+}
+
+/// Which candidates to pause to free at least `want_mib`, idlest first.
+pub fn pick_to_free(ranked: &[Candidate], want_mib: u64, min_idle: Duration) -> Vec<String> {
+    let mut freed = 0;
+    let mut out = Vec::new();
+    for c in ranked {
+        if freed >= want_mib {
+            break;
+        }
+        if c.idle < min_idle {
+            continue;
+        }
+        freed += c.memory_mib;
+        out.push(c.id.clone());
+    }
+    out
+}
+
+/// Pauses a sandbox to free host memory (`service::ServicePauser`: pause to disk).
+#[async_trait::async_trait]
+pub trait Pauser: Send + Sync {
+    /// Pause `id`; on success its reservation must have been released.
+    async fn pause(&self, id: &str) -> Result<(), String>;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,7 +224,7 @@ mod tests {
 
     #[tokio::test]
     async fn pressure_pauses_the_idlest_until_enough_is_freed() {
-        let ledger = Ledger::new(Resources::new(16, 16384), Duration::from_secs(1), 4);
+        let ledger = Ledger::strict_for_tests(Resources::new(16, 16384), Duration::from_secs(1), 4);
         for (id, mem) in [("old", 1024), ("mid", 2048), ("new", 4096)] {
             ledger
                 .reserve(id, Resources::new(1, mem))

@@ -43,6 +43,13 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
+use super::usage::{HostProbe, HostReading, MemPolicy, Usage};
+pub use crate::service::pressure::{Candidate, Pauser, rank_idle};
+pub use state::MemView;
+use state::{Held, Short, State, Waiter};
+
+mod state;
+
 /// Who holds a reservation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Holder {
@@ -76,9 +83,6 @@ impl Resources {
     pub fn new(vcpus: u32, memory_mib: u64) -> Resources {
         Resources { vcpus, memory_mib }
     }
-    fn fits_in(&self, free: Resources) -> bool {
-        self.vcpus <= free.vcpus && self.memory_mib <= free.memory_mib
-    }
     fn plus(self, o: Resources) -> Resources {
         Resources::new(
             self.vcpus.saturating_add(o.vcpus),
@@ -87,126 +91,53 @@ impl Resources {
     }
 }
 
+/// The host's limits: the vCPU cap, the strict memory cap (if any) and the memory/CPU rules.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Policy {
+    /// vCPUs all VMs may hold together (`vcpu_overcommit` x CPUs, or `max_vcpus`).
+    pub vcpus: u32,
+    /// The host's CPU count (reported beside the ratio).
+    pub host_cpus: u32,
+    /// `[limits] max_memory_mib`: a cap on the configured memory of all VMs together.
+    pub memory_cap: Option<u64>,
+    pub mem: MemPolicy,
+}
+
+impl Policy {
+    pub fn from_limits(l: &crate::config::LimitsConfig) -> Policy {
+        let cpus = crate::config::host_cpus();
+        Policy {
+            vcpus: l.vcpu_cap(cpus),
+            host_cpus: cpus,
+            memory_cap: l.max_memory_mib,
+            mem: MemPolicy::from_limits(l),
+        }
+    }
+}
+
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum SchedError {
     #[error(
-        "the host cannot ever fit this sandbox: it needs {need_vcpus} vCPUs and {need_mib} MiB, \
-         the host limit is {cap_vcpus} vCPUs and {cap_mib} MiB (config [limits] max_vcpus / max_memory_mib)"
+        "the host cannot ever fit this sandbox: it needs {need}, the host limit is {limit} \
+         (config [limits] vcpu_overcommit / max_vcpus, memory_reserve_mib / max_memory_mib)"
     )]
-    TooBig {
-        need_vcpus: u32,
-        need_mib: u64,
-        cap_vcpus: u32,
-        cap_mib: u64,
-    },
+    TooBig { need: String, limit: String },
     #[error(
-        "the host is full ({used_vcpus}/{cap_vcpus} vCPUs, {used_mib}/{cap_mib} MiB reserved) and \
-         {queued} requests already wait (config [limits] max_queue); try again later"
+        "the host is full ({host}) and {queued} requests already wait (config [limits] \
+         max_queue); try again later"
     )]
-    QueueFull {
-        queued: usize,
-        used_vcpus: u32,
-        cap_vcpus: u32,
-        used_mib: u64,
-        cap_mib: u64,
-    },
+    QueueFull { queued: usize, host: String },
     #[error(
-        "the host stayed full for {waited_s} s ({used_vcpus}/{cap_vcpus} vCPUs, {used_mib}/{cap_mib} MiB \
-         reserved; this sandbox needs {need_vcpus} vCPUs and {need_mib} MiB): remove or pause a sandbox \
-         (config [limits] queue_timeout_s)"
+        "the host stayed full for {waited_s} s ({host}; this sandbox needs {need}): remove or \
+         pause a sandbox (config [limits] queue_timeout_s)"
     )]
     Timeout {
         waited_s: u64,
-        need_vcpus: u32,
-        need_mib: u64,
-        used_vcpus: u32,
-        cap_vcpus: u32,
-        used_mib: u64,
-        cap_mib: u64,
+        need: String,
+        host: String,
     },
     #[error("sandbox `{0}` already holds a reservation")]
     Duplicate(String),
-}
-
-struct Waiter {
-    ticket: u64,
-    id: String,
-    need: Resources,
-    tx: oneshot::Sender<()>,
-}
-
-struct State {
-    cap: Resources,
-    used: Resources,
-    /// Reservations by id: what, who, and when (a sequence number: larger is newer).
-    held: HashMap<String, (Resources, Holder, u64)>,
-    queue: VecDeque<Waiter>,
-    next_ticket: u64,
-    next_seq: u64,
-}
-
-impl State {
-    fn free(&self) -> Resources {
-        Resources {
-            vcpus: self.cap.vcpus.saturating_sub(self.used.vcpus),
-            memory_mib: self.cap.memory_mib.saturating_sub(self.used.memory_mib),
-        }
-    }
-    fn take(&mut self, id: &str, r: Resources, who: Holder) {
-        self.used.vcpus += r.vcpus;
-        self.used.memory_mib += r.memory_mib;
-        self.held.insert(id.to_owned(), (r, who, self.next_seq));
-        self.next_seq += 1;
-    }
-    fn give_back(&mut self, id: &str) -> Option<Resources> {
-        let (r, _, _) = self.held.remove(id)?;
-        self.used.vcpus = self.used.vcpus.saturating_sub(r.vcpus);
-        self.used.memory_mib = self.used.memory_mib.saturating_sub(r.memory_mib);
-        Some(r)
-    }
-    /// The pool reservation to end next: the smallest one for which `enough` holds (its room
-    /// alone does), the newest among equals; else the newest. `None`: no pool VM left.
-    fn pool_victim(&self, enough: impl Fn(Resources) -> bool) -> Option<String> {
-        let pool = || {
-            self.held
-                .iter()
-                .filter(|(_, (_, who, _))| *who == Holder::Pool)
-        };
-        pool()
-            .filter(|(_, (r, _, _))| enough(*r))
-            .min_by_key(|(_, (r, _, seq))| (r.memory_mib, r.vcpus, std::cmp::Reverse(*seq)))
-            .or_else(|| pool().max_by_key(|(_, (_, _, seq))| *seq))
-            .map(|(id, _)| id.clone())
-    }
-    /// Pool reservations to end so that everything queued plus `need` fits (all of them when
-    /// even that is not enough), in [`State::pool_victim`] order. Releases them.
-    fn evict_pool_for(&mut self, need: Resources) -> Vec<String> {
-        let want = self.queue.iter().fold(need, |a, w| a.plus(w.need));
-        let mut out = Vec::new();
-        while !want.fits_in(self.free()) {
-            let free = self.free();
-            let Some(id) = self.pool_victim(|r| want.fits_in(free.plus(r))) else {
-                break;
-            };
-            self.give_back(&id);
-            out.push(id);
-        }
-        out
-    }
-    /// Grant queued requests from the head while the head fits (strict FIFO).
-    fn grant_waiters(&mut self) {
-        while let Some(w) = self.queue.front() {
-            if !w.need.fits_in(self.free()) {
-                break;
-            }
-            let w = self.queue.pop_front().expect("front exists");
-            self.take(&w.id, w.need, Holder::Sandbox);
-            if w.tx.send(()).is_err() {
-                // The waiter gave up between its timeout and now: undo.
-                self.give_back(&w.id);
-            }
-        }
-    }
 }
 
 /// A place in the queue; see [`Ledger::reserve`].
@@ -222,6 +153,7 @@ impl Drop for Queued<'_> {
         if self.done {
             return;
         }
+        let host = self.ledger.probe.read();
         let mut s = self.ledger.lock();
         let before = s.queue.len();
         s.queue.retain(|w| w.ticket != self.ticket);
@@ -229,23 +161,44 @@ impl Drop for Queued<'_> {
             // Not queued any more: it was granted, but nobody will keep it.
             s.give_back(self.id);
         }
-        s.grant_waiters();
+        s.grant_waiters(&host);
     }
 }
 
-/// What [`Ledger::view`] reports.
+/// One reservation as [`Ledger::view`] reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldView {
+    pub id: String,
+    pub r: Resources,
+    pub who: Holder,
+    /// Measured PSS, MiB (`None`: not measured yet, or unreadable).
+    pub used_mib: Option<u64>,
+    /// What it counts for now (see `usage.rs`).
+    pub counted_mib: u64,
+}
+
+/// What [`Ledger::view`] reports.
+#[derive(Debug, Clone, PartialEq)]
 pub struct LedgerView {
-    pub cap: Resources,
+    pub policy: Policy,
+    /// Configured vCPUs and memory of every reservation together.
     pub used: Resources,
     pub queued: usize,
+    /// Requests that waited in the queue since the daemon started.
+    pub waited: u64,
+    /// Of those, the ones that had vCPUs and memory but met a CPU-saturated host.
+    pub waited_cpu: u64,
+    pub host: HostReading,
+    pub mem: MemView,
     /// Every reservation, by id.
-    pub held: Vec<(String, Resources, Holder)>,
+    pub held: Vec<HeldView>,
 }
 
 /// The host ledger. Cheap to share (`Arc`).
 pub struct Ledger {
     state: Mutex<State>,
+    /// Where the host's memory and CPU pressure are read (the real `/proc`, or a fake).
+    probe: Arc<dyn HostProbe>,
     queue_timeout: Duration,
     max_queue: usize,
     activity: Mutex<HashMap<String, Activity>>,
@@ -256,16 +209,25 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    pub fn new(cap: Resources, queue_timeout: Duration, max_queue: usize) -> Arc<Ledger> {
+    pub fn new(
+        policy: Policy,
+        probe: Arc<dyn HostProbe>,
+        queue_timeout: Duration,
+        max_queue: usize,
+    ) -> Arc<Ledger> {
         Arc::new(Ledger {
             state: Mutex::new(State {
-                cap,
+                policy,
                 used: Resources::default(),
                 held: HashMap::new(),
+                freeing: HashMap::new(),
                 queue: VecDeque::new(),
                 next_ticket: 0,
                 next_seq: 0,
+                waited: 0,
+                waited_cpu: 0,
             }),
+            probe,
             queue_timeout,
             max_queue,
             activity: Mutex::new(HashMap::new()),
@@ -279,15 +241,52 @@ impl Ledger {
     }
 
     pub fn view(&self) -> LedgerView {
+        let host = self.probe.read();
         let s = self.lock();
-        let mut held: Vec<_> = s.held.iter().map(|(k, v)| (k.clone(), v.0, v.1)).collect();
-        held.sort_by(|a, b| a.0.cmp(&b.0));
+        let p = s.policy.mem;
+        let mut held: Vec<HeldView> = s
+            .held
+            .iter()
+            .map(|(id, h)| HeldView {
+                id: id.clone(),
+                r: h.r,
+                who: h.who,
+                used_mib: h.usage.pss_mib(),
+                counted_mib: p.counted(h.r.memory_mib, h.usage),
+            })
+            .collect();
+        held.sort_by(|a, b| a.id.cmp(&b.id));
         LedgerView {
-            cap: s.cap,
+            policy: s.policy,
             used: s.used,
             queued: s.queue.len(),
+            waited: s.waited,
+            waited_cpu: s.waited_cpu,
+            host,
+            mem: s.mem_view(&host),
             held,
         }
+    }
+
+    /// Whether one VM of `one` could ever fit: its vCPUs within the vCPU cap, its memory
+    /// within the strict cap (if set) and within what the host could ever give VMs (MemTotal
+    /// minus the reserve).
+    fn ever_fits_one(s: &State, host: &HostReading, one: Resources) -> Result<(), SchedError> {
+        let p = &s.policy;
+        let mem_limit = p
+            .memory_cap
+            .or_else(|| host.total_mib.map(|t| p.mem.usable(t)));
+        if one.vcpus > p.vcpus || mem_limit.is_some_and(|m| one.memory_mib > m) {
+            return Err(SchedError::TooBig {
+                need: format!("{} vCPUs and {} MiB", one.vcpus, one.memory_mib),
+                limit: format!(
+                    "{} vCPUs and {} MiB",
+                    p.vcpus,
+                    mem_limit.map_or("unknown".into(), |m| m.to_string())
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// `count` sandboxes of shape `one` could fit together once every sandbox but the ones in
@@ -299,29 +298,44 @@ impl Ledger {
         count: u32,
         staying: &[&str],
     ) -> Result<(), SchedError> {
+        let host = self.probe.read();
         let s = self.lock();
-        let kept = staying
-            .iter()
-            .filter_map(|id| s.held.get(*id))
-            .fold(Resources::default(), |a, (r, ..)| a.plus(*r));
+        Self::ever_fits_one(&s, &host, one)?;
+        let p = &s.policy;
+        let kept: Vec<&Held> = staying.iter().filter_map(|id| s.held.get(*id)).collect();
+        let kept_r = kept.iter().fold(Resources::default(), |a, h| a.plus(h.r));
         let need = Resources::new(
             one.vcpus.saturating_mul(count),
             one.memory_mib.saturating_mul(u64::from(count)),
         );
-        let room = Resources::new(
-            s.cap.vcpus.saturating_sub(kept.vcpus),
-            s.cap.memory_mib.saturating_sub(kept.memory_mib),
-        );
-        if need.fits_in(room) {
-            Ok(())
-        } else {
-            Err(SchedError::TooBig {
-                need_vcpus: need.vcpus,
-                need_mib: need.memory_mib,
-                cap_vcpus: room.vcpus,
-                cap_mib: room.memory_mib,
-            })
+        let vcpu_room = p.vcpus.saturating_sub(kept_r.vcpus);
+        let cap_room = p.memory_cap.map(|c| c.saturating_sub(kept_r.memory_mib));
+        let use_room = host.total_mib.map(|t| {
+            let counted: u64 = kept
+                .iter()
+                .map(|h| p.mem.counted(h.r.memory_mib, h.usage))
+                .sum();
+            p.mem.usable(t).saturating_sub(counted)
+        });
+        let expected = p
+            .mem
+            .expected(one.memory_mib)
+            .saturating_mul(u64::from(count));
+        if need.vcpus <= vcpu_room
+            && cap_room.is_none_or(|c| need.memory_mib <= c)
+            && use_room.is_none_or(|u| expected <= u)
+        {
+            return Ok(());
         }
+        let limit = match (cap_room, use_room) {
+            (Some(c), _) => format!("{vcpu_room} vCPUs and {c} MiB"),
+            (None, Some(u)) => format!("{vcpu_room} vCPUs and {u} MiB of expected use"),
+            (None, None) => format!("{vcpu_room} vCPUs"),
+        };
+        Err(SchedError::TooBig {
+            need: s.describe_need(need, count),
+            limit,
+        })
     }
 
     /// Reserve `need` for sandbox `id`, waiting in the FIFO queue if the host is full.
@@ -331,34 +345,28 @@ impl Ledger {
         need: Resources,
     ) -> Result<Reservation, SchedError> {
         let started = Instant::now();
+        let host = self.probe.read();
         let rx = {
             let mut s = self.lock();
             if s.held.contains_key(id) {
                 return Err(SchedError::Duplicate(id.to_owned()));
             }
-            if !need.fits_in(s.cap) {
-                return Err(SchedError::TooBig {
-                    need_vcpus: need.vcpus,
-                    need_mib: need.memory_mib,
-                    cap_vcpus: s.cap.vcpus,
-                    cap_mib: s.cap.memory_mib,
-                });
-            }
-            if !(s.queue.is_empty() && need.fits_in(s.free())) {
+            Self::ever_fits_one(&s, &host, need)?;
+            let fits = |s: &State| {
+                s.queue.is_empty() && s.check(&host, &[need], Holder::Sandbox, &[]).is_ok()
+            };
+            if !fits(&s) {
                 // It would wait: pool VMs make room first (they only hold room ahead of time).
-                self.evict(&mut s, need);
+                self.evict(&mut s, &host, need);
             }
-            if s.queue.is_empty() && need.fits_in(s.free()) {
+            if fits(&s) {
                 s.take(id, need, Holder::Sandbox);
                 return Ok(self.guard(id));
             }
             if s.queue.len() >= self.max_queue {
                 return Err(SchedError::QueueFull {
                     queued: s.queue.len(),
-                    used_vcpus: s.used.vcpus,
-                    cap_vcpus: s.cap.vcpus,
-                    used_mib: s.used.memory_mib,
-                    cap_mib: s.cap.memory_mib,
+                    host: s.describe(&host),
                 });
             }
             let (tx, rx) = oneshot::channel();
@@ -370,7 +378,12 @@ impl Ledger {
                 need,
                 tx,
             });
-            tracing::info!(sandbox = %id, queued = s.queue.len(), vcpus = need.vcpus, memory_mib = need.memory_mib, "host full; waiting in the queue");
+            s.waited += 1;
+            let short = s.check(&host, &[need], Holder::Sandbox, &[]).err();
+            if short == Some(Short::Cpu) {
+                s.waited_cpu += 1;
+            }
+            tracing::info!(sandbox = %id, queued = s.queue.len(), vcpus = need.vcpus, memory_mib = need.memory_mib, short = ?short, host = %s.describe(&host), "host full; waiting in the queue");
             (ticket, rx)
         };
         let (ticket, mut rx) = rx;
@@ -390,6 +403,7 @@ impl Ledger {
         if granted {
             return Ok(self.guard(id));
         }
+        let host = self.probe.read();
         let mut s = self.lock();
         // Granted just as the timer fired? Then take it.
         if rx.try_recv().is_ok() {
@@ -398,15 +412,11 @@ impl Ledger {
         }
         s.queue.retain(|w| w.ticket != ticket);
         // Our leaving may unblock the ones behind us.
-        s.grant_waiters();
+        s.grant_waiters(&host);
         Err(SchedError::Timeout {
             waited_s: started.elapsed().as_secs(),
-            need_vcpus: need.vcpus,
-            need_mib: need.memory_mib,
-            used_vcpus: s.used.vcpus,
-            cap_vcpus: s.cap.vcpus,
-            used_mib: s.used.memory_mib,
-            cap_mib: s.cap.memory_mib,
+            need: s.describe_need(need, 1),
+            host: s.describe(&host),
         })
     }
 
@@ -436,17 +446,17 @@ impl Ledger {
         rx
     }
 
-    fn evict(&self, s: &mut State, need: Resources) {
+    fn evict(&self, s: &mut State, host: &HostReading, need: Resources) {
         let tx = self.evict_tx.lock().unwrap_or_else(|p| p.into_inner());
         let Some(tx) = tx.as_ref().filter(|t| !t.is_closed()) else {
             return;
         };
-        let ids = s.evict_pool_for(need);
+        let ids = s.evict_pool_for(host, need);
         if ids.is_empty() {
             return;
         }
         // Freed room goes to the queue first (FIFO), then to this request.
-        s.grant_waiters();
+        s.grant_waiters(host);
         for id in ids {
             tracing::info!(pool_vm = %id, vcpus = need.vcpus, memory_mib = need.memory_mib, "evicting a warm-pool VM to make room");
             let _ = tx.send(id);
@@ -454,9 +464,11 @@ impl Ledger {
     }
 
     /// Host memory pressure: evict pool VMs (in [`State::pool_victim`] order) until at least
-    /// `want_mib` of their memory is freed or none is left; returns the MiB freed. They go
-    /// before any sandbox is paused. Nothing without a reader of [`Ledger::evictions`].
+    /// `want_mib` of their memory (measured use, else size) is freed or none is left; returns
+    /// the MiB freed. They go before any sandbox is paused. Nothing without a reader of
+    /// [`Ledger::evictions`].
     pub fn evict_pool_memory(&self, want_mib: u64) -> u64 {
+        let host = self.probe.read();
         let mut s = self.lock();
         let tx = self.evict_tx.lock().unwrap_or_else(|p| p.into_inner());
         let Some(tx) = tx.as_ref().filter(|t| !t.is_closed()) else {
@@ -465,33 +477,38 @@ impl Ledger {
         let mut freed = 0;
         while freed < want_mib {
             let short = want_mib - freed;
-            let Some(id) = s.pool_victim(|r| r.memory_mib >= short) else {
+            let Some(id) = s.pool_victim(|_, h| State::frees_mib(h) >= short) else {
                 break;
             };
-            let mib = s.give_back(&id).map_or(0, |r| r.memory_mib);
+            let mib = s.evict_one(&id).map_or(0, |h| State::frees_mib(&h));
             freed += mib;
             tracing::info!(pool_vm = %id, memory_mib = mib, "evicting a warm-pool VM: host memory pressure");
             let _ = tx.send(id);
         }
-        s.grant_waiters();
+        s.grant_waiters(&host);
         freed
     }
 
     /// Who holds `id`'s reservation, if anyone.
     pub fn holder(&self, id: &str) -> Option<Holder> {
-        self.lock().held.get(id).map(|(_, who, _)| *who)
+        self.lock().held.get(id).map(|h| h.who)
     }
 
-    /// Reserve `need` for a background VM only if it fits right now and nobody waits in the
-    /// queue; never queues. `None`: the host has no room to spare (the caller skips the VM).
+    /// Reserve `need` for a background VM only if it fits right now (counting every VM, and
+    /// not while the host is CPU saturated) and nobody waits in the queue; never queues.
+    /// `None`: the host has no room to spare (the caller skips the VM).
     pub fn try_reserve(
         self: &Arc<Self>,
         id: &str,
         need: Resources,
         who: Holder,
     ) -> Option<Reservation> {
+        let host = self.probe.read();
         let mut s = self.lock();
-        if s.held.contains_key(id) || !s.queue.is_empty() || !need.fits_in(s.free()) {
+        if s.held.contains_key(id)
+            || !s.queue.is_empty()
+            || s.check(&host, &[need], who, &[]).is_err()
+        {
             return None;
         }
         s.take(id, need, who);
@@ -510,18 +527,32 @@ impl Ledger {
     pub fn claim_pool(&self, pool_id: &str, sandbox_id: &str) -> Option<Resources> {
         let mut s = self.lock();
         match s.held.get(pool_id) {
-            Some((_, Holder::Pool, _)) => {}
+            Some(h) if h.who == Holder::Pool => {}
             _ => return None,
         }
         if pool_id != sandbox_id && s.held.contains_key(sandbox_id) {
             return None;
         }
-        let (r, _, seq) = s.held.remove(pool_id)?;
-        s.held
-            .insert(sandbox_id.to_owned(), (r, Holder::Sandbox, seq));
+        let mut h = s.held.remove(pool_id)?;
+        h.who = Holder::Sandbox;
+        let r = h.r;
+        s.held.insert(sandbox_id.to_owned(), h);
         drop(s);
         self.touch(sandbox_id);
         Some(r)
+    }
+
+    /// Record each VM's measured use (the sampler, `usage.rs`); ids that hold nothing are
+    /// ignored. Then serve the queue: the host may have room now.
+    pub fn record_usage(&self, samples: &[(String, Usage)]) {
+        let host = self.probe.read();
+        let mut s = self.lock();
+        for (id, u) in samples {
+            if let Some(h) = s.held.get_mut(id) {
+                h.usage = *u;
+            }
+        }
+        s.grant_waiters(&host);
     }
 
     /// Someone waits in the queue (a background VM that just started should give way).
@@ -534,13 +565,16 @@ impl Ledger {
         self.lock().held.contains_key(id)
     }
 
-    /// Give back what `id` holds (rm, pause, failure), wake the queue and tell the reader of
-    /// [`Ledger::freed`]. Unknown ids are fine.
+    /// Give back what `id` holds (rm, pause, failure, an evicted pool VM now stopped), wake
+    /// the queue and tell the reader of [`Ledger::freed`]. Unknown ids are fine.
     pub fn release(&self, id: &str) -> Option<Resources> {
+        // The VM is gone by now (callers stop it first): the reading shows what it freed.
+        let host = self.probe.read();
         let r = {
             let mut s = self.lock();
-            let r = s.give_back(id);
-            s.grant_waiters();
+            let r = s.give_back(id).map(|h| h.r);
+            s.freeing.remove(id);
+            s.grant_waiters(&host);
             r
         };
         if r.is_some() {
@@ -564,7 +598,9 @@ impl Ledger {
             return;
         }
         s.take(id, r, Holder::Sandbox);
-        if s.used.vcpus > s.cap.vcpus || s.used.memory_mib > s.cap.memory_mib {
+        if s.used.vcpus > s.policy.vcpus
+            || s.policy.memory_cap.is_some_and(|c| s.used.memory_mib > c)
+        {
             tracing::warn!(sandbox = %id, used_vcpus = s.used.vcpus, used_mib = s.used.memory_mib, "recovered sandboxes hold more than the host limit");
         }
         drop(s);
@@ -585,26 +621,27 @@ impl Ledger {
         e.last = Some(Instant::now());
     }
 
-    /// Candidates for pausing under memory pressure, idlest first (see [`rank_idle`]).
+    /// Candidates for pausing under memory pressure, idlest first (see [`rank_idle`]); each
+    /// with what pausing it frees (its measured use, else its size).
     pub fn idle_candidates(&self) -> Vec<Candidate> {
         // Only sandboxes can be paused; background VMs are not the Pauser's to touch.
-        let held: Vec<(String, Resources)> = self
+        let held: Vec<(String, u64)> = self
             .lock()
             .held
             .iter()
-            .filter(|(_, (_, who, _))| *who == Holder::Sandbox)
-            .map(|(id, (r, ..))| (id.clone(), *r))
+            .filter(|(_, h)| h.who == Holder::Sandbox)
+            .map(|(id, h)| (id.clone(), State::frees_mib(h)))
             .collect();
         let a = self.activity.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         let c: Vec<Candidate> = held
             .into_iter()
-            .map(|(id, r)| {
+            .map(|(id, memory_mib)| {
                 let act = a.get(&id).cloned().unwrap_or_default();
                 Candidate {
                     idle: act.last.map(|t| now - t).unwrap_or(Duration::MAX),
                     running_execs: act.running,
-                    memory_mib: r.memory_mib,
+                    memory_mib,
                     id,
                 }
             })
@@ -642,50 +679,39 @@ impl Drop for Reservation {
     }
 }
 
-/// A sandbox that memory pressure could pause.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Candidate {
-    pub id: String,
-    pub idle: Duration,
-    pub running_execs: u32,
-    pub memory_mib: u64,
-}
+/// A host whose memory and CPU pressure are unknown (nothing is checked by use).
+#[cfg(test)]
+struct UnknownHost;
 
-/// Idlest first: sandboxes running a command are never candidates; then the longest idle; on a
-/// tie the bigger one (pausing it frees more); then by id so the order is stable.
-pub fn rank_idle(mut c: Vec<Candidate>) -> Vec<Candidate> {
-    c.retain(|c| c.running_execs == 0);
-    c.sort_by(|a, b| {
-        b.idle
-            .cmp(&a.idle)
-            .then(b.memory_mib.cmp(&a.memory_mib))
-            .then(a.id.cmp(&b.id))
-    });
-    c
-}
-
-/// Which candidates to pause to free at least `want_mib`, idlest first.
-pub fn pick_to_free(ranked: &[Candidate], want_mib: u64, min_idle: Duration) -> Vec<String> {
-    let mut freed = 0;
-    let mut out = Vec::new();
-    for c in ranked {
-        if freed >= want_mib {
-            break;
-        }
-        if c.idle < min_idle {
-            continue;
-        }
-        freed += c.memory_mib;
-        out.push(c.id.clone());
+#[cfg(test)]
+impl HostProbe for UnknownHost {
+    fn read(&self) -> HostReading {
+        HostReading::default()
     }
-    out
 }
 
-/// Pauses a sandbox to free host memory (`service::ServicePauser`: pause to disk).
-#[async_trait::async_trait]
-pub trait Pauser: Send + Sync {
-    /// Pause `id`; on success its reservation must have been released.
-    async fn pause(&self, id: &str) -> Result<(), String>;
+#[cfg(test)]
+impl Ledger {
+    /// The old strict ledger, for other modules' tests: exactly `cap` (vCPUs and configured
+    /// memory), the host unknown.
+    pub fn strict_for_tests(
+        cap: Resources,
+        queue_timeout: Duration,
+        max_queue: usize,
+    ) -> Arc<Ledger> {
+        let policy = Policy {
+            vcpus: cap.vcpus,
+            host_cpus: cap.vcpus,
+            memory_cap: Some(cap.memory_mib),
+            mem: MemPolicy {
+                reserve_mib: 0,
+                headroom_mib: 0,
+                new_vm_mib: u64::MAX,
+                cpu_psi_limit: 0.0,
+            },
+        };
+        Ledger::new(policy, Arc::new(UnknownHost), queue_timeout, max_queue)
+    }
 }
 
 #[cfg(test)]

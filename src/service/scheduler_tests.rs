@@ -1,11 +1,56 @@
 use super::*;
+use crate::service::pressure::pick_to_free;
 
 fn r(v: u32, m: u64) -> Resources {
     Resources::new(v, m)
 }
 
+/// A host whose readings the test sets.
+#[derive(Default)]
+struct FakeHost(Mutex<HostReading>);
+
+impl HostProbe for FakeHost {
+    fn read(&self) -> HostReading {
+        *self.0.lock().unwrap()
+    }
+}
+
+impl FakeHost {
+    fn set(&self, f: impl FnOnce(&mut HostReading)) {
+        f(&mut self.0.lock().unwrap());
+    }
+}
+
+/// The old strict ledger, configured explicitly: exactly `v` vCPUs (`max_vcpus`) and `m` MiB
+/// of configured memory (`max_memory_mib`); the host reading is unknown (no memory by use, no
+/// CPU pressure).
 fn ledger(v: u32, m: u64, timeout_ms: u64, max_queue: usize) -> Arc<Ledger> {
-    Ledger::new(r(v, m), Duration::from_millis(timeout_ms), max_queue)
+    let policy = Policy {
+        vcpus: v,
+        host_cpus: v,
+        memory_cap: Some(m),
+        mem: MemPolicy {
+            reserve_mib: 0,
+            headroom_mib: 0,
+            new_vm_mib: u64::MAX,
+            cpu_psi_limit: 0.0,
+        },
+    };
+    Ledger::new(
+        policy,
+        Arc::new(FakeHost::default()),
+        Duration::from_millis(timeout_ms),
+        max_queue,
+    )
+}
+
+/// Every reservation as (id, resources, holder), by id.
+fn held(l: &Ledger) -> Vec<(String, Resources, Holder)> {
+    l.view()
+        .held
+        .into_iter()
+        .map(|h| (h.id, h.r, h.who))
+        .collect()
 }
 
 #[tokio::test]
@@ -62,7 +107,7 @@ async fn queue_full_refuses_at_once() {
     l.release("a");
     waiting.await.unwrap().unwrap();
     assert_eq!(
-        l.view().held,
+        held(&l),
         vec![("b".to_string(), r(1, 1024), Holder::Sandbox)]
     );
 }
@@ -195,14 +240,12 @@ async fn a_group_that_never_fits_next_to_the_parent_is_refused_whole() {
     l.group_ever_fits(r(1, 512), 7, &["parent"]).unwrap();
     // 8 more never fit next to the parent.
     let e = l.group_ever_fits(r(1, 512), 8, &["parent"]).unwrap_err();
-    assert_eq!(
-        e,
-        SchedError::TooBig {
-            need_vcpus: 8,
-            need_mib: 4096,
-            cap_vcpus: 7,
-            cap_mib: 7680
-        }
+    assert!(matches!(e, SchedError::TooBig { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("needs 8 vCPUs (8 x 1 vCPUs) and 4096 MiB")
+            && msg.contains("the host limit is 7 vCPUs and 7680 MiB"),
+        "{msg}"
     );
     // Memory bound as well.
     assert!(l.group_ever_fits(r(1, 4096), 2, &["parent"]).is_err());
@@ -216,7 +259,7 @@ async fn a_pool_vm_reserves_only_when_it_fits_now_and_nobody_waits() {
     p.keep();
     assert_eq!(l.view().used, r(1, 512), "a pool VM is counted");
     assert_eq!(
-        l.view().held,
+        held(&l),
         vec![("pool1".to_string(), r(1, 512), Holder::Pool)]
     );
     // Does not fit right now: refused at once, never queued.
@@ -254,7 +297,7 @@ async fn claiming_a_pool_vm_moves_its_reservation_without_double_count() {
     assert_eq!(l.claim_pool("sbx_p", "sbx_p"), Some(r(1, 512)));
     assert_eq!(l.view().used, r(2, 1024), "no double count");
     assert_eq!(
-        l.view().held,
+        held(&l),
         vec![
             ("other".to_string(), r(1, 512), Holder::Sandbox),
             ("sbx_p".to_string(), r(1, 512), Holder::Sandbox),
@@ -369,7 +412,7 @@ async fn eviction_serves_the_queue_first() {
     l.release("s");
     x.await.unwrap().unwrap();
     assert_eq!(
-        l.view().held,
+        held(&l),
         vec![
             ("w".to_string(), r(1, 1024), Holder::Sandbox),
             ("x".to_string(), r(1, 1024), Holder::Sandbox),
@@ -475,3 +518,6 @@ async fn released_room_is_announced_once_evicted_room_is_not() {
     assert_eq!(l.release("p"), None);
     assert!(freed.try_recv().is_err());
 }
+
+#[path = "scheduler_use_tests.rs"]
+mod by_use;

@@ -36,7 +36,9 @@ pub const SYNC_BYTES: &str = "tryboxi_sync_bytes_total";
 pub const SYNC_FILES: &str = "tryboxi_sync_files_total";
 /// Workspace syncs done (a sync that sent nothing counts too). Counter.
 pub const SYNCS: &str = "tryboxi_syncs_total";
-/// Host ledger (scheduler): `resource` = vcpus|memory_mib, `kind` = reserved|capacity.
+/// Host ledger (scheduler): `resource` = vcpus|memory_mib, `kind` = reserved|capacity. vCPU
+/// capacity is the overcommitted cap; memory capacity is `[limits] max_memory_mib`, else
+/// MemTotal minus `memory_reserve_mib` (memory is admitted by use: `GET /v1/health`).
 pub const HOST_LEDGER: &str = "tryboxi_host_ledger";
 /// Requests waiting in the scheduler's queue.
 pub const SCHED_QUEUED: &str = "tryboxi_scheduler_queued";
@@ -158,7 +160,7 @@ fn describe() {
     describe_counter!(SYNCS, "Workspace syncs into sandboxes");
     describe_gauge!(
         HOST_LEDGER,
-        "Host vCPUs and memory reserved by sandboxes, and the capacity"
+        "Host vCPUs and configured memory held by VMs, and the capacity"
     );
     describe_gauge!(
         SCHED_QUEUED,
@@ -187,7 +189,7 @@ pub struct Snapshot {
     pub vm_configured_bytes: u64,
     /// QEMU processes' pids, for their resident memory.
     pub vm_pids: Vec<u32>,
-    /// Scheduler ledger: (reserved vCPUs, capacity vCPUs, reserved MiB, capacity MiB, queued).
+    /// Scheduler ledger: (held vCPUs, vCPU cap, configured MiB held, memory capacity MiB, queued).
     pub ledger: Option<(u32, u32, u64, u64, usize)>,
     /// Warm-pool VMs waiting, all templates and shapes together.
     pub pool_ready: usize,
