@@ -197,31 +197,7 @@ type Seen = Arc<Mutex<Vec<(String, String)>>>;
 /// The forge on 127.0.0.1: TLS for [`GHOST`] (certificate from a fresh test CA written to
 /// `ca_path`), keep-alive HTTP/1.1, 401 without the token, else `git http-backend`.
 fn forge(ca_path: &Path, backend: PathBuf, root: PathBuf) -> (SocketAddr, Seen) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut p = CertificateParams::default();
-    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_cert = p.self_signed(&ca_key).unwrap();
-    std::fs::write(ca_path, ca_cert.pem()).unwrap();
-    let issuer = Issuer::new(p, ca_key);
-    let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec![GHOST.to_string()])
-        .unwrap()
-        .signed_by(&key, &issuer)
-        .unwrap();
-    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(
-        vec![cert.der().clone()],
-        rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-    )
-    .unwrap();
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let cfg = Arc::new(cfg);
+    let cfg = common::tls::ca_signed_server(ca_path, None, &[GHOST]);
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let seen: Seen = Arc::default();

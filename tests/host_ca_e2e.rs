@@ -20,7 +20,6 @@ mod common;
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::{SocketAddr, TcpListener};
 use std::process::Output;
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Daemon, SMALL_VMS, artifacts, create_with, first_word, vm_daemon};
@@ -46,32 +45,8 @@ fn bash(d: &Daemon, id: &str, script: &str) -> (Option<i32>, String) {
 /// An HTTPS upstream for [`HOST`] whose certificate comes from a fresh test CA, written (PEM)
 /// to `ca_dir/local-test-ca.crt`. Answers every request with [`BODY`].
 fn tls_upstream(ca_dir: &std::path::Path) -> SocketAddr {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut p = CertificateParams::default();
-    p.distinguished_name.push(DnType::CommonName, CA_CN);
-    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_cert = p.self_signed(&ca_key).unwrap();
-    std::fs::write(ca_dir.join("local-test-ca.crt"), ca_cert.pem()).unwrap();
-    let issuer = Issuer::new(p, ca_key);
-    let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec![HOST.to_string()])
-        .unwrap()
-        .signed_by(&key, &issuer)
-        .unwrap();
-    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(
-        vec![cert.der().clone()],
-        rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-    )
-    .unwrap();
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let cfg = Arc::new(cfg);
+    let cfg =
+        common::tls::ca_signed_server(&ca_dir.join("local-test-ca.crt"), Some(CA_CN), &[HOST]);
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     std::thread::spawn(move || {

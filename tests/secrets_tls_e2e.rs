@@ -16,7 +16,6 @@ mod common;
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::{SocketAddr, TcpListener};
 use std::process::{Command, Output, Stdio};
-use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -64,31 +63,7 @@ fn read_head<R: std::io::Read>(r: R) -> String {
 /// An HTTPS upstream for [`HOST`] and [`HOST2`] (HTTP/1.1 only) with a certificate from a fresh test CA
 /// (written to `ca_path`): hands over each request's `Authorization` and echoes it back.
 fn tls_upstream(ca_path: &std::path::Path) -> (SocketAddr, mpsc::Receiver<String>) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut p = CertificateParams::default();
-    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_cert = p.self_signed(&ca_key).unwrap();
-    std::fs::write(ca_path, ca_cert.pem()).unwrap();
-    let issuer = Issuer::new(p, ca_key);
-    let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec![HOST.to_string(), HOST2.to_string()])
-        .unwrap()
-        .signed_by(&key, &issuer)
-        .unwrap();
-    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(
-        vec![cert.der().clone()],
-        rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-    )
-    .unwrap();
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let cfg = Arc::new(cfg);
+    let cfg = common::tls::ca_signed_server(ca_path, None, &[HOST, HOST2]);
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let (tx, rx) = mpsc::channel();

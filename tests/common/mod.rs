@@ -2,6 +2,7 @@
 //! and by raw HTTP over its unix socket.
 #![allow(dead_code)]
 
+pub mod tls;
 pub mod ws;
 
 use std::io::{Read, Write};
