@@ -166,7 +166,8 @@ pub struct LimitsConfig {
     /// first measurement (a boot, a restore or a fork child starting). Default: 256.
     pub memory_new_vm_mib: u64,
     /// PSI `some avg60` (percent) of `/proc/pressure/cpu` at or above which the host counts as
-    /// CPU saturated: requests wait in the queue and no warm-pool VM or golden build starts;
+    /// CPU saturated: requests wait in the queue (admitted when the wait ends, if CPU was the
+    /// only shortage) and no warm-pool VM or golden build starts;
     /// 0 = ignore CPU pressure. Without `/proc/pressure/cpu` only the vCPU ratio applies.
     /// Default: 90.
     pub cpu_pressure_psi_avg60: f64,

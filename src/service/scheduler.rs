@@ -9,7 +9,8 @@
 //! - a request bigger than the host limit is refused at once ([`SchedError::TooBig`]);
 //! - a request that fits now and has nobody queued before it is granted at once;
 //! - otherwise it waits in FIFO order (a small request never overtakes a big one queued before
-//!   it, so nobody starves) for at most `queue_timeout`, then fails ([`SchedError::Timeout`]);
+//!   it, so nobody starves) for at most `queue_timeout`, then fails ([`SchedError::Timeout`]),
+//!   unless the only shortage left is CPU saturation: then it is admitted (slow, not refused);
 //! - a full queue refuses at once ([`SchedError::QueueFull`]).
 //!
 //! A [`Reservation`] is an RAII guard: dropped without [`Reservation::keep`] it gives the
@@ -411,6 +412,15 @@ impl Ledger {
             return Ok(self.guard(id));
         }
         s.queue.retain(|w| w.ticket != ticket);
+        // A host that is only CPU saturated admits at the end of the wait: a busy CPU makes a
+        // sandbox slow, not the host fail (memory and vCPU shortages still refuse).
+        if s.check(&host, &[need], Holder::Sandbox, &[]) == Err(Short::Cpu) {
+            s.take(id, need, Holder::Sandbox);
+            tracing::warn!(sandbox = %id, waited_s = started.elapsed().as_secs(), host = %s.describe(&host),
+                "CPU still saturated after the queue wait; admitting anyway");
+            drop(s);
+            return Ok(self.guard(id));
+        }
         // Our leaving may unblock the ones behind us.
         s.grant_waiters(&host);
         Err(SchedError::Timeout {

@@ -130,7 +130,7 @@ async fn a_vm_bigger_than_the_host_can_ever_give_is_refused_at_once() {
 }
 
 #[tokio::test]
-async fn cpu_saturation_makes_requests_wait_and_background_vms_skip() {
+async fn cpu_saturation_makes_requests_wait_then_admits_and_background_vms_skip() {
     let (l, host) = by_use(20_000, Some(95.0), 5_000);
     assert!(l.try_reserve("p", r(1, 512), Holder::Pool).is_none());
     let l2 = l.clone();
@@ -145,8 +145,15 @@ async fn cpu_saturation_makes_requests_wait_and_background_vms_skip() {
     // Without PSI (`None`) CPU pressure never holds anything back.
     host.set(|h| h.cpu_some_avg60 = None);
     l.reserve("x", r(2, 1024)).await.unwrap().keep();
+    // Still saturated when the wait ends: admitted then (slow, not refused), counted as a
+    // CPU wait; a memory shortage at the same time still refuses.
     let (l, _) = by_use(20_000, Some(99.0), 100);
-    let e = l.reserve("y", r(1, 256)).await.err().unwrap();
+    let t = Instant::now();
+    l.reserve("y", r(1, 256)).await.unwrap().keep();
+    assert!(t.elapsed() >= Duration::from_millis(100));
+    assert_eq!((l.view().waited, l.view().waited_cpu), (1, 1));
+    let (l, _) = by_use(2_500, Some(99.0), 100);
+    let e = l.reserve("z", r(1, 256)).await.err().unwrap();
     assert!(e.to_string().contains("CPU saturated"), "{e}");
 }
 
