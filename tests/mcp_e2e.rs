@@ -194,7 +194,7 @@ fn install_cli_writes_the_three_harness_configs_into_the_given_home() {
     );
     let claude = run("claude");
     assert!(
-        claude.contains("claude mcp add --scope project --env SANDBOX_CLIENT=claude sandbox --"),
+        claude.contains("claude mcp add sandbox --scope project -e SANDBOX_CLIENT=claude --"),
         "{claude}"
     );
 }

@@ -1,6 +1,7 @@
 //! `cargo xtask deps`: installs the Debian packages the build and the daemon need, the MCP
-//! Python SDK the MCP end-to-end test drives the server with, and schemathesis, which
-//! `tests/api_schemathesis.rs` runs against `api/openapi.yaml` and the live daemon.
+//! Python SDK the MCP end-to-end test drives the server with, the E2B SDKs, the agent harness
+//! CLIs (`deps_harness`), and schemathesis, which `tests/api_schemathesis.rs` runs against
+//! `api/openapi.yaml` and the live daemon.
 //!
 //! Idempotent and quick: asks `dpkg-query` once and runs `apt-get` only when something is
 //! missing. Adds the `bookworm-backports` source (for QEMU 10) if absent. Never removes
@@ -62,6 +63,7 @@ pub fn run() -> Result<()> {
     python_mcp_sdk()?;
     python_e2b_sdk()?;
     node_e2b_sdk()?;
+    crate::deps_harness::run()?;
     python_venv_package(
         "deps: schemathesis",
         &schemathesis_venv(),
@@ -132,7 +134,7 @@ pub fn e2b_node_dir() -> PathBuf {
 }
 
 /// `node --version` of `node` as (major, minor), if it runs.
-fn node_version(node: &Path) -> Option<(u32, u32)> {
+pub fn node_version(node: &Path) -> Option<(u32, u32)> {
     let out = Command::new(node).arg("--version").output().ok()?;
     let v = String::from_utf8_lossy(&out.stdout);
     let mut it = v.trim().trim_start_matches('v').split('.');
@@ -140,13 +142,24 @@ fn node_version(node: &Path) -> Option<(u32, u32)> {
 }
 
 fn node_e2b_sdk() -> Result<()> {
-    let step = Step::start("deps: E2B JS SDK");
-    let dir = e2b_node_dir();
     let system_ok = node_version(Path::new("node")).is_some_and(|v| v >= (20, 18));
     let mut wanted: Vec<&str> = E2B_JS.to_vec();
     if !system_ok {
         wanted.push(NODE_PINNED);
     }
+    npm_packages("deps: E2B JS SDK", &e2b_node_dir(), &wanted, None)
+}
+
+/// `npm install` the pinned `wanted` (`name@version`) into `dir` (through the machine's npm
+/// configuration), with `path_first` ahead of `$PATH` (the Node install scripts run with);
+/// skipped when every one is there at that version.
+pub fn npm_packages(
+    title: &str,
+    dir: &Path,
+    wanted: &[&str],
+    path_first: Option<&Path>,
+) -> Result<()> {
+    let step = Step::start(title);
     let present = wanted.iter().all(|spec| {
         let (name, version) = spec.rsplit_once('@').unwrap_or((spec, ""));
         std::fs::read_to_string(dir.join("node_modules").join(name).join("package.json"))
@@ -158,24 +171,30 @@ fn node_e2b_sdk() -> Result<()> {
         step.done(&format!("{} in {}", wanted.join(" "), dir.display()));
         return Ok(());
     }
-    std::fs::create_dir_all(&dir)?;
+    std::fs::create_dir_all(dir)?;
     if !dir.join("package.json").exists() {
         std::fs::write(dir.join("package.json"), "{\"private\": true}\n")?;
     }
     println!("    npm install {}", wanted.join(" "));
-    run_inherit(
-        Command::new("npm")
-            .args([
-                "install",
-                "--no-audit",
-                "--no-fund",
-                "--save-exact",
-                "--prefix",
-            ])
-            .arg(&dir)
-            .args(&wanted),
-        "npm install (E2B JS SDK)",
-    )?;
+    let mut npm = Command::new("npm");
+    npm.args([
+        "install",
+        "--no-audit",
+        "--no-fund",
+        "--save-exact",
+        "--prefix",
+    ])
+    .arg(dir)
+    .args(wanted);
+    if let Some(first) = path_first {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let joined = std::env::join_paths(
+            std::iter::once(first.to_path_buf()).chain(std::env::split_paths(&path)),
+        )
+        .context("PATH")?;
+        npm.env("PATH", joined);
+    }
+    run_inherit(&mut npm, &format!("npm install ({title})"))?;
     step.done(&format!(
         "installed {} in {}",
         wanted.join(" "),

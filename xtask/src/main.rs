@@ -15,6 +15,7 @@ mod ci;
 mod daemon;
 mod demo;
 mod deps;
+mod deps_harness;
 mod dist;
 mod elf;
 mod fuzz;

@@ -8,7 +8,9 @@ use std::process::Command;
 use super::files::update;
 use super::{Env, InstallError, Report, SKILL, Scope, ServerCommand};
 
-/// The `claude mcp add` argv (without the program name).
+/// The `claude mcp add` argv (without the program name). The server name comes right after
+/// `add`, before the options: `-e/--env` takes several values and would swallow a name that
+/// follows it (`error: missing required argument 'commandOrUrl'` from the real CLI).
 pub fn mcp_add_args(scope: &Scope, cmd: &ServerCommand) -> Vec<String> {
     let scope = match scope {
         Scope::Project(_) => "project",
@@ -17,11 +19,11 @@ pub fn mcp_add_args(scope: &Scope, cmd: &ServerCommand) -> Vec<String> {
     let mut a: Vec<String> = [
         "mcp",
         "add",
+        "sandbox",
         "--scope",
         scope,
-        "--env",
+        "-e",
         "SANDBOX_CLIENT=claude",
-        "sandbox",
         "--",
     ]
     .map(String::from)
@@ -75,6 +77,13 @@ pub fn install(
             report.to_run.push(l);
         }
     }
+    if let Scope::Project(_) = scope {
+        report.next.push(
+            "Start `claude` in the project and approve the `sandbox` server from .mcp.json \
+             (Claude Code asks once per project)."
+                .into(),
+        );
+    }
     report
         .next
         .push("Inside Claude Code, run /mcp to confirm the sandbox server is connected.".into());
@@ -126,11 +135,11 @@ mod tests {
         let args = mcp_add_args(&Scope::Project("/r".into()), &cmd());
         assert_eq!(
             shell_line("claude", &args),
-            "claude mcp add --scope project --env SANDBOX_CLIENT=claude sandbox -- \
+            "claude mcp add sandbox --scope project -e SANDBOX_CLIENT=claude -- \
              /opt/tryboxi/_out/bin/sandbox-mcp"
         );
         let global = mcp_add_args(&Scope::Global, &cmd());
-        assert_eq!(global[3], "user");
+        assert_eq!(global[2..5], ["sandbox", "--scope", "user"]);
         assert_eq!(shell_line("a b", &["it's".into()]), r"'a b' 'it'\''s'");
     }
 
@@ -160,7 +169,7 @@ mod tests {
         );
         assert_eq!(r.to_run.len(), 1);
         assert!(
-            r.to_run[0].contains("claude mcp add --scope project"),
+            r.to_run[0].contains("claude mcp add sandbox --scope project"),
             "{:?}",
             r.to_run
         );
