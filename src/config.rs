@@ -706,6 +706,26 @@ mod tests {
         assert_eq!(n.host_ca_dirs, [std::path::PathBuf::from("/x")]);
     }
 
+    /// The config the Kubernetes DaemonSet's daemons load (deploy/kubernetes/configmap.yaml;
+    /// tests/k8s_manifests.rs also starts a daemon on it).
+    #[test]
+    fn the_kubernetes_configmap_config_parses_and_passes_the_listener_check() {
+        let yaml = include_str!("../deploy/kubernetes/configmap.yaml");
+        let docs = yaml_rust2::YamlLoader::load_from_str(yaml).unwrap();
+        let text = docs[0]["data"]["config.toml"]
+            .as_str()
+            .expect("data.config.toml");
+        let c = Config::parse(text).unwrap();
+        let addr = c.tcp_listen.expect("tcp_listen");
+        assert!(!addr.ip().is_loopback() && c.tcp_tls);
+        crate::daemon::check_tcp_listen(&c).unwrap();
+        assert_eq!(c.accel, AccelSetting::Kvm);
+        assert_eq!(c.shutdown, ShutdownMode::Pause);
+        assert_eq!(c.artifacts.as_deref(), Some(Path::new("/opt/tryboxi")));
+        // The same file with a typo is refused, as the daemon would refuse to start.
+        assert!(Config::parse(&text.replace("tcp_tls", "tcp_tsl")).is_err());
+    }
+
     #[test]
     fn keys_parse() {
         let c = Config::parse(

@@ -234,7 +234,7 @@ fn spawn_signal_handler(tx: broadcast::Sender<()>) {
 
 /// A TCP listener off loopback must be TLS: the token must never cross the network in plain
 /// text.
-fn check_tcp_listen(config: &Config) -> Result<(), DaemonError> {
+pub(crate) fn check_tcp_listen(config: &Config) -> Result<(), DaemonError> {
     match config.tcp_listen {
         Some(addr) if !addr.ip().is_loopback() && !config.tcp_tls => {
             Err(DaemonError::Setup(format!(

@@ -1,7 +1,8 @@
 //! `cargo xtask deps`: installs the Debian packages the build and the daemon need, the MCP
 //! Python SDK the MCP end-to-end test drives the server with, the E2B SDKs, the agent harness
-//! CLIs (`deps_harness`), and schemathesis, which `tests/api_schemathesis.rs` runs against
-//! `api/openapi.yaml` and the live daemon.
+//! CLIs (`deps_harness`), schemathesis, which `tests/api_schemathesis.rs` runs against
+//! `api/openapi.yaml` and the live daemon, and kubernetes-validate, which
+//! `tests/k8s_manifests.rs` checks `deploy/kubernetes/` with.
 //!
 //! Idempotent and quick: asks `dpkg-query` once and runs `apt-get` only when something is
 //! missing. Adds the `bookworm-backports` source (for QEMU 10) if absent. Never removes
@@ -50,6 +51,8 @@ const PACKAGES: &[&str] = &[
     // `systemd-analyze verify` checks the unit `tryboxi install` writes
     // (install::tests::systemd_analyze_verify_accepts_the_unit).
     "systemd",
+    // tests/k8s_manifests.rs makes the Kubernetes Secret's certificate as docs/SCALING.md says.
+    "openssl",
 ];
 
 /// The e2fsprogs whose `mke2fs -d` takes a tar archive: the daemon then builds a first sync's
@@ -69,7 +72,23 @@ pub fn run() -> Result<()> {
         &schemathesis_venv(),
         SCHEMATHESIS,
         "import schemathesis",
+    )?;
+    python_venv_package(
+        "deps: kubernetes-validate",
+        &k8s_validate_venv(),
+        K8S_VALIDATE,
+        "import kubernetes_validate",
     )
+}
+
+/// The Kubernetes manifest validator, pinned (PyPI, through the machine's pip
+/// configuration). Its package carries the JSON schemas of every Kubernetes release it knows
+/// (1.25 to 1.37 for this version), so validating fetches nothing.
+const K8S_VALIDATE: &str = "kubernetes-validate==1.37.0";
+
+/// The venv holding kubernetes-validate (`tests/k8s_manifests.rs` looks here).
+pub fn k8s_validate_venv() -> PathBuf {
+    crate::util::out_dir().join("k8s-validate-venv")
 }
 
 /// The property-based API tester, pinned (PyPI, through the machine's pip configuration).
