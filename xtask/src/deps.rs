@@ -231,11 +231,24 @@ fn python_venv_package(title: &str, venv: &Path, spec: &str, import: &str) -> Re
     let check = format!(
         "import importlib.metadata as m\n{import}\nassert m.version('{name}') == '{wanted}'"
     );
-    let present = Command::new(&python)
-        .args(["-c", &check])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
+    let moved = venv_moved(venv);
+    let present = !moved
+        && Command::new(&python)
+            .args(["-c", &check])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+    if moved {
+        // A venv copied from another checkout imports fine, but its scripts' `#!` lines name
+        // the old place (a CI run failed on exactly that): make it again where it is.
+        println!("    {} was made elsewhere: making it again", venv.display());
+        run_inherit(
+            Command::new("python3")
+                .args(["-m", "venv", "--clear"])
+                .arg(venv),
+            "python3 -m venv --clear",
+        )?;
+    }
     if present {
         step.done(&format!("{spec} in {}", venv.display()));
         return Ok(());
@@ -261,6 +274,23 @@ fn python_venv_package(title: &str, venv: &Path, spec: &str, import: &str) -> Re
     )?;
     step.done(&format!("installed {spec} in {}", venv.display()));
     Ok(())
+}
+
+/// Whether a script in `venv/bin` names a Python outside `venv` in its `#!` line (the venv was
+/// copied or moved from somewhere else, so its console scripts do not run).
+fn venv_moved(venv: &Path) -> bool {
+    let Ok(dir) = std::fs::read_dir(venv.join("bin")) else {
+        return false;
+    };
+    let own = format!("#!{}/", venv.join("bin").display());
+    dir.flatten().any(|e| {
+        let Ok(text) = std::fs::read(e.path()) else {
+            return false;
+        };
+        let first = text.split(|&b| b == b'\n').next().unwrap_or_default();
+        let first = String::from_utf8_lossy(first);
+        first.starts_with("#!/") && first.contains("python") && !first.starts_with(&own)
+    })
 }
 
 /// The Debian packages only (also what `cargo xtask images` needs on a fresh machine).
