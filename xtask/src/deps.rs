@@ -284,10 +284,14 @@ fn venv_moved(venv: &Path) -> bool {
     };
     let own = format!("#!{}/", venv.join("bin").display());
     dir.flatten().any(|e| {
-        let Ok(text) = std::fs::read(e.path()) else {
+        // Only the `#!` line: `python3` here links to the interpreter (megabytes).
+        let mut head = Vec::with_capacity(512);
+        let read = std::fs::File::open(e.path())
+            .and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, 512), &mut head));
+        if read.is_err() {
             return false;
-        };
-        let first = text.split(|&b| b == b'\n').next().unwrap_or_default();
+        }
+        let first = head.split(|&b| b == b'\n').next().unwrap_or_default();
         let first = String::from_utf8_lossy(first);
         first.starts_with("#!/") && first.contains("python") && !first.starts_with(&own)
     })
