@@ -194,6 +194,13 @@ pub struct LimitsConfig {
     /// backup) must leave free after its known size, so the store and logs can still be
     /// written; a write that would eat into it is refused with `no_space`. Default: 64.
     pub disk_reserve_mib: u64,
+    /// Reserve the blocks of each running VM's own RAM file on the data root when its QEMU
+    /// starts (`fallocate`; nothing is written, and a pause gives back what the guest never
+    /// wrote). The guest's page faults then never meet a full filesystem: without it, a guest
+    /// that fills the data root with its own disk writes kills its QEMU (SIGBUS on the next
+    /// page it touches). Costs disk, not memory: each running sandbox holds its memory size
+    /// (forks and golden clones excepted: they map their parent's file). Default: true.
+    pub reserve_ram_on_disk: bool,
 }
 
 /// The host's CPU count (at least 1).
@@ -242,6 +249,7 @@ impl Default for LimitsConfig {
             min_free_disk_mib: 1024,
             warn_free_disk_mib: 4096,
             disk_reserve_mib: 64,
+            reserve_ram_on_disk: true,
         }
     }
 }

@@ -67,15 +67,6 @@ pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
     Ok((s.blocks_available() as u64).saturating_mul(s.fragment_size() as u64))
 }
 
-/// Bytes a file takes on disk (its allocated blocks, so a sparse RAM file counts only the pages
-/// the guest touched); 0 when it does not exist.
-pub fn allocated_bytes(path: &Path) -> u64 {
-    use std::os::unix::fs::MetadataExt as _;
-    std::fs::metadata(path)
-        .map(|m| m.blocks().saturating_mul(512))
-        .unwrap_or(0)
-}
-
 /// Refuse a write of about `need` bytes on the filesystem of `path` unless `reserve` bytes
 /// stay free after it. A filesystem whose free space cannot be read is not refused (the write
 /// itself will say).
@@ -198,15 +189,5 @@ mod tests {
         assert!(msg.contains("64 MiB must stay free"), "{msg}");
         // A path that does not exist yet is measured on its nearest existing parent.
         assert!(free_bytes(&dir.path().join("not/yet")).unwrap() > 0);
-    }
-
-    #[test]
-    fn allocated_bytes_counts_only_written_blocks() {
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("sparse");
-        let file = std::fs::File::create(&f).unwrap();
-        file.set_len(256 * MIB).unwrap();
-        assert!(allocated_bytes(&f) < MIB, "{}", allocated_bytes(&f));
-        assert_eq!(allocated_bytes(&dir.path().join("missing")), 0);
     }
 }

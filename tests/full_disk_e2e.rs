@@ -1,8 +1,9 @@
 //! A full data root loses nothing: the data root is a size-limited tmpfs, a ballast file fills
 //! it, and a snapshot, pause and create fail with `no_space` (naming the filesystem and what is
 //! free), leave no partial files, leave the sandbox as it was and the store readable; once the
-//! ballast is gone the same operations work. Needs root (to mount the tmpfs) and the guest
-//! images; a real VM under TCG.
+//! ballast is gone the same operations work. A guest that fills the root with its own writes
+//! gets I/O errors and its VM lives. Needs root (to mount the tmpfs) and the guest images; a
+//! real VM under TCG.
 
 mod common;
 
@@ -12,9 +13,9 @@ use std::time::{Duration, Instant};
 use common::{Daemon, artifacts, create, new_home, sh_out};
 
 const MIB: u64 = 1 << 20;
-/// The tmpfs: enough for a 256 MiB guest's directory after boot (its RAM file holds only the
-/// pages it touched), the store and the logs.
-const TMPFS_MIB: u64 = 256;
+/// The tmpfs: enough for a 256 MiB guest's directory after boot (its RAM file's 256 MiB are
+/// reserved when QEMU starts), the store and the logs.
+const TMPFS_MIB: u64 = 512;
 /// Free space the ballast leaves: enough for execs (logs, a few guest pages), far less than a
 /// snapshot's copy of the guest RAM.
 const LEAVE_MIB: u64 = 24;
@@ -237,7 +238,15 @@ fn a_full_data_root_refuses_snapshot_pause_and_create_up_front_and_loses_nothing
     let r = d.request("POST", &format!("/v1/sandboxes/{id}/pause"), None);
     assert_eq!(r.status, 200, "{}\n{}", r.text(), d.log_text());
     wait_state(&d, &id, "paused");
+    // Paused, the RAM file keeps only what the guest wrote (the reserve is given back).
+    assert!(
+        allocated(&dir.join("mem.ram")) <= common_ram(&dir) + MIB,
+        "{} allocated, {} data",
+        allocated(&dir.join("mem.ram")),
+        common_ram(&dir)
+    );
     assert_eq!(sh_out(&d, &id, "cat /root/f").1, "before\n");
+    assert!(allocated(&dir.join("mem.ram")) >= 256 * MIB);
     assert_eq!(state(&d, &id), "ready");
 }
 
@@ -296,12 +305,122 @@ fn a_snapshot_that_runs_out_of_space_removes_its_partial_files() {
     assert_eq!(sh_out(&d, &id, "cat /root/f").1, "before\nx\n");
 }
 
-/// Bytes the guest's RAM file takes (what a snapshot copies).
+/// Bytes of the guest's RAM file that hold data (`SEEK_DATA`: what a snapshot copies; the
+/// blocks reserved for pages the guest never wrote are not data).
 fn common_ram(dir: &Path) -> u64 {
+    use nix::unistd::{Whence, lseek};
+    let Ok(f) = std::fs::File::open(dir.join("mem.ram")) else {
+        return 0;
+    };
+    let size = f.metadata().unwrap().len() as i64;
+    let (mut pos, mut total) = (0i64, 0u64);
+    while pos < size {
+        let Ok(data) = lseek(&f, pos, Whence::SeekData) else {
+            break;
+        };
+        let hole = lseek(&f, data, Whence::SeekHole).unwrap_or(size);
+        total += (hole - data) as u64;
+        pos = hole.max(data + 1);
+    }
+    total
+}
+
+/// Bytes a file takes on disk.
+fn allocated(p: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt as _;
-    std::fs::metadata(dir.join("mem.ram"))
-        .map(|m| m.blocks() * 512)
-        .unwrap_or(0)
+    std::fs::metadata(p).map(|m| m.blocks() * 512).unwrap_or(0)
+}
+
+/// The CLI with `args`, killed (and the test failed) if it has not ended within `secs`: a VM
+/// stopped on an I/O error would otherwise hang the exec for ever.
+fn cli_within(d: &Daemon, args: &[&str], secs: u64) -> std::process::Output {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tryboxi"))
+        .args(args)
+        .env("TRYBOXI_HOME", d.root())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let o = child.wait_with_output().unwrap();
+            panic!(
+                "`tryboxi {}` still ran after {secs} s: {}\n{}",
+                args.join(" "),
+                String::from_utf8_lossy(&o.stdout),
+                d.log_tail(100)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A guest that fills the data root with its own disk writes: they fail inside the guest (an
+/// I/O error, not a VM stopped on ENOSPC), and its QEMU lives through the next pages it touches
+/// (their blocks were reserved when it started; without that it died of SIGBUS). The daemon
+/// and the store stay healthy, and removing the sandbox gives its space back for a new one.
+#[test]
+fn a_guest_that_fills_the_data_root_gets_io_errors_and_its_vm_lives() {
+    let Some(art) = can_run() else { return };
+    let (_fs, d) = daemon_on_tmpfs(&art, &[]);
+    let root = d.root().to_owned();
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+    let dir = root.join("sandboxes").join(&id);
+    // The RAM file's blocks are all reserved, and the reserve is not data.
+    let ram = dir.join("mem.ram");
+    assert!(allocated(&ram) >= 256 * MIB, "{}", listing(&dir));
+    assert!(common_ram(&dir) < 256 * MIB, "{}", common_ram(&dir));
+    let pid: i32 = std::fs::read_to_string(dir.join("qemu.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let _ballast = fill(&root);
+
+    // Three times what is free, then fresh memory (pages the guest had not touched yet).
+    let script = "dd if=/dev/zero of=/root/big bs=1M count=72 conv=fsync 2>/dev/null; \
+                  echo dd=$?; head -c 96M /dev/zero | md5sum >/dev/null; echo alive";
+    let o = cli_within(&d, &["exec", &id, "--", "sh", "-c", script], 300);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("alive") && !out.contains("dd=0"),
+        "{out}{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_tail(60)
+    );
+    assert!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok(),
+        "QEMU {pid} died:\n{}",
+        d.log_tail(60)
+    );
+    assert_eq!(state(&d, &id), "ready");
+    // The data root is full now: an exec runs (the store had room) or is refused clearly.
+    let o = cli_within(&d, &["exec", &id, "--", "echo", "still"], 120);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(
+        (o.status.success() && out == "still\n")
+            || (!o.status.success() && err.to_lowercase().contains("no space")),
+        "{out}{err}\n{}",
+        d.log_tail(40)
+    );
+    // The daemon and its store are fine.
+    assert_eq!(d.request("GET", "/v1/health", None).status, 200);
+    assert_eq!(snapshot_count(&d, &id), 0);
+
+    // Removing the sandbox works on the full data root and frees its space: a new one starts
+    // with the ballast still there.
+    let r = d.request("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert!(r.status < 300, "{}", r.text());
+    let id2 = create(&d, ws.path());
+    assert_eq!(sh_out(&d, &id2, "echo ok").1, "ok\n");
 }
 
 /// Size of the big files of the sync/apply test: more than the ballast leaves free.
@@ -311,7 +430,7 @@ const BIG: usize = 20 << 20;
 fn a_full_data_root_refuses_sync_fork_and_apply_and_loses_nothing() {
     let Some(art) = can_run() else { return };
     // Room for the VM, its base disk, a fork base and a child, a sync and a backup of `BIG`.
-    let (_fs, d) = daemon_on_tmpfs_of(640, &art, &[]);
+    let (_fs, d) = daemon_on_tmpfs_of(896, &art, &[]);
     let root = d.root().to_owned();
     let ws = tempfile::tempdir().unwrap();
     let mut big = vec![b'h'; BIG];

@@ -46,7 +46,8 @@ pub(super) fn checkpoint_bytes(rec: &SandboxRecord, copy_ram: bool) -> u64 {
     let own_ram = rec.dir.join("mem.ram");
     let ram = if own_ram.exists() {
         if copy_ram {
-            diskspace::allocated_bytes(&own_ram)
+            // Its data, not its blocks: the reserve a running VM holds is not copied.
+            crate::vmm::qemu::ramfile::data_bytes(&own_ram)
         } else {
             0
         }
@@ -115,8 +116,10 @@ mod tests {
             checkpoint_bytes(&rec, false),
             (256 << 20) + CHECKPOINT_SLACK
         );
-        // Its own RAM file: a snapshot copies what the guest touched; a pause leaves it.
+        // Its own RAM file: a snapshot copies what the guest touched (not the blocks reserved
+        // for the rest); a pause leaves it.
         std::fs::write(dir.path().join("mem.ram"), vec![1u8; 1 << 20]).unwrap();
+        crate::vmm::qemu::ramfile::preallocate(&dir.path().join("mem.ram"), 64 << 20).unwrap();
         rec.api.memory_mib = 256;
         let snap = checkpoint_bytes(&rec, true);
         assert!(((1 << 20) + CHECKPOINT_SLACK..(2 << 20) + CHECKPOINT_SLACK).contains(&snap));

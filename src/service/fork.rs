@@ -254,7 +254,14 @@ impl Service {
         } else {
             driver.restore(spec, cp, &overlay, None).await
         }
-        .map_err(|e| ServiceError::Internal(format!("cannot start the clone: {e}")))?;
+        .map_err(|e| {
+            ServiceError::of_write(
+                &spec.dir,
+                "the VM's RAM file",
+                "cannot start the clone",
+                &e.to_string(),
+            )
+        })?;
         drop(span);
         let span = self.telemetry.traces.span(&spec.id, "guest.connect");
         let (info, agent) =

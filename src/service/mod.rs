@@ -219,6 +219,7 @@ impl Service {
             &config.qemu_binary,
             std::time::Duration::from_secs(config.boot_timeout_s),
             config.telemetry.vm_log_max_bytes,
+            config.limits.reserve_ram_on_disk,
         );
         let limits = &config.limits;
         let ledger = scheduler::Ledger::new(

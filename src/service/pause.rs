@@ -333,7 +333,14 @@ impl Service {
         let started = driver
             .resume_from_disk(&spec, &pr.checkpoint)
             .await
-            .map_err(|e| ServiceError::Internal(format!("cannot resume sandbox `{id}`: {e}")))?;
+            .map_err(|e| {
+                ServiceError::of_write(
+                    &rec.dir,
+                    "the VM's RAM file",
+                    &format!("cannot resume sandbox `{id}`"),
+                    &e.to_string(),
+                )
+            })?;
         let (info, agent) =
             super::snapshots::agent_or_kill(&driver, started, "resumed", self.agent_deadlines())
                 .await?;

@@ -258,7 +258,12 @@ impl Service {
                 )
                 .await
                 .map_err(|e| {
-                    ServiceError::Internal(format!("cannot restore `{}`: {e}", snap.api.id))
+                    ServiceError::of_write(
+                        &rec.dir,
+                        "the VM's RAM file",
+                        &format!("cannot restore `{}`", snap.api.id),
+                        &e.to_string(),
+                    )
                 })?;
             let vm_ms = t0.elapsed().as_millis() as u64;
             let (info, agent) =

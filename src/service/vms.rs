@@ -32,9 +32,15 @@ pub struct Vms {
 }
 
 impl Vms {
-    pub fn new(qemu_binary: &str, boot_timeout: Duration, log_cap: u64) -> Vms {
+    pub fn new(qemu_binary: &str, boot_timeout: Duration, log_cap: u64, reserve_ram: bool) -> Vms {
         let driver = QemuDriver::new(qemu_binary)
-            .map(|d| Arc::new(d.with_boot_timeout(boot_timeout).with_log_cap(log_cap)))
+            .map(|d| {
+                Arc::new(
+                    d.with_boot_timeout(boot_timeout)
+                        .with_log_cap(log_cap)
+                        .with_ram_reserve(reserve_ram),
+                )
+            })
             .map_err(|e| e.to_string());
         match &driver {
             Ok(d) => tracing::info!(driver = d.name(), version = %d.version(), "VMM ready"),
@@ -236,10 +242,15 @@ impl Service {
         spec: &VmSpec,
     ) -> Result<LiveVm, ServiceError> {
         let span = self.telemetry.traces.span(&spec.id, "vm.boot");
-        let info = driver
-            .boot(spec)
-            .await
-            .map_err(|e| ServiceError::Internal(format!("the VM did not boot: {e}")))?;
+        let info = driver.boot(spec).await.map_err(|e| {
+            // Its RAM file's reserve is the first big write of a boot.
+            ServiceError::of_write(
+                &spec.dir,
+                "the VM's RAM file",
+                "the VM did not boot",
+                &e.to_string(),
+            )
+        })?;
         drop(span);
         let _span = self.telemetry.traces.span(&spec.id, "guest.connect");
         let timeout = Duration::from_secs(self.config.boot_timeout_s);
@@ -400,7 +411,15 @@ impl Service {
         let (_life, mut rec) = self.hold(id).await?;
         self.check_no_dependents(&rec)?;
         rec.api.state = SandboxState::Removing;
-        self.store.put(SANDBOXES, id, &rec)?;
+        if let Err(e) = self.store.put(SANDBOXES, id, &rec) {
+            // A full data root: removing is what frees it, so go on without the mark. A crash
+            // before the record is deleted leaves a record whose VM and directory are gone:
+            // the next start marks it failed and a second remove ends it.
+            if !crate::diskspace::mentions_no_space(&e.to_string()) {
+                return Err(e.into());
+            }
+            tracing::warn!(sandbox = %id, error = %e, "the data root is full; removing without the mark");
+        }
         if let Some(vm) = self.vms.take(id)
             && let Ok(d) = &self.vms.driver
         {

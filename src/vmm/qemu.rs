@@ -212,6 +212,9 @@ pub struct QemuDriver {
     followers: logs::Followers,
     /// The fences every QEMU of this driver starts in.
     jail: std::sync::Arc<Jail>,
+    /// Reserve the blocks of a VM's own RAM file before QEMU maps it (see
+    /// [`ramfile::preallocate`]).
+    reserve_ram: bool,
 }
 
 impl QemuDriver {
@@ -250,6 +253,7 @@ impl QemuDriver {
             log_cap: DEFAULT_LOG_CAP,
             followers: logs::Followers::default(),
             jail,
+            reserve_ram: true,
         })
     }
 
@@ -266,6 +270,28 @@ impl QemuDriver {
     pub fn with_log_cap(mut self, bytes: u64) -> Self {
         self.log_cap = bytes.max(logs::MIN_CAP);
         self
+    }
+
+    /// Whether a VM's own RAM file gets its blocks reserved before QEMU starts (default on): on
+    /// a full filesystem a guest's first touch of a page would otherwise be a SIGBUS that kills
+    /// its QEMU. Off, RAM files stay sparse until touched (less disk while VMs run).
+    pub fn with_ram_reserve(mut self, on: bool) -> Self {
+        self.reserve_ram = on;
+        self
+    }
+
+    /// Reserve the blocks of `paths`' RAM file when the VM owns it (see
+    /// [`Self::with_ram_reserve`]). Before the fences of a fresh file: the jail gives the file
+    /// to the VM user as it finds it.
+    fn reserve_owned_ram(&self, spec: &VmSpec, paths: &VmPaths) -> Result<(), VmmError> {
+        if self.reserve_ram
+            && let RamBacking::Owned(ram) = &paths.ram
+            && let Err(e) = ramfile::preallocate(ram, u64::from(spec.memory_mib) << 20)
+        {
+            ramfile::release_reserve(ram);
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// How `vm`'s QEMU ended, if this daemon started it and it has exited (waiting up to
@@ -523,6 +549,7 @@ impl VmmDriver for QemuDriver {
 
         let args = qemu_args(&spec, &paths);
         let t0 = Instant::now();
+        self.reserve_owned_ram(&spec, &paths)?;
         let (pid, mut exited) = self.spawn_detached(&spec, &paths, None, &args)?;
         let info = paths.info(&spec, pid);
         let ready = match self.wait_ready(&paths, &mut exited).await {

@@ -330,7 +330,9 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
         &opt(
             "file=",
             &paths.disk,
-            ",format=qcow2,if=none,id=root,cache=unsafe,discard=unmap",
+            // A write the host cannot store (a full data root) is an I/O error in the guest;
+            // QEMU's default for ENOSPC would stop the whole VM until someone resumes it.
+            ",format=qcow2,if=none,id=root,cache=unsafe,discard=unmap,werror=report,rerror=report",
         ),
         "-device".as_ref(),
         format!(

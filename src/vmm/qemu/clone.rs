@@ -40,7 +40,7 @@ impl QemuDriver {
         )?;
         self.qcow2_over(&cp.disk_layer, "qcow2", &paths.disk)
             .await?;
-        self.start_incoming(spec, &paths, &cp.state_file, true, None)
+        self.start_incoming(spec, &paths, &cp.state_file, true, Default::default())
             .await
     }
 
@@ -78,6 +78,11 @@ impl QemuDriver {
         if let Some(tmp) = &staged {
             std::fs::rename(tmp, &state).map_err(super::io_err(&state))?;
         }
+        if let Some(r) = &ram {
+            // A paused VM keeps only what its guest wrote; resume reserves the rest again.
+            let freed = ramfile::release_reserve(r);
+            tracing::debug!(vm = %vm.id, freed, "RAM file reserve given back");
+        }
         let state_bytes = std::fs::metadata(&state)
             .map_err(super::io_err(&state))?
             .len();
@@ -106,7 +111,11 @@ impl QemuDriver {
                 None
             }
         };
-        self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some(), filling)
+        let after = super::snapshot::StartAfter {
+            filling,
+            old_gone: None,
+        };
+        self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some(), after)
             .await
     }
 }

@@ -144,6 +144,95 @@ pub async fn copy_sparse_async(src: &Path, dst: &Path) -> Result<u64, VmmError> 
         })?
 }
 
+/// Reserve the blocks of the VM's own RAM file at `path` (`size` bytes; made if absent) before
+/// QEMU maps it. QEMU maps guest RAM from this file shared: a page the guest touches first
+/// takes a block then, and on a full filesystem that page fault is a SIGBUS that kills QEMU (a
+/// guest filling the data root with its own disk writes did exactly that). Reserved blocks are
+/// unwritten extents (no data is written, `SEEK_DATA` still skips them, so a snapshot copies
+/// only what the guest used); a full filesystem then fails the start with ENOSPC instead.
+/// `Ok(false)` when the filesystem cannot reserve (EOPNOTSUPP): the file stays sparse.
+pub fn preallocate(path: &Path, size: u64) -> Result<bool, VmmError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+        .map_err(io(path))?;
+    match nix::fcntl::fallocate(
+        &f,
+        nix::fcntl::FallocateFlags::empty(),
+        0,
+        size as libc::off_t,
+    ) {
+        Ok(()) => Ok(true),
+        Err(nix::errno::Errno::EOPNOTSUPP) => Ok(false),
+        Err(e) => Err(io(path)(std::io::Error::from(e))),
+    }
+}
+
+/// Give back the blocks [`preallocate`] reserved but the guest never wrote (a VM paused to
+/// disk keeps only its data): every range `SEEK_HOLE` reports is punched. Such a range reads
+/// as zeros either way (an unwritten extent, or a page cache page the kernel counts as data
+/// is not in it: dirty and read pages are reported as data), so nothing is lost. Best effort:
+/// the bytes given back, 0 when the filesystem cannot punch.
+pub fn release_reserve(path: &Path) -> u64 {
+    let Ok(f) = std::fs::OpenOptions::new().write(true).open(path) else {
+        return 0;
+    };
+    let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut freed = 0u64;
+    let mut pos = 0u64;
+    while pos < size {
+        let Ok(Some(hole)) = seek(&f, pos, libc::SEEK_HOLE) else {
+            break;
+        };
+        if hole >= size {
+            break;
+        }
+        let end = seek(&f, hole, libc::SEEK_DATA)
+            .ok()
+            .flatten()
+            .unwrap_or(size);
+        let flags = nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+            | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE;
+        if nix::fcntl::fallocate(&f, flags, hole as libc::off_t, (end - hole) as libc::off_t)
+            .is_err()
+        {
+            break;
+        }
+        freed += end - hole;
+        pos = end;
+    }
+    freed
+}
+
+/// Bytes of `path` that hold data (`SEEK_DATA` extents): what [`copy_sparse`] would copy.
+/// Blocks [`preallocate`] reserved are not data until the guest writes them (a read of one
+/// brings a zero page into the page cache, which then counts). 0 for a missing file.
+pub fn data_bytes(path: &Path) -> u64 {
+    let Ok(f) = File::open(path) else {
+        return 0;
+    };
+    let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut total = 0u64;
+    let mut pos = 0u64;
+    while pos < size {
+        let Ok(Some(data)) = seek(&f, pos, libc::SEEK_DATA) else {
+            break;
+        };
+        let end = seek(&f, data, libc::SEEK_HOLE)
+            .ok()
+            .flatten()
+            .unwrap_or(size);
+        total += end.saturating_sub(data);
+        pos = end.max(data + 1);
+    }
+    total
+}
+
 /// Remove a RAM file if it exists.
 pub fn remove(path: &Path) -> Result<(), VmmError> {
     match std::fs::remove_file(path) {
@@ -178,6 +267,65 @@ mod tests {
         assert!(a == b);
         use std::os::unix::fs::MetadataExt;
         assert!(std::fs::metadata(&dst).unwrap().blocks() * 512 < 8 << 20);
+    }
+
+    #[test]
+    fn preallocated_ram_keeps_its_data_and_counts_only_written_extents() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("mem.ram");
+        std::fs::write(&p, b"").unwrap();
+        let mut f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        f.set_len(32 << 20).unwrap();
+        f.seek(SeekFrom::Start(5 << 20)).unwrap();
+        f.write_all(&[9u8; 4096]).unwrap();
+        drop(f);
+        assert!(
+            preallocate(&p, 32 << 20).unwrap(),
+            "this filesystem cannot fallocate"
+        );
+        use std::os::unix::fs::MetadataExt;
+        let md = std::fs::metadata(&p).unwrap();
+        assert_eq!(md.len(), 32 << 20);
+        // Every block reserved: a first touch of any page cannot meet a full filesystem.
+        assert!(
+            md.blocks() * 512 >= 32 << 20,
+            "{} bytes reserved",
+            md.blocks() * 512
+        );
+        // Only the written extent counts as data (before anything reads the rest: a read
+        // brings zero pages into the page cache, and those count).
+        let n = data_bytes(&p);
+        assert!((4096..=1 << 20).contains(&n), "{n} data bytes");
+        // Giving the reserve back keeps the data and frees the rest.
+        assert!(release_reserve(&p) >= 30 << 20);
+        let md = std::fs::metadata(&p).unwrap();
+        assert_eq!(md.len(), 32 << 20);
+        assert!(
+            md.blocks() * 512 <= 1 << 20,
+            "{} bytes kept",
+            md.blocks() * 512
+        );
+        let all = std::fs::read(&p).unwrap();
+        assert_eq!(&all[5 << 20..(5 << 20) + 4096], &[9u8; 4096][..]);
+        assert!(all[..5 << 20].iter().all(|b| *b == 0));
+        // A file made by it is the VM's size and owner-only.
+        let q = d.path().join("new.ram");
+        preallocate(&q, 8 << 20).unwrap();
+        let md = std::fs::metadata(&q).unwrap();
+        assert_eq!((md.len(), md.mode() & 0o777), (8 << 20, 0o600));
+        assert_eq!(data_bytes(&q), 0);
+        // A page written into the reserve (as a guest does: dirty in the page cache, its
+        // extent still unwritten on disk) is data, and giving the reserve back keeps it.
+        let mut f = std::fs::OpenOptions::new().write(true).open(&q).unwrap();
+        f.seek(SeekFrom::Start(3 << 20)).unwrap();
+        f.write_all(&[7u8; 8192]).unwrap();
+        drop(f);
+        assert_eq!(data_bytes(&q), 8192);
+        assert!(release_reserve(&q) >= 7 << 20);
+        let all = std::fs::read(&q).unwrap();
+        assert_eq!(&all[3 << 20..(3 << 20) + 8192], &[7u8; 8192][..]);
+        assert_eq!(all.iter().filter(|b| **b != 0).count(), 8192);
+        assert_eq!(data_bytes(&d.path().join("missing")), 0);
     }
 
     #[tokio::test]

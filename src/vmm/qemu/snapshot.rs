@@ -158,11 +158,16 @@ impl QemuDriver {
         // alongside the start: the new VM shares nothing writable with it (a new RAM inode, a
         // new overlay, its sockets made afresh, the network stack serving the newest
         // connection), so the launch need not wait for the old QEMU to be gone.
-        let kill = async {
-            match replacing {
+        // The new RAM file's blocks are reserved once the old QEMU (and the RAM file it still
+        // maps) is gone: both at once may not fit.
+        let (gone_tx, gone_rx) = tokio::sync::oneshot::channel::<()>();
+        let kill = async move {
+            let r = match replacing {
                 Some(old) => Self::kill_and_wait(old).await,
                 None => Ok(()),
-            }
+            };
+            drop(gone_tx);
+            r
         };
         let start = async {
             let prepared = self
@@ -182,7 +187,11 @@ impl QemuDriver {
                 }
             };
             tracing::debug!(vm = %spec.id, ms = t0.elapsed().as_millis() as u64, "restore: overlay made");
-            self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some(), filling)
+            let after = StartAfter {
+                filling,
+                old_gone: Some(gone_rx),
+            };
+            self.start_incoming(spec, &paths, &cp.state_file, cp.ram_file.is_some(), after)
                 .await
         };
         match tokio::join!(kill, start) {
@@ -211,7 +220,7 @@ impl QemuDriver {
         paths: &VmPaths,
         state: &Path,
         ignore_shared: bool,
-        filling: Option<ramfile::Filling>,
+        after: StartAfter,
     ) -> Result<Resumed, VmmError> {
         let dir = paths.dir.clone();
         let spec = abs_spec(spec, dir.clone())?;
@@ -221,6 +230,10 @@ impl QemuDriver {
         args.push(OsString::from("-incoming"));
         args.push(OsString::from("defer"));
         let t0 = Instant::now();
+        let StartAfter { filling, old_gone } = after;
+        if old_gone.is_none() {
+            self.reserve_owned_ram(&spec, paths)?;
+        }
         let (pid, exited) = self.spawn_detached(&spec, paths, Some(state), &args)?;
         let info = paths.info(&spec, pid);
         let res = async {
@@ -229,6 +242,11 @@ impl QemuDriver {
             if let Some(f) = filling {
                 let bytes = f.wait().await?;
                 tracing::debug!(vm = %spec.id, launched_ms, ram_ready_ms = t0.elapsed().as_millis() as u64, ram_copied_mib = bytes >> 20, "restore: QEMU up, RAM in place");
+            }
+            if let Some(gone) = old_gone {
+                // Err only says the sender is dropped: the old VM is gone either way.
+                let _ = gone.await;
+                self.reserve_owned_ram(&spec, paths)?;
             }
             if ignore_shared {
                 qmp.migrate_set_capabilities(&[("x-ignore-shared", true)])
@@ -254,6 +272,15 @@ impl QemuDriver {
         tracing::info!(vm = %info.id, pid, restore_ms = t0.elapsed().as_millis() as u64, agent_early = agent.is_some(), "VM started from a state file");
         Ok(Resumed { info, agent })
     }
+}
+
+/// What a [`QemuDriver::start_incoming`] waits for before it loads the state: the RAM copy
+/// into place, and (when it replaces a VM) the old QEMU's end, after which the new RAM file's
+/// blocks are reserved (without it they are reserved before the launch).
+#[derive(Default)]
+pub(super) struct StartAfter {
+    pub filling: Option<ramfile::Filling>,
+    pub old_gone: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 /// Remove what a checkpoint that failed (e.g. ran out of space) had written: its directory

@@ -203,6 +203,7 @@ async fn reused_pid_is_not_alive_and_is_never_killed() {
         jail: std::sync::Arc::new(crate::vmm::jail::Jail::detect(Path::new(
             "qemu-system-x86_64",
         ))),
+        reserve_ram: true,
     };
     assert!(!d.is_alive(&vm));
     d.kill(&vm).await.expect("kill is a no-op");
