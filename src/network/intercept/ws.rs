@@ -680,7 +680,12 @@ mod tests {
         let mid = [vec![b'm'; 140], PH.to_vec(), vec![b'n'; 140]].concat();
         let big = [vec![b'x'; 40_000], PH.to_vec(), vec![b'y'; 40_000]].concat();
         let near = [vec![b'z'; 65_535 - PH.len()], PH.to_vec()].concat();
-        let stream = [masked(1, true, &mid), masked(2, true, &big), masked(2, true, &near)].concat();
+        let stream = [
+            masked(1, true, &mid),
+            masked(2, true, &big),
+            masked(2, true, &near),
+        ]
+        .concat();
         for cut in [0, 3, 7, 150, 40_010, 80_100, stream.len() - 1] {
             let mut s = WsSwap::new(r.clone());
             let mut out = s.push(&stream[..cut]).unwrap();
@@ -712,7 +717,10 @@ mod tests {
                 masked(9, false, b"ping"),
                 WsError::Protocol("a fragmented or long control frame"),
             ),
-            (masked(3, true, b"op3"), WsError::Protocol("a reserved opcode")),
+            (
+                masked(3, true, b"op3"),
+                WsError::Protocol("a reserved opcode"),
+            ),
             (
                 [masked(1, false, b"a"), masked(2, true, b"b")].concat(),
                 WsError::Protocol("a new message inside a fragmented one"),
