@@ -233,6 +233,8 @@ where
     use tokio_tungstenite::tungstenite::Message;
     use tokio_tungstenite::tungstenite::handshake::server::{Request as WsReq, Response as WsResp};
     let s2 = seen.clone();
+    // The error type is tungstenite's (its `Callback` trait), not ours to shrink.
+    #[allow(clippy::result_large_err)]
     let cb = move |req: &WsReq, resp: WsResp| {
         let auth = req
             .headers()
