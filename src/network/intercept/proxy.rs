@@ -166,13 +166,22 @@ impl Upstream {
     }
 
     /// Send a WebSocket handshake on a new HTTP/1.1 connection of its own (to the same
-    /// address, verified the same way), kept open for the upgrade.
+    /// address, verified the same way), kept open for the upgrade. A plaintext flow uses the
+    /// connection the stack made if no request has used it yet.
     async fn send_upgrade(
         &self,
-        mut req: Request<ProxyBody>,
+        req: Request<ProxyBody>,
     ) -> Result<Response<Incoming>, InterceptError> {
         let Some(tls) = &self.tls else {
-            return Err(InterceptError::BadRequest("upgrade on a plaintext flow"));
+            let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let tcp = match first {
+                Some(s) => s,
+                None => TcpStream::connect(self.addr)
+                    .await
+                    .map_err(InterceptError::UpstreamIo)?,
+            };
+            let _ = tcp.set_nodelay(true);
+            return upgrade_on(TokioIo::new(tcp), req, &self.sni).await;
         };
         let mut cfg = (**tls).clone();
         cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -186,19 +195,31 @@ impl Upstream {
             .connect(name, tcp)
             .await
             .map_err(InterceptError::UpstreamTls)?;
-        let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-            .await
-            .map_err(InterceptError::UpstreamHttp)?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.with_upgrades().await {
-                tracing::debug!(error = %e, "intercepted upstream websocket connection ended");
-            }
-        });
-        h1_target(&mut req, &self.sni)?;
-        s.send_request(req)
-            .await
-            .map_err(InterceptError::UpstreamHttp)
+        upgrade_on(TokioIo::new(tls), req, &self.sni).await
     }
+}
+
+/// Send a handshake on `io` (HTTP/1.1), the connection kept for the upgrade.
+async fn upgrade_on<I>(
+    io: I,
+    mut req: Request<ProxyBody>,
+    host: &str,
+) -> Result<Response<Incoming>, InterceptError>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut s, conn) = hyper::client::conn::http1::handshake(io)
+        .await
+        .map_err(InterceptError::UpstreamHttp)?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(error = %e, "upstream websocket connection ended");
+        }
+    });
+    h1_target(&mut req, host)?;
+    s.send_request(req)
+        .await
+        .map_err(InterceptError::UpstreamHttp)
 }
 
 /// An HTTP/1.1 request line's target (origin form) and Host.
@@ -287,6 +308,7 @@ where
     });
     hyper::server::conn::http1::Builder::new()
         .serve_connection(TokioIo::new(guest), svc)
+        .with_upgrades()
         .await
         .map_err(|e| InterceptError::Guest(Box::new(e)))
 }
@@ -559,15 +581,35 @@ impl Flow {
             body = boxed(TransformBody::new(body, a));
         }
         if self.plain {
+            // Nothing is swapped in plaintext, a WebSocket's frames included.
+            let ws_upgrade = if ws::is_upgrade(&parts) {
+                parts.extensions.remove::<hyper::upgrade::OnUpgrade>()
+            } else {
+                None
+            };
             strip_hop_by_hop(&mut parts.headers);
-            let resp = self
-                .up
-                .send(Request::from_parts(parts, body))
-                .await
-                .map_err(|e| {
-                    tracing::debug!(host = %self.sni, error = %e, "plaintext request failed upstream");
-                    status(StatusCode::BAD_GATEWAY, "upstream request failed")
-                })?;
+            let req = Request::from_parts(parts, body);
+            let sent = match ws_upgrade {
+                Some(_) => {
+                    let mut req = req;
+                    ws::restore_upgrade_headers(req.headers_mut());
+                    self.up.send_upgrade(req).await
+                }
+                None => self.up.send(req).await,
+            };
+            let resp = sent.map_err(|e| {
+                tracing::debug!(host = %self.sni, error = %e, "plaintext request failed upstream");
+                status(StatusCode::BAD_GATEWAY, "upstream request failed")
+            })?;
+            if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+                let Some(guest) = ws_upgrade else {
+                    return Err(status(
+                        StatusCode::BAD_GATEWAY,
+                        "the upstream switched protocols unasked",
+                    ));
+                };
+                return Ok(self.upgraded(resp, guest, None, String::new(), None));
+            }
             let (mut rp, rbody) = resp.into_parts();
             strip_hop_by_hop(&mut rp.headers);
             return Ok(Response::from_parts(rp, boxed(rbody)));
@@ -593,7 +635,7 @@ impl Flow {
             .filter(|(_, b)| inject.is_none() && !grpc_req && b.in_body && b.serves(&self.sni))
             .map(|(i, _)| i)
             .collect();
-        if let Some(r) = Replacer::new(
+        let body_swap = Replacer::new(
             in_body
                 .iter()
                 .map(|&i| {
@@ -601,9 +643,10 @@ impl Flow {
                     (b.placeholder.as_bytes().to_vec(), b.value.bytes().to_vec())
                 })
                 .collect(),
-        ) {
+        );
+        if let Some(r) = &body_swap {
             parts.headers.remove(header::CONTENT_LENGTH);
-            body = boxed(TransformBody::new(body, StreamReplace::new(r)));
+            body = boxed(TransformBody::new(body, StreamReplace::new(r.clone())));
         }
         // Header and query swaps are certain: each such secret was used (`secret ls`).
         for &i in &sw.used {
@@ -673,12 +716,13 @@ impl Flow {
                     "the upstream switched protocols unasked",
                 ));
             };
-            let names: Vec<&str> = sw
-                .used
+            // The secrets whose values may reach the upstream: swapped in the handshake, or
+            // allowed in the frames (`--in-body`).
+            let names: Vec<&str> = scrub_set
                 .iter()
                 .map(|&i| snap.bindings[i].name.as_str())
                 .collect();
-            return Ok(self.upgraded(resp, guest, scrubber, names.join(",")));
+            return Ok(self.upgraded(resp, guest, scrubber, names.join(","), body_swap));
         }
         let (mut rp, rbody) = resp.into_parts();
         strip_hop_by_hop(&mut rp.headers);
@@ -743,14 +787,15 @@ impl Flow {
 
 impl Flow {
     /// Answer the guest's WebSocket handshake with the upstream's 101 and relay the upgraded
-    /// connection (`ws.rs`); frames toward the guest are scrubbed when the handshake carried a
-    /// value.
+    /// connection (`ws.rs`); frames toward the guest are scrubbed when a value may have been
+    /// sent, and the guest's frames have placeholders swapped with `swap` (`--in-body`).
     fn upgraded(
         &self,
         mut resp: Response<Incoming>,
         guest: hyper::upgrade::OnUpgrade,
         scrubber: Option<Arc<Replacer>>,
         names: String,
+        swap: Option<Arc<Replacer>>,
     ) -> Response<ProxyBody> {
         if resp
             .headers()
@@ -775,6 +820,7 @@ impl Flow {
             guest,
             upstream,
             scrub,
+            swap,
         ));
         Response::from_parts(rp, full(""))
     }

@@ -23,7 +23,7 @@ use crate::secrets::{Binding, Snapshot, Value};
 pub(super) const HOST: &str = "api.test";
 pub(super) const PH: &str = "tbx_aaaabbbbccccddddeeeeffffgggghhhh";
 pub(super) const VAL: &str = "sk-live-SECRET-0123456789";
-const PH2: &str = "tbx_zzzzyyyyxxxxwwwwvvvvuuuuttttssss";
+pub(super) const PH2: &str = "tbx_zzzzyyyyxxxxwwwwvvvvuuuuttttssss";
 
 pub(super) struct TestCa {
     pub(super) issuer: Issuer<'static, KeyPair>,

@@ -201,3 +201,303 @@ async fn websocket_handshake_is_swapped_frames_flow_both_ways_and_are_scrubbed()
         [("KEY".to_string(), HOST.to_string())]
     );
 }
+
+/// A client frame of any length (16- and 64-bit forms), masked with a fixed key.
+fn client_frame(op: u8, fin: bool, p: &[u8]) -> Vec<u8> {
+    let mut v = vec![op | if fin { 0x80 } else { 0 }];
+    match p.len() {
+        n if n < 126 => v.push(0x80 | n as u8),
+        n if n < 65536 => {
+            v.push(0x80 | 126);
+            v.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            v.push(0x80 | 127);
+            v.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    let key = [0x0f, 0xf0, 0x55, 0xaa];
+    v.extend_from_slice(&key);
+    v.extend(p.iter().enumerate().map(|(i, b)| b ^ key[i % 4]));
+    v
+}
+
+/// A real WebSocket server (tokio-tungstenite, which checks the handshake, that client frames
+/// are masked, lengths, fragments and UTF-8) on `io`: records the handshake's Authorization
+/// and every message and ping it receives; echoes short text messages.
+async fn serve_ws<S>(io: S, seen: Seen)
+where
+    S: AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use futures_util::{SinkExt as _, StreamExt as _};
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::tungstenite::handshake::server::{Request as WsReq, Response as WsResp};
+    let s2 = seen.clone();
+    // The error type is tungstenite's (its `Callback` trait), not ours to shrink.
+    #[allow(clippy::result_large_err)]
+    let cb = move |req: &WsReq, resp: WsResp| {
+        let auth = req
+            .headers()
+            .get("authorization")
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .unwrap_or_default();
+        s2.lock().unwrap().push(format!("handshake auth={auth}"));
+        Ok(resp)
+    };
+    let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(io, cb).await else {
+        seen.lock().unwrap().push("handshake refused".into());
+        return;
+    };
+    while let Some(m) = ws.next().await {
+        let m = match m {
+            Ok(m) => m,
+            Err(e) => {
+                seen.lock().unwrap().push(format!("error={e}"));
+                return;
+            }
+        };
+        let line = match &m {
+            Message::Text(t) => format!("text={}", t.as_str()),
+            Message::Binary(b) => format!("binary len={} {}", b.len(), String::from_utf8_lossy(b)),
+            Message::Ping(p) => format!("ping={}", String::from_utf8_lossy(p)),
+            Message::Close(_) => return,
+            _ => continue,
+        };
+        seen.lock().unwrap().push(line);
+        if let Message::Text(t) = m
+            && t.len() < 100
+            && ws
+                .send(Message::text(format!("echo:{}", t.as_str())))
+                .await
+                .is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// The tungstenite server behind TLS for `HOST` (HTTP/1.1 only).
+async fn tungstenite_upstream() -> super::tests::Harness {
+    let ca = test_ca();
+    let acceptor = server_tls(&ca, HOST, &[b"http/1.1"]);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen: Seen = Seen::default();
+    let s2 = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let (acceptor, seen) = (acceptor.clone(), s2.clone());
+            tokio::spawn(async move {
+                if let Ok(tls) = acceptor.accept(tcp).await {
+                    serve_ws(tls, seen).await;
+                }
+            });
+        }
+    });
+    harness_at(ca.pem, addr, seen)
+}
+
+/// Wait (10 s at most) until the upstream has recorded `n` lines (connections that never
+/// shook hands, such as the interceptor's first upstream connection, left out).
+async fn seen_n(seen: &Seen, n: usize) -> Vec<String> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let mut s = seen.lock().unwrap().clone();
+        s.retain(|l| l != "handshake refused");
+        if s.len() >= n || std::time::Instant::now() > deadline {
+            return s;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn guest_frames_carry_the_value_upstream_when_the_secret_allows_bodies() {
+    let h = tungstenite_upstream().await;
+    let (mut io, _) = upgrade(&h).await;
+    let wait = std::time::Duration::from_secs(10);
+    // One frame; a message in fragments with the placeholder split across them (and a ping
+    // between); 16- and 64-bit lengths; written a few bytes at a time.
+    let frag = format!("frag {PH} end");
+    let mid = format!("{}{PH}{}", "m".repeat(150), "n".repeat(150));
+    let big = [
+        b"x".repeat(40_000),
+        PH.as_bytes().to_vec(),
+        b"y".repeat(40_000),
+    ]
+    .concat();
+    let small = [
+        client_frame(1, true, format!("one {PH}").as_bytes()),
+        client_frame(1, false, &frag.as_bytes()[..9]),
+        client_frame(9, true, b"p"),
+        client_frame(0, false, &frag.as_bytes()[9..20]),
+        client_frame(0, true, &frag.as_bytes()[20..]),
+    ]
+    .concat();
+    for c in small.chunks(3) {
+        io.write_all(c).await.unwrap();
+        io.flush().await.unwrap();
+    }
+    io.write_all(&client_frame(1, true, mid.as_bytes()))
+        .await
+        .unwrap();
+    io.write_all(&client_frame(2, true, &big)).await.unwrap();
+    io.flush().await.unwrap();
+    let seen = seen_n(&h.seen, 6).await;
+    assert_eq!(seen[0], format!("handshake auth=Bearer {VAL}"));
+    assert_eq!(seen[1], format!("text=one {VAL}"), "{seen:?}");
+    assert_eq!(seen[2], "ping=p", "{seen:?}");
+    assert_eq!(seen[3], format!("text=frag {VAL} end"), "{seen:?}");
+    assert_eq!(
+        seen[4],
+        format!("text={}", mid.replace(PH, VAL)),
+        "{seen:?}"
+    );
+    let big_len = big.len() - PH.len() + VAL.len();
+    assert!(
+        seen[5].starts_with(&format!("binary len={big_len} ")) && seen[5].contains(VAL),
+        "{:?}",
+        &seen[5][..40]
+    );
+    assert!(seen.iter().all(|s| !s.contains(PH)), "{seen:?}");
+    // The echo comes back scrubbed (same length, masked).
+    let (_, p) = tokio::time::timeout(wait, read_frame(&mut io))
+        .await
+        .unwrap()
+        .expect("an echo");
+    let got = String::from_utf8(p).unwrap();
+    assert_eq!(got, format!("echo:one {}", &PH[..VAL.len()]));
+    assert!(h.blocked.lock().unwrap().is_empty());
+
+    // A secret that does not allow bodies: the frames go unchanged.
+    let mut snap = (*h.icpt.secrets().current()).clone();
+    snap.bindings[0].in_body = false;
+    h.icpt.secrets().publish(snap);
+    let before = seen_n(&h.seen, 0).await.len();
+    let (mut io, _) = upgrade(&h).await;
+    io.write_all(&client_frame(1, true, format!("two {PH}").as_bytes()))
+        .await
+        .unwrap();
+    io.flush().await.unwrap();
+    let seen = seen_n(&h.seen, before + 2).await;
+    assert_eq!(seen[before], format!("handshake auth=Bearer {VAL}"));
+    assert_eq!(seen[before + 1], format!("text=two {PH}"), "{seen:?}");
+}
+
+#[tokio::test]
+async fn websocket_over_plaintext_is_relayed_never_swapped_and_foreign_placeholders_refused() {
+    let h = super::tests::harness_with(true, true).await;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen = Seen::default();
+    let s2 = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            tokio::spawn(serve_ws(tcp, s2.clone()));
+        }
+    });
+    let plain = |auth: String| {
+        let icpt = h.icpt.clone();
+        async move {
+            let (ours, theirs) = tokio::io::duplex(64 * 1024);
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            tokio::spawn(icpt.serve_plain(theirs, tcp, HOST.to_string()));
+            let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(ours))
+                .await
+                .unwrap();
+            tokio::spawn(conn.with_upgrades());
+            let req = Request::builder()
+                .uri("/ws")
+                .header("host", HOST)
+                .header("connection", "Upgrade")
+                .header("upgrade", "websocket")
+                .header("sec-websocket-version", "13")
+                .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+                .header("authorization", auth)
+                .body(full(""))
+                .unwrap();
+            s.send_request(req).await.unwrap()
+        }
+    };
+    // Its own secret's placeholder: the upgrade works, nothing is swapped (no value ever goes
+    // in plaintext), frames pass unchanged.
+    let mut resp = plain(format!("Bearer {PH}")).await;
+    assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+    let mut io = TokioIo::new(hyper::upgrade::on(&mut resp).await.unwrap());
+    io.write_all(&client_frame(1, true, format!("hi {PH}").as_bytes()))
+        .await
+        .unwrap();
+    io.flush().await.unwrap();
+    let (_, p) = tokio::time::timeout(std::time::Duration::from_secs(10), read_frame(&mut io))
+        .await
+        .unwrap()
+        .expect("an echo");
+    assert_eq!(String::from_utf8(p).unwrap(), format!("echo:hi {PH}"));
+    let got = seen_n(&seen, 2).await;
+    assert_eq!(
+        got,
+        [
+            format!("handshake auth=Bearer {PH}"),
+            format!("text=hi {PH}")
+        ]
+    );
+    // Another secret's placeholder in the handshake: refused, with the event; the upstream
+    // never sees it.
+    let resp = plain(format!("Bearer {}", super::tests::PH2)).await;
+    assert_eq!(resp.status(), StatusCode::FORBIDDEN);
+    assert_eq!(
+        h.blocked.lock().unwrap().as_slice(),
+        [("OTHER".to_string(), HOST.to_string())]
+    );
+    assert_eq!(seen.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn http2_extended_connect_is_not_offered_and_is_refused() {
+    let h = super::tests::harness_with(false, true).await;
+    let (tls, _task) = guest_tls(&h, &[b"h2"]).await.unwrap();
+    let (mut s, conn) = h2::client::handshake(tls).await.unwrap();
+    tokio::spawn(conn);
+    // An ordinary request first: the server's SETTINGS have arrived when it is answered.
+    let req = Request::builder()
+        .uri(format!("https://{HOST}/"))
+        .body(())
+        .unwrap();
+    let (resp, _) = s.send_request(req, true).unwrap();
+    assert_eq!(resp.await.unwrap().status(), 200);
+    assert!(
+        !s.is_extended_connect_protocol_enabled(),
+        "SETTINGS_ENABLE_CONNECT_PROTOCOL must not be offered to the guest"
+    );
+    let before = h.seen.lock().unwrap().len();
+    // Sent anyway: the stream is refused (reset), nothing reaches the upstream.
+    let mut req = Request::builder()
+        .method("CONNECT")
+        .uri(format!("https://{HOST}/ws"))
+        .header("authorization", format!("Bearer {PH}"))
+        .header("sec-websocket-version", "13")
+        .body(())
+        .unwrap();
+    req.extensions_mut()
+        .insert(h2::ext::Protocol::from_static("websocket"));
+    let mut s = s.ready().await.unwrap();
+    let (resp, _) = s.send_request(req, false).unwrap();
+    match tokio::time::timeout(std::time::Duration::from_secs(10), resp)
+        .await
+        .expect("an answer")
+    {
+        Err(e) => assert_eq!(e.reason(), Some(h2::Reason::PROTOCOL_ERROR), "{e}"),
+        Ok(r) => assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED),
+    }
+    // A plain CONNECT: 405.
+    let req = Request::builder()
+        .method("CONNECT")
+        .uri(format!("{HOST}:443"))
+        .body(())
+        .unwrap();
+    let (resp, _) = s.send_request(req, true).unwrap();
+    assert_eq!(resp.await.unwrap().status(), StatusCode::METHOD_NOT_ALLOWED);
+    let seen = h.seen.lock().unwrap();
+    assert_eq!(seen.len(), before, "{seen:?}");
+    assert!(seen.iter().all(|l| !l.contains(VAL)));
+}
