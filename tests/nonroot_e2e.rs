@@ -438,7 +438,7 @@ fn a_root_daemon_lets_in_listed_uids_and_names_the_key_to_others() {
         }
         let p = entry.path();
         let script = format!(
-            "cat '{0}' >/dev/null 2>&1 || ls '{0}' >/dev/null 2>&1",
+            "cat '{0}' >/dev/null 2>&1 || ls '{0}/' >/dev/null 2>&1",
             p.display()
         );
         assert!(
