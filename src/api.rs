@@ -860,3 +860,8 @@ pub struct AccessRequestList {
 /// The header a client sets to say which face it is (`mcp` for the MCP server). The approve
 /// and reject routes refuse `mcp`: an agent's tools never decide its own requests.
 pub const CLIENT_FACE_HEADER: &str = "x-tryboxi-face";
+
+/// The error code (403) a unix-socket client gets when its uid may not use the daemon (not
+/// root, not the daemon's user, not in `[api] allowed_uids`). Its message names the uid and
+/// the config file; clients show it as it is.
+pub const UID_NOT_ALLOWED: &str = "uid_not_allowed";

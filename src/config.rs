@@ -97,8 +97,25 @@ pub struct Config {
     pub network: NetworkConfig,
     /// Limits of the daemon's HTTP listeners (`[http]` table).
     pub http: HttpConfig,
+    /// Who may use the unix socket besides the daemon's own user and root (`[api]` table).
+    pub api: ApiConfig,
     /// Retention of events, traces and VM logs (`[telemetry]` table).
     pub telemetry: TelemetryConfig,
+}
+
+/// `[api]`: who may talk to the daemon over its unix socket. The peer's uid comes from the
+/// kernel (`SO_PEERCRED`); the daemon's own uid and root are always allowed.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApiConfig {
+    /// More uids allowed to use the daemon, e.g. `[1000]` for the user who started a root
+    /// daemon with `sudo` and runs the CLI or an MCP client as themselves. Each gets the whole
+    /// API (sandboxes of every user, workspaces the daemon's user can read and write): list
+    /// only users you would give the daemon's powers. When the list is not empty the socket is
+    /// mode 0666 and the data root 0711 (search only; every entry in it but the socket is closed
+    /// to other users), and the uid check refuses everyone else, naming this key. Default:
+    /// none (socket 0600, data root 0700).
+    pub allowed_uids: Vec<u32>,
 }
 
 /// `[http]`: what one client may hold of the daemon's HTTP listeners. Each listener (the unix
@@ -508,6 +525,7 @@ impl Default for Config {
             pool: PoolConfig::default(),
             network: NetworkConfig::default(),
             http: HttpConfig::default(),
+            api: ApiConfig::default(),
             telemetry: TelemetryConfig::default(),
         }
     }
@@ -634,6 +652,15 @@ mod tests {
         assert_eq!(c.http.body_timeout_s, 60);
         assert_eq!(c.http.max_connections, 1024);
         assert_eq!(c.http.max_connections_per_peer, 256);
+        assert!(c.api.allowed_uids.is_empty());
+    }
+
+    #[test]
+    fn api_table_lists_allowed_uids_and_rejects_typos() {
+        let c = Config::parse("[api]\nallowed_uids = [1000, 1002]").unwrap();
+        assert_eq!(c.api.allowed_uids, [1000, 1002]);
+        assert!(Config::parse("[api]\nallowed_uid = [1000]").is_err());
+        assert!(Config::parse("[api]\nallowed_uids = [-1]").is_err());
     }
 
     #[test]

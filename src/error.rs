@@ -11,6 +11,9 @@ pub enum TopError {
     /// The daemon answered with an API error (exit 1).
     #[error("{code}: {message}")]
     Api { code: String, message: String },
+    /// The daemon refuses this user (`uid_not_allowed`): its message as it is (exit 3).
+    #[error("{0}")]
+    Refused(String),
     /// The daemon could not be reached (exit 3).
     #[error("{0}")]
     Unreachable(String),
@@ -27,7 +30,7 @@ impl TopError {
         match self {
             TopError::Usage(_) => ExitCode::from(2),
             TopError::Api { .. } | TopError::Other(_) => ExitCode::from(1),
-            TopError::Unreachable(_) => ExitCode::from(3),
+            TopError::Unreachable(_) | TopError::Refused(_) => ExitCode::from(3),
             TopError::ExitStatus(c) => ExitCode::from(*c),
         }
     }

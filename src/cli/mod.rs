@@ -384,6 +384,7 @@ impl From<ClientError> for TopError {
         match e {
             ClientError::Unreachable { .. } => TopError::Unreachable(e.to_string()),
             ClientError::Api { code, message, .. } => TopError::Api { code, message },
+            ClientError::NotAllowed(m) => TopError::Refused(m),
             ClientError::Protocol(m) => TopError::Other(anyhow::anyhow!(m)),
         }
     }

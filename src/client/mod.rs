@@ -36,6 +36,10 @@ pub enum ClientError {
         code: String,
         message: String,
     },
+    /// The daemon refuses this client's uid (`uid_not_allowed`): its message, as it is, names
+    /// the uid and the config key that would let it in.
+    #[error("{0}")]
+    NotAllowed(String),
     #[error("talking to the daemon: {0}")]
     Protocol(String),
 }
@@ -119,6 +123,9 @@ impl Client {
         let status = resp.status();
         let bytes = collect(resp).await?;
         Err(match serde_json::from_slice::<api::ErrorBody>(&bytes) {
+            Ok(e) if e.error.code == api::UID_NOT_ALLOWED => {
+                ClientError::NotAllowed(e.error.message)
+            }
             Ok(e) => ClientError::Api {
                 status,
                 code: e.error.code,

@@ -21,7 +21,6 @@ use tokio::sync::broadcast;
 use tokio::task::JoinSet;
 
 use super::limits::{self, ConnLimiter, ConnPermit, LimitHit, PeerKey};
-use super::response::ApiError;
 use super::{Shared, Via, middleware};
 use crate::config::HttpConfig;
 
@@ -31,6 +30,8 @@ const RESERVED_FDS: u64 = 512;
 
 pub struct Listeners {
     pub unix: UnixListener,
+    /// Who may use `unix`.
+    pub gate: middleware::PeerGate,
     pub tcp: Option<TcpListener>,
     pub tls: Option<tokio_rustls::TlsAcceptor>,
 }
@@ -57,7 +58,7 @@ pub async fn run(
     let tcp_local = l.tcp.as_ref().and_then(|t| t.local_addr().ok());
     let mut conns = JoinSet::new();
     let mut shutdown = shutdown_tx.subscribe();
-    let own_uid = nix::unistd::geteuid().as_raw();
+    let gate = Arc::new(l.gate.clone());
     loop {
         tokio::select! {
             _ = shutdown.recv() => break,
@@ -71,9 +72,9 @@ pub async fn run(
                             continue;
                         }
                     };
-                    if !middleware::peer_allowed(uid, own_uid) {
+                    if !gate.allows(uid) {
                         tracing::warn!(peer_uid = uid, "refused a unix-socket client of another user");
-                        conns.spawn(refuse(stream, uid, t, permit));
+                        conns.spawn(refuse(stream, gate.clone(), uid, t, permit));
                         continue;
                     }
                     conns.spawn(connection(stream, Via::Unix { uid }, t, shared.clone(), shutdown_tx.subscribe(), permit));
@@ -189,15 +190,17 @@ fn http1(t: Timeouts) -> hyper::server::conn::http1::Builder {
     b
 }
 
-/// Answer a peer of another uid with one 403 and close.
-async fn refuse(stream: tokio::net::UnixStream, uid: u32, t: Timeouts, _permit: ConnPermit) {
-    let svc = hyper::service::service_fn(move |_req: Request<Incoming>| async move {
-        Ok::<_, std::convert::Infallible>(
-            ApiError::forbidden(format!(
-                "uid {uid} may not use this daemon (only its owner and root)"
-            ))
-            .into_response(),
-        )
+/// Answer a peer the gate refuses with one 403 `uid_not_allowed` and close.
+async fn refuse(
+    stream: tokio::net::UnixStream,
+    gate: Arc<middleware::PeerGate>,
+    uid: u32,
+    t: Timeouts,
+    _permit: ConnPermit,
+) {
+    let svc = hyper::service::service_fn(move |_req: Request<Incoming>| {
+        let resp = gate.refusal(uid).into_response();
+        async move { Ok::<_, std::convert::Infallible>(resp) }
     });
     let _ = http1(t)
         .keep_alive(false)

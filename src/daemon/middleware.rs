@@ -1,6 +1,8 @@
 //! Who may talk to the daemon.
 //!
-//! Unix socket: the peer's uid (SO_PEERCRED) must be the daemon's own uid or root.
+//! Unix socket: the peer's uid (SO_PEERCRED) must be the daemon's own uid, root, or listed in
+//! `[api] allowed_uids`; anyone else gets one 403 `uid_not_allowed` naming their uid and that
+//! key ([`PeerGate::refusal`]).
 //! TCP: `Authorization: Bearer <token>` must match the token file, and the `Host` (and `Origin`,
 //! when present) must name a loopback address, which stops DNS-rebinding attacks from browsers.
 //! TLS (`tcp_tls`, the only way off loopback): the token, and an `Origin`, when present, that is
@@ -8,14 +10,42 @@
 //! machine; a browser page cannot complete a handshake with the pinned self-signed certificate
 //! unless its user accepted it, and still lacks the token).
 
-use hyper::HeaderMap;
+use std::path::PathBuf;
+
 use hyper::header::{AUTHORIZATION, HOST, ORIGIN};
+use hyper::{HeaderMap, StatusCode};
 
 use super::response::ApiError;
 
-/// SO_PEERCRED check for unix-socket peers.
-pub fn peer_allowed(peer_uid: u32, own_uid: u32) -> bool {
-    peer_uid == own_uid || peer_uid == 0
+pub use crate::api::UID_NOT_ALLOWED;
+
+/// Who may use the unix socket (SO_PEERCRED uid): root, the daemon's own uid, and the uids of
+/// `[api] allowed_uids`.
+#[derive(Debug, Clone)]
+pub struct PeerGate {
+    pub own_uid: u32,
+    pub allowed: Vec<u32>,
+    /// The config file to name in a refusal.
+    pub config_file: PathBuf,
+}
+
+impl PeerGate {
+    pub fn allows(&self, peer_uid: u32) -> bool {
+        peer_uid == 0 || peer_uid == self.own_uid || self.allowed.contains(&peer_uid)
+    }
+
+    /// The answer to a peer [`PeerGate::allows`] refuses: its uid and the key that would let
+    /// it in.
+    pub fn refusal(&self, peer_uid: u32) -> ApiError {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            UID_NOT_ALLOWED,
+            format!(
+                "uid {peer_uid} may not use this daemon: add it to [api] allowed_uids in {}",
+                self.config_file.display()
+            ),
+        )
+    }
 }
 
 /// Checks for requests that arrived over TCP.
@@ -152,10 +182,40 @@ mod tests {
         assert!(check_tls(&same, "t").is_ok());
     }
 
+    fn gate(own_uid: u32, allowed: &[u32]) -> PeerGate {
+        PeerGate {
+            own_uid,
+            allowed: allowed.to_vec(),
+            config_file: "/var/lib/tryboxi/config.toml".into(),
+        }
+    }
+
     #[test]
     fn peer_uid_rule() {
-        assert!(peer_allowed(1000, 1000));
-        assert!(peer_allowed(0, 1000));
-        assert!(!peer_allowed(1001, 1000));
+        let g = gate(1000, &[]);
+        assert!(g.allows(1000));
+        assert!(g.allows(0));
+        assert!(!g.allows(1001));
+    }
+
+    #[test]
+    fn a_root_daemon_lets_in_root_and_the_listed_uids_only() {
+        let g = gate(0, &[1000, 1002]);
+        assert!(g.allows(0));
+        assert!(g.allows(1000) && g.allows(1002));
+        assert!(!g.allows(1001) && !g.allows(u32::MAX));
+        assert!(!gate(0, &[]).allows(1000));
+    }
+
+    #[test]
+    fn the_refusal_names_the_uid_and_the_config_key() {
+        let e = gate(0, &[1000]).refusal(1001);
+        assert_eq!(e.status, 403);
+        assert_eq!(e.code, UID_NOT_ALLOWED);
+        assert_eq!(
+            e.message,
+            "uid 1001 may not use this daemon: add it to [api] allowed_uids in \
+             /var/lib/tryboxi/config.toml"
+        );
     }
 }

@@ -21,7 +21,7 @@ pub use handlers::OPENAPI_YAML;
 
 use std::fs::File;
 use std::io::Write as _;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt, PermissionsExt};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -124,8 +124,12 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
     crate::safefs::remove_under(&paths.root, &sock)
         .map_err(|e| DaemonError::Setup(e.to_string()))?;
     let unix = UnixListener::bind(&sock).map_err(io_err("cannot listen on", &sock))?;
-    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600))
-        .map_err(io_err("cannot restrict", &sock))?;
+    let gate = middleware::PeerGate {
+        own_uid: nix::unistd::geteuid().as_raw(),
+        allowed: config.api.allowed_uids.clone(),
+        config_file: paths.config_file(),
+    };
+    set_access_modes(&paths, !gate.allowed.is_empty())?;
     let tls = match config.tcp_listen {
         Some(_) if config.tcp_tls => Some(tls::acceptor(tls::ensure_identity(&paths)?)?),
         _ => None,
@@ -202,7 +206,12 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         tokio::spawn(async move { crate::e2b::listen::run(l, e2b_tls, &cfg, face, tx).await });
     }
     listen::run(
-        listen::Listeners { unix, tcp, tls },
+        listen::Listeners {
+            unix,
+            gate,
+            tcp,
+            tls,
+        },
         &shared.svc.config.http,
         shared.clone(),
         shutdown_tx,
@@ -230,6 +239,59 @@ fn spawn_signal_handler(tx: broadcast::Sender<()>) {
         }
         let _ = tx.send(());
     });
+}
+
+/// The top-level directories of the data root, made ahead when other users may reach the
+/// socket (see [`set_access_modes`]) so that none is ever made open to them later.
+const SHARED_ROOT_DIRS: [fn(&Paths) -> PathBuf; 4] = [
+    Paths::sandboxes_dir,
+    Paths::golden_dir,
+    Paths::cache_dir,
+    Paths::artifacts_dir,
+];
+
+/// Modes of the data root and the socket. Only the daemon's user (and root): 0700 and 0600.
+/// `shared` (`[api] allowed_uids` lists other users): the socket 0666 and the data root 0711,
+/// so other users can reach the socket by its name and list nothing; every other entry of the
+/// data root loses its group and other bits and the usual directories are made ahead (0700),
+/// so nothing deeper is reachable whatever its own mode. Which uid may then talk is the
+/// SO_PEERCRED gate's decision (`middleware::PeerGate`), which names the fix when it refuses.
+fn set_access_modes(paths: &Paths, shared: bool) -> Result<(), DaemonError> {
+    let chmod = |p: &std::path::Path, mode: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+            .map_err(io_err("cannot set the mode of", p))
+    };
+    let sock = paths.socket();
+    if !shared {
+        chmod(&paths.root, 0o700)?;
+        return chmod(&sock, 0o600);
+    }
+    for dir in SHARED_ROOT_DIRS.map(|f| f(paths)) {
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(io_err("cannot create", &dir)(e));
+            }
+            _ => {}
+        }
+    }
+    let entries = std::fs::read_dir(&paths.root).map_err(io_err("cannot read", &paths.root))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(md) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if path == sock || md.file_type().is_symlink() {
+            continue;
+        }
+        let mode = md.permissions().mode() & 0o7777;
+        if mode & 0o077 != 0 {
+            chmod(&path, mode & !0o077)?;
+        }
+    }
+    chmod(&paths.root, 0o711)?;
+    chmod(&sock, 0o666)?;
+    tracing::info!(root = %paths.root.display(), "[api] allowed_uids is set: the socket is 0666 and the data root 0711");
+    Ok(())
 }
 
 /// A TCP listener off loopback must be TLS: the token must never cross the network in plain

@@ -54,6 +54,9 @@ pub enum ToolError {
          next `exec` creates a new one."
     )]
     ExecFailed { code: String, message: String },
+    /// The daemon refuses this MCP server's uid: the daemon's message as it is.
+    #[error("{0}. Ask the user to do that and restart the daemon, then call this tool again.")]
+    NotAllowed(String),
     #[error("Talking to the daemon failed: {0}")]
     Daemon(String),
     #[error("{0}")]
@@ -82,6 +85,7 @@ impl ToolError {
                     ToolError::Api { code, message }
                 }
             }
+            ClientError::NotAllowed(m) => ToolError::NotAllowed(m),
             ClientError::Protocol(m) => ToolError::Daemon(m),
         }
     }
@@ -137,6 +141,19 @@ mod tests {
         );
         assert!(matches!(e, ToolError::Api { .. }), "{e}");
         assert!(e.to_string().contains("no snapshot `nope`"), "{e}");
+    }
+
+    #[test]
+    fn a_refused_uid_gets_the_daemons_message_as_it_is() {
+        let msg =
+            "uid 1001 may not use this daemon: add it to [api] allowed_uids in /x/config.toml";
+        let e = ToolError::from_client(
+            ClientError::NotAllowed(msg.into()),
+            "list",
+            "GET /v1/sandboxes",
+            None,
+        );
+        assert!(e.to_string().starts_with(msg), "{e}");
     }
 
     #[test]
