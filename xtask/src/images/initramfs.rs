@@ -210,7 +210,7 @@ mod tests {
         assert_eq!(entries[8].4, b"virtio_mmio.ko\n");
         // The guest reads the order file at this path.
         assert_eq!(
-            format!("/{}", names[7]),
+            format!("/{}", names[8]),
             format!("/lib/modules/{}", super::super::modules::ORDER_FILE)
         );
     }
