@@ -1,6 +1,6 @@
 //! The guest agent: PID 1 inside every VM.
 //!
-//! Owns everything that runs in the guest: early boot ([`init`]), the virtio-serial channel
+//! Owns everything that runs in the guest: early boot ([`init`], [`modules`]), the virtio-serial channel
 //! ([`port`]), child reaping ([`reaper`]), commands ([`exec`]), files ([`files`]), workspace
 //! sync and walks ([`tree`], [`watch`], [`wsbase`]), the RPC server ([`server`]) and the static network
 //! setup ([`net`]). It shares nothing with the host side but `crate::rpc`, has no network
@@ -12,6 +12,7 @@
 pub mod exec;
 pub mod files;
 pub mod init;
+pub mod modules;
 pub mod net;
 pub mod port;
 pub mod progress;
@@ -103,6 +104,9 @@ fn pid1_main() -> ! {
         init::console("TRYBOXI_PROBE_OK");
         init::power_off();
     }
+    // A packaged kernel's virtio, overlay and netfilter drivers are modules in the initramfs.
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    modules::load_all(&cmdline);
     if let Err(e) = init::boot(&cmd) {
         fail(&e.to_string());
     }

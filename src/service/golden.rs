@@ -363,6 +363,7 @@ mod tests {
                     size: 1,
                     sha256: kernel_sha.into(),
                 }],
+                acpi: false,
             },
         }
     }

@@ -36,6 +36,12 @@ pub enum ImageError {
         "the image manifest {path} has version {found}; this tryboxi reads version {MANIFEST_VERSION} (rebuild the images)"
     )]
     Version { path: PathBuf, found: u32 },
+    #[error(
+        "the images in {path} were built with `cargo xtask images --kernel packaged`, whose \
+         kernel needs `microvm,acpi=on`; this tryboxi runs VMs with `acpi=off` and would not \
+         find their disks: rebuild them with `cargo xtask images --kernel built`"
+    )]
+    NeedsAcpi { path: PathBuf },
     #[error("the image manifest {path} lists no `{name}` artifact")]
     Missing { path: PathBuf, name: &'static str },
     #[error("image file {path} is missing or unreadable: {source} (rebuild the images)")]
@@ -75,6 +81,11 @@ pub struct Artifact {
 pub struct Manifest {
     pub version: u32,
     pub artifacts: Vec<Artifact>,
+    /// Set by `cargo xtask images --kernel packaged`: the kernel finds its virtio-mmio devices
+    /// through ACPI only, so its VMs need `microvm,acpi=on`. This driver runs `acpi=off`
+    /// (see docs/VMM.md, "Kernel plan") and refuses such images rather than hang at boot.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub acpi: bool,
 }
 
 /// The three guest images, resolved to absolute paths.
@@ -113,6 +124,9 @@ impl Images {
                 path,
                 found: manifest.version,
             });
+        }
+        if manifest.acpi {
+            return Err(ImageError::NeedsAcpi { path: dir });
         }
         let find = |name: &'static str| -> Result<PathBuf, ImageError> {
             let a = manifest
@@ -235,6 +249,7 @@ mod tests {
         let m = Manifest {
             version: 1,
             artifacts,
+            acpi: false,
         };
         write_manifest(root, &m);
         m
@@ -268,6 +283,25 @@ mod tests {
         assert_eq!(im.rootfs, im.dir.join("rootfs.ext4"));
         assert_eq!(im.initramfs, im.dir.join("initramfs.cpio.gz"));
         im.verify(true).expect("verify with hashes");
+    }
+
+    #[test]
+    fn images_of_the_packaged_kernel_are_refused_with_the_way_out() {
+        let t = tempfile::tempdir().expect("tempdir");
+        let mut m = write_set(t.path(), SET);
+        m.acpi = true;
+        write_manifest(t.path(), &m);
+        let e = Images::load(t.path()).expect_err("needs acpi");
+        assert!(matches!(e, ImageError::NeedsAcpi { .. }), "{e}");
+        assert!(e.to_string().contains("--kernel built"), "{e}");
+        // The field is absent from a built kernel's manifest, and such images load.
+        let text = std::fs::read_to_string(t.path().join("images/manifest.json")).unwrap();
+        assert!(text.contains("\"acpi\":true"));
+        m.acpi = false;
+        write_manifest(t.path(), &m);
+        let text = std::fs::read_to_string(t.path().join("images/manifest.json")).unwrap();
+        assert!(!text.contains("acpi"));
+        Images::load(t.path()).expect("built-kernel images load");
     }
 
     #[test]

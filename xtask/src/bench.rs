@@ -35,7 +35,12 @@ const VCPUS: u32 = 1;
 pub fn run(reps: usize) -> Result<()> {
     let reps = reps.max(5);
     let bin = crate::dist::run()?;
-    crate::images::run(&bin, crate::images::Rebuild::default(), &Default::default())?;
+    crate::images::run(
+        &bin,
+        crate::images::Rebuild::default(),
+        &Default::default(),
+        Default::default(),
+    )?;
     let out = util::out_dir();
     let images = out.join("images");
     let home = out.join("bench-home");
@@ -373,7 +378,12 @@ pub fn run(reps: usize) -> Result<()> {
 pub fn run_workspace_only(reps: usize) -> Result<()> {
     let reps = reps.max(5);
     let bin = crate::dist::run()?;
-    crate::images::run(&bin, crate::images::Rebuild::default(), &Default::default())?;
+    crate::images::run(
+        &bin,
+        crate::images::Rebuild::default(),
+        &Default::default(),
+        Default::default(),
+    )?;
     let out = util::out_dir();
     let home = out.join("bench-home");
     if home.exists() {
@@ -427,7 +437,12 @@ fn run_only(
     rows: impl FnOnce(&Path, &Path, &Path, &str) -> Result<String>,
 ) -> Result<()> {
     let bin = crate::dist::run()?;
-    crate::images::run(&bin, crate::images::Rebuild::default(), &Default::default())?;
+    crate::images::run(
+        &bin,
+        crate::images::Rebuild::default(),
+        &Default::default(),
+        Default::default(),
+    )?;
     let out = util::out_dir();
     let home = out.join("bench-home");
     if home.exists() {

@@ -42,7 +42,13 @@ pub fn run() -> Result<()> {
                     all: true,
                     names: Vec::new(),
                 };
-                images::run(&binary, images::Rebuild::default(), &all).map(|_| ())
+                images::run(
+                    &binary,
+                    images::Rebuild::default(),
+                    &all,
+                    Default::default(),
+                )
+                .map(|_| ())
             }
             "test" => run_inherit(
                 cargo_cmd(&["test", "--workspace"]).env("TRYBOXI_ARTIFACTS", out_dir()),

@@ -12,7 +12,12 @@ use crate::util;
 pub fn run(repo: Option<std::path::PathBuf>) -> Result<()> {
     crate::deps::run()?;
     let bin = crate::dist::run()?;
-    crate::images::run(&bin, crate::images::Rebuild::default(), &Default::default())?;
+    crate::images::run(
+        &bin,
+        crate::images::Rebuild::default(),
+        &Default::default(),
+        Default::default(),
+    )?;
     let out = util::out_dir();
     let repo = repo.unwrap_or_else(util::repo_root);
     let home = out.join("demo-home");

@@ -32,6 +32,16 @@ enum Rebuildable {
     Rootfs,
 }
 
+/// `cargo xtask images --kernel`.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+enum KernelChoice {
+    /// Our tuned build from linux-source-6.1 (~11 min on 2 cores, cached).
+    #[default]
+    Built,
+    /// Debian's packaged cloud kernel 6.12 + its modules in the initramfs (seconds).
+    Packaged,
+}
+
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "tryboxi build automation")]
 struct Cli {
@@ -59,6 +69,10 @@ enum Cmd {
         /// only when the image cache already has it.
         #[arg(long = "template")]
         templates: Vec<String>,
+        /// Which guest kernel: our tuned build, or Debian's packaged cloud kernel (runs with
+        /// `microvm,acpi=on`; see docs/VMM.md, "Kernel plan").
+        #[arg(long, value_enum, default_value_t)]
+        kernel: KernelChoice,
     },
     /// Everything CI runs: deps, fmt, clippy, dist, images, tests.
     Ci,
@@ -117,6 +131,7 @@ fn main() -> Result<()> {
             no_dist,
             rebuild,
             templates,
+            kernel,
         } => {
             let binary = if no_dist {
                 util::out_dir().join("bin").join("tryboxi")
@@ -131,7 +146,13 @@ fn main() -> Result<()> {
                 all: false,
                 names: templates,
             };
-            images::run(&binary, rebuild, &on_demand).map(|_| ())
+            let choice = images::Choice {
+                kernel: match kernel {
+                    KernelChoice::Built => images::kernel::Flavor::Built,
+                    KernelChoice::Packaged => images::kernel::Flavor::Packaged,
+                },
+            };
+            images::run(&binary, rebuild, &on_demand, choice).map(|_| ())
         }
         Cmd::Ci => ci::run(),
         Cmd::Demo { repo } => demo::run(repo),

@@ -2,7 +2,11 @@
 //! (the guest agent, PID 1), plus the mount points it needs and a `/dev/console` node so PID 1
 //! has a console before devtmpfs is mounted. Written from Rust: no root, no mknod.
 //!
-//! Cache key = sha256(layout version, binary). Deterministic: fixed inode numbers, mtime 0.
+//! With a packaged kernel, its modules (`lib/modules/*.ko` and the load order the agent reads,
+//! see [`super::modules`]) come along.
+//!
+//! Cache key = sha256(layout version, binary, modules). Deterministic: fixed inode numbers,
+//! mtime 0.
 
 use super::cache::{Begin, Cache, Entry};
 use crate::util::{Step, recipe_key, sha256_file};
@@ -27,8 +31,8 @@ enum Node<'a> {
     Char(u32, u32),
 }
 
-fn layout(init: &[u8]) -> Vec<(&'static str, u32, Node<'_>)> {
-    vec![
+fn layout<'a>(init: &'a [u8], modules: &'a [(String, Vec<u8>)]) -> Vec<(String, u32, Node<'a>)> {
+    let mut v: Vec<(String, u32, Node<'a>)> = vec![
         ("dev", 0o755, Node::Dir),
         ("dev/console", 0o600, Node::Char(5, 1)),
         ("proc", 0o555, Node::Dir),
@@ -36,13 +40,43 @@ fn layout(init: &[u8]) -> Vec<(&'static str, u32, Node<'_>)> {
         ("newroot", 0o755, Node::Dir),
         ("init", 0o755, Node::File(init)),
     ]
+    .into_iter()
+    .map(|(n, p, node)| (n.to_owned(), p, node))
+    .collect();
+    if !modules.is_empty() {
+        v.push(("lib".into(), 0o755, Node::Dir));
+        v.push(("lib/modules".into(), 0o755, Node::Dir));
+        for (name, data) in modules {
+            v.push((format!("lib/modules/{name}"), 0o644, Node::File(data)));
+        }
+    }
+    v
+}
+
+/// The files of a packaged kernel's modules directory, sorted by name.
+fn read_modules(dir: Option<&Path>) -> Result<Vec<(String, Vec<u8>)>> {
+    let Some(dir) = dir else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let p = e?.path();
+        let name = p
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        out.push((name, std::fs::read(&p)?));
+    }
+    out.sort();
+    Ok(out)
 }
 
 /// Writes the gzip-compressed newc archive for `init` into `out`.
-pub fn write_archive<W: Write>(init: &[u8], out: W) -> Result<W> {
+pub fn write_archive<W: Write>(init: &[u8], modules: &[(String, Vec<u8>)], out: W) -> Result<W> {
     let mut gz = GzBuilder::new().mtime(0).write(out, Compression::best());
-    for (ino, (name, perm, node)) in layout(init).into_iter().enumerate() {
-        let b = cpio::newc::Builder::new(name)
+    for (ino, (name, perm, node)) in layout(init, modules).into_iter().enumerate() {
+        let b = cpio::newc::Builder::new(&name)
             .ino(ino as u32 + 1)
             .uid(0)
             .gid(0)
@@ -61,14 +95,20 @@ pub fn write_archive<W: Write>(init: &[u8], out: W) -> Result<W> {
     Ok(gz.finish()?)
 }
 
-pub fn build(cache: &Cache, binary: &Path) -> Result<Entry> {
+pub fn build(cache: &Cache, binary: &Path, modules: Option<&Path>) -> Result<Entry> {
     let init = std::fs::read(binary).with_context(|| {
         format!(
             "reading {} (run `cargo xtask dist` first)",
             binary.display()
         )
     })?;
-    let key = recipe_key(&[("layout", LAYOUT_VERSION.as_bytes()), ("init", &init)]);
+    let mods = read_modules(modules)?;
+    let mut parts: Vec<(&str, &[u8])> =
+        vec![("layout", LAYOUT_VERSION.as_bytes()), ("init", &init)];
+    for (name, data) in &mods {
+        parts.push((name.as_str(), data.as_slice()));
+    }
+    let key = recipe_key(&parts);
     if let Some(e) = cache.lookup("initramfs", &key) {
         println!("==> initramfs: cached (built {})", e.meta.built_at);
         return Ok(e);
@@ -80,11 +120,12 @@ pub fn build(cache: &Cache, binary: &Path) -> Result<Entry> {
     };
     let path = pending.dir.join(FILE);
     let file = std::fs::File::create(&path)?;
-    let file = write_archive(&init, std::io::BufWriter::new(file))?;
+    let file = write_archive(&init, &mods, std::io::BufWriter::new(file))?;
     file.into_inner().map_err(|e| e.into_error())?.sync_all()?;
     let sha = sha256_file(&path)?;
     let mut extra = serde_json::Map::new();
     extra.insert("init_sha256".into(), hex::encode(sha2_of(&init)).into());
+    extra.insert("modules".into(), mods.len().into());
     let elapsed = step.elapsed();
     let entry = pending.commit(FILE, sha, elapsed, extra)?;
     step.done(&format!("{} bytes", entry.meta.size));
@@ -131,7 +172,7 @@ mod tests {
     #[test]
     fn archive_has_init_console_and_mount_points() {
         let init = b"\x7fELF pretend binary";
-        let gz = write_archive(init, Vec::new()).unwrap();
+        let gz = write_archive(init, &[], Vec::new()).unwrap();
         let entries = unpack(&gz);
         let names: Vec<&str> = entries.iter().map(|e| e.0.as_str()).collect();
         assert_eq!(
@@ -148,9 +189,36 @@ mod tests {
     }
 
     #[test]
+    fn modules_go_under_lib_modules_after_init() {
+        let mods = vec![
+            ("tryboxi.order".to_owned(), b"virtio_mmio.ko\n".to_vec()),
+            ("virtio_mmio.ko".to_owned(), b"ko".to_vec()),
+        ];
+        let gz = write_archive(b"init", &mods, Vec::new()).unwrap();
+        let entries = unpack(&gz);
+        let names: Vec<&str> = entries.iter().map(|e| e.0.as_str()).collect();
+        assert_eq!(
+            &names[5..],
+            [
+                "init",
+                "lib",
+                "lib/modules",
+                "lib/modules/tryboxi.order",
+                "lib/modules/virtio_mmio.ko"
+            ]
+        );
+        assert_eq!(entries[8].4, b"virtio_mmio.ko\n");
+        // The guest reads the order file at this path.
+        assert_eq!(
+            format!("/{}", names[8]),
+            format!("/lib/modules/{}", super::super::modules::ORDER_FILE)
+        );
+    }
+
+    #[test]
     fn archive_is_deterministic_and_follows_the_binary() {
-        let a = write_archive(b"one", Vec::new()).unwrap();
-        assert_eq!(a, write_archive(b"one", Vec::new()).unwrap());
-        assert_ne!(a, write_archive(b"two", Vec::new()).unwrap());
+        let a = write_archive(b"one", &[], Vec::new()).unwrap();
+        assert_eq!(a, write_archive(b"one", &[], Vec::new()).unwrap());
+        assert_ne!(a, write_archive(b"two", &[], Vec::new()).unwrap());
     }
 }

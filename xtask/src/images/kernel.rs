@@ -1,9 +1,19 @@
-//! The guest kernel: `tinyconfig` + our fragment (`guest-image/kernel/config-fragment`),
-//! built from Debian's `linux-source-6.1` tarball. Everything built in, no modules.
+//! The guest kernel, one of two ([`Flavor`]):
 //!
-//! Cache key = sha256(fragment, linux-source package version, recipe version). Fails the build
-//! if any option the fragment asks for did not survive `make olddefconfig`: a silently dropped
-//! option is a bug. Never touches the source tarball or anything outside its temp dir.
+//! - `built` (default): `tinyconfig` + our fragment (`guest-image/kernel/config-fragment`),
+//!   built from Debian's `linux-source-6.1` tarball. Everything built in, no modules. Cache
+//!   key = sha256(fragment, linux-source package version, recipe version). Fails the build if
+//!   any option the fragment asks for did not survive `make olddefconfig`: a silently dropped
+//!   option is a bug.
+//! - `packaged`: Debian's signed cloud kernel ([`PACKAGED_META`]), fetched with `apt-get
+//!   download` from the machine's own apt sources and unpacked with `dpkg-deb -x` (never
+//!   installed), plus the modules of `guest-image/kernel/packaged-modules` (see [`super::modules`])
+//!   in the entry's `modules/` for the initramfs. Cache key = sha256(recipe version, package
+//!   name and version, module list). It has no `virtio_mmio.device=` command-line devices
+//!   (`CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES` is off), so it finds the virtio-mmio devices
+//!   through ACPI: the VM must run `microvm,acpi=on` (recorded as `acpi` in the manifest).
+//!
+//! Never touches the source tarball, the host's /boot, or anything outside its temp dir.
 
 use super::cache::{Begin, Cache, Entry};
 use crate::deps::package_version;
@@ -17,6 +27,151 @@ const RECIPE_VERSION: &str = "kernel-1";
 const SOURCE_PACKAGE: &str = "linux-source-6.1";
 const SOURCE_TARBALL: &str = "/usr/src/linux-source-6.1.tar.xz";
 pub const FILE: &str = "vmlinuz";
+const PACKAGED_RECIPE: &str = "kernel-packaged-1";
+/// The meta package whose one dependency is the current packaged cloud kernel (6.12, from
+/// bookworm-security on Debian 12).
+pub const PACKAGED_META: &str = "linux-image-6.12-cloud-amd64";
+/// The entry directory holding a packaged kernel's modules for the initramfs.
+pub const MODULES_DIR: &str = "modules";
+
+/// Which kernel `cargo xtask images` puts into the images.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Flavor {
+    #[default]
+    Built,
+    Packaged,
+}
+
+impl Flavor {
+    pub fn name(self) -> &'static str {
+        match self {
+            Flavor::Built => "built",
+            Flavor::Packaged => "packaged",
+        }
+    }
+}
+
+/// The packaged kernel's modules directory in a kernel entry, if it has one.
+pub fn modules_of(e: &Entry) -> Option<PathBuf> {
+    let d = e.dir.join(MODULES_DIR);
+    d.is_dir().then_some(d)
+}
+
+/// Whether the VM must describe its devices through ACPI for this kernel.
+pub fn needs_acpi(e: &Entry) -> bool {
+    e.meta.extra.get("flavor").and_then(|v| v.as_str()) == Some("packaged")
+}
+
+pub fn build_flavor(cache: &Cache, flavor: Flavor, force: bool) -> Result<Entry> {
+    match flavor {
+        Flavor::Built => build(cache, force),
+        Flavor::Packaged => build_packaged(cache, force),
+    }
+}
+
+/// The package the meta package depends on now, and its candidate version (apt's own view).
+fn packaged_candidate() -> Result<(String, String)> {
+    let deps = output(
+        Command::new("apt-cache").args(["depends", PACKAGED_META]),
+        "apt-cache depends",
+    )?;
+    let pkg = deps
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Depends: "))
+        .map(str::to_owned)
+        .with_context(|| format!("{PACKAGED_META} has no dependency in apt's lists"))?;
+    let policy = output(
+        Command::new("apt-cache").args(["policy", &pkg]),
+        "apt-cache policy",
+    )?;
+    let version = policy
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Candidate: "))
+        .filter(|v| *v != "(none)")
+        .map(str::to_owned)
+        .with_context(|| format!("no candidate version of {pkg} (run apt-get update)"))?;
+    Ok((pkg, version))
+}
+
+fn build_packaged(cache: &Cache, force: bool) -> Result<Entry> {
+    let list_file = super::modules::list_path();
+    let list = std::fs::read_to_string(&list_file)
+        .with_context(|| format!("reading {}", list_file.display()))?;
+    let (pkg, version) = packaged_candidate()?;
+    let key = recipe_key(&[
+        ("recipe", PACKAGED_RECIPE.as_bytes()),
+        ("package", pkg.as_bytes()),
+        ("version", version.as_bytes()),
+        ("modules", list.as_bytes()),
+    ]);
+    if !force && let Some(e) = cache.lookup("kernel", &key) {
+        println!(
+            "==> kernel: cached ({pkg} {version}, fetched {})",
+            e.meta.built_at
+        );
+        return Ok(e);
+    }
+    let step = Step::start(format!(
+        "kernel: fetching {pkg} {version} (apt-get download + dpkg-deb -x, seconds)"
+    ));
+    let pending = match cache.begin("kernel", &key)? {
+        Begin::Build(p) => p,
+        Begin::Done(e) => return Ok(e),
+    };
+    let work = pending.dir.join("pkg");
+    std::fs::create_dir(&work)?;
+    let log = pending.log.clone();
+    run_logged(
+        Command::new("apt-get")
+            .current_dir(&work)
+            .args(["download", &format!("{pkg}={version}")]),
+        "apt-get download",
+        &log,
+    )?;
+    let deb = std::fs::read_dir(&work)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .context("apt-get download left no .deb")?;
+    let root = work.join("root");
+    run_logged(
+        Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root),
+        "dpkg-deb -x",
+        &log,
+    )?;
+    let moddir = single_subdir(&root.join("lib/modules"))?;
+    let release = moddir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    std::fs::copy(
+        root.join(format!("boot/vmlinuz-{release}")),
+        pending.dir.join(FILE),
+    )
+    .context("copying the packaged vmlinuz")?;
+    std::fs::copy(
+        root.join(format!("boot/config-{release}")),
+        pending.dir.join("config"),
+    )
+    .context("copying the packaged config")?;
+    let order = super::modules::collect(&moddir, &list, &pending.dir.join(MODULES_DIR))?;
+    std::fs::remove_dir_all(&work).context("removing the unpacked package")?;
+    let sha = sha256_file(&pending.dir.join(FILE))?;
+    let mut extra = serde_json::Map::new();
+    extra.insert("version".into(), release.clone().into());
+    extra.insert("flavor".into(), "packaged".into());
+    extra.insert("package".into(), pkg.into());
+    extra.insert("package_version".into(), version.into());
+    extra.insert("modules".into(), order.len().into());
+    let elapsed = step.elapsed();
+    let entry = pending.commit(FILE, sha, elapsed, extra)?;
+    step.done(&format!(
+        "Linux {release}, {} bytes, {} modules for the initramfs",
+        entry.meta.size,
+        order.len()
+    ));
+    Ok(entry)
+}
 
 pub fn fragment_path() -> PathBuf {
     repo_root().join("guest-image/kernel/config-fragment")
@@ -120,6 +275,7 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
     let sha = sha256_file(&pending.dir.join(FILE))?;
     let mut extra = serde_json::Map::new();
     extra.insert("version".into(), version.clone().into());
+    extra.insert("flavor".into(), "built".into());
     extra.insert("source_package".into(), SOURCE_PACKAGE.into());
     extra.insert("source_version".into(), src_version.into());
     let elapsed = step.elapsed();

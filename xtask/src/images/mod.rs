@@ -9,6 +9,7 @@
 pub mod cache;
 pub mod initramfs;
 pub mod kernel;
+pub mod modules;
 pub mod rootfs;
 pub mod template;
 
@@ -27,6 +28,12 @@ pub struct Manifest {
     pub version: u32,
     pub artifacts: Vec<ManifestArtifact>,
     pub kernel_version: String,
+    /// `built` or `packaged` (see [`kernel::Flavor`]).
+    pub kernel_flavor: String,
+    /// The VM must run `microvm,acpi=on`: the packaged kernel finds its virtio-mmio devices
+    /// through ACPI only. Absent (false) for the built kernel, which runs with `acpi=off`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub acpi: bool,
     /// Recipe hash (cache key) of each artifact, by name.
     pub recipes: std::collections::BTreeMap<String, String>,
 }
@@ -51,17 +58,28 @@ pub struct Rebuild {
     pub rootfs: bool,
 }
 
+/// What `cargo xtask images` builds beyond the defaults.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Choice {
+    pub kernel: kernel::Flavor,
+}
+
 /// Builds or reuses all three artifacts; returns `_out/images/`.
-pub fn run(binary: &Path, rebuild: Rebuild, on_demand: &template::OnDemand) -> Result<PathBuf> {
+pub fn run(
+    binary: &Path,
+    rebuild: Rebuild,
+    on_demand: &template::OnDemand,
+    choice: Choice,
+) -> Result<PathBuf> {
     // mmdebstrap, linux-source, e2fsprogs...: a fresh machine has none of them (a dpkg-query
     // when all are there).
     crate::deps::debian()?;
     let cache = cache::Cache::from_env();
     println!("    image cache: {}", cache.root.display());
-    let initramfs = initramfs::build(&cache, binary)?;
+    let kernel = kernel::build_flavor(&cache, choice.kernel, rebuild.kernel)?;
+    let initramfs = initramfs::build(&cache, binary, kernel::modules_of(&kernel).as_deref())?;
     let rootfs = rootfs::build(&cache, rebuild.rootfs)?;
     let templates = template::build_all(&cache, &rootfs, on_demand)?;
-    let kernel = kernel::build(&cache, rebuild.kernel)?;
 
     let step = Step::start("images: placing into _out/images");
     let dir = out_dir().join("images");
@@ -90,6 +108,8 @@ pub fn run(binary: &Path, rebuild: Rebuild, on_demand: &template::OnDemand) -> R
             .and_then(|v| v.as_str())
             .unwrap_or_default()
             .to_string(),
+        kernel_flavor: choice.kernel.name().into(),
+        acpi: kernel::needs_acpi(&kernel),
         recipes: parts
             .iter()
             .map(|(n, e)| (n.to_string(), e.meta.key.clone()))
