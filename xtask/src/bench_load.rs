@@ -42,9 +42,9 @@ impl Kind {
                 r#"{"argv":["sh","-c","i=0; while [ $i -lt 2000 ]; do i=$((i+1)); done; echo $i"]}"#
                     .to_owned()
             }
-            Kind::Output => format!(
-                r#"{{"argv":["sh","-c","head -c {OUT_BYTES} /dev/zero | tr '\\000' x"]}}"#
-            ),
+            Kind::Output => {
+                format!(r#"{{"argv":["sh","-c","head -c {OUT_BYTES} /dev/zero | tr '\\000' x"]}}"#)
+            }
         }
     }
 
