@@ -67,6 +67,15 @@ mod telemetry;
 mod vmm;
 mod workspace;
 
+/// The fuzz checks whose code needs the whole crate (the `http_router` target links the
+/// library: the router reads the API types, ids and the service's query types). Only with
+/// `--cfg fuzzing`, which cargo-fuzz sets; never in a normal build.
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::daemon::router_fuzzing::http_router;
+}
+
 use std::process::ExitCode;
 
 /// The binary's entry point: by argv[0] (`sandboxd`, `sandboxctl`, `sandbox-mcp`, `init`) or

@@ -14,6 +14,8 @@ mod listen;
 mod middleware;
 pub mod response;
 pub mod router;
+#[cfg(any(test, fuzzing))]
+pub mod router_fuzzing;
 pub mod tls;
 
 #[cfg(test)]

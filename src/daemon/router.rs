@@ -117,8 +117,8 @@ impl StreamFormat {
 }
 
 /// Every route the router knows, as `(method, OpenAPI path template)`. Tested against
-/// `api/openapi.yaml` in both directions.
-#[cfg(test)]
+/// `api/openapi.yaml` in both directions, and by the `http_router` fuzz check.
+#[cfg(any(test, fuzzing))]
 pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/health"),
     ("GET", "/v1/openapi.yaml"),

@@ -17,6 +17,8 @@
 //!     intercepted download vs pass-through; first sync with one secret stored vs none.
 //! (m) E2B (`bench_e2b.rs`): create + run `true` + kill through the E2B Python SDK vs the native
 //!     API, interleaved.
+//! (n) sustained load (`bench_load.rs`): 5 sandboxes x 4 concurrent execs for `--load-secs`,
+//!     latency vs the same commands on an idle sandbox, errors, the daemon's RSS.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -32,7 +34,7 @@ use crate::util;
 const MEM_MIB: u32 = 512;
 const VCPUS: u32 = 1;
 
-pub fn run(reps: usize) -> Result<()> {
+pub fn run(reps: usize, load_secs: u64) -> Result<()> {
     let reps = reps.max(5);
     let bin = crate::dist::run()?;
     crate::images::run(
@@ -190,6 +192,7 @@ pub fn run(reps: usize) -> Result<()> {
     let net = crate::bench_net::run(&bin, &home.join("net"), &out, &config)?;
     let secrets = crate::bench_secrets::run(&bin, &home.join("secrets"), &out, &config)?;
     let e2b = crate::bench_e2b::run(&bin, &home.join("e2b"), &out, &config, reps.min(5))?;
+    let load = crate::bench_load::run(&bin, &home.join("load"), &out, &config, load_secs)?;
 
     let (a, b, c_api, c_cli) = (median(&base), median(&create), median(&api), median(&cli));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
@@ -356,6 +359,7 @@ pub fn run(reps: usize) -> Result<()> {
     )?;
     md.push_str(&crate::bench_secrets::section(&secrets, &now_utc()?)?);
     md.push_str(&crate::bench_e2b::section(&e2b, &now_utc()?)?);
+    md.push_str(&crate::bench_load::section(&load, &now_utc()?)?);
     md.push_str(&ws_section(&ws)?);
     println!("\n{md}");
     let path = util::repo_root().join("BENCHMARKS.md");
@@ -482,6 +486,18 @@ pub fn run_e2b_only(reps: usize) -> Result<()> {
         |bin, home, out, config| {
             let rows = crate::bench_e2b::run(bin, &home.join("e2b"), out, config, reps)?;
             crate::bench_e2b::section(&rows, &now_utc()?)
+        },
+    )
+}
+
+/// `--load-only`: only row (n) on its own daemon; replaces the sustained-load section.
+pub fn run_load_only(secs: u64) -> Result<()> {
+    run_only(
+        "--load-only",
+        crate::bench_load::HEADING,
+        |bin, home, out, config| {
+            let rows = crate::bench_load::run(bin, &home.join("load"), out, config, secs)?;
+            crate::bench_load::section(&rows, &now_utc()?)
         },
     )
 }

@@ -8,6 +8,7 @@
 
 mod bench;
 mod bench_e2b;
+mod bench_load;
 mod bench_net;
 mod bench_secrets;
 mod bench_snap;
@@ -119,6 +120,12 @@ enum Cmd {
         /// Run only the E2B SDK row (m) and replace that section of BENCHMARKS.md.
         #[arg(long, conflicts_with_all = ["secrets_only", "workspace_only"])]
         e2b_only: bool,
+        /// Run only the sustained-load row (n) and replace that section of BENCHMARKS.md.
+        #[arg(long, conflicts_with_all = ["secrets_only", "workspace_only", "e2b_only"])]
+        load_only: bool,
+        /// Seconds of sustained load for row (n).
+        #[arg(long, default_value_t = 60)]
+        load_secs: u64,
     },
 }
 
@@ -175,15 +182,21 @@ fn main() -> Result<()> {
             secrets_only: true, ..
         } => bench::run_secrets_only(),
         Cmd::Bench {
+            load_only: true,
+            load_secs,
+            ..
+        } => bench::run_load_only(load_secs),
+        Cmd::Bench {
             reps,
             e2b_only: true,
             ..
         } => bench::run_e2b_only(reps),
         Cmd::Bench {
             reps,
+            load_secs,
             workspace_only: false,
             ..
-        } => bench::run(reps),
+        } => bench::run(reps, load_secs),
         Cmd::Bench {
             reps,
             workspace_only: true,
