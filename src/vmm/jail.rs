@@ -190,6 +190,34 @@ impl Jail {
         Ok(Prepared { cgroup, ns, creds })
     }
 
+    /// The fences of the KVM probe's short QEMU in `dir` (a directory of its own, made by the
+    /// caller), which reads `reads` (kernel, initramfs) and writes only files in `dir`: under
+    /// a root daemon the uid of `tryboxi-vm` (no sandbox's QEMU runs as it), the shared group
+    /// and the KVM group; the same mount namespace as a VM; no new privileges. No cgroup: it
+    /// lives seconds and boots only the daemon's own images.
+    pub(crate) fn prepare_probe(
+        &self,
+        dir: &Path,
+        reads: &[PathBuf],
+        accel: Accel,
+    ) -> Result<Prepared, VmmError> {
+        let needs = Needs {
+            dir: dir.to_owned(),
+            writes: Vec::new(),
+            reads: reads.to_vec(),
+        };
+        let creds = match self.vm_user()? {
+            Some(shared) => Some(grant(&needs, shared, shared.gid, accel)?),
+            None => None,
+        };
+        let ns = self.prepare_ns(&needs, accel)?;
+        Ok(Prepared {
+            cgroup: None,
+            ns,
+            creds,
+        })
+    }
+
     fn prepare_ns(&self, needs: &Needs, accel: Accel) -> Result<Option<mountns::Plan>, VmmError> {
         if let Err(why) = &self.ns {
             tracing::debug!(reason = %why, "QEMU runs without its own mount namespace");
