@@ -178,9 +178,8 @@ impl Jail {
         let needs = Needs::of(spec, paths, incoming, ram_read_only)?;
         let creds = match self.vm_user()? {
             Some(shared) => {
-                let u = user::sandbox_ids(&needs.dir).map_err(|e| {
-                    VmmError::Fence(format!("no uid of its own for QEMU: {e}"))
-                })?;
+                let u = user::sandbox_ids(&needs.dir)
+                    .map_err(|e| VmmError::Fence(format!("no uid of its own for QEMU: {e}")))?;
                 Some(grant(&needs, u, shared.gid, spec.accel)?)
             }
             None => None,

@@ -481,7 +481,10 @@ mod tests {
         println!("KVM probe on this host: {first:?}");
         assert_eq!(first.kvm_ok, first.accel == Accel::Kvm);
         assert!(!first.cached);
-        if first.detail.starts_with("the fenced probe QEMU cannot start") {
+        if first
+            .detail
+            .starts_with("the fenced probe QEMU cannot start")
+        {
             // A root-only /dev/kvm: nothing was booted, nothing cached.
             assert!(!first.kvm_ok);
         } else if Path::new("/dev/kvm").exists() {

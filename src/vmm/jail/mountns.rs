@@ -599,7 +599,9 @@ mod userns_tests {
         ));
         assert!(out.status.success(), "{out:?}");
         assert_eq!(
-            std::fs::read_to_string(vm.join("seen")).expect("seen").trim(),
+            std::fs::read_to_string(vm.join("seen"))
+                .expect("seen")
+                .trim(),
             uid.to_string(),
             "the program ran as the ordinary uid, mapped to itself"
         );

@@ -366,7 +366,10 @@ async fn two_sandboxes_qemus_cannot_signal_or_read_each_other() {
     let disk = a.vm.dir.join("disk.qcow2");
     // The checks themselves work: root passes them all, B passes them on its own files.
     assert!(runs_as(0, 0, vec![], &format!("kill -0 {}", a.vm.pid)));
-    assert!(as_b(format!("kill -0 {}", b.vm.pid)), "B cannot signal itself");
+    assert!(
+        as_b(format!("kill -0 {}", b.vm.pid)),
+        "B cannot signal itself"
+    );
     assert!(as_b(format!(
         "head -c1 {} >/dev/null",
         b.vm.dir.join("mem.ram").display()

@@ -131,9 +131,9 @@ pub(crate) fn sandbox_ids_in(dir: &Path, registry: &Path) -> Result<VmUser, Stri
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                 let owner = std::fs::read(&claim).map_err(|e| err(&claim, e))?;
-                let owner = Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(
-                    &owner,
-                ));
+                let owner = Path::new(
+                    <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&owner),
+                );
                 let alive = owner != dir && read_uid_file(&owner.join(UID_FILE)) == Some(uid);
                 if !alive {
                     std::fs::write(&claim, me).map_err(|e| err(&claim, e))?;
@@ -165,7 +165,9 @@ fn read_uid_file(file: &Path) -> Option<u32> {
         return None;
     }
     let uid: u32 = std::fs::read_to_string(file).ok()?.trim().parse().ok()?;
-    (UID_BASE..UID_BASE + UID_RANGE).contains(&uid).then_some(uid)
+    (UID_BASE..UID_BASE + UID_RANGE)
+        .contains(&uid)
+        .then_some(uid)
 }
 
 fn chown(p: &Path, uid: Option<u32>, gid: Option<u32>) -> std::io::Result<()> {
