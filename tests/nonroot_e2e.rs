@@ -329,6 +329,28 @@ fn an_ordinary_user_runs_its_own_daemon_through_a_whole_round_trip() {
         .unwrap()
         .uid();
     assert_eq!(qemu_uid, who.uid, "QEMU runs as the daemon's user");
+    // Where the host allows unprivileged user namespaces (SECURITY.md, QEMU fence), that
+    // QEMU is in a user + mount namespace of its own: no /etc/passwd, no /proc in its view.
+    let userns_ok = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
+        .is_ok_and(|n| n.trim() != "0")
+        && std::fs::read_to_string("/proc/sys/kernel/unprivileged_userns_clone")
+            .map_or(true, |v| v.trim() != "0");
+    if userns_ok {
+        let ns =
+            |pid: &str, which: &str| std::fs::read_link(format!("/proc/{pid}/ns/{which}")).unwrap();
+        let q = pids[0].to_string();
+        for which in ["user", "mnt"] {
+            assert_ne!(
+                ns(&q, which),
+                ns("self", which),
+                "QEMU shares the host's {which} namespace"
+            );
+        }
+        assert!(!std::path::Path::new(&format!("/proc/{q}/root/etc/passwd")).exists());
+        assert!(!std::path::Path::new(&format!("/proc/{q}/root/proc/self")).exists());
+    } else {
+        eprintln!("unprivileged user namespaces are off here: QEMU has no namespace of its own");
+    }
 
     let o = who.run(&[
         "exec",

@@ -5,8 +5,9 @@
 //! forked child before exec ([`Prepared::enter`]), and removing what a launch left
 //! ([`Prepared::release`], [`Jail::sweep`]).
 //! The fences: a cgroup with memory, pids and CPU limits from the VM's size
-//! (`jail/cgroup.rs`); under a root daemon an unprivileged user, `tryboxi-vm`, with no
-//! supplementary groups (`jail/user.rs`); its own mount namespace where only its VM directory,
+//! (`jail/cgroup.rs`); under a root daemon a uid and gid of the sandbox's own (no other
+//! sandbox's QEMU shares them) with one supplementary group, the shared read-only group
+//! `tryboxi-vm` (`jail/user.rs`); its own mount namespace where only its VM directory,
 //! the files it reads and the system directories are visible (`jail/mountns.rs`; inside a user
 //! namespace when the daemon is not root and the host allows it); no new privileges
 //! (`PR_SET_NO_NEW_PRIVS`) always.
@@ -32,7 +33,7 @@ use user::VmUser;
 /// How old an empty QEMU cgroup must be before [`Jail::sweep`] removes it.
 pub const SWEEP_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
 
-fn unix_nanos() -> u128 {
+pub(crate) fn unix_nanos() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
@@ -132,8 +133,9 @@ impl Jail {
         } else {
             match user::lookup() {
                 Some(u) => Ok(format!(
-                    "uid {} `{}` (gid {}, no supplementary groups), no new privileges",
-                    u.uid,
+                    "a uid of each sandbox's own from {} (supplementary group `{}`, gid {}), no \
+                     new privileges",
+                    user::UID_BASE,
                     user::VM_USER,
                     u.gid
                 )),
@@ -175,12 +177,44 @@ impl Jail {
     ) -> Result<Prepared, VmmError> {
         let needs = Needs::of(spec, paths, incoming, ram_read_only)?;
         let creds = match self.vm_user()? {
-            Some(u) => Some(grant(&needs, u, spec.accel)?),
+            Some(shared) => {
+                let u = user::sandbox_ids(&needs.dir)
+                    .map_err(|e| VmmError::Fence(format!("no uid of its own for QEMU: {e}")))?;
+                Some(grant(&needs, u, shared.gid, spec.accel)?)
+            }
             None => None,
         };
         let ns = self.prepare_ns(&needs, spec.accel)?;
         let cgroup = self.prepare_cgroup(spec)?;
         Ok(Prepared { cgroup, ns, creds })
+    }
+
+    /// The fences of the KVM probe's short QEMU in `dir` (a directory of its own, made by the
+    /// caller), which reads `reads` (kernel, initramfs) and writes only files in `dir`: under
+    /// a root daemon the uid of `tryboxi-vm` (no sandbox's QEMU runs as it), the shared group
+    /// and the KVM group; the same mount namespace as a VM; no new privileges. No cgroup: it
+    /// lives seconds and boots only the daemon's own images.
+    pub(crate) fn prepare_probe(
+        &self,
+        dir: &Path,
+        reads: &[PathBuf],
+        accel: Accel,
+    ) -> Result<Prepared, VmmError> {
+        let needs = Needs {
+            dir: dir.to_owned(),
+            writes: Vec::new(),
+            reads: reads.to_vec(),
+        };
+        let creds = match self.vm_user()? {
+            Some(shared) => Some(grant(&needs, shared, shared.gid, accel)?),
+            None => None,
+        };
+        let ns = self.prepare_ns(&needs, accel)?;
+        Ok(Prepared {
+            cgroup: None,
+            ns,
+            creds,
+        })
     }
 
     fn prepare_ns(&self, needs: &Needs, accel: Accel) -> Result<Option<mountns::Plan>, VmmError> {
@@ -227,8 +261,10 @@ impl Jail {
     }
 
     /// A directory QEMU is to write into (a checkpoint's directory), made by the caller.
-    pub(crate) fn share_dir(&self, dir: &Path) -> Result<(), VmmError> {
-        if let Some(u) = self.vm_user()? {
+    pub(crate) fn share_dir(&self, dir: &Path, vm_dir: &Path) -> Result<(), VmmError> {
+        if self.vm_user()?.is_some() {
+            let u = user::sandbox_ids(vm_dir)
+                .map_err(|e| VmmError::Fence(format!("no uid of its own for QEMU: {e}")))?;
             user::share_dir(dir, u).map_err(|e| {
                 VmmError::Fence(format!("cannot open {} to QEMU: {e}", dir.display()))
             })?;
@@ -292,16 +328,19 @@ impl Jail {
 }
 
 /// Hand a unix socket QEMU connects to (the VM's NIC, which the daemon's network stack
-/// listens on) to the VM user, so QEMU can connect (again, after a daemon restart). Nothing to
+/// listens on) to the sandbox's uid when its VM directory already has one, else to the
+/// shared group (mode 0660), so QEMU can connect (again, after a daemon restart). Nothing to
 /// do when the daemon is not root.
 pub fn give_socket(sock: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
     if !nix::unistd::geteuid().is_root() {
         return Ok(());
     }
-    match user::lookup() {
-        Some(u) => user::give(sock, u),
-        None => Ok(()),
-    }
+    let Some(shared) = user::lookup() else {
+        return Ok(());
+    };
+    std::os::unix::fs::lchown(sock, None, Some(shared.gid))?;
+    std::fs::set_permissions(sock, std::fs::Permissions::from_mode(0o660))
 }
 
 /// Where QEMU `binary` lives when it is not under a system directory the namespace binds
@@ -460,7 +499,7 @@ fn backing_chain(disk: &Path) -> Result<Vec<PathBuf>, VmmError> {
 }
 
 /// Give the VM user what it needs of `needs` and return the credentials QEMU takes.
-fn grant(needs: &Needs, u: VmUser, accel: Accel) -> Result<Creds, VmmError> {
+fn grant(needs: &Needs, u: VmUser, shared: u32, accel: Accel) -> Result<Creds, VmmError> {
     let fence = |what: &Path, e: std::io::Error| {
         VmmError::Fence(format!("cannot open {} to QEMU: {e}", what.display()))
     };
@@ -469,17 +508,18 @@ fn grant(needs: &Needs, u: VmUser, accel: Accel) -> Result<Creds, VmmError> {
         user::give(w, u).map_err(|e| fence(w, e))?;
     }
     for r in &needs.reads {
-        user::let_read(r, u).map_err(VmmError::Fence)?;
+        user::let_read(r, u, shared).map_err(VmmError::Fence)?;
     }
-    let mut groups = Vec::new();
+    let mut groups = vec![shared];
     if accel == Accel::Kvm {
         let md =
             std::fs::metadata("/dev/kvm").map_err(|e| VmmError::Fence(format!("/dev/kvm: {e}")))?;
         if md.mode() & 0o006 != 0o006 {
             if md.gid() == 0 || md.mode() & 0o060 != 0o060 {
                 return Err(VmmError::Fence(format!(
-                    "QEMU runs as `{}`, which cannot open /dev/kvm (mode {:o}, gid {}): give                      /dev/kvm to a `kvm` group (mode 0660), or set accel = \"tcg\"",
-                    user::VM_USER,
+                    "QEMU runs as uid {}, which cannot open /dev/kvm (mode {:o}, gid {}): give \
+                     /dev/kvm to a `kvm` group (mode 0660), or set accel = \"tcg\"",
+                    u.uid,
                     md.mode() & 0o777,
                     md.gid()
                 )));
@@ -499,7 +539,8 @@ fn grant(needs: &Needs, u: VmUser, accel: Accel) -> Result<Creds, VmmError> {
 struct Creds {
     uid: u32,
     gid: u32,
-    /// Supplementary groups: none, or the group of /dev/kvm for a KVM guest.
+    /// Supplementary groups: the shared read-only group, and the group of /dev/kvm for a KVM
+    /// guest.
     groups: Vec<u32>,
 }
 

@@ -3,7 +3,9 @@
 //! Owns: the KVM probe (boot the guest kernel + initramfs under `-accel kvm` with
 //! `tryboxi.probe=1` and wait for the agent's `TRYBOXI_PROBE_OK` on the console), its cache
 //! (`<cache_dir>/accel-probe.json`, keyed by host kernel, QEMU version and image hashes), and
-//! turning the `accel = auto|kvm|tcg` setting into an [`Accel`].
+//! turning the `accel = auto|kvm|tcg` setting into an [`Accel`]. The probe's QEMU runs in the
+//! fences of a VM's (`Jail::prepare_probe`: the VM user's uid, mount namespace, no new
+//! privileges), so KVM is chosen only when a fenced QEMU can use it.
 //! Never: trusts `/dev/kvm` merely existing (a nested paravirtual KVM opens fine and then
 //! fails on real guests), or fails the daemon start: any probe trouble means TCG.
 
@@ -122,7 +124,7 @@ pub async fn probe_accel(
     }
 
     std::fs::create_dir_all(cache_dir).map_err(io_err(cache_dir))?;
-    let boot = probe_boot(
+    let boot = match probe_boot(
         qemu,
         Accel::Kvm,
         kernel,
@@ -130,7 +132,19 @@ pub async fn probe_accel(
         cache_dir,
         PROBE_TIMEOUT,
     )
-    .await?;
+    .await
+    {
+        Ok(b) => b,
+        // A VM's QEMU would meet the same fence (a root-only /dev/kvm): TCG, not cached (the
+        // fix, a `kvm` group on /dev/kvm, is not part of the cache key).
+        Err(ProbeError::Vmm(VmmError::Fence(why))) => {
+            return Ok(tcg(
+                format!("the fenced probe QEMU cannot start: {why}"),
+                Duration::ZERO,
+            ));
+        }
+        Err(e) => return Err(e),
+    };
     let report = ProbeReport {
         accel: if boot.marker_seen {
             Accel::Kvm
@@ -188,35 +202,53 @@ pub(crate) async fn probe_boot(
     work_dir: &Path,
     timeout: Duration,
 ) -> Result<ProbeBoot, ProbeError> {
-    let console = work_dir.join("probe-console.log");
+    // QEMU runs fenced (jail.rs `prepare_probe`) in a directory of its own: under a root
+    // daemon it is made root's, shared with the probe's group only.
+    let dir = work_dir.join("probe");
+    std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    let console = dir.join("probe-console.log");
     let log = work_dir.join("probe-qemu.log");
     let mut console_opt = std::ffi::OsString::from("file,id=console,path=");
     console_opt.push(console.as_os_str());
     // Empty the console before QEMU starts: a marker left by an earlier probe must not be read
-    // as this one's (QEMU opens the file only after its own start-up).
-    std::fs::File::create(&console).map_err(io_err(&console))?;
+    // as this one's (QEMU opens the file only after its own start-up). QEMU makes it anew.
+    match std::fs::remove_file(&console) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err(&console)(e)),
+        _ => {}
+    }
     let out = std::fs::File::create(&log).map_err(io_err(&log))?;
     let err = out.try_clone().map_err(io_err(&log))?;
+    let dir = std::fs::canonicalize(&dir).map_err(io_err(&dir))?;
+    let reads = [kernel, initramfs]
+        .iter()
+        .map(|p| std::fs::canonicalize(p).map_err(io_err(p)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let fence = std::sync::Arc::new(qemu.jail().prepare_probe(&dir, &reads, accel)?);
     let t0 = Instant::now();
-    let mut child = tokio::process::Command::new(qemu.binary())
-        .reset_oom_score()
+    let mut cmd = tokio::process::Command::new(qemu.binary());
+    cmd.reset_oom_score()
         .args(machine_args(accel, 1, 256))
         .arg("-kernel")
-        .arg(kernel)
+        .arg(&reads[0])
         .arg("-initrd")
-        .arg(initramfs)
+        .arg(&reads[1])
         .args(["-append", PROBE_CMDLINE, "-chardev"])
         .arg(console_opt)
         .args(["-serial", "chardev:console"])
+        .current_dir(&dir)
         .stdin(std::process::Stdio::null())
         .stdout(out)
         .stderr(err)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|source| VmmError::Spawn {
-            binary: qemu.binary().display().to_string(),
-            source,
-        })?;
+        .kill_on_drop(true);
+    // SAFETY: `Prepared::enter` runs in the forked child before exec and makes only
+    // async-signal-safe system calls on data made before the fork.
+    unsafe {
+        cmd.pre_exec(move || fence.enter());
+    }
+    let mut child = cmd.spawn().map_err(|source| VmmError::Spawn {
+        binary: qemu.binary().display().to_string(),
+        source,
+    })?;
 
     let seen = || {
         std::fs::read(&console)
@@ -388,6 +420,54 @@ mod tests {
         assert!(testkit::processes_mentioning(t.path()).is_empty());
     }
 
+    /// The probe's QEMU (root daemon): the shared VM user's uid, not root's; no new
+    /// privileges; its own mount namespace without `/etc/passwd`.
+    #[tokio::test]
+    async fn the_probe_qemu_runs_fenced() {
+        let _serial = testkit::SERIAL.lock().await;
+        if !nix::unistd::geteuid().is_root() {
+            println!("SKIPPED: the probe's uid drop is a root daemon's fence");
+            return;
+        }
+        let kernel = skip_unless!(testkit::kernel());
+        let initramfs = skip_unless!(testkit::test_initramfs());
+        let qemu = skip_unless!(testkit::driver());
+        let t = tempfile::tempdir().expect("tempdir");
+        let dir = t.path().to_owned();
+        let q = qemu.clone();
+        let boot = tokio::spawn(async move {
+            probe_boot(&q, Accel::Tcg, &kernel, &initramfs, &dir, PROBE_TIMEOUT).await
+        });
+        let mut seen = None;
+        for _ in 0..400 {
+            if let Some(pid) = testkit::processes_mentioning(&t.path().join("probe")).first() {
+                let status = std::fs::read_to_string(format!("/proc/{pid}/status"));
+                let passwd = std::path::PathBuf::from(format!("/proc/{pid}/root/etc/passwd"));
+                if let Ok(st) = status {
+                    seen = Some((st, passwd.exists()));
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let ok = boot.await.expect("join").expect("probe boot");
+        let (status, passwd) = seen.expect("the probe's QEMU was never seen");
+        let field = |k: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{k}:")))
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        };
+        let u = crate::vmm::jail::user::lookup().expect("tryboxi-vm");
+        assert_eq!(field("Uid"), vec![u.uid.to_string(); 4], "{status}");
+        assert_eq!(field("NoNewPrivs"), ["1"]);
+        assert!(!passwd, "the probe's QEMU sees /etc/passwd");
+        assert!(ok.marker_seen, "{}", ok.detail);
+    }
+
     #[tokio::test]
     async fn probe_on_this_host_is_consistent_and_cached() {
         let _serial = testkit::SERIAL.lock().await;
@@ -401,7 +481,13 @@ mod tests {
         println!("KVM probe on this host: {first:?}");
         assert_eq!(first.kvm_ok, first.accel == Accel::Kvm);
         assert!(!first.cached);
-        if Path::new("/dev/kvm").exists() {
+        if first
+            .detail
+            .starts_with("the fenced probe QEMU cannot start")
+        {
+            // A root-only /dev/kvm: nothing was booted, nothing cached.
+            assert!(!first.kvm_ok);
+        } else if Path::new("/dev/kvm").exists() {
             let again = probe_accel(&qemu, &kernel, &initramfs, t.path())
                 .await
                 .expect("probe");

@@ -524,3 +524,90 @@ mod tests {
         assert!(!binds.contains(&at(Path::new("/dev/kvm"))));
     }
 }
+
+/// The user-namespace path of an unprivileged daemon: an ordinary uid builds the view inside
+/// a user namespace of its own and runs a program in it.
+#[cfg(test)]
+mod userns_tests {
+    use super::*;
+
+    #[test]
+    fn an_ordinary_uid_builds_the_view_in_a_user_namespace() {
+        use std::os::unix::fs::{PermissionsExt, chown};
+        use std::os::unix::process::CommandExt;
+        if !nix::unistd::geteuid().is_root() {
+            println!("SKIPPED: this test drops from root to an ordinary uid");
+            return;
+        }
+        if let Err(why) = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
+            .map_err(|e| e.to_string())
+            .and_then(|n| match n.trim() {
+                "0" => Err("user.max_user_namespaces = 0".to_owned()),
+                _ => Ok(()),
+            })
+        {
+            println!("SKIPPED: no user namespaces here: {why}");
+            return;
+        }
+        // An ordinary uid with no passwd entry, as an unprivileged daemon's user would be.
+        let (uid, gid) = (2_100_000_007u32, 2_100_000_007u32);
+        let t = tempfile::tempdir().expect("tmp");
+        std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let vm = t.path().join("vm");
+        std::fs::create_dir_all(vm.join(STAGE)).expect("stage");
+        for d in [vm.clone(), vm.join(STAGE)] {
+            chown(&d, Some(uid), Some(gid)).expect("chown");
+        }
+        let mut plan = Plan::new(&View {
+            dir: vm.clone(),
+            userns: true,
+            ..Default::default()
+        })
+        .expect("plan");
+        // The maps the daemon would make as that uid (Plan::new takes the caller's ids).
+        plan.userns = Some(IdMaps {
+            uid_map: format!("{uid} {uid} 1\n").into_bytes(),
+            gid_map: format!("{gid} {gid} 1\n").into_bytes(),
+        });
+        let plan = std::sync::Arc::new(plan);
+        let run = |script: &str| {
+            let p = plan.clone();
+            let mut cmd = std::process::Command::new("/bin/sh");
+            cmd.args(["-c", script]);
+            // SAFETY: setgroups/setgid/setuid/prctl on integers, then `Plan::enter` (system
+            // calls on strings made before the fork).
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setgroups(0, std::ptr::null()) < 0
+                        || libc::setgid(gid) < 0
+                        || libc::setuid(uid) < 0
+                        // A daemon started as this user is dumpable; one that dropped from
+                        // root is not, and could not write its own uid_map.
+                        || libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) < 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    p.enter()
+                });
+            }
+            cmd.output().expect("the view was not built")
+        };
+        let out = run(&format!(
+            "id -u > {0}/seen && test ! -e /etc/passwd && test ! -e /proc/self && test ! -e {1}/x",
+            vm.display(),
+            t.path().join("elsewhere").display()
+        ));
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            std::fs::read_to_string(vm.join("seen"))
+                .expect("seen")
+                .trim(),
+            uid.to_string(),
+            "the program ran as the ordinary uid, mapped to itself"
+        );
+        // Only the VM dir is writable.
+        let out = run(&format!("echo x > {}/planted", t.path().display()));
+        assert!(!out.status.success());
+        assert!(!t.path().join("planted").exists());
+    }
+}

@@ -277,15 +277,16 @@ fn status_field(pid: u32, key: &str) -> Vec<String> {
 }
 
 #[tokio::test]
-async fn qemu_of_a_root_daemon_runs_as_the_vm_user_without_groups_or_new_privileges() {
+async fn qemu_of_a_root_daemon_runs_as_its_sandboxs_uid_with_only_the_shared_group() {
     let _serial = testkit::SERIAL.lock().await;
-    if !root_only("the VM user") {
+    if !root_only("the per-sandbox uid") {
         return;
     }
     let q = skip_unless!(start_paused("jail-user").await);
     let pid = q.vm.pid;
-    let u = super::user::lookup().expect("the tryboxi-vm user exists after a launch");
-    assert_ne!(u.uid, 0);
+    let shared = super::user::lookup().expect("the tryboxi-vm group exists after a launch");
+    let u = super::user::sandbox_ids(&q.vm.dir).expect("the VM dir's uid");
+    assert!(u.uid >= super::user::UID_BASE && u.uid != shared.uid);
     let uid = u.uid.to_string();
     let gid = u.gid.to_string();
     assert_eq!(
@@ -297,21 +298,101 @@ async fn qemu_of_a_root_daemon_runs_as_the_vm_user_without_groups_or_new_privile
         status_field(pid, "Gid"),
         [gid.clone(), gid.clone(), gid.clone(), gid]
     );
-    assert!(
-        status_field(pid, "Groups").is_empty(),
-        "supplementary groups: {:?}",
-        status_field(pid, "Groups")
+    assert_eq!(
+        status_field(pid, "Groups"),
+        [shared.gid.to_string()],
+        "supplementary groups"
     );
     assert_eq!(status_field(pid, "NoNewPrivs"), ["1"]);
     assert_eq!(status_field(pid, "CapEff"), ["0000000000000000"]);
-    // What QEMU made in its directory is the VM user's; the directory is root's, shared with
-    // the VM user's group, sticky.
+    // What QEMU made in its directory is its uid's; the directory is root's, shared with
+    // the sandbox's own group, sticky.
     let md = std::fs::metadata(q.vm.dir.join("mem.ram")).expect("mem.ram");
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&md), u.uid);
     let md = std::fs::metadata(&q.vm.dir).expect("dir");
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&md), 0);
+    assert_eq!(std::os::unix::fs::MetadataExt::gid(&md), u.gid);
     assert_eq!(std::os::unix::fs::MetadataExt::mode(&md) & 0o7777, 0o1770);
     q.end().await;
+}
+
+/// Run `sh -c script` as `uid`/`gid` with the supplementary groups `groups` (what an escaped
+/// QEMU of that uid could do on the host side of its namespace); whether it succeeded.
+fn runs_as(uid: u32, gid: u32, groups: Vec<u32>, script: &str) -> bool {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.args(["-c", script])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: setgroups/setgid/setuid on integers and a vector made before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setgroups(groups.len(), groups.as_ptr()) < 0
+                || libc::setgid(gid) < 0
+                || libc::setuid(uid) < 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.status().expect("sh").success()
+}
+
+#[tokio::test]
+async fn two_sandboxes_qemus_cannot_signal_or_read_each_other() {
+    let _serial = testkit::SERIAL.lock().await;
+    if !root_only("the per-sandbox uid") {
+        return;
+    }
+    let a = skip_unless!(start_paused("jail-uid-a").await);
+    let b = skip_unless!(start_paused("jail-uid-b").await);
+    // The temp dirs are root's 0700: open them so that only the fences below stand between
+    // the two (a data root is 0755 up to its sandboxes).
+    for q in [&a, &b] {
+        std::fs::set_permissions(
+            q.dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .expect("chmod");
+    }
+    let uid_of = |pid: u32| -> u32 { status_field(pid, "Uid")[0].parse().expect("uid") };
+    let (ua, ub) = (uid_of(a.vm.pid), uid_of(b.vm.pid));
+    assert_ne!(ua, ub, "two sandboxes' QEMUs share a uid");
+    let shared = super::user::lookup().expect("shared group").gid;
+    // B's QEMU (its uid, its group, the shared group) against A's.
+    let as_b = |script: String| runs_as(ub, ub, vec![shared], &script);
+    let ram = a.vm.dir.join("mem.ram");
+    let disk = a.vm.dir.join("disk.qcow2");
+    // The checks themselves work: root passes them all, B passes them on its own files.
+    assert!(runs_as(0, 0, vec![], &format!("kill -0 {}", a.vm.pid)));
+    assert!(
+        as_b(format!("kill -0 {}", b.vm.pid)),
+        "B cannot signal itself"
+    );
+    assert!(as_b(format!(
+        "head -c1 {} >/dev/null",
+        b.vm.dir.join("mem.ram").display()
+    )));
+    assert!(
+        !as_b(format!("kill -0 {}", a.vm.pid)),
+        "B's uid can signal A's QEMU"
+    );
+    for f in [&ram, &disk] {
+        assert!(
+            !as_b(format!("head -c1 {} >/dev/null", f.display())),
+            "B's uid can read {}",
+            f.display()
+        );
+        assert!(
+            !as_b(format!(": >> {}", f.display())),
+            "B's uid can write {}",
+            f.display()
+        );
+    }
+    assert!(!as_b(format!("head -c1 /proc/{}/mem", a.vm.pid)));
+    b.end().await;
+    a.end().await;
 }
 
 #[tokio::test]

@@ -1,9 +1,12 @@
-//! The unprivileged user QEMU runs as when the daemon is root: `tryboxi-vm`.
+//! The unprivileged ids QEMU runs as when the daemon is root.
 //!
-//! Owns: finding or creating that system user (idempotent: looked up first, made with
-//! `useradd --system` only when missing; a concurrent creation is fine), and handing QEMU the
-//! files and directories it must write (ownership and mode changes, only inside a VM's
-//! directory).
+//! Owns: each sandbox's own numeric uid/gid ([`sandbox_ids`]: `UID_BASE` + an index, no
+//! /etc/passwd entry, persisted in the VM's directory and claimed in a root-only registry so
+//! two VM directories never get the same one); the shared read-only group `tryboxi-vm`
+//! (finding or creating that system user and group: idempotent, `useradd --system` only when
+//! missing), the one supplementary group every QEMU gets, through which it reads the files
+//! the daemon lets it read; and handing QEMU the files and directories it must write
+//! (ownership and mode changes, only inside a VM's directory).
 //! Never: changes a file outside a VM's directory except to let the VM user read it (group
 //! read on a file the daemon owns), and never grants write access to a shared read-only image.
 
@@ -11,8 +14,18 @@ use crate::oom::ResetOomScore as _;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 
-/// Name of the system user (and its group) every QEMU runs as under a root daemon.
+/// Name of the system user whose group is the shared read-only group of every QEMU.
 pub const VM_USER: &str = "tryboxi-vm";
+/// First uid (and gid) of the per-sandbox ids: far above any id a distribution hands out,
+/// below the 2^32-1 "no id".
+pub const UID_BASE: u32 = 2_000_000_000;
+/// How many per-sandbox ids there are.
+pub const UID_RANGE: u32 = 1 << 30;
+/// The root-only registry of claimed per-sandbox ids: one file per uid holding its VM
+/// directory.
+pub const UID_REGISTRY: &str = "/var/lib/tryboxi/vm-uids";
+/// The file in a VM's directory holding its uid (written by the daemon, owned by root).
+pub const UID_FILE: &str = ".vm-uid";
 
 /// A resolved VM user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +90,86 @@ pub fn ensure() -> Result<VmUser, String> {
     Ok(u)
 }
 
+/// The ids of the sandbox whose VM directory is `dir`: the ones in `dir/.vm-uid` when the
+/// daemon wrote that file, else a new pair claimed in [`UID_REGISTRY`] and written there.
+/// A claim whose VM directory is gone (or holds another uid) is taken over.
+pub fn sandbox_ids(dir: &Path) -> Result<VmUser, String> {
+    sandbox_ids_in(dir, Path::new(UID_REGISTRY))
+}
+
+pub(crate) fn sandbox_ids_in(dir: &Path, registry: &Path) -> Result<VmUser, String> {
+    use std::io::Write as _;
+    let err = |p: &Path, e: std::io::Error| format!("{}: {e}", p.display());
+    let file = dir.join(UID_FILE);
+    if let Some(uid) = read_uid_file(&file) {
+        return Ok(VmUser { uid, gid: uid });
+    }
+    let dir = std::fs::canonicalize(dir).map_err(|e| err(dir, e))?;
+    std::fs::create_dir_all(registry).map_err(|e| err(registry, e))?;
+    std::fs::set_permissions(registry, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| err(registry, e))?;
+    // Start from a hash of the directory (few collisions), then probe the next ones.
+    let start = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        dir.hash(&mut h);
+        crate::vmm::jail::unix_nanos().hash(&mut h);
+        (h.finish() % u64::from(UID_RANGE)) as u32
+    };
+    let me = dir.as_os_str().as_encoded_bytes();
+    for i in 0..UID_RANGE.min(4096) {
+        let uid = UID_BASE + (start + i) % UID_RANGE;
+        let claim = registry.join(uid.to_string());
+        let taken = match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&claim)
+        {
+            Ok(mut f) => {
+                f.write_all(me).map_err(|e| err(&claim, e))?;
+                false
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let owner = std::fs::read(&claim).map_err(|e| err(&claim, e))?;
+                let owner = Path::new(
+                    <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&owner),
+                );
+                let alive = owner != dir && read_uid_file(&owner.join(UID_FILE)) == Some(uid);
+                if !alive {
+                    std::fs::write(&claim, me).map_err(|e| err(&claim, e))?;
+                }
+                alive
+            }
+            Err(e) => return Err(err(&claim, e)),
+        };
+        if taken {
+            continue;
+        }
+        let tmp = dir.join(format!("{UID_FILE}.tmp"));
+        std::fs::write(&tmp, uid.to_string()).map_err(|e| err(&tmp, e))?;
+        std::fs::rename(&tmp, &file).map_err(|e| err(&file, e))?;
+        tracing::info!(dir = %dir.display(), uid, "per-sandbox uid claimed for QEMU");
+        return Ok(VmUser { uid, gid: uid });
+    }
+    Err(format!(
+        "no free per-sandbox uid near {} in {}",
+        UID_BASE + start,
+        registry.display()
+    ))
+}
+
+/// The uid in a daemon-written (root-owned, regular, in range) uid file.
+fn read_uid_file(file: &Path) -> Option<u32> {
+    let md = std::fs::symlink_metadata(file).ok()?;
+    if !md.is_file() || md.uid() != nix::unistd::geteuid().as_raw() {
+        return None;
+    }
+    let uid: u32 = std::fs::read_to_string(file).ok()?.trim().parse().ok()?;
+    (UID_BASE..UID_BASE + UID_RANGE)
+        .contains(&uid)
+        .then_some(uid)
+}
+
 fn chown(p: &Path, uid: Option<u32>, gid: Option<u32>) -> std::io::Result<()> {
     std::os::unix::fs::lchown(p, uid, gid)
 }
@@ -98,31 +191,39 @@ pub fn give(file: &Path, u: VmUser) -> std::io::Result<()> {
     }
 }
 
-/// Whether `u` may read `file` by its mode bits (root's read-everything does not count).
-pub fn can_read(md: &std::fs::Metadata, u: VmUser) -> bool {
+/// Whether `u` (with the shared group `shared`) may read `file` by its mode bits (root's
+/// read-everything does not count).
+pub fn can_read(md: &std::fs::Metadata, u: VmUser, shared: u32) -> bool {
     let m = md.mode();
-    (md.uid() == u.uid && m & 0o400 != 0) || (md.gid() == u.gid && m & 0o040 != 0) || m & 0o004 != 0
+    (md.uid() == u.uid && m & 0o400 != 0)
+        || ((md.gid() == u.gid || md.gid() == shared) && m & 0o040 != 0)
+        || m & 0o004 != 0
 }
 
 /// A file QEMU only reads (kernel, initramfs, base images, a borrowed RAM file, a frozen
-/// layer): fine if the VM user can read it; a root-owned file the VM user cannot read gets the
-/// VM user's group with group read (never write). Anything else is an error naming the file.
-pub fn let_read(file: &Path, u: VmUser) -> Result<(), String> {
+/// layer): fine if `u` can read it as its owner or through the shared group `shared`;
+/// otherwise a root-owned file, or a file another sandbox's QEMU made (a frozen RAM file or
+/// disk layer it no longer writes), becomes root's with the shared group and group read
+/// (never write). Anything else is an error naming the file.
+pub fn let_read(file: &Path, u: VmUser, shared: u32) -> Result<(), String> {
     let md = std::fs::metadata(file).map_err(|e| format!("{}: {e}", file.display()))?;
-    if can_read(&md, u) {
+    // A file another sandbox's QEMU made stays writable by it until it is root's.
+    let other_sandbox = md.uid() != u.uid && (UID_BASE..UID_BASE + UID_RANGE).contains(&md.uid());
+    if !other_sandbox && can_read(&md, u, shared) {
         return Ok(());
     }
-    if md.uid() == 0 && md.is_file() {
+    if (md.uid() == 0 || other_sandbox) && md.is_file() {
         let real = std::fs::canonicalize(file).map_err(|e| format!("{}: {e}", file.display()))?;
-        chown(&real, None, Some(u.gid)).map_err(|e| format!("{}: {e}", real.display()))?;
-        let mode = (md.mode() & 0o7777 & !0o020) | 0o040;
+        chown(&real, Some(0), Some(shared)).map_err(|e| format!("{}: {e}", real.display()))?;
+        let mode = (md.mode() & 0o7777 & !0o6022) | 0o040;
         std::fs::set_permissions(&real, std::fs::Permissions::from_mode(mode))
             .map_err(|e| format!("{}: {e}", real.display()))?;
         return Ok(());
     }
     Err(format!(
-        "QEMU runs as `{VM_USER}`, which cannot read {} (owner uid {}, mode {:o}): make it \
-         readable for that user",
+        "QEMU runs as uid {} with the group `{VM_USER}`, which cannot read {} (owner uid {}, \
+         mode {:o}): make it readable for that group",
+        u.uid,
         file.display(),
         md.uid(),
         md.mode() & 0o7777
@@ -154,8 +255,8 @@ mod tests {
         ] {
             std::fs::set_permissions(&f, std::fs::Permissions::from_mode(mode)).expect("chmod");
             let md = std::fs::metadata(&f).expect("md");
-            assert_eq!(can_read(&md, me), mine, "mode {mode:o}");
-            assert_eq!(can_read(&md, other), theirs, "mode {mode:o}");
+            assert_eq!(can_read(&md, me, 4_000_001), mine, "mode {mode:o}");
+            assert_eq!(can_read(&md, other, 4_000_001), theirs, "mode {mode:o}");
         }
     }
 }

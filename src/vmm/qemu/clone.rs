@@ -53,7 +53,7 @@ impl QemuDriver {
         // QEMU sees only its own directory (jail.rs): a state file meant for elsewhere (a
         // golden snapshot's) is written there first and moved once QEMU has gone.
         let staged = if dest.starts_with(&vm.dir) {
-            self.jail.share_dir(&dest)?;
+            self.jail.share_dir(&dest, &vm.dir)?;
             None
         } else {
             Some(vm.dir.join("state.bin.pausing"))

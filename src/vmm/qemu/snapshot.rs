@@ -75,8 +75,8 @@ impl QemuDriver {
     ) -> Result<Checkpoint, VmmError> {
         std::fs::create_dir_all(dest).map_err(super::io_err(dest))?;
         let dest = abs(dest)?;
-        // QEMU writes the state file there (as the VM user under a root daemon).
-        self.jail.share_dir(&dest)?;
+        // QEMU writes the state file there (as the sandbox's uid under a root daemon).
+        self.jail.share_dir(&dest, &vm.dir)?;
         let next_overlay = absolute(next_overlay)?;
         let state = dest.join("state.bin");
         let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
