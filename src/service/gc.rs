@@ -358,6 +358,7 @@ impl Service {
                 if p.kind == "orphan_vm_dir" {
                     // Only a QEMU that this directory's vm.json proves is ours.
                     self.kill_leftover(&p.path).await;
+                    self.forget_vm_dir(&p.path);
                 }
                 match crate::safefs::remove_under(&self.paths.root, &p.path) {
                     Ok(()) => {

@@ -173,6 +173,7 @@ impl Service {
     async fn drop_pool_vm(&self, id: &str, dir: &Path) {
         self.kill_leftover(dir).await;
         self.stop_network(id);
+        self.forget_vm_dir(dir);
         if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {
             tracing::error!(sandbox = %id, error = %e, "cannot delete a pool VM's directory");
         }

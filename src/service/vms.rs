@@ -377,11 +377,20 @@ impl Service {
         }
     }
 
+    /// `dir`'s VM is gone and the directory is about to be deleted: the driver gives back
+    /// what it holds for it outside the directory (the per-sandbox uid claim).
+    pub(super) fn forget_vm_dir(&self, dir: &Path) {
+        if let Ok(d) = &self.vms.driver {
+            d.forget(dir);
+        }
+    }
+
     /// Kill whatever runs in `dir`, delete it (fenced) and forget the record.
     pub(super) async fn discard(&self, id: &str, dir: &Path) {
         self.kill_leftover(dir).await;
         self.stop_network(id);
         self.close_ports(id);
+        self.forget_vm_dir(dir);
         if let Err(e) = crate::safefs::remove_under(&self.paths.root, dir) {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the sandbox directory");
         }

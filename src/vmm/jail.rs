@@ -260,6 +260,16 @@ impl Jail {
             .map_err(|e| VmmError::Fence(format!("QEMU's mount namespace: {e}")))
     }
 
+    /// The VM directory `dir` is about to be deleted: give back its per-sandbox uid claim
+    /// (only a root daemon claims one). Idempotent; a failure is logged, never fatal.
+    pub(crate) fn forget(&self, dir: &Path) {
+        if self.is_root
+            && let Err(e) = user::release_ids(dir)
+        {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot give back the VM's uid claim");
+        }
+    }
+
     /// A directory QEMU is to write into (a checkpoint's directory), made by the caller.
     pub(crate) fn share_dir(&self, dir: &Path, vm_dir: &Path) -> Result<(), VmmError> {
         if self.vm_user()?.is_some() {
@@ -306,6 +316,13 @@ impl Jail {
     /// Remove empty cgroups of QEMUs that are gone (a VM that ended while no daemon ran, or
     /// whose daemon could not remove them). Returns how many went.
     pub fn sweep(&self) -> usize {
+        if self.is_root {
+            match user::sweep_claims() {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(removed = n, "removed stale per-sandbox uid claims"),
+                Err(e) => tracing::warn!(error = %e, "cannot sweep the per-sandbox uid claims"),
+            }
+        }
         let Ok(h) = &self.cgroups else {
             return 0;
         };

@@ -141,6 +141,9 @@ pub trait VmmDriver: Send + Sync {
     fn is_alive(&self, vm: &VmInfo) -> bool;
     /// After a daemon restart: the VM recorded in `dir`, if its VMM still runs.
     async fn reattach(&self, dir: &Path) -> Result<Option<VmInfo>, VmmError>;
+    /// The VM directory `dir` is about to be deleted (its VM is gone): give back what the
+    /// driver keeps for it outside it (QEMU: the per-sandbox uid claim). Idempotent.
+    fn forget(&self, _dir: &Path) {}
 }
 
 #[cfg(test)]

@@ -534,6 +534,10 @@ impl VmmDriver for QemuDriver {
         "qemu-microvm"
     }
 
+    fn forget(&self, dir: &Path) {
+        self.jail.forget(dir);
+    }
+
     async fn boot(&self, spec: &VmSpec) -> Result<VmInfo, VmmError> {
         check_id(&spec.id)?;
         let dir = abs(&spec.dir)?;

@@ -108,6 +108,9 @@ pub(crate) fn sandbox_ids_in(dir: &Path, registry: &Path) -> Result<VmUser, Stri
     std::fs::create_dir_all(registry).map_err(|e| err(registry, e))?;
     std::fs::set_permissions(registry, std::fs::Permissions::from_mode(0o700))
         .map_err(|e| err(registry, e))?;
+    // One claimer at a time on this host (daemons of several data roots share the registry):
+    // two of them must not both take over the same stale claim.
+    let _lock = lock_registry(registry)?;
     // Start from a hash of the directory (few collisions), then probe the next ones.
     let start = {
         use std::hash::{Hash, Hasher};
@@ -156,6 +159,80 @@ pub(crate) fn sandbox_ids_in(dir: &Path, registry: &Path) -> Result<VmUser, Stri
         UID_BASE + start,
         registry.display()
     ))
+}
+
+/// Give back the claim of the VM directory `dir`, which is about to be deleted: its registry
+/// entry goes when it still names `dir` (a claim taken over by another directory stays).
+/// Idempotent; a directory without a uid file has nothing to give back.
+pub fn release_ids(dir: &Path) -> Result<(), String> {
+    release_ids_in(dir, Path::new(UID_REGISTRY))
+}
+
+pub(crate) fn release_ids_in(dir: &Path, registry: &Path) -> Result<(), String> {
+    let Some(uid) = read_uid_file(&dir.join(UID_FILE)) else {
+        return Ok(());
+    };
+    let err = |p: &Path, e: std::io::Error| format!("{}: {e}", p.display());
+    let dir = std::fs::canonicalize(dir).map_err(|e| err(dir, e))?;
+    if !registry.is_dir() {
+        return Ok(());
+    }
+    let _lock = lock_registry(registry)?;
+    let claim = registry.join(uid.to_string());
+    match std::fs::read(&claim) {
+        Ok(owner) if owner == dir.as_os_str().as_encoded_bytes() => {
+            std::fs::remove_file(&claim).map_err(|e| err(&claim, e))?;
+            tracing::debug!(dir = %dir.display(), uid, "per-sandbox uid given back");
+            Ok(())
+        }
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(err(&claim, e)),
+    }
+}
+
+/// Remove the claims whose VM directory is gone or holds another uid (a sandbox deleted while
+/// no daemon ran, or by an older daemon that never gave claims back). Returns how many.
+pub fn sweep_claims() -> Result<usize, String> {
+    sweep_claims_in(Path::new(UID_REGISTRY))
+}
+
+pub(crate) fn sweep_claims_in(registry: &Path) -> Result<usize, String> {
+    if !registry.is_dir() {
+        return Ok(0);
+    }
+    let _lock = lock_registry(registry)?;
+    let rd = std::fs::read_dir(registry).map_err(|e| format!("{}: {e}", registry.display()))?;
+    let mut removed = 0;
+    for ent in rd.flatten() {
+        let Some(uid) = ent.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(owner) = std::fs::read(ent.path()) else {
+            continue;
+        };
+        let owner =
+            Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&owner));
+        if read_uid_file(&owner.join(UID_FILE)) != Some(uid)
+            && std::fs::remove_file(ent.path()).is_ok()
+        {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// An exclusive lock on the registry (`.lock` in it), held while claims are read and written.
+fn lock_registry(registry: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, String> {
+    let path = registry.join(".lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| format!("{}: {e}", path.display()))
 }
 
 /// The uid in a daemon-written (root-owned, regular, in range) uid file.
@@ -258,5 +335,62 @@ mod tests {
             assert_eq!(can_read(&md, me, 4_000_001), mine, "mode {mode:o}");
             assert_eq!(can_read(&md, other, 4_000_001), theirs, "mode {mode:o}");
         }
+    }
+}
+
+#[cfg(test)]
+mod claim_tests {
+    use super::*;
+
+    #[test]
+    fn a_deleted_sandbox_gives_its_uid_claim_back_and_stale_claims_are_swept() {
+        let t = tempfile::tempdir().expect("tmp");
+        let reg = t.path().join("reg");
+        let (a, b) = (t.path().join("a"), t.path().join("b"));
+        std::fs::create_dir(&a).expect("a");
+        std::fs::create_dir(&b).expect("b");
+        let ua = sandbox_ids_in(&a, &reg).expect("a's ids");
+        let ub = sandbox_ids_in(&b, &reg).expect("b's ids");
+        assert_ne!(ua.uid, ub.uid);
+        assert!(reg.join(ua.uid.to_string()).is_file());
+        // Idempotent, and only `a`'s claim goes.
+        release_ids_in(&a, &reg).expect("release");
+        release_ids_in(&a, &reg).expect("release again");
+        assert!(!reg.join(ua.uid.to_string()).exists());
+        assert!(reg.join(ub.uid.to_string()).is_file());
+        // `b` deleted without a release (a daemon that was not running): swept; a live claim
+        // stays.
+        let c = t.path().join("c");
+        std::fs::create_dir(&c).expect("c");
+        let uc = sandbox_ids_in(&c, &reg).expect("c's ids");
+        std::fs::remove_dir_all(&b).expect("rm b");
+        assert_eq!(sweep_claims_in(&reg).expect("sweep"), 1);
+        assert!(!reg.join(ub.uid.to_string()).exists());
+        assert!(reg.join(uc.uid.to_string()).is_file());
+        assert_eq!(sweep_claims_in(&reg).expect("sweep again"), 0);
+    }
+
+    #[test]
+    fn concurrent_claimers_never_share_a_uid() {
+        let t = tempfile::tempdir().expect("tmp");
+        let reg = t.path().join("reg");
+        let dirs: Vec<_> = (0..16)
+            .map(|i| {
+                let d = t.path().join(format!("d{i}"));
+                std::fs::create_dir(&d).expect("dir");
+                d
+            })
+            .collect();
+        let uids: Vec<u32> = std::thread::scope(|s| {
+            let hs: Vec<_> = dirs
+                .iter()
+                .map(|d| s.spawn(|| sandbox_ids_in(d, &reg).expect("ids").uid))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("join")).collect()
+        });
+        let mut u = uids.clone();
+        u.sort_unstable();
+        u.dedup();
+        assert_eq!(u.len(), uids.len(), "{uids:?}");
     }
 }
