@@ -9,6 +9,10 @@
 //! gate checked); puts the proxy's credentials in a log line, an event, an error or `Debug`
 //! output ([`UpstreamProxy::display`] masks them).
 
+// The dialer is tested but not yet called by the stack (README, "Known gap"); remove this
+// once `network::stack` routes flows through it.
+#![cfg_attr(not(test), allow(dead_code))]
+
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -294,7 +298,7 @@ pub fn resolve(
     let (url, source) = match config {
         Some(c) if c.trim().is_empty() => return Ok(None),
         Some(c) => (c.trim().to_owned(), ProxySource::Config),
-        None => match PROXY_ENV.iter().find_map(|v| nonempty(&v)) {
+        None => match PROXY_ENV.iter().find_map(nonempty) {
             Some((v, url)) => (url, ProxySource::Env(v)),
             None => return Ok(None),
         },
@@ -302,7 +306,7 @@ pub fn resolve(
     let mut proxy = parse_url(&url, &source)?;
     let (entries, no_source): (Vec<String>, Option<ProxySource>) = match config_no_proxy {
         Some(list) => (list.to_vec(), Some(ProxySource::Config)),
-        None => match NO_PROXY_ENV.iter().find_map(|v| nonempty(&v)) {
+        None => match NO_PROXY_ENV.iter().find_map(nonempty) {
             Some((v, s)) => (
                 s.split(',').map(|e| e.trim().to_owned()).collect(),
                 Some(ProxySource::Env(v)),
