@@ -53,6 +53,7 @@ pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> 
         e2fsprogs(),
         fence(&config.qemu_binary),
         guest_cas(&config.network),
+        upstream_proxy(&config.network, |v| std::env::var(v).ok()),
     ];
     checks.sort_by_key(|c| c.status == Status::Ok);
     let failed = checks.iter().filter(|c| c.status == Status::Fail).count();
@@ -512,6 +513,63 @@ fn guest_cas(cfg: &crate::config::NetworkConfig) -> Check {
         Status::Warn
     };
     Check::new("guest-ca", status, parts.join("; "))
+}
+
+/// The explicit upstream proxy (`[network] upstream_proxy`, else the daemon's
+/// `HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY`), credentials masked, and where it came from. The
+/// stack does not route through it yet: a warning says so.
+fn upstream_proxy(
+    cfg: &crate::config::NetworkConfig,
+    env: impl Fn(&str) -> Option<String>,
+) -> Check {
+    use crate::network::upstream_proxy::resolve;
+    match resolve(
+        cfg.upstream_proxy.as_deref(),
+        cfg.upstream_no_proxy.as_deref(),
+        env,
+    ) {
+        Err(e) => Check::new("proxy", Status::Fail, e.to_string()),
+        Ok(None) => Check::new("proxy", Status::Ok, "none: egress connects directly"),
+        Ok(Some(p)) => {
+            let no = match &p.no_proxy_source {
+                Some(s) => format!("; {} no-proxy entr(y/ies) from {s}", p.no_proxy_len()),
+                None => String::new(),
+            };
+            Check::new(
+                "proxy",
+                Status::Warn,
+                format!(
+                    "{} (from {}){no}; not used yet: the daemon still connects directly",
+                    p.display(),
+                    p.source
+                ),
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod proxy_tests {
+    use super::*;
+
+    #[test]
+    fn doctor_shows_the_proxy_masked_with_its_source() {
+        let mut cfg = crate::config::NetworkConfig::default();
+        let env = |v: &str| (v == "HTTPS_PROXY").then(|| "http://u:topsecret@p.corp:3128".into());
+        let c = upstream_proxy(&cfg, env);
+        assert!(c.detail.contains("http://***@p.corp:3128"), "{}", c.detail);
+        assert!(c.detail.contains("$HTTPS_PROXY") && !c.detail.contains("topsecret"));
+        cfg.upstream_proxy = Some(String::new());
+        assert_eq!(upstream_proxy(&cfg, env).status, Status::Ok);
+        cfg.upstream_proxy = Some("socks5://p:1080".into());
+        let c = upstream_proxy(&cfg, env);
+        assert_eq!(c.status, Status::Fail);
+        assert!(
+            c.detail.contains("[network] upstream_proxy"),
+            "{}",
+            c.detail
+        );
+    }
 }
 
 #[cfg(test)]
