@@ -516,8 +516,8 @@ fn guest_cas(cfg: &crate::config::NetworkConfig) -> Check {
 }
 
 /// The explicit upstream proxy (`[network] upstream_proxy`, else the daemon's
-/// `HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY`), credentials masked, and where it came from. The
-/// stack does not route through it yet: a warning says so.
+/// `HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY`), credentials masked, where it came from, and
+/// whether the proxy answers a TCP connect (it is not asked for a tunnel: no name is sent).
 fn upstream_proxy(
     cfg: &crate::config::NetworkConfig,
     env: impl Fn(&str) -> Option<String>,
@@ -535,11 +535,19 @@ fn upstream_proxy(
                 Some(s) => format!("; {} no-proxy entr(y/ies) from {s}", p.no_proxy_len()),
                 None => String::new(),
             };
+            let (status, reach) = match p.probe(std::time::Duration::from_secs(3)) {
+                Ok(()) => (Status::Ok, "answers".to_owned()),
+                Err(why) => (
+                    Status::Warn,
+                    format!("does NOT answer ({why}): guest egress through it will fail"),
+                ),
+            };
             Check::new(
                 "proxy",
-                Status::Warn,
+                status,
                 format!(
-                    "{} (from {}){no}; not used yet: the daemon still connects directly",
+                    "{} (from {}){no}; {reach}; guest egress goes through it (CONNECT by name; \
+                     no-proxy and loopback destinations directly)",
                     p.display(),
                     p.source
                 ),
@@ -553,12 +561,22 @@ mod proxy_tests {
     use super::*;
 
     #[test]
-    fn doctor_shows_the_proxy_masked_with_its_source() {
+    fn doctor_shows_the_proxy_masked_with_its_source_and_whether_it_answers() {
         let mut cfg = crate::config::NetworkConfig::default();
-        let env = |v: &str| (v == "HTTPS_PROXY").then(|| "http://u:topsecret@p.corp:3128".into());
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://u:topsecret@{}", l.local_addr().unwrap());
+        let env = |v: &str| (v == "HTTPS_PROXY").then(|| url.clone());
         let c = upstream_proxy(&cfg, env);
-        assert!(c.detail.contains("http://***@p.corp:3128"), "{}", c.detail);
+        let shown = format!("http://***@{}", l.local_addr().unwrap());
+        assert!(c.detail.contains(&shown), "{}", c.detail);
         assert!(c.detail.contains("$HTTPS_PROXY") && !c.detail.contains("topsecret"));
+        assert_eq!(c.status, Status::Ok, "{}", c.detail);
+        assert!(c.detail.contains("answers"), "{}", c.detail);
+        // Nothing listens there any more: a warning that says so, still masked.
+        drop(l);
+        let c = upstream_proxy(&cfg, env);
+        assert_eq!(c.status, Status::Warn, "{}", c.detail);
+        assert!(c.detail.contains("does NOT answer") && !c.detail.contains("topsecret"));
         cfg.upstream_proxy = Some(String::new());
         assert_eq!(upstream_proxy(&cfg, env).status, Status::Ok);
         cfg.upstream_proxy = Some("socks5://p:1080".into());

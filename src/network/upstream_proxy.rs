@@ -9,10 +9,6 @@
 //! gate checked); puts the proxy's credentials in a log line, an event, an error or `Debug`
 //! output ([`UpstreamProxy::display`] masks them).
 
-// The dialer is tested but not yet called by the stack (README, "Known gap"); remove this
-// once `network::stack` routes flows through it.
-#![cfg_attr(not(test), allow(dead_code))]
-
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -135,9 +131,14 @@ impl UpstreamProxy {
         self.no_proxy.len()
     }
 
-    /// Whether a connection to `addr` (known as `name`, if the gate checked one) goes directly.
+    /// Whether a connection to `addr` (known as `name`, if the gate checked one) goes directly:
+    /// loopback destinations always do (only the daemon's own test overrides map flows there);
+    /// others when the no-proxy list matches the name or the address.
     pub fn bypass(&self, name: Option<&str>, addr: SocketAddr) -> bool {
         let ip = canonical(addr.ip());
+        if ip.is_loopback() {
+            return true;
+        }
         let port = addr.port();
         let name = name.map(|n| n.trim_end_matches('.').to_ascii_lowercase());
         self.no_proxy.iter().any(|b| match b {
@@ -153,6 +154,42 @@ impl UpstreamProxy {
                     })
             }
         })
+    }
+
+    /// Whether connections to `name` go through the proxy whatever their port (no `*` and no
+    /// portless domain entry matches it): the sandbox resolver may then answer a name the host
+    /// cannot resolve with a synthetic address, since the proxy resolves it.
+    pub fn proxies_name(&self, name: &str) -> bool {
+        let n = name.trim_end_matches('.').to_ascii_lowercase();
+        !self.no_proxy.iter().any(|b| match b {
+            Bypass::All => true,
+            Bypass::Net(..) => false,
+            Bypass::Domain(d, port) => {
+                port.is_none()
+                    && (n == *d
+                        || (n.len() > d.len()
+                            && n.ends_with(d.as_str())
+                            && n.as_bytes()[n.len() - d.len() - 1] == b'.'))
+            }
+        })
+    }
+
+    /// Whether the proxy accepts a TCP connection (blocking, for `doctor`; no `CONNECT` is
+    /// sent). The error text never holds credentials.
+    pub fn probe(&self, timeout: std::time::Duration) -> Result<(), String> {
+        use std::net::ToSocketAddrs as _;
+        let addrs: Vec<SocketAddr> = (self.host.as_str(), self.port)
+            .to_socket_addrs()
+            .map_err(|e| format!("cannot resolve {}: {e}", self.host))?
+            .collect();
+        let mut last = format!("{} has no address", self.host);
+        for a in addrs {
+            match std::net::TcpStream::connect_timeout(&a, timeout) {
+                Ok(_) => return Ok(()),
+                Err(e) => last = format!("connect {a}: {e}"),
+            }
+        }
+        Err(last)
     }
 
     /// A TCP connection to the proxy itself (its name resolved by the host).
@@ -257,6 +294,16 @@ impl Dial {
         self.name
             .clone()
             .unwrap_or_else(|| canonical(self.addr.ip()).to_string())
+    }
+
+    /// A direct connection to `addr` (no proxy), e.g. for a test's upstream.
+    pub fn direct(addr: SocketAddr, name: Option<&str>) -> Dial {
+        Dial::route(addr, name, None)
+    }
+
+    /// Whether this route goes through the proxy.
+    pub fn via_proxy(&self) -> bool {
+        self.proxy.is_some()
     }
 
     pub async fn connect(&self) -> Result<TcpStream, DialError> {

@@ -238,3 +238,44 @@ async fn an_unreachable_proxy_is_a_clear_error() {
     );
     assert!(!e.contains("pw123456"), "{e}");
 }
+
+#[test]
+fn routing_loopback_always_direct_names_only_by_portless_entries_and_connect_target() {
+    let list: Vec<String> = ["corp.test", "svc.test:8443", "10.0.0.0/8"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let p = Arc::new(
+        resolve(Some("http://p:1"), Some(&list), env(&[]))
+            .unwrap()
+            .unwrap(),
+    );
+    // Loopback (only test overrides map flows there) never goes through the proxy.
+    for a in [
+        "127.0.0.1:443",
+        "127.8.9.1:80",
+        "[::1]:443",
+        "[::ffff:127.0.0.1]:443",
+    ] {
+        assert!(p.bypass(Some("far.test"), sa(a)), "{a}");
+        assert!(!Dial::route(sa(a), None, Some(&p)).via_proxy(), "{a}");
+    }
+    // Whether a lookup may be answered for the proxy: not for names the list sends directly
+    // on every port; a port-bound entry leaves the other ports to the proxy.
+    assert!(!p.proxies_name("corp.test") && !p.proxies_name("a.CORP.test."));
+    assert!(p.proxies_name("svc.test") && p.proxies_name("far.test"));
+    let all = resolve(Some("http://p:1"), Some(&["*".to_owned()]), env(&[]))
+        .unwrap()
+        .unwrap();
+    assert!(!all.proxies_name("far.test"));
+    // The CONNECT target: the checked name, else the address (IPv6 in brackets).
+    let far = sa("203.0.113.9:443");
+    let d = Dial::route(far, Some("far.test"), Some(&p));
+    assert!(d.via_proxy());
+    assert_eq!(d.target_host(), "far.test");
+    let d = Dial::route(far, None, Some(&p));
+    assert_eq!(d.target_host(), "203.0.113.9");
+    // No proxy at all: direct, whatever the name.
+    assert!(!Dial::route(far, Some("far.test"), None).via_proxy());
+    assert!(!Dial::direct(far, Some("far.test")).via_proxy());
+}

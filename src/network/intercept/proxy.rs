@@ -11,7 +11,6 @@
 //! to the guest as they are: the client follows them with new requests, each checked again.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use hyper::body::Incoming;
@@ -20,6 +19,8 @@ use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
+
+use crate::network::upstream_proxy::Dial;
 
 use super::body::{BoxError, ProxyBody, Transform, TransformBody, boxed, full};
 use super::git;
@@ -47,10 +48,11 @@ impl Sender {
     }
 }
 
-/// The upstream side of one flow: the first connection is the one the stack already made to the
-/// pinned address; a closed one is replaced by a new connection to the same address.
+/// The upstream side of one flow: the first connection is the one the stack already made (to
+/// the pinned address, or a tunnel through the upstream proxy); a closed one is replaced by a
+/// new one opened the same way ([`Dial`]: the same address, or `CONNECT` the same name).
 struct Upstream {
-    addr: SocketAddr,
+    dial: Dial,
     sni: String,
     /// `None`: a plaintext HTTP flow (block check only; nothing swapped or scrubbed).
     tls: Option<Arc<rustls::ClientConfig>>,
@@ -59,31 +61,43 @@ struct Upstream {
 }
 
 impl Upstream {
-    /// The upstream of a flow whose first connection (`upstream`, to the pinned address) the
-    /// stack already made; later ones go to the same address.
+    /// The upstream of a flow whose first connection (`upstream`) the stack already made;
+    /// later ones are opened by `dial`.
     fn new(
         upstream: TcpStream,
+        dial: Dial,
         sni: &str,
         tls: Option<Arc<rustls::ClientConfig>>,
-    ) -> Result<Upstream, InterceptError> {
-        Ok(Upstream {
-            addr: upstream.peer_addr().map_err(InterceptError::UpstreamIo)?,
+    ) -> Upstream {
+        Upstream {
+            dial,
             sni: sni.to_owned(),
             tls,
             first: std::sync::Mutex::new(Some(upstream)),
             cur: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// The first connection if unused, else a new one.
+    async fn tcp(&self) -> Result<TcpStream, InterceptError> {
+        let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let tcp = match first {
+            Some(s) => s,
+            None => self.fresh().await?,
+        };
+        let _ = tcp.set_nodelay(true);
+        Ok(tcp)
+    }
+
+    async fn fresh(&self) -> Result<TcpStream, InterceptError> {
+        self.dial.connect().await.map_err(|e| {
+            tracing::warn!(host = %self.sni, error = %e, "intercepted flow: upstream connection failed");
+            InterceptError::UpstreamDial(e)
         })
     }
 
     async fn connect(&self) -> Result<Sender, InterceptError> {
-        let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let tcp = match first {
-            Some(s) => s,
-            None => TcpStream::connect(self.addr)
-                .await
-                .map_err(InterceptError::UpstreamIo)?,
-        };
-        let _ = tcp.set_nodelay(true);
+        let tcp = self.tcp().await?;
         let Some(tls) = &self.tls else {
             let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
                 .await
@@ -173,21 +187,12 @@ impl Upstream {
         req: Request<ProxyBody>,
     ) -> Result<Response<Incoming>, InterceptError> {
         let Some(tls) = &self.tls else {
-            let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
-            let tcp = match first {
-                Some(s) => s,
-                None => TcpStream::connect(self.addr)
-                    .await
-                    .map_err(InterceptError::UpstreamIo)?,
-            };
-            let _ = tcp.set_nodelay(true);
+            let tcp = self.tcp().await?;
             return upgrade_on(TokioIo::new(tcp), req, &self.sni).await;
         };
         let mut cfg = (**tls).clone();
         cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let tcp = TcpStream::connect(self.addr)
-            .await
-            .map_err(InterceptError::UpstreamIo)?;
+        let tcp = self.fresh().await?;
         let _ = tcp.set_nodelay(true);
         let name = rustls::pki_types::ServerName::try_from(self.sni.clone())
             .map_err(|_| InterceptError::BadSni(self.sni.clone()))?;
@@ -253,12 +258,13 @@ pub(super) async fn serve<G>(
     icpt: Arc<Interceptor>,
     guest: G,
     upstream: TcpStream,
+    dial: Dial,
     sni: String,
 ) -> Result<(), InterceptError>
 where
     G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let up = Upstream::new(upstream, &sni, Some(icpt.upstream_tls.clone()))?;
+    let up = Upstream::new(upstream, dial, &sni, Some(icpt.upstream_tls.clone()));
     // Upstream first: a host whose certificate does not verify never gets a guest handshake.
     let first = up.connect().await?;
     *up.cur.lock().await = Some(first);
@@ -290,12 +296,13 @@ pub(super) async fn serve_plain<G>(
     icpt: Arc<Interceptor>,
     guest: G,
     upstream: TcpStream,
+    dial: Dial,
     host: String,
 ) -> Result<(), InterceptError>
 where
     G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let up = Upstream::new(upstream, &host, None)?;
+    let up = Upstream::new(upstream, dial, &host, None);
     let flow = Arc::new(Flow {
         icpt,
         sni: host,

@@ -295,7 +295,11 @@ pub(super) async fn guest_tls(
 )> {
     let (ours, theirs) = tokio::io::duplex(64 * 1024);
     let tcp = TcpStream::connect(h.addr).await.unwrap();
-    let task = tokio::spawn(h.icpt.clone().serve(theirs, tcp, HOST.to_string()));
+    let task = tokio::spawn({
+        let dial =
+            crate::network::upstream_proxy::Dial::direct(tcp.peer_addr().unwrap(), Some(HOST));
+        h.icpt.clone().serve(theirs, tcp, dial, HOST.to_string())
+    });
     let mut roots = rustls::RootCertStore::empty();
     use rustls::pki_types::pem::PemObject as _;
     roots
@@ -604,7 +608,11 @@ async fn an_untrusted_upstream_certificate_fails() {
     // ever answering the guest (a skipped verification would wait for the guest's handshake).
     let (ours, theirs) = tokio::io::duplex(64 * 1024);
     let tcp = TcpStream::connect(h.addr).await.unwrap();
-    let task = tokio::spawn(h.icpt.clone().serve(theirs, tcp, HOST.to_string()));
+    let task = tokio::spawn({
+        let dial =
+            crate::network::upstream_proxy::Dial::direct(tcp.peer_addr().unwrap(), Some(HOST));
+        h.icpt.clone().serve(theirs, tcp, dial, HOST.to_string())
+    });
     let r = tokio::time::timeout(std::time::Duration::from_secs(5), task)
         .await
         .expect("serve gave up on the untrusted upstream")
@@ -691,7 +699,13 @@ async fn plaintext_flows_check_every_request_and_never_swap() {
     let (addr, seen) = plain_upstream().await;
     let (ours, theirs) = tokio::io::duplex(64 * 1024);
     let tcp = TcpStream::connect(addr).await.unwrap();
-    tokio::spawn(h.icpt.clone().serve_plain(theirs, tcp, HOST.to_string()));
+    tokio::spawn({
+        let dial =
+            crate::network::upstream_proxy::Dial::direct(tcp.peer_addr().unwrap(), Some(HOST));
+        h.icpt
+            .clone()
+            .serve_plain(theirs, tcp, dial, HOST.to_string())
+    });
     let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(ours))
         .await
         .unwrap();

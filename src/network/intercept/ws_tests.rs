@@ -401,7 +401,13 @@ async fn websocket_over_plaintext_is_relayed_never_swapped_and_foreign_placehold
         async move {
             let (ours, theirs) = tokio::io::duplex(64 * 1024);
             let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-            tokio::spawn(icpt.serve_plain(theirs, tcp, HOST.to_string()));
+            tokio::spawn({
+                let dial = crate::network::upstream_proxy::Dial::direct(
+                    tcp.peer_addr().unwrap(),
+                    Some(HOST),
+                );
+                icpt.serve_plain(theirs, tcp, dial, HOST.to_string())
+            });
             let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(ours))
                 .await
                 .unwrap();
