@@ -21,6 +21,16 @@ pub const RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(198, 19, 0, 0), 16);
 /// Distinct names one sandbox gets synthetic addresses for.
 pub const MAX_NAMES: usize = 4096;
 
+/// Whether `ip` is in [`RANGE`].
+pub fn contains(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => u32::from(v4) >> (32 - RANGE.1) == u32::from(RANGE.0) >> (32 - RANGE.1),
+        IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .is_some_and(|v4| contains(IpAddr::V4(v4))),
+    }
+}
+
 #[derive(Default, Debug)]
 pub struct Synthetic {
     by_name: HashMap<String, Ipv4Addr>,
@@ -75,6 +85,10 @@ mod tests {
         assert!(net.contains(&a) && net.contains(&b) && a != RANGE.0);
         assert!(s.is_assigned(IpAddr::V4(a)));
         assert!(!s.is_assigned(IpAddr::V4(Ipv4Addr::new(198, 19, 200, 1))));
+        assert!(contains(IpAddr::V4(a)) && contains("::ffff:198.19.3.4".parse().unwrap()));
+        assert!(
+            !contains("198.18.0.1".parse().unwrap()) && !contains("198.20.0.1".parse().unwrap())
+        );
         for i in 2..MAX_NAMES {
             let ip = s.assign(&format!("n{i}.test")).unwrap();
             assert!(net.contains(&ip), "{ip}");

@@ -22,6 +22,7 @@ use super::AbortOnDrop;
 use super::engine::{Event, Key, guest_finished, relay_step};
 use super::flow::{CHUNK, Opening, Phase, TcpFlow};
 use crate::network::gate::{FlowEvent, Inspect, InspectVerdict, SharedGate};
+use crate::network::policy::synthetic;
 use crate::network::upstream_proxy::{Dial, DialError, UpstreamProxy};
 
 /// What [`inspect_step`] needs from the engine.
@@ -45,6 +46,12 @@ pub(super) async fn first_connect(
     timeout: Duration,
 ) -> Result<(TcpStream, Option<Arc<UpstreamProxy>>), String> {
     let route = Dial::route(upstream, None, proxy.as_ref());
+    if proxy.is_some() && route.proxy.is_none() && synthetic::contains(upstream.ip()) {
+        // Only the proxy knows the name behind it (a no-proxy CIDR covers the range).
+        return Err(format!(
+            "{upstream} is a synthetic answer for the upstream proxy; a no-proxy entry sends it              directly, where nothing can reach it"
+        ));
+    }
     let work = async {
         match &route.proxy {
             Some(p) if inspect != Inspect::Nothing => {

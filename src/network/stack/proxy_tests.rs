@@ -251,3 +251,33 @@ async fn a_no_proxy_name_drops_the_proxy_connection_and_goes_directly() {
         .await;
     assert_eq!(proxy.seen.connects(), vec!["good.test:443".to_owned()]);
 }
+
+#[tokio::test]
+async fn a_synthetic_address_is_never_connected_directly() {
+    let proxy = kit::start(Rules::default()).await;
+    let gate = Arc::new(TestGate::default());
+    // A no-proxy CIDR that covers the synthetic range would send the flow directly.
+    *gate.proxy.lock().unwrap() = Some(proxy_for(proxy.addr, &["198.16.0.0/12"]));
+    gate.allow(
+        "198.19.0.5:443",
+        "198.19.0.5:443".parse().unwrap(),
+        Inspect::TlsSni,
+    );
+    let (mut g, _) = start(gate.clone(), StackConfig::default());
+    let h = g.tcp("198.19.0.5:443", 4096);
+    let mut seen_established = false;
+    g.until("reset", |g| {
+        seen_established |= g.t(h).state() == tcp::State::Established;
+        g.t(h).state() == tcp::State::Closed
+    })
+    .await;
+    assert!(!seen_established);
+    assert!(
+        gate.events().iter().any(
+            |e| matches!(e, FlowEvent::UpstreamFailed { error, .. } if error.contains("synthetic"))
+        ),
+        "{:?}",
+        gate.events()
+    );
+    assert_eq!(proxy.seen.accepts.load(Ordering::SeqCst), 0);
+}
