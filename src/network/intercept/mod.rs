@@ -7,7 +7,7 @@
 //! Owns: the per-sandbox CA (`ca.rs`), the TLS configs of both ends (`tls.rs`), the per-flow
 //! HTTP proxy (`proxy.rs`), the request swap and block check (`swap.rs`), the streaming
 //! scrubber and decoders (`scrub.rs`), gRPC's per-message scrub (`grpc.rs`), WebSocket
-//! upgrades and their frame scrub (`ws.rs`), the body adapter (`body.rs`), the git proxy's hook
+//! upgrades and their frame scrub (`ws.rs`) and watch (`ws_watch.rs`: audit, last used), the body adapter (`body.rs`), the git proxy's hook
 //! (`git.rs`: token injection, push screening, forge API checks).
 //! Never: lets a value reach the guest, a log line, an event or an error text; skips upstream
 //! certificate verification; intercepts a host without a secret (those stay pass-through).
@@ -27,6 +27,7 @@ pub mod scrub;
 pub mod swap;
 pub mod tls;
 pub mod ws;
+pub mod ws_watch;
 
 #[cfg(test)]
 mod git_real_tests;

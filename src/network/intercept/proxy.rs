@@ -20,6 +20,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
+use super::ws_watch::FrameWatch;
 use crate::network::upstream_proxy::Dial;
 
 use super::body::{BoxError, ProxyBody, Transform, TransformBody, boxed, full};
@@ -615,7 +616,8 @@ impl Flow {
                         "the upstream switched protocols unasked",
                     ));
                 };
-                return Ok(self.upgraded(resp, guest, None, String::new(), None));
+                let watch = FrameWatch::new(self.icpt.clone(), &snap, &self.sni, &[]);
+                return Ok(self.upgraded(resp, guest, None, String::new(), (None, watch)));
             }
             let (mut rp, rbody) = resp.into_parts();
             strip_hop_by_hop(&mut rp.headers);
@@ -660,6 +662,11 @@ impl Flow {
             self.icpt.used(&snap.bindings[i].name);
         }
         let mut scrub_set: Vec<usize> = sw.used.clone();
+        let frames_swapped = if body_swap.is_some() {
+            in_body.clone()
+        } else {
+            Vec::new()
+        };
         scrub_set.extend(in_body);
         scrub_set.sort_unstable();
         scrub_set.dedup();
@@ -729,7 +736,8 @@ impl Flow {
                 .iter()
                 .map(|&i| snap.bindings[i].name.as_str())
                 .collect();
-            return Ok(self.upgraded(resp, guest, scrubber, names.join(","), body_swap));
+            let watch = FrameWatch::new(self.icpt.clone(), &snap, &self.sni, &frames_swapped);
+            return Ok(self.upgraded(resp, guest, scrubber, names.join(","), (body_swap, watch)));
         }
         let (mut rp, rbody) = resp.into_parts();
         strip_hop_by_hop(&mut rp.headers);
@@ -795,14 +803,15 @@ impl Flow {
 impl Flow {
     /// Answer the guest's WebSocket handshake with the upstream's 101 and relay the upgraded
     /// connection (`ws.rs`); frames toward the guest are scrubbed when a value may have been
-    /// sent, and the guest's frames have placeholders swapped with `swap` (`--in-body`).
+    /// sent, and the guest's frames have placeholders swapped with `swap` (`--in-body`) and
+    /// are watched by `watch` (audit, last used).
     fn upgraded(
         &self,
         mut resp: Response<Incoming>,
         guest: hyper::upgrade::OnUpgrade,
         scrubber: Option<Arc<Replacer>>,
         names: String,
-        swap: Option<Arc<Replacer>>,
+        (swap, watch): (Option<Arc<Replacer>>, Option<FrameWatch>),
     ) -> Response<ProxyBody> {
         if resp
             .headers()
@@ -824,10 +833,10 @@ impl Flow {
         tokio::spawn(ws::relay(
             self.icpt.clone(),
             self.sni.clone(),
-            guest,
-            upstream,
+            (guest, upstream),
             scrub,
             swap,
+            watch,
         ));
         Response::from_parts(rp, full(""))
     }

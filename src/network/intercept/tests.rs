@@ -236,7 +236,7 @@ pub(super) struct Harness {
     /// `(secret, host)` of refused placeholders.
     pub(super) blocked: Arc<Mutex<Vec<(String, String)>>>,
     /// `(secret, host)` of audited ones (in bodies).
-    audited: Arc<Mutex<Vec<(String, String)>>>,
+    pub(super) audited: Arc<Mutex<Vec<(String, String)>>>,
     _dir: tempfile::TempDir,
 }
 

@@ -559,3 +559,47 @@ async fn http2_extended_connect_is_not_offered_and_is_refused() {
     assert_eq!(seen.len(), before, "{seen:?}");
     assert!(seen.iter().all(|l| !l.contains(VAL)));
 }
+
+#[tokio::test]
+async fn frames_mark_swapped_secrets_used_and_audit_other_secrets_placeholders() {
+    use super::tests::PH2;
+    let h = tungstenite_upstream().await;
+    let used: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let u = used.clone();
+    h.icpt.set_used_sink(std::sync::Arc::new(move |name: &str| {
+        u.lock().unwrap().push(name.to_owned())
+    }));
+    let (mut io, _) = upgrade(&h).await;
+    // The handshake's Authorization was swapped: used once.
+    assert_eq!(used.lock().unwrap().as_slice(), ["KEY"]);
+    // Another secret's placeholder (twice, split across fragments): unchanged upstream,
+    // audited once for the message; again in the next message: audited again.
+    let m = format!("tool output {PH2} and {PH2}");
+    let frames = [
+        client_frame(1, false, &m.as_bytes()[..20]),
+        client_frame(0, true, &m.as_bytes()[20..]),
+        client_frame(1, true, format!("again {PH2}").as_bytes()),
+        // The swapped secret's placeholder: marks it used.
+        client_frame(1, true, format!("key {PH}").as_bytes()),
+        client_frame(1, true, b"nothing here"),
+    ]
+    .concat();
+    for c in frames.chunks(7) {
+        io.write_all(c).await.unwrap();
+        io.flush().await.unwrap();
+    }
+    let seen = seen_n(&h.seen, 5).await;
+    assert_eq!(seen[1], format!("text={m}"), "{seen:?}");
+    assert_eq!(seen[2], format!("text=again {PH2}"), "{seen:?}");
+    assert_eq!(seen[3], format!("text=key {VAL}"), "{seen:?}");
+    assert_eq!(seen[4], "text=nothing here", "{seen:?}");
+    assert_eq!(
+        h.audited.lock().unwrap().as_slice(),
+        [
+            ("OTHER".to_string(), HOST.to_string()),
+            ("OTHER".to_string(), HOST.to_string())
+        ]
+    );
+    assert!(h.blocked.lock().unwrap().is_empty());
+    assert_eq!(used.lock().unwrap().as_slice(), ["KEY", "KEY"]);
+}
