@@ -539,7 +539,7 @@ fn upstream_proxy(
                 Ok(()) => (Status::Ok, "answers".to_owned()),
                 Err(why) => (
                     Status::Warn,
-                    format!("does NOT answer ({why}): guest egress through it will fail"),
+                    format!("does NOT answer ({why}): the flows it should carry are reset"),
                 ),
             };
             Check::new(
