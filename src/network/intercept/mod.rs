@@ -7,7 +7,7 @@
 //! Owns: the per-sandbox CA (`ca.rs`), the TLS configs of both ends (`tls.rs`), the per-flow
 //! HTTP proxy (`proxy.rs`), the request swap and block check (`swap.rs`), the streaming
 //! scrubber and decoders (`scrub.rs`), gRPC's per-message scrub (`grpc.rs`), WebSocket
-//! upgrades and their frame scrub (`ws.rs`) and watch (`ws_watch.rs`: audit, last used), the body adapter (`body.rs`), the git proxy's hook
+//! upgrades and their frame scrub (`ws.rs`) and watch (`ws_watch.rs`: audit, last used), the body adapter (`body.rs`), the request-body audit (`audit.rs`), the git proxy's hook
 //! (`git.rs`: token injection, push screening, forge API checks).
 //! Never: lets a value reach the guest, a log line, an event or an error text; skips upstream
 //! certificate verification; intercepts a host without a secret (those stay pass-through).
@@ -18,6 +18,7 @@
 //! when the daemon has an upstream proxy) to [`Interceptor::serve`], with the [`Dial`] that
 //! opens its later upstream connections (new requests, WebSocket upgrades, the git proxy's).
 
+pub mod audit;
 pub mod body;
 pub mod ca;
 pub mod git;

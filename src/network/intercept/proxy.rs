@@ -20,6 +20,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
+use super::audit::audit;
 use super::ws_watch::FrameWatch;
 use crate::network::upstream_proxy::Dial;
 
@@ -371,77 +372,6 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
     if te_trailers {
         h.insert(header::TE, HeaderValue::from_static("trailers"));
     }
-}
-
-/// Watches a request body for the placeholders of secrets that do not serve the host: passed
-/// through unchanged, each one found is reported once at the end (`secret.in_body`).
-struct Audit {
-    icpt: Arc<Interceptor>,
-    host: String,
-    names: Vec<String>,
-    ac: aho_corasick::AhoCorasick,
-    max_len: usize,
-    carry: Vec<u8>,
-    found: Vec<bool>,
-}
-
-impl Audit {
-    fn new(icpt: Arc<Interceptor>, host: &str, found: Vec<(String, String)>) -> Option<Audit> {
-        if found.is_empty() {
-            return None;
-        }
-        let ac = aho_corasick::AhoCorasick::builder()
-            .ascii_case_insensitive(true)
-            .build(found.iter().map(|(_, p)| p))
-            .ok()?;
-        Some(Audit {
-            icpt,
-            host: host.to_owned(),
-            max_len: found.iter().map(|(_, p)| p.len()).max().unwrap_or(1),
-            found: vec![false; found.len()],
-            names: found.into_iter().map(|(n, _)| n).collect(),
-            ac,
-            carry: Vec::new(),
-        })
-    }
-}
-
-impl Transform for Audit {
-    fn push(&mut self, chunk: &[u8]) -> Result<Vec<u8>, BoxError> {
-        let mut buf = std::mem::take(&mut self.carry);
-        buf.extend_from_slice(chunk);
-        for m in self.ac.find_iter(&buf) {
-            self.found[m.pattern().as_usize()] = true;
-        }
-        let keep = buf.len().min(self.max_len.saturating_sub(1));
-        self.carry = buf[buf.len() - keep..].to_vec();
-        Ok(chunk.to_vec())
-    }
-    fn finish(&mut self) -> Result<Vec<u8>, BoxError> {
-        for (i, hit) in self.found.iter().enumerate() {
-            if *hit {
-                let b = Blocked {
-                    secret: self.names[i].clone(),
-                    position: "body".into(),
-                    refused: false,
-                };
-                self.icpt.blocked(&b, &self.host);
-            }
-        }
-        self.found.iter_mut().for_each(|f| *f = false);
-        Ok(Vec::new())
-    }
-}
-
-/// The request-body audit of a flow to `host`, if any secret does not serve it.
-fn audit(icpt: &Arc<Interceptor>, snap: &crate::secrets::Snapshot, host: &str) -> Option<Audit> {
-    let others = snap
-        .bindings
-        .iter()
-        .filter(|b| !b.serves(host))
-        .map(|b| (b.name.clone(), b.placeholder.clone()))
-        .collect();
-    Audit::new(icpt.clone(), host, others)
 }
 
 /// Response decoding and scrubbing.
