@@ -357,6 +357,17 @@ pub struct NetworkConfig {
     /// and `.pem` files, PEM, only CA certificates). Default:
     /// `["/usr/local/share/ca-certificates", "/etc/pki/ca-trust/source/anchors"]`.
     pub host_ca_dirs: Vec<std::path::PathBuf>,
+    /// The explicit proxy guest egress goes through, `http://[user:pass@]host:port`
+    /// (`CONNECT name:port`; only http:// proxies, others are a config error). Unset: the
+    /// first non-empty of `https_proxy`, `HTTPS_PROXY`, `http_proxy`, `HTTP_PROXY`,
+    /// `all_proxy`, `ALL_PROXY` in the daemon's environment; `""` turns it off. Credentials
+    /// are never shown (`tryboxi doctor` masks them). Names the host cannot resolve get
+    /// synthetic DNS answers for the proxy (README, "Explicit proxy"). Default: unset.
+    pub upstream_proxy: Option<String>,
+    /// Destinations that skip `upstream_proxy`: `*`, domains (`example.com`, `.example.com`:
+    /// the name and its subdomains), IPs and CIDRs, each optionally with `:port`. Unset:
+    /// `no_proxy`/`NO_PROXY` from the daemon's environment. Default: unset.
+    pub upstream_no_proxy: Option<Vec<String>>,
 }
 
 impl Default for NetworkConfig {
@@ -372,6 +383,8 @@ impl Default for NetworkConfig {
                 .iter()
                 .map(std::path::PathBuf::from)
                 .collect(),
+            upstream_proxy: None,
+            upstream_no_proxy: None,
         }
     }
 }

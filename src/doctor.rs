@@ -53,6 +53,7 @@ pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> 
         e2fsprogs(),
         fence(&config.qemu_binary),
         guest_cas(&config.network),
+        upstream_proxy(&config.network, |v| std::env::var(v).ok()),
     ];
     checks.sort_by_key(|c| c.status == Status::Ok);
     let failed = checks.iter().filter(|c| c.status == Status::Fail).count();
@@ -512,6 +513,81 @@ fn guest_cas(cfg: &crate::config::NetworkConfig) -> Check {
         Status::Warn
     };
     Check::new("guest-ca", status, parts.join("; "))
+}
+
+/// The explicit upstream proxy (`[network] upstream_proxy`, else the daemon's
+/// `HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY`), credentials masked, where it came from, and
+/// whether the proxy answers a TCP connect (it is not asked for a tunnel: no name is sent).
+fn upstream_proxy(
+    cfg: &crate::config::NetworkConfig,
+    env: impl Fn(&str) -> Option<String>,
+) -> Check {
+    use crate::network::upstream_proxy::resolve;
+    match resolve(
+        cfg.upstream_proxy.as_deref(),
+        cfg.upstream_no_proxy.as_deref(),
+        env,
+    ) {
+        Err(e) => Check::new("proxy", Status::Fail, e.to_string()),
+        Ok(None) => Check::new("proxy", Status::Ok, "none: egress connects directly"),
+        Ok(Some(p)) => {
+            let no = match &p.no_proxy_source {
+                Some(s) => format!("; {} no-proxy entr(y/ies) from {s}", p.no_proxy_len()),
+                None => String::new(),
+            };
+            let (status, reach) = match p.probe(std::time::Duration::from_secs(3)) {
+                Ok(()) => (Status::Ok, "answers".to_owned()),
+                Err(why) => (
+                    Status::Warn,
+                    format!("does NOT answer ({why}): the flows it should carry are reset"),
+                ),
+            };
+            Check::new(
+                "proxy",
+                status,
+                format!(
+                    "{} (from {}){no}; {reach}; guest egress goes through it (CONNECT by name; \
+                     no-proxy and loopback destinations directly)",
+                    p.display(),
+                    p.source
+                ),
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod proxy_tests {
+    use super::*;
+
+    #[test]
+    fn doctor_shows_the_proxy_masked_with_its_source_and_whether_it_answers() {
+        let mut cfg = crate::config::NetworkConfig::default();
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://u:topsecret@{}", l.local_addr().unwrap());
+        let env = |v: &str| (v == "HTTPS_PROXY").then(|| url.clone());
+        let c = upstream_proxy(&cfg, env);
+        let shown = format!("http://***@{}", l.local_addr().unwrap());
+        assert!(c.detail.contains(&shown), "{}", c.detail);
+        assert!(c.detail.contains("$HTTPS_PROXY") && !c.detail.contains("topsecret"));
+        assert_eq!(c.status, Status::Ok, "{}", c.detail);
+        assert!(c.detail.contains("answers"), "{}", c.detail);
+        // Nothing listens there any more: a warning that says so, still masked.
+        drop(l);
+        let c = upstream_proxy(&cfg, env);
+        assert_eq!(c.status, Status::Warn, "{}", c.detail);
+        assert!(c.detail.contains("does NOT answer") && !c.detail.contains("topsecret"));
+        cfg.upstream_proxy = Some(String::new());
+        assert_eq!(upstream_proxy(&cfg, env).status, Status::Ok);
+        cfg.upstream_proxy = Some("socks5://p:1080".into());
+        let c = upstream_proxy(&cfg, env);
+        assert_eq!(c.status, Status::Fail);
+        assert!(
+            c.detail.contains("[network] upstream_proxy"),
+            "{}",
+            c.detail
+        );
+    }
 }
 
 #[cfg(test)]

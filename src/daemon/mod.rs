@@ -169,6 +169,18 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
         ),
         None => None,
     };
+    // A proxy setting that cannot be honoured stops the start (its text never quotes a
+    // password). The network side (`service::netpolicy`) reads the same setting.
+    match crate::network::upstream_proxy::from_env(
+        config.network.upstream_proxy.as_deref(),
+        config.network.upstream_no_proxy.as_deref(),
+    ) {
+        Err(e) => return Err(DaemonError::Setup(e.to_string())),
+        Ok(Some(p)) => {
+            tracing::info!(proxy = %p.display(), source = %p.source, no_proxy_entries = p.no_proxy_len(), "guest egress goes through the upstream proxy (CONNECT by name)")
+        }
+        Ok(None) => {}
+    }
     let svc = Arc::new(Service::new(
         paths.clone(),
         config,

@@ -14,6 +14,11 @@
 //!    (UDP or TCP port 53 on [`GATEWAY_V4`]); the answer bytes go back to the guest verbatim.
 //! 4. [`Gate::record`] once per flow outcome, for events and metrics.
 //!
+//! When [`Gate::upstream_proxy`] gives a proxy, the stack's upstream connection goes to the
+//! proxy instead: at SYN time a TCP connection to the proxy (so a dead proxy is still a RST
+//! before the guest's handshake), and `CONNECT <name the gate allowed>:<port>` once
+//! [`Gate::inspect`] allowed the name (flows without inspection: `CONNECT <ip>:<port>` at once).
+//!
 //! An inspected flow the gate allows may instead be handed off ([`InspectVerdict::Intercept`]):
 //! the stack then relays the guest's bytes (the held first bytes included) to the handler over
 //! an in-memory pipe and gives it the already-connected upstream socket, instead of splicing the
@@ -26,6 +31,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
+
+use super::upstream_proxy::{Dial, UpstreamProxy};
 
 pub const PREFIX_LEN_V4: u8 = 24;
 /// The gateway; also the sandbox's DNS resolver. Nothing else on it answers.
@@ -72,9 +79,11 @@ pub enum ConnectVerdict {
     },
 }
 
-/// The handler of an intercepted flow: `(guest side of the pipe, connected upstream socket)`.
-pub type HandoffFn =
-    dyn Fn(tokio::io::DuplexStream, tokio::net::TcpStream) -> BoxFuture<'static, ()> + Send + Sync;
+/// The handler of an intercepted flow: `(guest side of the pipe, connected upstream socket (a
+/// tunnel when the flow goes through the upstream proxy), how to open more like it)`.
+pub type HandoffFn = dyn Fn(tokio::io::DuplexStream, tokio::net::TcpStream, Dial) -> BoxFuture<'static, ()>
+    + Send
+    + Sync;
 
 /// A flow handler (compared by identity).
 #[derive(Clone)]
@@ -147,6 +156,11 @@ pub trait Gate: Send + Sync + 'static {
     /// A DNS query message from the guest; returns the response message, or `None` to drop it.
     fn dns(&self, query: Vec<u8>) -> BoxFuture<'static, Option<Vec<u8>>>;
     fn record(&self, event: FlowEvent);
+    /// The explicit upstream proxy allowed flows go through (unless its no-proxy list or
+    /// loopback exempts them), if the daemon has one.
+    fn upstream_proxy(&self) -> Option<Arc<UpstreamProxy>> {
+        None
+    }
 }
 
 pub type SharedGate = Arc<dyn Gate>;

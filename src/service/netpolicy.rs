@@ -82,6 +82,18 @@ impl Networks {
         }
         settings.upstream_map = cfg.test_upstream_map.clone().into_iter().collect();
         settings.intercept_tls = intercept_tls(cfg);
+        // The daemon refuses to start on a setting it cannot honour (`daemon::serve`), so an
+        // error here is only possible for a library caller; it then connects directly.
+        settings.upstream_proxy = match crate::network::upstream_proxy::from_env(
+            cfg.upstream_proxy.as_deref(),
+            cfg.upstream_no_proxy.as_deref(),
+        ) {
+            Ok(p) => p.map(Arc::new),
+            Err(e) => {
+                tracing::warn!(error = %e, "upstream proxy setting ignored: egress connects directly");
+                None
+            }
+        };
         if !settings.static_hosts.is_empty() || !settings.upstream_map.is_empty() {
             tracing::warn!(
                 hosts = settings.static_hosts.len(),

@@ -83,6 +83,13 @@ impl Daemon {
             .args(extra)
             .env("TRYBOXI_HOME", self.home.path())
             .env("TRYBOXI_LOG", "debug")
+            // The daemon honours these; the tests set a proxy in its config when they want one.
+            .env_remove("https_proxy")
+            .env_remove("HTTPS_PROXY")
+            .env_remove("http_proxy")
+            .env_remove("HTTP_PROXY")
+            .env_remove("all_proxy")
+            .env_remove("ALL_PROXY")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())

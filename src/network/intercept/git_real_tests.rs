@@ -221,7 +221,13 @@ async fn real_git_clones_and_pushes_through_the_interceptor() {
     tokio::spawn(async move {
         while let Ok((guest, _)) = l.accept().await {
             let up = TcpStream::connect(up_addr).await.unwrap();
-            tokio::spawn(icpt.clone().serve(guest, up, GHOST.to_string()));
+            tokio::spawn({
+                let dial = crate::network::upstream_proxy::Dial::direct(
+                    up.peer_addr().unwrap(),
+                    Some(GHOST),
+                );
+                icpt.clone().serve(guest, up, dial, GHOST.to_string())
+            });
         }
     });
     // git trusts only the sandbox CA and resolves git.test to the listener.

@@ -7,15 +7,18 @@
 //! Owns: the per-sandbox CA (`ca.rs`), the TLS configs of both ends (`tls.rs`), the per-flow
 //! HTTP proxy (`proxy.rs`), the request swap and block check (`swap.rs`), the streaming
 //! scrubber and decoders (`scrub.rs`), gRPC's per-message scrub (`grpc.rs`), WebSocket
-//! upgrades and their frame scrub (`ws.rs`), the body adapter (`body.rs`), the git proxy's hook
+//! upgrades and their frame scrub (`ws.rs`) and watch (`ws_watch.rs`: audit, last used), the body adapter (`body.rs`), the request-body audit (`audit.rs`), the git proxy's hook
 //! (`git.rs`: token injection, push screening, forge API checks).
 //! Never: lets a value reach the guest, a log line, an event or an error text; skips upstream
 //! certificate verification; intercepts a host without a secret (those stay pass-through).
 //!
 //! The policy gate decides first (policy, DNS pin, SNI); only then, if the SNI is one of
 //! [`Snapshot::intercepted_hosts`](crate::secrets::Snapshot::intercepted_hosts), the stack
-//! hands the flow's guest bytes and its already-connected upstream socket to [`Interceptor::serve`].
+//! hands the flow's guest bytes and its already-connected upstream socket (a `CONNECT` tunnel
+//! when the daemon has an upstream proxy) to [`Interceptor::serve`], with the [`Dial`] that
+//! opens its later upstream connections (new requests, WebSocket upgrades, the git proxy's).
 
+pub mod audit;
 pub mod body;
 pub mod ca;
 pub mod git;
@@ -25,6 +28,7 @@ pub mod scrub;
 pub mod swap;
 pub mod tls;
 pub mod ws;
+pub mod ws_watch;
 
 #[cfg(test)]
 mod git_real_tests;
@@ -45,12 +49,13 @@ use tokio::net::TcpStream;
 pub use ca::SandboxCa;
 pub use swap::Blocked;
 
+use crate::network::upstream_proxy::Dial;
 use crate::secrets::SandboxSecrets;
 
 #[derive(Debug, thiserror::Error)]
 pub enum InterceptError {
     #[error("upstream connection: {0}")]
-    UpstreamIo(#[source] std::io::Error),
+    UpstreamDial(#[source] crate::network::upstream_proxy::DialError),
     #[error("upstream TLS: {0}")]
     UpstreamTls(#[source] std::io::Error),
     #[error("upstream HTTP: {0}")]
@@ -159,12 +164,13 @@ impl Interceptor {
         self: Arc<Self>,
         guest: G,
         upstream: TcpStream,
+        dial: Dial,
         host: String,
     ) -> Result<(), InterceptError>
     where
         G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        proxy::serve_plain(self, guest, upstream, host).await
+        proxy::serve_plain(self, guest, upstream, dial, host).await
     }
 
     /// Whether TLS flows to `host` (normalised, lowercase) are intercepted now. A host new to
@@ -190,16 +196,18 @@ impl Interceptor {
     }
 
     /// Serve one intercepted flow: `guest` carries the guest's TLS bytes (from its ClientHello
-    /// on), `upstream` is connected to the pinned address, `sni` passed the gate.
+    /// on), `upstream` is connected to the pinned address (or tunnelled to `sni` through the
+    /// upstream proxy), `dial` opens later connections the same way, `sni` passed the gate.
     pub async fn serve<G>(
         self: Arc<Self>,
         guest: G,
         upstream: TcpStream,
+        dial: Dial,
         sni: String,
     ) -> Result<(), InterceptError>
     where
         G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        proxy::serve(self, guest, upstream, sni).await
+        proxy::serve(self, guest, upstream, dial, sni).await
     }
 }

@@ -11,7 +11,6 @@
 //! to the guest as they are: the client follows them with new requests, each checked again.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use hyper::body::Incoming;
@@ -20,6 +19,10 @@ use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
+
+use super::audit::audit;
+use super::ws_watch::FrameWatch;
+use crate::network::upstream_proxy::Dial;
 
 use super::body::{BoxError, ProxyBody, Transform, TransformBody, boxed, full};
 use super::git;
@@ -47,10 +50,11 @@ impl Sender {
     }
 }
 
-/// The upstream side of one flow: the first connection is the one the stack already made to the
-/// pinned address; a closed one is replaced by a new connection to the same address.
+/// The upstream side of one flow: the first connection is the one the stack already made (to
+/// the pinned address, or a tunnel through the upstream proxy); a closed one is replaced by a
+/// new one opened the same way ([`Dial`]: the same address, or `CONNECT` the same name).
 struct Upstream {
-    addr: SocketAddr,
+    dial: Dial,
     sni: String,
     /// `None`: a plaintext HTTP flow (block check only; nothing swapped or scrubbed).
     tls: Option<Arc<rustls::ClientConfig>>,
@@ -59,31 +63,43 @@ struct Upstream {
 }
 
 impl Upstream {
-    /// The upstream of a flow whose first connection (`upstream`, to the pinned address) the
-    /// stack already made; later ones go to the same address.
+    /// The upstream of a flow whose first connection (`upstream`) the stack already made;
+    /// later ones are opened by `dial`.
     fn new(
         upstream: TcpStream,
+        dial: Dial,
         sni: &str,
         tls: Option<Arc<rustls::ClientConfig>>,
-    ) -> Result<Upstream, InterceptError> {
-        Ok(Upstream {
-            addr: upstream.peer_addr().map_err(InterceptError::UpstreamIo)?,
+    ) -> Upstream {
+        Upstream {
+            dial,
             sni: sni.to_owned(),
             tls,
             first: std::sync::Mutex::new(Some(upstream)),
             cur: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// The first connection if unused, else a new one.
+    async fn tcp(&self) -> Result<TcpStream, InterceptError> {
+        let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let tcp = match first {
+            Some(s) => s,
+            None => self.fresh().await?,
+        };
+        let _ = tcp.set_nodelay(true);
+        Ok(tcp)
+    }
+
+    async fn fresh(&self) -> Result<TcpStream, InterceptError> {
+        self.dial.connect().await.map_err(|e| {
+            tracing::warn!(host = %self.sni, error = %e, "intercepted flow: upstream connection failed");
+            InterceptError::UpstreamDial(e)
         })
     }
 
     async fn connect(&self) -> Result<Sender, InterceptError> {
-        let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let tcp = match first {
-            Some(s) => s,
-            None => TcpStream::connect(self.addr)
-                .await
-                .map_err(InterceptError::UpstreamIo)?,
-        };
-        let _ = tcp.set_nodelay(true);
+        let tcp = self.tcp().await?;
         let Some(tls) = &self.tls else {
             let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
                 .await
@@ -173,21 +189,12 @@ impl Upstream {
         req: Request<ProxyBody>,
     ) -> Result<Response<Incoming>, InterceptError> {
         let Some(tls) = &self.tls else {
-            let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
-            let tcp = match first {
-                Some(s) => s,
-                None => TcpStream::connect(self.addr)
-                    .await
-                    .map_err(InterceptError::UpstreamIo)?,
-            };
-            let _ = tcp.set_nodelay(true);
+            let tcp = self.tcp().await?;
             return upgrade_on(TokioIo::new(tcp), req, &self.sni).await;
         };
         let mut cfg = (**tls).clone();
         cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let tcp = TcpStream::connect(self.addr)
-            .await
-            .map_err(InterceptError::UpstreamIo)?;
+        let tcp = self.fresh().await?;
         let _ = tcp.set_nodelay(true);
         let name = rustls::pki_types::ServerName::try_from(self.sni.clone())
             .map_err(|_| InterceptError::BadSni(self.sni.clone()))?;
@@ -253,12 +260,13 @@ pub(super) async fn serve<G>(
     icpt: Arc<Interceptor>,
     guest: G,
     upstream: TcpStream,
+    dial: Dial,
     sni: String,
 ) -> Result<(), InterceptError>
 where
     G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let up = Upstream::new(upstream, &sni, Some(icpt.upstream_tls.clone()))?;
+    let up = Upstream::new(upstream, dial, &sni, Some(icpt.upstream_tls.clone()));
     // Upstream first: a host whose certificate does not verify never gets a guest handshake.
     let first = up.connect().await?;
     *up.cur.lock().await = Some(first);
@@ -290,12 +298,13 @@ pub(super) async fn serve_plain<G>(
     icpt: Arc<Interceptor>,
     guest: G,
     upstream: TcpStream,
+    dial: Dial,
     host: String,
 ) -> Result<(), InterceptError>
 where
     G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let up = Upstream::new(upstream, &host, None)?;
+    let up = Upstream::new(upstream, dial, &host, None);
     let flow = Arc::new(Flow {
         icpt,
         sni: host,
@@ -363,77 +372,6 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
     if te_trailers {
         h.insert(header::TE, HeaderValue::from_static("trailers"));
     }
-}
-
-/// Watches a request body for the placeholders of secrets that do not serve the host: passed
-/// through unchanged, each one found is reported once at the end (`secret.in_body`).
-struct Audit {
-    icpt: Arc<Interceptor>,
-    host: String,
-    names: Vec<String>,
-    ac: aho_corasick::AhoCorasick,
-    max_len: usize,
-    carry: Vec<u8>,
-    found: Vec<bool>,
-}
-
-impl Audit {
-    fn new(icpt: Arc<Interceptor>, host: &str, found: Vec<(String, String)>) -> Option<Audit> {
-        if found.is_empty() {
-            return None;
-        }
-        let ac = aho_corasick::AhoCorasick::builder()
-            .ascii_case_insensitive(true)
-            .build(found.iter().map(|(_, p)| p))
-            .ok()?;
-        Some(Audit {
-            icpt,
-            host: host.to_owned(),
-            max_len: found.iter().map(|(_, p)| p.len()).max().unwrap_or(1),
-            found: vec![false; found.len()],
-            names: found.into_iter().map(|(n, _)| n).collect(),
-            ac,
-            carry: Vec::new(),
-        })
-    }
-}
-
-impl Transform for Audit {
-    fn push(&mut self, chunk: &[u8]) -> Result<Vec<u8>, BoxError> {
-        let mut buf = std::mem::take(&mut self.carry);
-        buf.extend_from_slice(chunk);
-        for m in self.ac.find_iter(&buf) {
-            self.found[m.pattern().as_usize()] = true;
-        }
-        let keep = buf.len().min(self.max_len.saturating_sub(1));
-        self.carry = buf[buf.len() - keep..].to_vec();
-        Ok(chunk.to_vec())
-    }
-    fn finish(&mut self) -> Result<Vec<u8>, BoxError> {
-        for (i, hit) in self.found.iter().enumerate() {
-            if *hit {
-                let b = Blocked {
-                    secret: self.names[i].clone(),
-                    position: "body".into(),
-                    refused: false,
-                };
-                self.icpt.blocked(&b, &self.host);
-            }
-        }
-        self.found.iter_mut().for_each(|f| *f = false);
-        Ok(Vec::new())
-    }
-}
-
-/// The request-body audit of a flow to `host`, if any secret does not serve it.
-fn audit(icpt: &Arc<Interceptor>, snap: &crate::secrets::Snapshot, host: &str) -> Option<Audit> {
-    let others = snap
-        .bindings
-        .iter()
-        .filter(|b| !b.serves(host))
-        .map(|b| (b.name.clone(), b.placeholder.clone()))
-        .collect();
-    Audit::new(icpt.clone(), host, others)
 }
 
 /// Response decoding and scrubbing.
@@ -608,7 +546,8 @@ impl Flow {
                         "the upstream switched protocols unasked",
                     ));
                 };
-                return Ok(self.upgraded(resp, guest, None, String::new(), None));
+                let watch = FrameWatch::new(self.icpt.clone(), &snap, &self.sni, &[]);
+                return Ok(self.upgraded(resp, guest, None, String::new(), (None, watch)));
             }
             let (mut rp, rbody) = resp.into_parts();
             strip_hop_by_hop(&mut rp.headers);
@@ -653,6 +592,11 @@ impl Flow {
             self.icpt.used(&snap.bindings[i].name);
         }
         let mut scrub_set: Vec<usize> = sw.used.clone();
+        let frames_swapped = if body_swap.is_some() {
+            in_body.clone()
+        } else {
+            Vec::new()
+        };
         scrub_set.extend(in_body);
         scrub_set.sort_unstable();
         scrub_set.dedup();
@@ -722,7 +666,8 @@ impl Flow {
                 .iter()
                 .map(|&i| snap.bindings[i].name.as_str())
                 .collect();
-            return Ok(self.upgraded(resp, guest, scrubber, names.join(","), body_swap));
+            let watch = FrameWatch::new(self.icpt.clone(), &snap, &self.sni, &frames_swapped);
+            return Ok(self.upgraded(resp, guest, scrubber, names.join(","), (body_swap, watch)));
         }
         let (mut rp, rbody) = resp.into_parts();
         strip_hop_by_hop(&mut rp.headers);
@@ -788,14 +733,15 @@ impl Flow {
 impl Flow {
     /// Answer the guest's WebSocket handshake with the upstream's 101 and relay the upgraded
     /// connection (`ws.rs`); frames toward the guest are scrubbed when a value may have been
-    /// sent, and the guest's frames have placeholders swapped with `swap` (`--in-body`).
+    /// sent, and the guest's frames have placeholders swapped with `swap` (`--in-body`) and
+    /// are watched by `watch` (audit, last used).
     fn upgraded(
         &self,
         mut resp: Response<Incoming>,
         guest: hyper::upgrade::OnUpgrade,
         scrubber: Option<Arc<Replacer>>,
         names: String,
-        swap: Option<Arc<Replacer>>,
+        (swap, watch): (Option<Arc<Replacer>>, Option<FrameWatch>),
     ) -> Response<ProxyBody> {
         if resp
             .headers()
@@ -817,10 +763,10 @@ impl Flow {
         tokio::spawn(ws::relay(
             self.icpt.clone(),
             self.sni.clone(),
-            guest,
-            upstream,
+            (guest, upstream),
             scrub,
             swap,
+            watch,
         ));
         Response::from_parts(rp, full(""))
     }

@@ -231,12 +231,12 @@ pub(super) fn binding(name: &str, host: &str, ph: &str, val: &str, in_body: bool
 pub(super) struct Harness {
     pub(super) icpt: Arc<Interceptor>,
     ca_pem: String,
-    addr: std::net::SocketAddr,
+    pub(super) addr: std::net::SocketAddr,
     pub(super) seen: Seen,
     /// `(secret, host)` of refused placeholders.
     pub(super) blocked: Arc<Mutex<Vec<(String, String)>>>,
     /// `(secret, host)` of audited ones (in bodies).
-    audited: Arc<Mutex<Vec<(String, String)>>>,
+    pub(super) audited: Arc<Mutex<Vec<(String, String)>>>,
     _dir: tempfile::TempDir,
 }
 
@@ -293,9 +293,24 @@ pub(super) async fn guest_tls(
     tokio_rustls::client::TlsStream<tokio::io::DuplexStream>,
     tokio::task::JoinHandle<Result<(), InterceptError>>,
 )> {
-    let (ours, theirs) = tokio::io::duplex(64 * 1024);
     let tcp = TcpStream::connect(h.addr).await.unwrap();
-    let task = tokio::spawn(h.icpt.clone().serve(theirs, tcp, HOST.to_string()));
+    let dial = crate::network::upstream_proxy::Dial::direct(h.addr, Some(HOST));
+    guest_tls_over(h, alpn, tcp, dial).await
+}
+
+/// [`guest_tls`] with the stack's part given: the first upstream connection and the route of
+/// later ones (e.g. a tunnel through an upstream proxy).
+pub(super) async fn guest_tls_over(
+    h: &Harness,
+    alpn: &[&[u8]],
+    tcp: TcpStream,
+    dial: crate::network::upstream_proxy::Dial,
+) -> std::io::Result<(
+    tokio_rustls::client::TlsStream<tokio::io::DuplexStream>,
+    tokio::task::JoinHandle<Result<(), InterceptError>>,
+)> {
+    let (ours, theirs) = tokio::io::duplex(64 * 1024);
+    let task = tokio::spawn(h.icpt.clone().serve(theirs, tcp, dial, HOST.to_string()));
     let mut roots = rustls::RootCertStore::empty();
     use rustls::pki_types::pem::PemObject as _;
     roots
@@ -604,7 +619,8 @@ async fn an_untrusted_upstream_certificate_fails() {
     // ever answering the guest (a skipped verification would wait for the guest's handshake).
     let (ours, theirs) = tokio::io::duplex(64 * 1024);
     let tcp = TcpStream::connect(h.addr).await.unwrap();
-    let task = tokio::spawn(h.icpt.clone().serve(theirs, tcp, HOST.to_string()));
+    let dial = crate::network::upstream_proxy::Dial::direct(h.addr, Some(HOST));
+    let task = tokio::spawn(h.icpt.clone().serve(theirs, tcp, dial, HOST.to_string()));
     let r = tokio::time::timeout(std::time::Duration::from_secs(5), task)
         .await
         .expect("serve gave up on the untrusted upstream")
@@ -691,7 +707,13 @@ async fn plaintext_flows_check_every_request_and_never_swap() {
     let (addr, seen) = plain_upstream().await;
     let (ours, theirs) = tokio::io::duplex(64 * 1024);
     let tcp = TcpStream::connect(addr).await.unwrap();
-    tokio::spawn(h.icpt.clone().serve_plain(theirs, tcp, HOST.to_string()));
+    tokio::spawn({
+        let dial =
+            crate::network::upstream_proxy::Dial::direct(tcp.peer_addr().unwrap(), Some(HOST));
+        h.icpt
+            .clone()
+            .serve_plain(theirs, tcp, dial, HOST.to_string())
+    });
     let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(ours))
         .await
         .unwrap();

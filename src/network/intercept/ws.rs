@@ -13,9 +13,12 @@
 //!   continuation frames or reads is still found: only a tail shorter than the longest
 //!   placeholder is held), and the output is re-framed (new lengths, 7/16/64-bit forms) and
 //!   masked again with a fresh key, as a client must. Nothing else is held, so no message
-//!   needs a size cap. Control frames pass unchanged. A frame a client may not send
+//!   needs a size cap. Control frames pass unchanged. Every message (swapped or not, plaintext
+//!   `ws://` too) is also watched (`ws_watch.rs`): another secret's placeholder is audited
+//!   (`secret.in_body`, position `websocket frame`), a swapped one marks its secret used. A frame a client may not send
 //!   (unmasked, reserved bits or opcodes, a fragmented or long control frame, a continuation
-//!   without a start) closes the connection. Without such a secret the bytes pass unchanged.
+//!   without a start) closes the connection. With nothing to swap or watch the bytes pass
+//!   unchanged.
 //! - upstream -> guest, when the handshake carried a value (or a body-swap secret serves the
 //!   host), per message ([`WsScrub`]): a whole
 //!   message (its fragments held until the last, 16 MiB max) has the value replaced in its
@@ -27,7 +30,8 @@
 //!
 //! On plaintext flows (`ws://`) the handshake is checked like any plaintext request (a
 //! placeholder of a secret that does not serve the host, in an authorization position, is
-//! refused with `secret.blocked`) and nothing is ever swapped: the frames pass unchanged.
+//! refused with `secret.blocked`) and nothing is ever swapped: the frames pass unswapped
+//! (watched for other secrets' placeholders, as above).
 
 use std::sync::Arc;
 
@@ -39,6 +43,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use super::Interceptor;
 use super::scrub::{Replacer, StreamReplace};
 use super::swap::Blocked;
+use super::ws_watch::FrameWatch;
 
 /// Largest server frame the scrubber buffers.
 pub const MAX_FRAME: usize = 16 * 1024 * 1024;
@@ -198,13 +203,16 @@ struct ClientFrame {
 struct Message {
     op: u8,
     started: bool,
-    rep: StreamReplace,
+    /// `None`: nothing is swapped (the frames are only watched).
+    rep: Option<StreamReplace>,
     out: Vec<u8>,
 }
 
 /// The guest -> upstream frame swapper (see the module doc).
 pub struct WsSwap {
-    swaps: Arc<Replacer>,
+    swaps: Option<Arc<Replacer>>,
+    /// Placeholders audited or marked used ([`FrameWatch`]).
+    watch: Option<FrameWatch>,
     /// Bytes of a frame header (or of a whole control frame) not complete yet.
     buf: Vec<u8>,
     frame: Option<ClientFrame>,
@@ -235,9 +243,16 @@ fn client_frame(out: &mut Vec<u8>, op: u8, fin: bool, payload: &[u8]) {
 }
 
 impl WsSwap {
+    #[cfg(test)]
     pub fn new(swaps: Arc<Replacer>) -> WsSwap {
+        WsSwap::with(Some(swaps), None)
+    }
+
+    /// A swapper of `swaps` (if any) whose messages `watch` sees first (if any).
+    pub fn with(swaps: Option<Arc<Replacer>>, watch: Option<FrameWatch>) -> WsSwap {
         WsSwap {
             swaps,
+            watch,
             buf: Vec::new(),
             frame: None,
             msg: None,
@@ -248,8 +263,13 @@ impl WsSwap {
     fn emit(&mut self, out: &mut Vec<u8>, fin: bool) {
         let Some(m) = &mut self.msg else { return };
         if fin {
-            let rest = m.rep.finish();
-            m.out.extend(rest);
+            if let Some(rep) = &mut m.rep {
+                let rest = rep.finish();
+                m.out.extend(rest);
+            }
+            if let Some(w) = &mut self.watch {
+                w.end_message();
+            }
         } else if m.out.is_empty() {
             return;
         }
@@ -282,8 +302,16 @@ impl WsSwap {
                 pos += n;
                 let (done, fin) = (f.left == 0, f.fin);
                 if let Some(m) = &mut self.msg {
-                    let swapped = m.rep.push(&plain);
-                    m.out.extend(swapped);
+                    if let Some(w) = &mut self.watch {
+                        w.feed(&plain);
+                    }
+                    match &mut m.rep {
+                        Some(rep) => {
+                            let swapped = rep.push(&plain);
+                            m.out.extend(swapped);
+                        }
+                        None => m.out.extend_from_slice(&plain),
+                    }
                 }
                 if !done {
                     break;
@@ -314,7 +342,7 @@ impl WsSwap {
                     self.msg = Some(Message {
                         op: h.op,
                         started: false,
-                        rep: StreamReplace::new(self.swaps.clone()),
+                        rep: self.swaps.clone().map(StreamReplace::new),
                         out: Vec::new(),
                     })
                 }
@@ -435,14 +463,15 @@ where
 
 /// Relay an upgraded connection until either side closes. `scrub`: the same-length masks and
 /// the names of the secrets whose values the handshake carried; `swap`: the placeholder ->
-/// value pairs of the secrets allowed in bodies for this host.
+/// value pairs of the secrets allowed in bodies for this host; `watch`: what the guest's
+/// messages are audited for and which swaps mark a secret used (`ws_watch.rs`).
 pub async fn relay(
     icpt: Arc<Interceptor>,
     host: String,
-    guest: hyper::upgrade::OnUpgrade,
-    upstream: hyper::upgrade::OnUpgrade,
+    (guest, upstream): (hyper::upgrade::OnUpgrade, hyper::upgrade::OnUpgrade),
     scrub: Option<(Arc<Replacer>, String)>,
     swap: Option<Arc<Replacer>>,
+    watch: Option<FrameWatch>,
 ) {
     let (g, u) = match tokio::join!(guest, upstream) {
         (Ok(g), Ok(u)) => (TokioIo::new(g), TokioIo::new(u)),
@@ -456,14 +485,15 @@ pub async fn relay(
             return;
         }
     };
-    if scrub.is_none() && swap.is_none() {
+    if scrub.is_none() && swap.is_none() && watch.is_none() {
         let (mut g, mut u) = (g, u);
         let _ = tokio::io::copy_bidirectional(&mut g, &mut u).await;
         return;
     }
     let names = scrub.as_ref().map(|(_, n)| n.clone()).unwrap_or_default();
     let down = scrub.map(|(m, _)| Box::new(WsScrub::new(m)) as Box<dyn Reframe>);
-    let up = swap.map(|r| Box::new(WsSwap::new(r)) as Box<dyn Reframe>);
+    let up = (swap.is_some() || watch.is_some())
+        .then(|| Box::new(WsSwap::with(swap, watch)) as Box<dyn Reframe>);
     let (gr, gw) = tokio::io::split(g);
     let (ur, uw) = tokio::io::split(u);
     let to_upstream = pump(gr, uw, up);

@@ -118,6 +118,12 @@ async fn upgrade(
     h: &super::tests::Harness,
 ) -> (TokioIo<hyper::upgrade::Upgraded>, hyper::HeaderMap) {
     let (tls, _task) = guest_tls(h, &[b"http/1.1"]).await.unwrap();
+    upgrade_on(tls).await
+}
+
+async fn upgrade_on(
+    tls: tokio_rustls::client::TlsStream<tokio::io::DuplexStream>,
+) -> (TokioIo<hyper::upgrade::Upgraded>, hyper::HeaderMap) {
     let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
         .await
         .unwrap();
@@ -199,6 +205,52 @@ async fn websocket_handshake_is_swapped_frames_flow_both_ways_and_are_scrubbed()
     assert_eq!(
         h.blocked.lock().unwrap().as_slice(),
         [("KEY".to_string(), HOST.to_string())]
+    );
+}
+
+#[tokio::test]
+async fn behind_the_upstream_proxy_the_upgrade_opens_its_own_tunnel_by_name() {
+    use crate::network::upstream_proxy::{self as up, Dial};
+    use crate::network::upstream_proxy_testkit::{self as kit, Rules};
+    let h = ws_upstream().await;
+    let proxy = kit::start(Rules {
+        map: std::collections::HashMap::from([(format!("{HOST}:443"), h.addr)]),
+        ..Rules::default()
+    })
+    .await;
+    let p = std::sync::Arc::new(
+        up::resolve(Some(&format!("http://{}", proxy.addr)), Some(&[]), |_| None)
+            .unwrap()
+            .unwrap(),
+    );
+    // What the stack hands over: a tunnel to the name, and the route for more (an address the
+    // host cannot reach: only the proxy's name works).
+    let first = p
+        .tunnel(p.connect_proxy().await.unwrap(), HOST, 443)
+        .await
+        .unwrap();
+    let dial = Dial::route("192.0.2.50:443".parse().unwrap(), Some(HOST), Some(&p));
+    assert!(dial.via_proxy());
+    let (tls, _task) = super::tests::guest_tls_over(&h, &[b"http/1.1"], first, dial)
+        .await
+        .unwrap();
+    let (mut io, headers) = upgrade_on(tls).await;
+    assert_eq!(headers["x-echo-auth"], format!("Bearer {PH}").as_str());
+    io.write_all(&frame(1, true, b"hello", true)).await.unwrap();
+    let wait = std::time::Duration::from_secs(10);
+    let (_, p) = tokio::time::timeout(wait, read_frame(&mut io))
+        .await
+        .unwrap()
+        .expect("an echo frame");
+    assert!(String::from_utf8(p).unwrap().starts_with("echo:hello"));
+    // The upgrade went on a connection of its own: a second CONNECT, by name.
+    assert_eq!(
+        proxy.seen.connects(),
+        vec![format!("{HOST}:443"), format!("{HOST}:443")]
+    );
+    assert_eq!(
+        h.seen.lock().unwrap()[0],
+        format!("auth=Bearer {VAL} upgrade=websocket ext=")
     );
 }
 
@@ -401,7 +453,13 @@ async fn websocket_over_plaintext_is_relayed_never_swapped_and_foreign_placehold
         async move {
             let (ours, theirs) = tokio::io::duplex(64 * 1024);
             let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-            tokio::spawn(icpt.serve_plain(theirs, tcp, HOST.to_string()));
+            tokio::spawn({
+                let dial = crate::network::upstream_proxy::Dial::direct(
+                    tcp.peer_addr().unwrap(),
+                    Some(HOST),
+                );
+                icpt.serve_plain(theirs, tcp, dial, HOST.to_string())
+            });
             let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(ours))
                 .await
                 .unwrap();
@@ -500,4 +558,48 @@ async fn http2_extended_connect_is_not_offered_and_is_refused() {
     let seen = h.seen.lock().unwrap();
     assert_eq!(seen.len(), before, "{seen:?}");
     assert!(seen.iter().all(|l| !l.contains(VAL)));
+}
+
+#[tokio::test]
+async fn frames_mark_swapped_secrets_used_and_audit_other_secrets_placeholders() {
+    use super::tests::PH2;
+    let h = tungstenite_upstream().await;
+    let used: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let u = used.clone();
+    h.icpt.set_used_sink(std::sync::Arc::new(move |name: &str| {
+        u.lock().unwrap().push(name.to_owned())
+    }));
+    let (mut io, _) = upgrade(&h).await;
+    // The handshake's Authorization was swapped: used once.
+    assert_eq!(used.lock().unwrap().as_slice(), ["KEY"]);
+    // Another secret's placeholder (twice, split across fragments): unchanged upstream,
+    // audited once for the message; again in the next message: audited again.
+    let m = format!("tool output {PH2} and {PH2}");
+    let frames = [
+        client_frame(1, false, &m.as_bytes()[..20]),
+        client_frame(0, true, &m.as_bytes()[20..]),
+        client_frame(1, true, format!("again {PH2}").as_bytes()),
+        // The swapped secret's placeholder: marks it used.
+        client_frame(1, true, format!("key {PH}").as_bytes()),
+        client_frame(1, true, b"nothing here"),
+    ]
+    .concat();
+    for c in frames.chunks(7) {
+        io.write_all(c).await.unwrap();
+        io.flush().await.unwrap();
+    }
+    let seen = seen_n(&h.seen, 5).await;
+    assert_eq!(seen[1], format!("text={m}"), "{seen:?}");
+    assert_eq!(seen[2], format!("text=again {PH2}"), "{seen:?}");
+    assert_eq!(seen[3], format!("text=key {VAL}"), "{seen:?}");
+    assert_eq!(seen[4], "text=nothing here", "{seen:?}");
+    assert_eq!(
+        h.audited.lock().unwrap().as_slice(),
+        [
+            ("OTHER".to_string(), HOST.to_string()),
+            ("OTHER".to_string(), HOST.to_string())
+        ]
+    );
+    assert!(h.blocked.lock().unwrap().is_empty());
+    assert_eq!(used.lock().unwrap().as_slice(), ["KEY", "KEY"]);
 }

@@ -5,7 +5,9 @@
 //! deny (direct resolvers, DoT); IP/CIDR deny then allow rules; on 80/443 an IP pinned by the
 //! sandbox resolver for a name the policy allows on that port -> allow with inspection; else
 //! deny. inspect (first bytes): the SNI (443) or Host (80) must be allowed now AND pinned to
-//! this destination IP. dns: see `network::dns`. Policy changes apply to the next decision.
+//! this destination IP. dns: see `network::dns`; with an upstream proxy, an allowed name the
+//! host cannot resolve gets a synthetic address (`synthetic.rs`). Policy changes apply to the
+//! next decision.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -18,12 +20,14 @@ use super::blocked::{self, HostAddrs};
 use super::host::{self, canonical_ip};
 use super::pins::Pins;
 use super::rules::{Decision, Policy};
+use super::synthetic::Synthetic;
 use crate::network::dns::{self, QType, Rcode, Upstream};
 use crate::network::gate::{
     ConnectVerdict, Flow, FlowEvent, Gate, Handoff, Inspect, InspectVerdict, Proto,
 };
 use crate::network::intercept::{BlockSink, Blocked, Interceptor, SandboxCa, swap};
 use crate::network::sniff::{self, Sniffed};
+use crate::network::upstream_proxy::UpstreamProxy;
 use crate::secrets::SandboxSecrets;
 
 /// What a gate reports besides flows (DNS decisions), for events and metrics.
@@ -81,6 +85,9 @@ pub struct GateSettings {
     /// Upstream TLS of intercepted flows (system trust store + configured extra CA); `None`:
     /// no interception.
     pub intercept_tls: Option<Arc<rustls::ClientConfig>>,
+    /// The explicit proxy upstream connections go through (`[network] upstream_proxy` or the
+    /// daemon's `HTTPS_PROXY`...); `None`: direct.
+    pub upstream_proxy: Option<Arc<UpstreamProxy>>,
 }
 
 impl GateSettings {
@@ -93,6 +100,7 @@ impl GateSettings {
             max_dns_inflight: 64,
             events_per_sec: 50,
             intercept_tls: None,
+            upstream_proxy: None,
         }
     }
 }
@@ -111,6 +119,8 @@ struct Inner {
     limiter: Mutex<RateLimit>,
     /// The sandbox's secrets interceptor, once it has one.
     interception: RwLock<Option<Arc<Interceptor>>>,
+    /// Addresses answered for names only the upstream proxy reaches.
+    synthetic: Mutex<Synthetic>,
 }
 
 impl PolicyGate {
@@ -132,6 +142,7 @@ impl PolicyGate {
                 dns_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
                 limiter: Mutex::new(RateLimit::new(rate)),
                 interception: RwLock::new(None),
+                synthetic: Mutex::new(Synthetic::default()),
             }),
         })
     }
@@ -247,10 +258,10 @@ impl Inner {
             return None;
         }
         let host = host.to_owned();
-        Some(Handoff(Arc::new(move |guest, upstream| {
+        Some(Handoff(Arc::new(move |guest, upstream, dial| {
             let (icpt, host) = (icpt.clone(), host.clone());
             Box::pin(async move {
-                if let Err(e) = icpt.serve_plain(guest, upstream, host.clone()).await {
+                if let Err(e) = icpt.serve_plain(guest, upstream, dial, host.clone()).await {
                     tracing::debug!(%host, error = %e, "checked plaintext flow ended");
                 }
             })
@@ -264,14 +275,53 @@ impl Inner {
             return None;
         }
         let sni = host.to_owned();
-        Some(Handoff(Arc::new(move |guest, upstream| {
+        Some(Handoff(Arc::new(move |guest, upstream, dial| {
             let (icpt, sni) = (icpt.clone(), sni.clone());
             Box::pin(async move {
-                if let Err(e) = icpt.serve(guest, upstream, sni.clone()).await {
+                if let Err(e) = icpt.serve(guest, upstream, dial, sni.clone()).await {
                     tracing::debug!(host = %sni, error = %e, "intercepted flow ended");
                 }
             })
         })))
+    }
+
+    fn is_synthetic(&self, ip: IpAddr) -> bool {
+        self.settings.upstream_proxy.is_some()
+            && self
+                .synthetic
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_assigned(ip)
+    }
+
+    /// The answer to `q` for the allowed `name` the host resolver gave no address for, when
+    /// the upstream proxy carries it: a synthetic address (A) pinned to it, or an empty answer
+    /// (other types). `None` without a proxy, for a no-proxy name, or when the table is full.
+    fn synthetic_answer(&self, q: &dns::GuestQuery, name: &str) -> Option<Vec<u8>> {
+        let proxy = self.settings.upstream_proxy.as_ref()?;
+        if !proxy.proxies_name(name) {
+            return None;
+        }
+        if q.qtype != QType::A {
+            dns_outcome("nodata");
+            return Some(dns::reply(q, Rcode::NoError, &[]));
+        }
+        let ip = self
+            .synthetic
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .assign(name)?;
+        let ips = [IpAddr::V4(ip)];
+        self.pins.lock().unwrap_or_else(|e| e.into_inner()).add(
+            name,
+            &ips,
+            Duration::from_secs(60),
+            Instant::now(),
+        );
+        tracing::debug!(sandbox = %self.sandbox, %name, %ip, proxy = %proxy.display(), "host resolver has no address; synthetic answer for the upstream proxy");
+        dns_outcome("synthetic");
+        let a = dns::Answer::from_ips(name, QType::A, &ips, 60);
+        Some(dns::reply(q, Rcode::NoError, &a.records))
     }
 
     fn blocked(&self, ip: IpAddr) -> Option<String> {
@@ -296,7 +346,10 @@ impl Inner {
         let deny = |reason: String| ConnectVerdict::Deny { reason };
         let ip = canonical_ip(flow.dst.ip());
         let port = flow.dst.port();
-        if let Some(why) = self.blocked(ip) {
+        // This sandbox's own synthetic answers (names only the proxy reaches) are in a blocked
+        // range; they are decided by name only (pins), never by IP rules.
+        let synthetic = self.is_synthetic(ip);
+        if !synthetic && let Some(why) = self.blocked(ip) {
             return deny(format!("always blocked: {why}"));
         }
         if flow.proto == Proto::Udp {
@@ -313,7 +366,12 @@ impl Inner {
         }
         let upstream = self.upstream_for(flow.dst);
         let policy = self.policy();
-        match policy.decide_ip(ip, port) {
+        let by_ip = if synthetic {
+            None
+        } else {
+            policy.decide_ip(ip, port)
+        };
+        match by_ip {
             Some(Decision::Deny(r)) => return deny(r),
             Some(Decision::Allow(rule)) => {
                 return ConnectVerdict::Allow {
@@ -478,17 +536,23 @@ impl Inner {
                     return Some(dns::reply(&q, Rcode::ServFail, &[]));
                 };
                 let lookup = self.settings.upstream.query(&name, q.qtype);
+                let failed = |this: &Self| {
+                    this.synthetic_answer(&q, &name).or_else(|| {
+                        dns_outcome("servfail");
+                        Some(dns::reply(&q, Rcode::ServFail, &[]))
+                    })
+                };
                 match tokio::time::timeout(Duration::from_secs(5), lookup).await {
+                    Ok(Ok(a)) if a.ips().is_empty() => match self.synthetic_answer(&q, &name) {
+                        Some(reply) => return Some(reply),
+                        None => a,
+                    },
                     Ok(Ok(a)) => a,
                     Ok(Err(e)) => {
                         tracing::debug!(sandbox = %self.sandbox, %name, error = %e, "upstream DNS failed");
-                        dns_outcome("servfail");
-                        return Some(dns::reply(&q, Rcode::ServFail, &[]));
+                        return failed(&self);
                     }
-                    Err(_) => {
-                        dns_outcome("servfail");
-                        return Some(dns::reply(&q, Rcode::ServFail, &[]));
-                    }
+                    Err(_) => return failed(&self),
                 }
             }
         };
@@ -576,6 +640,10 @@ impl Gate for PolicyGate {
 
     fn record(&self, event: FlowEvent) {
         self.inner.record(event)
+    }
+
+    fn upstream_proxy(&self) -> Option<Arc<UpstreamProxy>> {
+        self.inner.settings.upstream_proxy.clone()
     }
 }
 

@@ -578,3 +578,105 @@ async fn secrets_turn_interception_on_and_placeholders_elsewhere_are_blocked() {
     assert_eq!(blocked(&t).len(), 2);
     assert!(blocked(&t)[1].ends_with("dns name"), "{:?}", blocked(&t));
 }
+
+fn with_proxy(no_proxy: &[&str]) -> impl FnOnce(&mut GateSettings) {
+    let np: Vec<String> = no_proxy.iter().map(|s| s.to_string()).collect();
+    move |s: &mut GateSettings| {
+        let p = crate::network::upstream_proxy::resolve(
+            Some("http://127.0.0.1:3128"),
+            Some(&np),
+            |_| None,
+        );
+        s.upstream_proxy = Some(Arc::new(p.unwrap().unwrap()));
+    }
+}
+
+#[tokio::test]
+async fn behind_a_proxy_an_allowed_name_the_host_cannot_resolve_gets_a_pinned_synthetic_address() {
+    let policy = "allow only.test; allow other.test; allow direct.test; allow internal.test";
+    let table: &[(&str, &[&str])] = &[
+        ("other.test", &["203.0.113.20"]),
+        ("internal.test", &["10.0.0.5"]),
+    ];
+    // Without a proxy: NXDOMAIN, as the host resolver said.
+    let plain = setup(policy, table);
+    assert_eq!(
+        resolve(&plain, "only.test.").await.0,
+        ResponseCode::NXDomain
+    );
+    assert!(plain.gate.upstream_proxy().is_none());
+
+    let t = setup_with(policy, table, with_proxy(&["direct.test"]));
+    assert!(t.gate.upstream_proxy().is_some());
+    let (code, got) = resolve(&t, "only.test.").await;
+    assert_eq!(code, ResponseCode::NoError);
+    assert_eq!(got, ips(&["198.19.0.1"]));
+    // Stable, and only A gets an address.
+    assert_eq!(resolve(&t, "only.test.").await.1, got);
+    let r = t
+        .gate
+        .dns(query(2, "only.test.", RecordType::AAAA))
+        .await
+        .unwrap();
+    assert_eq!(read(&r), (ResponseCode::NoError, vec![]));
+    // A name the host resolves keeps its real answer (the proxy still gets the name later).
+    assert_eq!(resolve(&t, "other.test.").await.1, ips(&["203.0.113.20"]));
+    // Unlisted: refused before any lookup; no-proxy name: what the host said; an answer
+    // dropped as rebinding is never replaced by a synthetic one.
+    let before = t.count.load(Ordering::SeqCst);
+    assert_eq!(
+        resolve(&t, "unlisted.test.").await,
+        (ResponseCode::NXDomain, vec![])
+    );
+    assert_eq!(t.count.load(Ordering::SeqCst), before);
+    assert_eq!(
+        resolve(&t, "direct.test.").await,
+        (ResponseCode::NXDomain, vec![])
+    );
+    assert_eq!(
+        resolve(&t, "internal.test.").await,
+        (ResponseCode::NXDomain, vec![])
+    );
+
+    // The synthetic address is decided like a real answer: by the pinned name, inspected.
+    let v = t.gate.connect(&tcp("198.19.0.1:443"));
+    assert!(
+        matches!(
+            v,
+            ConnectVerdict::Allow {
+                inspect: Inspect::TlsSni,
+                ..
+            }
+        ),
+        "{v:?}"
+    );
+    let v = t
+        .gate
+        .inspect(&tcp("198.19.0.1:443"), &client_hello("only.test"));
+    assert!(matches!(v, InspectVerdict::Allow { .. }), "{v:?}");
+    // An allowed name never answered with this address: refused (the pin check is as strict).
+    let v = t
+        .gate
+        .inspect(&tcp("198.19.0.1:443"), &client_hello("other.test"));
+    assert!(matches!(v, InspectVerdict::Deny { .. }), "{v:?}");
+    // Other ports, unassigned synthetic addresses and other sandboxes' ones stay blocked.
+    assert!(denied(t.gate.connect(&tcp("198.19.0.1:22"))).contains("no rule"));
+    assert!(denied(t.gate.connect(&tcp("198.19.0.2:443"))).contains("always blocked"));
+    let other = setup_with(policy, table, with_proxy(&[]));
+    assert!(denied(other.gate.connect(&tcp("198.19.0.1:443"))).contains("always blocked"));
+
+    // A failing host resolver (error, not NXDOMAIN) behind a proxy: a synthetic answer too.
+    struct Failing;
+    impl Upstream for Failing {
+        fn query(&self, _: &str, _: QType) -> BoxFuture<'static, Result<Answer, DnsError>> {
+            Box::pin(async { Err(DnsError::NoResolver) })
+        }
+    }
+    let mut settings = GateSettings::new(Arc::new(Failing));
+    with_proxy(&[])(&mut settings);
+    let mut p = Policy::default();
+    p.add_rule("allow a.test".parse().unwrap());
+    let gate = PolicyGate::new("sbx_x", p, Arc::new(settings), Arc::new(|_: &str, _| {}));
+    let r = gate.dns(query(5, "a.test.", RecordType::A)).await.unwrap();
+    assert_eq!(read(&r), (ResponseCode::NoError, ips(&["198.19.0.1"])));
+}

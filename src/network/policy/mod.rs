@@ -13,7 +13,9 @@
 //!
 //! Files: `host.rs` (host normalisation against matching tricks), `rules.rs` (the serde
 //! [`Policy`], rules and presets), `blocked.rs`, `pins.rs` (name -> IP answers given to this
-//! sandbox), `gate.rs` ([`PolicyGate`]), `ask.rs` (what an agent may ask to allow).
+//! sandbox), `gate.rs` ([`PolicyGate`]), `ask.rs` (what an agent may ask to allow),
+//! `synthetic.rs` (answers for names only the upstream proxy can reach; their addresses pass
+//! step 1 only for the sandbox they were given to).
 
 pub mod ask;
 pub mod blocked;
@@ -21,6 +23,7 @@ pub mod gate;
 pub mod host;
 pub mod pins;
 pub mod rules;
+pub mod synthetic;
 
 pub use gate::{GateSettings, NetEvent, NetEventSink, PolicyGate};
 pub use host::HostError;

@@ -24,9 +24,9 @@ use super::frames::{FrameDevice, FrameReader};
 use super::ingress::{IngressError, IngressRequest};
 use super::{AbortOnDrop, GATEWAY_MAC, GUEST_MAC, StackConfig, StackStats};
 use crate::network::gate::{
-    ConnectVerdict, Flow, FlowEvent, GATEWAY_V4, Inspect, InspectVerdict, PREFIX_LEN_V4, Proto,
-    SharedGate,
+    ConnectVerdict, Flow, FlowEvent, GATEWAY_V4, Inspect, PREFIX_LEN_V4, Proto, SharedGate,
 };
+use crate::network::upstream_proxy::{Dial, UpstreamProxy};
 
 pub(super) type Key = (SocketAddr, SocketAddr);
 
@@ -43,10 +43,19 @@ pub(super) const UDP_DENIED_MEMORY: usize = 1024;
 
 /// Results that tasks send back to the loop.
 pub(super) enum Event {
+    /// The SYN-time connection: to the upstream, or to the proxy (then `Some(proxy)` while the
+    /// `CONNECT` waits for the gate's inspection).
     Connected {
         key: Key,
         id: u64,
-        result: Result<TcpStream, String>,
+        result: Result<(TcpStream, SocketAddr, Option<Arc<UpstreamProxy>>), String>,
+    },
+    /// An inspected flow's tunnel through the proxy (or its direct connection, for a name the
+    /// no-proxy list exempts) after the gate allowed it.
+    Tunneled {
+        key: Key,
+        id: u64,
+        result: Result<(TcpStream, Dial), String>,
     },
     DnsUdp {
         reply: Option<Vec<u8>>,
@@ -373,13 +382,11 @@ impl Engine {
                 };
                 let tx = self.events_tx.clone();
                 let timeout = self.cfg.connect_timeout;
+                let proxy = self.gate.upstream_proxy();
                 let task = tokio::spawn(async move {
-                    let result =
-                        match tokio::time::timeout(timeout, TcpStream::connect(upstream)).await {
-                            Ok(Ok(s)) => Ok(s),
-                            Ok(Err(e)) => Err(format!("connect {upstream}: {e}")),
-                            Err(_) => Err(format!("connect {upstream}: no answer in {timeout:?}")),
-                        };
+                    let result = super::inspect::first_connect(upstream, inspect, proxy, timeout)
+                        .await
+                        .map(|(s, via)| (s, upstream, via));
                     let _ = tx.send(Event::Connected { key, id, result });
                 });
                 if let Some(f) = self.flows.get_mut(&key) {
@@ -448,12 +455,18 @@ impl Engine {
     pub(super) fn handle_event(&mut self, ev: Event) {
         match ev {
             Event::Connected { key, id, result } => self.connected(key, id, result),
+            Event::Tunneled { key, id, result } => self.tunneled(key, id, result),
             Event::DnsUdp { reply, to } => self.dns_udp_reply(reply, to),
             Event::DnsTcp { key, id, reply } => self.dns_tcp_reply(key, id, reply),
         }
     }
 
-    fn connected(&mut self, key: Key, id: u64, result: Result<TcpStream, String>) {
+    fn connected(
+        &mut self,
+        key: Key,
+        id: u64,
+        result: Result<(TcpStream, SocketAddr, Option<Arc<UpstreamProxy>>), String>,
+    ) {
         let Some(f) = self.flows.get_mut(&key) else {
             return;
         };
@@ -462,8 +475,9 @@ impl Engine {
         }
         let s = self.sockets.get_mut::<tcp::Socket>(f.handle);
         match result {
-            Ok(stream) if s.state() == tcp::State::SynReceived => {
+            Ok((stream, addr, via)) if s.state() == tcp::State::SynReceived => {
                 s.pause_synack(false);
+                f.upstream_addr = Some(addr);
                 if f.inspect == Inspect::Nothing {
                     f.attach(stream, self.wake.clone());
                     f.phase = Phase::Open;
@@ -474,21 +488,29 @@ impl Engine {
                         rule: f.rule.clone(),
                     });
                 } else {
-                    // Spliced or handed off once the gate has seen the first bytes.
+                    // Spliced, tunnelled or handed off once the gate has seen the first bytes.
                     f.upstream = Some(stream);
+                    f.via_proxy = via;
                     f.phase = Phase::Inspecting;
                 }
             }
             // The guest gave up meanwhile; the flow is reaped.
             Ok(_) => {}
-            Err(error) => {
-                tracing::debug!(flow = ?f.flow, %error, "upstream connect failed");
-                s.abort();
-                self.gate.record(FlowEvent::UpstreamFailed {
-                    flow: f.flow,
-                    error,
-                });
-            }
+            Err(error) => super::inspect::upstream_failed(f, s, &self.gate, error),
+        }
+    }
+
+    fn tunneled(&mut self, key: Key, id: u64, result: Result<(TcpStream, Dial), String>) {
+        let Some(f) = self.flows.get_mut(&key) else {
+            return;
+        };
+        if f.id != id || f.phase != Phase::Tunneling {
+            return;
+        }
+        let s = self.sockets.get_mut::<tcp::Socket>(f.handle);
+        match result {
+            Ok((stream, dial)) => super::inspect::open(f, s, &self.gate, &self.wake, stream, dial),
+            Err(error) => super::inspect::upstream_failed(f, s, &self.gate, error),
         }
     }
 
@@ -498,8 +520,18 @@ impl Engine {
         };
         let s = self.sockets.get_mut::<tcp::Socket>(f.handle);
         match f.phase {
-            Phase::Connecting => {}
-            Phase::Inspecting => inspect_step(f, s, &self.gate, self.cfg.inspect_cap, &self.wake),
+            Phase::Connecting | Phase::Tunneling => {}
+            Phase::Inspecting => {
+                let ctx = super::inspect::Ctx {
+                    gate: &self.gate,
+                    wake: &self.wake,
+                    events: &self.events_tx,
+                    key: *key,
+                    cap: self.cfg.inspect_cap,
+                    timeout: self.cfg.connect_timeout,
+                };
+                super::inspect::inspect_step(f, s, &ctx)
+            }
             Phase::Open | Phase::Ingress => relay_step(f, s),
             Phase::IngressConnecting => super::ingress::connecting_step(f, s, &self.wake),
             Phase::Dns => {
@@ -558,103 +590,6 @@ impl Engine {
                 });
             }
             // Dropping `f` aborts its upstream tasks and closes the upstream socket.
-        }
-    }
-}
-
-/// Collect the first bytes of an inspected flow and ask the gate; nothing goes upstream and
-/// nothing comes back until it allows.
-fn inspect_step(
-    f: &mut TcpFlow,
-    s: &mut tcp::Socket,
-    gate: &SharedGate,
-    cap: usize,
-    wake: &Arc<Notify>,
-) {
-    let before = f.held.len();
-    while s.can_recv() && f.held.len() < cap {
-        let room = cap - f.held.len();
-        let _ = s.recv(|b| {
-            let n = b.len().min(room);
-            f.held.extend_from_slice(&b[..n]);
-            (n, ())
-        });
-    }
-    let guest_done = guest_finished(s);
-    if f.held.len() == before && !guest_done {
-        return;
-    }
-    let verdict = if f.held.is_empty() {
-        InspectVerdict::NeedMore
-    } else {
-        gate.inspect(&f.flow, &f.held)
-    };
-    let deny = |f: &mut TcpFlow, s: &mut tcp::Socket, reason: String, host: Option<String>| {
-        s.abort();
-        f.up = None;
-        f.down = None;
-        f.upstream = None;
-        f.tasks.clear();
-        f.writer = None;
-        gate.record(FlowEvent::Denied {
-            flow: f.flow,
-            host,
-            reason,
-        });
-    };
-    match verdict {
-        InspectVerdict::NeedMore if f.held.len() >= cap => {
-            let reason = format!("the first {cap} bytes did not show an allowed host");
-            deny(f, s, reason, None)
-        }
-        InspectVerdict::NeedMore if guest_done => deny(
-            f,
-            s,
-            "the connection closed before its first bytes showed an allowed host".into(),
-            None,
-        ),
-        InspectVerdict::NeedMore => {}
-        InspectVerdict::Deny { reason, host } => deny(f, s, reason, host),
-        InspectVerdict::Allow { .. } | InspectVerdict::Intercept { .. } => {
-            let (rule, host) = match verdict {
-                InspectVerdict::Intercept {
-                    rule,
-                    host,
-                    handler,
-                } => {
-                    // The guest's bytes go to the handler over a pipe; it gets the upstream.
-                    let (ours, theirs) = tokio::io::duplex(2 * CHUNK);
-                    f.attach_io(ours, wake.clone());
-                    if let Some(up) = f.upstream.take() {
-                        let _ = up.set_nodelay(true);
-                        f.tasks
-                            .push(AbortOnDrop(tokio::spawn((handler.0)(theirs, up))));
-                    }
-                    (rule, host)
-                }
-                InspectVerdict::Allow { rule, host } => {
-                    if let Some(up) = f.upstream.take() {
-                        f.attach(up, wake.clone());
-                    }
-                    (rule, host)
-                }
-                _ => return,
-            };
-            f.rule = rule;
-            f.phase = Phase::Open;
-            f.allowed = true;
-            let first = Bytes::from(std::mem::take(&mut f.held));
-            f.bytes_up += first.len() as u64;
-            // The channel is new and empty: the first chunk always fits.
-            if let Some(up) = &f.up {
-                let _ = up.try_send(first);
-            }
-            gate.record(FlowEvent::Allowed {
-                flow: f.flow,
-                host,
-                rule: f.rule.clone(),
-            });
-            relay_step(f, s);
         }
     }
 }

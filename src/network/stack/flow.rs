@@ -14,7 +14,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Notify, mpsc};
 
 use super::AbortOnDrop;
-use crate::network::gate::{Flow, Inspect};
+use crate::network::gate::{Flow, Handoff, Inspect};
+use crate::network::upstream_proxy::UpstreamProxy;
 
 /// Largest piece moved through a channel.
 pub const CHUNK: usize = 16 * 1024;
@@ -35,6 +36,9 @@ pub enum Phase {
     Connecting,
     /// Upstream connected; the guest's first bytes are being collected for the gate.
     Inspecting,
+    /// The gate allowed the first bytes; the `CONNECT` through the upstream proxy (or the
+    /// direct connection of a no-proxy name) is under way. The guest's bytes wait.
+    Tunneling,
     /// Relaying both ways.
     Open,
     /// DNS over TCP to the gateway (no upstream).
@@ -86,6 +90,19 @@ pub struct TcpFlow {
     pub upstream: Option<tokio::net::TcpStream>,
     /// A connection into the guest: whom to hand its pipe to once the guest accepted.
     pub ingress_reply: Option<super::ingress::Reply>,
+    /// Where the upstream connection goes (after the gate's test mapping), once connected.
+    pub upstream_addr: Option<std::net::SocketAddr>,
+    /// `upstream` is a connection to this proxy, not yet asked for a tunnel.
+    pub via_proxy: Option<Arc<UpstreamProxy>>,
+    /// The gate's verdict on the first bytes, while the tunnel is being opened.
+    pub opening: Option<Opening>,
+}
+
+/// What the gate allowed an inspected flow to become, kept while its tunnel opens.
+pub struct Opening {
+    pub rule: String,
+    pub host: Option<String>,
+    pub handler: Option<Handoff>,
 }
 
 impl TcpFlow {
@@ -112,6 +129,9 @@ impl TcpFlow {
             writer: None,
             upstream: None,
             ingress_reply: None,
+            upstream_addr: None,
+            via_proxy: None,
+            opening: None,
         }
     }
 

@@ -11,7 +11,8 @@
 //!
 //! Files: `frames.rs` (the length-prefixed frame codec and the smoltcp device), `classify.rs`
 //! (looks at each guest frame before smoltcp does), `engine.rs` (the event loop), `flow.rs`
-//! (one TCP flow and its upstream tasks), `dns.rs` (DNS over UDP and TCP to the gateway),
+//! (one TCP flow and its upstream tasks), `inspect.rs` (a flow's first bytes, its upstream
+//! connection directly or through the explicit upstream proxy), `dns.rs` (DNS over UDP and TCP to the gateway),
 //! `ingress.rs` (connections into the guest from the gateway: port exposure).
 //! The design is written down in docs/NETWORK.md.
 //!
@@ -29,6 +30,9 @@ pub mod fuzzing;
 pub mod ingress;
 #[cfg(test)]
 mod ingress_tests;
+mod inspect;
+#[cfg(test)]
+mod proxy_tests;
 #[cfg(test)]
 mod tests;
 

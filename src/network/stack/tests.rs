@@ -27,10 +27,12 @@ pub(super) struct TestGate {
     events: Mutex<Vec<FlowEvent>>,
     inspected: AtomicUsize,
     dns_queries: AtomicUsize,
+    /// What [`Gate::upstream_proxy`] answers.
+    pub(super) proxy: Mutex<Option<Arc<crate::network::upstream_proxy::UpstreamProxy>>>,
 }
 
 impl TestGate {
-    fn allow(&self, dst: &str, upstream: SocketAddr, inspect: Inspect) {
+    pub(super) fn allow(&self, dst: &str, upstream: SocketAddr, inspect: Inspect) {
         self.allow
             .lock()
             .unwrap()
@@ -62,7 +64,7 @@ impl Gate for TestGate {
             InspectVerdict::Intercept {
                 rule: "take".into(),
                 host: Some("take.test".into()),
-                handler: Handoff(Arc::new(|mut guest, mut up| {
+                handler: Handoff(Arc::new(|mut guest, mut up, _dial| {
                     Box::pin(async move {
                         // Prove both ends: the guest's bytes (held ones first) go through the
                         // upstream socket the stack connected, and come back tagged.
@@ -98,6 +100,9 @@ impl Gate for TestGate {
     }
     fn record(&self, event: FlowEvent) {
         self.events.lock().unwrap().push(event);
+    }
+    fn upstream_proxy(&self) -> Option<Arc<crate::network::upstream_proxy::UpstreamProxy>> {
+        self.proxy.lock().unwrap().clone()
     }
 }
 
@@ -138,7 +143,7 @@ impl Guest {
         Instant::from_micros(self.epoch.elapsed().as_micros() as i64)
     }
 
-    fn tcp(&mut self, dst: &str, rx: usize) -> SocketHandle {
+    pub(super) fn tcp(&mut self, dst: &str, rx: usize) -> SocketHandle {
         let dst: SocketAddr = dst.parse().unwrap();
         let mut s = tcp::Socket::new(
             tcp::SocketBuffer::new(vec![0; rx]),
@@ -200,7 +205,7 @@ impl Guest {
     }
 }
 
-fn start(gate: Arc<TestGate>, cfg: StackConfig) -> (Guest, Arc<StackStats>) {
+pub(super) fn start(gate: Arc<TestGate>, cfg: StackConfig) -> (Guest, Arc<StackStats>) {
     let (a, b) = UnixStream::pair().unwrap();
     let stats = Arc::new(StackStats::default());
     tokio::spawn(Engine::new(gate, cfg, stats.clone()).run(a));
@@ -208,7 +213,7 @@ fn start(gate: Arc<TestGate>, cfg: StackConfig) -> (Guest, Arc<StackStats>) {
 }
 
 /// An upstream that echoes what it reads and counts it.
-async fn echo_server() -> (SocketAddr, Arc<AtomicU64>) {
+pub(super) async fn echo_server() -> (SocketAddr, Arc<AtomicU64>) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let got = Arc::new(AtomicU64::new(0));
@@ -238,7 +243,7 @@ async fn echo_server() -> (SocketAddr, Arc<AtomicU64>) {
     (addr, got)
 }
 
-fn refused_port() -> SocketAddr {
+pub(super) fn refused_port() -> SocketAddr {
     // Bind and drop: nothing listens there right after.
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap()
