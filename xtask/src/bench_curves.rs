@@ -56,7 +56,7 @@ pub const OPS: [(&str, &str); 7] = [
 ];
 const RSYNC: usize = 0;
 const FIRST: usize = 1;
-const FIRST_DAEMON: usize = 2;
+pub(crate) const FIRST_DAEMON: usize = 2;
 const DELTA: usize = 3;
 const DIFF_FIRST: usize = 4;
 const DIFF: usize = 5;
@@ -210,10 +210,6 @@ fn one_size(
     let gen_dir = scratch.join("gen");
     let t = Instant::now();
     generate(&gen_dir, n)?;
-    // What was just written would otherwise be written back during the rows below.
-    if !Command::new("sync").status().context("sync")?.success() {
-        bail!("sync failed");
-    }
     println!("    generated in {}", fmt(t.elapsed()));
     let bytes = (n * crate::bench::WS_FILE_BYTES) as u64;
 
@@ -240,6 +236,7 @@ fn one_size(
         }
         std::fs::remove_dir(&ws)?;
         std::fs::rename(&gen_dir, &ws)?;
+        settle()?;
         let path = format!("/v1/sandboxes/{id}/sync");
         let call = Instant::now();
         let answer = http::request_within(sock, "POST", &path, None, budget.remaining())?;
@@ -438,13 +435,23 @@ fn over_or_cut(done: Vec<Duration>, spent: Duration) -> Row {
     }
 }
 
+/// Write back every dirty page (not timed): each rsync and each first sync starts with none
+/// pending, so neither pays for the other's (or the generator's) write-back.
+fn settle() -> Result<()> {
+    if !Command::new("sync").status().context("sync")?.success() {
+        bail!("sync failed");
+    }
+    Ok(())
+}
+
 fn delete(sock: &Path, id: &str) {
     if let Err(e) = http::request(sock, "DELETE", &format!("/v1/sandboxes/{id}"), None) {
         println!("    (could not delete {id}: {e:#})");
     }
 }
 
-/// `rsync -a` of `src` into a fresh `dst` (removed before each run, not timed), within budget.
+/// `rsync -a` of `src` into a fresh `dst` (removed before each run and dirty pages written
+/// back, not timed), within budget.
 fn rsync_row(src: &Path, dst: &Path, o: &Options) -> Result<Row> {
     let mut budget = Budget::new(o.row_budget);
     let mut v = Vec::new();
@@ -453,6 +460,7 @@ fn rsync_row(src: &Path, dst: &Path, o: &Options) -> Result<Row> {
         if dst.exists() {
             std::fs::remove_dir_all(dst)?;
         }
+        settle()?;
         let call = Instant::now();
         let mut child = Command::new("rsync")
             .arg("-a")
@@ -549,7 +557,8 @@ pub fn section(c: &Curves, when: &str) -> Result<String> {
          (**machine loaded**: other helpers built and ran TCG VMs at the same time). Trees of \
          10 KiB files (incompressible), 100 per directory; `rsync -a` copies the tree into a \
          fresh local directory on the same file system (the baseline, same run, warm page \
-         cache like the syncs). Sync, diff and apply times are the API call's wall clock as \
+         cache like the syncs; before each rsync and each first sync every dirty page is \
+         written back, untimed). Sync, diff and apply times are the API call's wall clock as \
          the client measures it (HTTP over the daemon's unix socket); the first sync also as \
          the daemon reports it. Each cell: median (repetitions) and ratio to rsync at the same \
          size. Row budget {} s wall clock (set-up included): a row past it shows \
