@@ -213,16 +213,25 @@ fn one_size(
     println!("    generated in {}", fmt(t.elapsed()));
     let bytes = (n * crate::bench::WS_FILE_BYTES) as u64;
 
-    rows[RSYNC] = rsync_row(&gen_dir, &home.join("curves-rsync-dst"), o)?;
-    print_row(RSYNC, &rows[RSYNC]);
-
-    // First syncs: each a sandbox created on an empty directory, then the tree moved in.
+    // rsync and first sync in turns, so both see the same load. First syncs: each a sandbox
+    // created on an empty directory, then the tree moved in.
+    let dst = home.join("curves-rsync-dst");
     let ws = scratch.join("ws");
-    let mut budget = Budget::new(o.row_budget);
+    let (mut b_rsync, mut budget) = (Budget::new(o.row_budget), Budget::new(o.row_budget));
+    let mut rsync = Vec::new();
+    let mut rsync_over = None;
     let (mut first, mut daemon_ms) = (Vec::new(), Vec::new());
     let mut keep = None;
     let mut over = None;
     while first.len() < o.reps {
+        if rsync_over.is_none() && rsync.len() < o.reps && (rsync.is_empty() || b_rsync.another()) {
+            let t = Instant::now();
+            match rsync_once(&gen_dir, &dst, b_rsync.remaining())? {
+                Some(el) => rsync.push(el),
+                None => rsync_over = Some(b_rsync.spent + t.elapsed()),
+            }
+            b_rsync.add(t.elapsed());
+        }
         let t = Instant::now();
         std::fs::create_dir_all(&ws)?;
         let body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
@@ -264,6 +273,12 @@ fn one_size(
             break;
         }
     }
+    let _ = std::fs::remove_dir_all(&dst);
+    rows[RSYNC] = match rsync_over {
+        Some(spent) => over_or_cut(rsync, spent),
+        None => Row::Measured(rsync),
+    };
+    print_row(RSYNC, &rows[RSYNC]);
     match over {
         Some(spent) if first.is_empty() => {
             rows[FIRST] = Row::OverBudget(spent);
@@ -450,49 +465,36 @@ fn delete(sock: &Path, id: &str) {
     }
 }
 
-/// `rsync -a` of `src` into a fresh `dst` (removed before each run and dirty pages written
-/// back, not timed), within budget.
-fn rsync_row(src: &Path, dst: &Path, o: &Options) -> Result<Row> {
-    let mut budget = Budget::new(o.row_budget);
-    let mut v = Vec::new();
-    while v.len() < o.reps && (v.is_empty() || budget.another()) {
-        let t = Instant::now();
-        if dst.exists() {
-            std::fs::remove_dir_all(dst)?;
-        }
-        settle()?;
-        let call = Instant::now();
-        let mut child = Command::new("rsync")
-            .arg("-a")
-            .arg(format!("{}/", src.display()))
-            .arg(format!("{}/", dst.display()))
-            .spawn()
-            .context("rsync (apt-get install rsync)")?;
-        let deadline = call + budget.remaining();
-        let status = loop {
-            if let Some(st) = child.try_wait()? {
-                break Some(st);
-            }
-            if Instant::now() >= deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        };
-        let el = call.elapsed();
-        budget.add(t.elapsed());
-        match status {
-            None => {
-                let _ = std::fs::remove_dir_all(dst);
-                return Ok(over_or_cut(v, budget.spent));
-            }
-            Some(st) if !st.success() => bail!("rsync failed: {st}"),
-            Some(_) => v.push(el),
-        }
+/// One `rsync -a` of `src` into a fresh `dst` (removed first and dirty pages written back,
+/// not timed): its time, or `None` when it was still running after `limit` (then killed).
+fn rsync_once(src: &Path, dst: &Path, limit: Duration) -> Result<Option<Duration>> {
+    if dst.exists() {
+        std::fs::remove_dir_all(dst)?;
     }
-    std::fs::remove_dir_all(dst)?;
-    Ok(Row::Measured(v))
+    settle()?;
+    let call = Instant::now();
+    let mut child = Command::new("rsync")
+        .arg("-a")
+        .arg(format!("{}/", src.display()))
+        .arg(format!("{}/", dst.display()))
+        .spawn()
+        .context("rsync (apt-get install rsync)")?;
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break st;
+        }
+        if call.elapsed() >= limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let el = call.elapsed();
+    if !status.success() {
+        bail!("rsync failed: {status}");
+    }
+    Ok(Some(el))
 }
 
 fn print_row(op: usize, r: &Row) {
@@ -556,8 +558,8 @@ pub fn section(c: &Curves, when: &str) -> Result<String> {
         "Measured on {when}, accel **{}**; host load average at the start {}, at the end {} \
          (**machine loaded**: other helpers built and ran TCG VMs at the same time). Trees of \
          10 KiB files (incompressible), 100 per directory; `rsync -a` copies the tree into a \
-         fresh local directory on the same file system (the baseline, same run, warm page \
-         cache like the syncs; before each rsync and each first sync every dirty page is \
+         fresh local directory on the same file system (the baseline, same run, in turns with the \
+         first syncs, warm page cache like them; before each rsync and each first sync every dirty page is \
          written back, untimed). Sync, diff and apply times are the API call's wall clock as \
          the client measures it (HTTP over the daemon's unix socket); the first sync also as \
          the daemon reports it. Each cell: median (repetitions) and ratio to rsync at the same \

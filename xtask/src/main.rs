@@ -139,7 +139,7 @@ enum Cmd {
         #[arg(long, default_value_t = 300)]
         row_budget_secs: u64,
         /// Repetitions of each cost-curve row (fewer when its budget runs out).
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 5)]
         curve_reps: usize,
     },
 }
