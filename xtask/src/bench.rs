@@ -19,6 +19,8 @@
 //!     API, interleaved.
 //! (n) sustained load (`bench_load.rs`): 5 sandboxes x 4 concurrent execs for `--load-secs`,
 //!     latency vs the same commands on an idle sandbox, errors, the daemon's RSS.
+//! (o) workspace cost curves (`bench_curves.rs`): rsync -a vs first sync, delta sync, diff and
+//!     apply at 1k / 10k / 100k files, a per-row budget, a growth check, `bench-curves.svg`.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

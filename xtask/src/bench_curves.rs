@@ -614,7 +614,8 @@ pub fn section(c: &Curves, when: &str) -> Result<String> {
     writeln!(
         md,
         "\n![time vs files, log-log]({SVG})\n\n`{SVG}`: time vs files, log-log, one line per \
-         operation (medians; over-budget points left out).\n"
+         operation (medians; over-budget points left out). Where a first sync's time goes: \
+         docs/ARCHITECTURE.md, \"What a first sync costs as the tree grows\".\n"
     )?;
     Ok(md)
 }
