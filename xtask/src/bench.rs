@@ -19,6 +19,8 @@
 //!     API, interleaved.
 //! (n) sustained load (`bench_load.rs`): 5 sandboxes x 4 concurrent execs for `--load-secs`,
 //!     latency vs the same commands on an idle sandbox, errors, the daemon's RSS.
+//! (o) workspace cost curves (`bench_curves.rs`): rsync -a vs first sync, delta sync, diff and
+//!     apply at 1k / 10k / 100k files, a per-row budget, a growth check, `bench-curves.svg`.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -34,7 +36,7 @@ use crate::util;
 const MEM_MIB: u32 = 512;
 const VCPUS: u32 = 1;
 
-pub fn run(reps: usize, load_secs: u64) -> Result<()> {
+pub fn run(reps: usize, load_secs: u64, curves: crate::bench_curves::Options) -> Result<()> {
     let reps = reps.max(5);
     let bin = crate::dist::run()?;
     crate::images::run(
@@ -193,6 +195,7 @@ pub fn run(reps: usize, load_secs: u64) -> Result<()> {
     let secrets = crate::bench_secrets::run(&bin, &home.join("secrets"), &out, &config)?;
     let e2b = crate::bench_e2b::run(&bin, &home.join("e2b"), &out, &config, reps.min(5))?;
     let load = crate::bench_load::run(&bin, &home.join("load"), &out, &config, load_secs)?;
+    let curves = crate::bench_curves::run(&bin, &home.join("curves"), &out, &config, &curves)?;
 
     let (a, b, c_api, c_cli) = (median(&base), median(&create), median(&api), median(&cli));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
@@ -360,6 +363,7 @@ pub fn run(reps: usize, load_secs: u64) -> Result<()> {
     md.push_str(&crate::bench_secrets::section(&secrets, &now_utc()?)?);
     md.push_str(&crate::bench_e2b::section(&e2b, &now_utc()?)?);
     md.push_str(&crate::bench_load::section(&load, &now_utc()?)?);
+    md.push_str(&crate::bench_curves::section_and_plot(&curves)?);
     md.push_str(&ws_section(&ws)?);
     println!("\n{md}");
     let path = util::repo_root().join("BENCHMARKS.md");
@@ -435,7 +439,7 @@ pub fn run_workspace_only(reps: usize) -> Result<()> {
 /// A `--*-only` run: the binary and images, a fresh bench home, `rows` measured on its own
 /// daemon (`rows(bin, home, artifacts, config)` gives the section), and that section of
 /// BENCHMARKS.md replaced (`heading`), the rest left as it was.
-fn run_only(
+pub(crate) fn run_only(
     flag: &str,
     heading: &str,
     rows: impl FnOnce(&Path, &Path, &Path, &str) -> Result<String>,
@@ -519,7 +523,7 @@ fn replace_section(old: &str, heading: &str, sec: &str) -> String {
     format!("{}{sec}{}", &old[..at], &old[at..])
 }
 
-fn now_utc() -> Result<String> {
+pub(crate) fn now_utc() -> Result<String> {
     Ok(util::output(
         Command::new("date").arg("-u").arg("+%Y-%m-%d %H:%M UTC"),
         "date",
@@ -590,10 +594,10 @@ struct WsRows {
 
 pub(crate) const WS_DIRS: usize = 100;
 pub(crate) const WS_FILES_PER_DIR: usize = 100;
-const WS_FILE_BYTES: usize = 10 * 1024;
+pub(crate) const WS_FILE_BYTES: usize = 10 * 1024;
 
 /// Incompressible-ish content (xorshift), so nothing benefits from compression.
-fn ws_content(seed: u64) -> Vec<u8> {
+pub(crate) fn ws_content(seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut v = Vec::with_capacity(WS_FILE_BYTES);
     while v.len() < WS_FILE_BYTES {

@@ -19,6 +19,50 @@ pub fn request(sock: &Path, method: &str, path: &str, body: Option<&str>) -> Res
     Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
+/// [`request`] that gives up after `timeout` without an answer: `Ok(None)` then (the daemon
+/// may still be working on it).
+pub fn request_within(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    timeout: std::time::Duration,
+) -> Result<Option<(u16, String)>> {
+    let mut s = UnixStream::connect(sock).with_context(|| format!("connect {}", sock.display()))?;
+    // A zero timeout would mean "none".
+    s.set_read_timeout(Some(timeout.max(std::time::Duration::from_millis(1))))?;
+    send(&mut s, method, path, body)?;
+    let mut r = BufReader::new(s);
+    let timed_out = |e: &anyhow::Error| {
+        e.downcast_ref::<std::io::Error>().is_some_and(|e| {
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            )
+        })
+    };
+    let (status, chunked) = match read_head(&mut r) {
+        Ok(h) => h,
+        Err(e) if timed_out(&e) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut raw = Vec::new();
+    match r.read_to_end(&mut raw) {
+        Ok(_) => {}
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let body = if chunked { dechunk(&raw) } else { raw };
+    Ok(Some((status, String::from_utf8_lossy(&body).into_owned())))
+}
+
 /// POST an exec and read its whole NDJSON answer (fails on an HTTP error).
 fn exec_ndjson(sock: &Path, id: &str, body: &str) -> Result<String> {
     let mut s = UnixStream::connect(sock)?;

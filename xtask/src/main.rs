@@ -7,6 +7,8 @@
 //! install in `~/.cargo/bin`.
 
 mod bench;
+mod bench_curves;
+mod bench_curves_plot;
 mod bench_e2b;
 mod bench_load;
 mod bench_net;
@@ -126,7 +128,39 @@ enum Cmd {
         /// Seconds of sustained load for row (n).
         #[arg(long, default_value_t = 60)]
         load_secs: u64,
+        /// Run only the workspace cost curves and replace that section of BENCHMARKS.md (and
+        /// bench-curves.svg).
+        #[arg(long, conflicts_with_all = ["secrets_only", "workspace_only", "e2b_only", "load_only"])]
+        curves_only: bool,
+        /// Tree sizes (files) of the cost curves.
+        #[arg(long, value_delimiter = ',', default_values_t = [1000usize, 10_000, 100_000])]
+        curve_sizes: Vec<usize>,
+        /// Wall-clock budget of one cost-curve row (one operation at one size), in seconds.
+        #[arg(long, default_value_t = 300)]
+        row_budget_secs: u64,
+        /// Repetitions of each cost-curve row (fewer when its budget runs out).
+        #[arg(long, default_value_t = 5)]
+        curve_reps: usize,
     },
+}
+
+/// The cost curves' options from the command line (sizes checked: 1 to 1,000,000 files).
+fn curve_options(
+    sizes: Vec<usize>,
+    budget_secs: u64,
+    reps: usize,
+) -> Result<bench_curves::Options> {
+    if sizes.is_empty() || sizes.iter().any(|&n| n == 0 || n > 1_000_000) {
+        anyhow::bail!("--curve-sizes: 1 to 1,000,000 files each, e.g. 1000,10000,100000");
+    }
+    let mut sizes = sizes;
+    sizes.sort_unstable();
+    sizes.dedup();
+    Ok(bench_curves::Options {
+        sizes,
+        row_budget: std::time::Duration::from_secs(budget_secs.max(1)),
+        reps: reps.max(1),
+    })
 }
 
 fn main() -> Result<()> {
@@ -179,6 +213,13 @@ fn main() -> Result<()> {
             malloc_limit_mb,
         }),
         Cmd::Bench {
+            curves_only: true,
+            curve_sizes,
+            row_budget_secs,
+            curve_reps,
+            ..
+        } => bench_curves::run_only(curve_options(curve_sizes, row_budget_secs, curve_reps)?),
+        Cmd::Bench {
             secrets_only: true, ..
         } => bench::run_secrets_only(),
         Cmd::Bench {
@@ -195,8 +236,15 @@ fn main() -> Result<()> {
             reps,
             load_secs,
             workspace_only: false,
+            curve_sizes,
+            row_budget_secs,
+            curve_reps,
             ..
-        } => bench::run(reps, load_secs),
+        } => bench::run(
+            reps,
+            load_secs,
+            curve_options(curve_sizes, row_budget_secs, curve_reps)?,
+        ),
         Cmd::Bench {
             reps,
             workspace_only: true,
