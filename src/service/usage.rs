@@ -293,8 +293,36 @@ pub fn spawn_sampler(svc: &Arc<Service>) {
             };
             let Some(svc) = weak.upgrade() else { return };
             svc.ledger.record_usage(&samples);
+            let rams = svc.own_ram_files();
+            drop(svc);
+            if !rams.is_empty() {
+                let _ = tokio::task::spawn_blocking(move || rereserve_ram(&rams)).await;
+            }
         }
     });
+}
+
+/// Reserve again what free page reporting gave back of each running VM's own RAM file
+/// (`reserve_ram_on_disk`; see `ramfile::rereserve` and docs/VMM.md, "Free page reporting").
+/// Skips a QEMU that has exited since the list was made: a VM paused to disk gives its reserve
+/// back on purpose. Costs an `fstat` per VM when nothing was discarded.
+pub fn rereserve_ram(rams: &[(u32, std::path::PathBuf)]) {
+    for (pid, ram) in rams {
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        match crate::vmm::qemu::ramfile::rereserve(ram) {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(pid, ram = %ram.display(), bytes = n, "RAM reserve restored"),
+            Err(e) => tracing::warn!(
+                pid,
+                ram = %ram.display(),
+                error = %e,
+                "cannot reserve the RAM the guest gave back: a first touch of it on a full disk \
+                 would stop the VM"
+            ),
+        }
+    }
 }
 
 #[cfg(test)]
