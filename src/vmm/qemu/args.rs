@@ -255,6 +255,16 @@ pub(super) fn kernel_cmdline(id: &str) -> String {
     )
 }
 
+/// [`kernel_cmdline`] plus, under TCG, the host's TSC rate so that an idle guest stops
+/// ticking (see [`crate::vmm::tsc`]).
+pub(super) fn kernel_cmdline_for(spec: &VmSpec) -> String {
+    let base = kernel_cmdline(&spec.id);
+    match (spec.accel, crate::vmm::tsc::host_khz()) {
+        (Accel::Tcg, Some(khz)) => format!("{base} {}", crate::vmm::tsc::kernel_params(khz)),
+        _ => base,
+    }
+}
+
 /// Machine, accelerator and CPU arguments shared by VMs and the KVM probe.
 pub(crate) fn machine_args(accel: Accel, vcpus: u32, memory_mib: u32) -> Vec<OsString> {
     machine_args_with(accel, vcpus, memory_mib, "microvm,acpi=off")
@@ -320,7 +330,7 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
         "-initrd".as_ref(),
         spec.initramfs.as_os_str(),
         "-append".as_ref(),
-        kernel_cmdline(&spec.id).as_ref(),
+        kernel_cmdline_for(spec).as_ref(),
     ]);
     push(&[
         "-chardev".as_ref(),

@@ -509,3 +509,27 @@ fn free_page_reporting_only_where_a_discard_cannot_punch_a_shared_file() {
     assert!(!super::args::page_reporting_where_safe(&mut args, v(8, 1)));
     assert_eq!(balloons(&args), [BALLOON_DEVICE_NO_REPORTING]);
 }
+
+#[test]
+fn tcg_guests_get_the_host_tsc_rate_and_kvm_guests_do_not() {
+    let dir = Path::new("/data/vms/sbx_1");
+    let paths = VmPaths::new(dir);
+    let tcg = args_str(&qemu_args(&spec(dir, "sbx_1"), &paths));
+    let append = values_of(&tcg, "-append")[0];
+    match crate::vmm::tsc::host_khz() {
+        Some(khz) => assert!(
+            append.ends_with(&format!(" tsc_early_khz={khz} tsc=reliable")),
+            "{append}"
+        ),
+        None => {
+            println!("no TSC rate measured on this host: TCG guests calibrate as before");
+            assert!(!append.contains("tsc_early_khz"), "{append}");
+        }
+    }
+    let kvm = VmSpec {
+        accel: Accel::Kvm,
+        ..spec(dir, "sbx_1")
+    };
+    let a = args_str(&qemu_args(&kvm, &paths));
+    assert!(!values_of(&a, "-append")[0].contains("tsc"), "{a:?}");
+}
