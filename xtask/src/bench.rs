@@ -19,6 +19,9 @@
 //!     API, interleaved.
 //! (n) sustained load (`bench_load.rs`): 5 sandboxes x 4 concurrent execs for `--load-secs`,
 //!     latency vs the same commands on an idle sandbox, errors, the daemon's RSS.
+//! (o) density (`bench_density.rs`): `--density-count` forks of one sandbox and
+//!     `--density-creates` creates alive at once with the default config: PSS, daemon RSS, idle
+//!     CPU of all QEMUs, `true` on random sandboxes vs on one alone.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -34,7 +37,7 @@ use crate::util;
 const MEM_MIB: u32 = 512;
 const VCPUS: u32 = 1;
 
-pub fn run(reps: usize, load_secs: u64) -> Result<()> {
+pub fn run(reps: usize, load_secs: u64, density: crate::bench_density::DensityArgs) -> Result<()> {
     let reps = reps.max(5);
     let bin = crate::dist::run()?;
     crate::images::run(
@@ -193,6 +196,7 @@ pub fn run(reps: usize, load_secs: u64) -> Result<()> {
     let secrets = crate::bench_secrets::run(&bin, &home.join("secrets"), &out, &config)?;
     let e2b = crate::bench_e2b::run(&bin, &home.join("e2b"), &out, &config, reps.min(5))?;
     let load = crate::bench_load::run(&bin, &home.join("load"), &out, &config, load_secs)?;
+    let dens = crate::bench_density::run(&bin, &home.join("density"), &out, density)?;
 
     let (a, b, c_api, c_cli) = (median(&base), median(&create), median(&api), median(&cli));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
@@ -360,6 +364,7 @@ pub fn run(reps: usize, load_secs: u64) -> Result<()> {
     md.push_str(&crate::bench_secrets::section(&secrets, &now_utc()?)?);
     md.push_str(&crate::bench_e2b::section(&e2b, &now_utc()?)?);
     md.push_str(&crate::bench_load::section(&load, &now_utc()?)?);
+    md.push_str(&crate::bench_density::section(&dens, &now_utc()?)?);
     md.push_str(&ws_section(&ws)?);
     println!("\n{md}");
     let path = util::repo_root().join("BENCHMARKS.md");
@@ -498,6 +503,18 @@ pub fn run_load_only(secs: u64) -> Result<()> {
         |bin, home, out, config| {
             let rows = crate::bench_load::run(bin, &home.join("load"), out, config, secs)?;
             crate::bench_load::section(&rows, &now_utc()?)
+        },
+    )
+}
+
+/// `--density-only`: only row (o) on its own daemon; replaces the density section.
+pub fn run_density_only(args: crate::bench_density::DensityArgs) -> Result<()> {
+    run_only(
+        "--density-only",
+        crate::bench_density::HEADING,
+        |bin, home, out, _config| {
+            let rows = crate::bench_density::run(bin, &home.join("density"), out, args)?;
+            crate::bench_density::section(&rows, &now_utc()?)
         },
     )
 }

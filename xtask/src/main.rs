@@ -7,6 +7,7 @@
 //! install in `~/.cargo/bin`.
 
 mod bench;
+mod bench_density;
 mod bench_e2b;
 mod bench_load;
 mod bench_net;
@@ -126,6 +127,21 @@ enum Cmd {
         /// Seconds of sustained load for row (n).
         #[arg(long, default_value_t = 60)]
         load_secs: u64,
+        /// Run only the density row (o) and replace that section of BENCHMARKS.md.
+        #[arg(long, conflicts_with_all = ["secrets_only", "workspace_only", "e2b_only", "load_only"])]
+        density_only: bool,
+        /// Forks of one sandbox alive at once in row (o).
+        #[arg(long, default_value_t = 100)]
+        density_count: usize,
+        /// Independent creates alive at once in row (o), apart from the forks.
+        #[arg(long, default_value_t = 20)]
+        density_creates: usize,
+        /// Seconds over which row (o) measures the idle QEMUs' CPU.
+        #[arg(long, default_value_t = 30)]
+        density_idle_secs: u64,
+        /// Wall-clock budget of row (o), in seconds: it stops early and says so past it.
+        #[arg(long, default_value_t = 1800)]
+        density_budget_secs: u64,
     },
 }
 
@@ -182,6 +198,19 @@ fn main() -> Result<()> {
             secrets_only: true, ..
         } => bench::run_secrets_only(),
         Cmd::Bench {
+            density_only: true,
+            density_count,
+            density_creates,
+            density_idle_secs,
+            density_budget_secs,
+            ..
+        } => bench::run_density_only(bench_density::DensityArgs {
+            forks: density_count,
+            creates: density_creates,
+            idle_secs: density_idle_secs,
+            budget_secs: density_budget_secs,
+        }),
+        Cmd::Bench {
             load_only: true,
             load_secs,
             ..
@@ -195,8 +224,21 @@ fn main() -> Result<()> {
             reps,
             load_secs,
             workspace_only: false,
+            density_count,
+            density_creates,
+            density_idle_secs,
+            density_budget_secs,
             ..
-        } => bench::run(reps, load_secs),
+        } => bench::run(
+            reps,
+            load_secs,
+            bench_density::DensityArgs {
+                forks: density_count,
+                creates: density_creates,
+                idle_secs: density_idle_secs,
+                budget_secs: density_budget_secs,
+            },
+        ),
         Cmd::Bench {
             reps,
             workspace_only: true,
