@@ -261,7 +261,7 @@ fn a_state_that_does_not_fit_is_refused_and_loses_nothing() {
         &wrapper,
         "#!/bin/sh\n\
          case \" $* \" in *\" -incoming \"*) ;; *) exec qemu-system-x86_64 \"$@\";; esac\n\
-         for a do\n  shift\n  case \"$a\" in virtio-rng-device*) a=virtio-balloon-device;; esac\n  \
+         for a do\n  shift\n  case \"$a\" in virtio-rng-device*) a=virtio-keyboard-device;; esac\n  \
          set -- \"$@\" \"$a\"\ndone\nexec qemu-system-x86_64 \"$@\"\n",
     )
     .unwrap();

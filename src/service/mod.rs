@@ -333,6 +333,28 @@ impl Service {
         out
     }
 
+    /// The own RAM files (`<vm dir>/mem.ram`) of every running QEMU, with its pid, when RAM is
+    /// reserved on disk (`reserve_ram_on_disk`); empty otherwise. A clone on a borrowed file
+    /// has no such file (see [`usage::rereserve_ram`]).
+    pub(crate) fn own_ram_files(&self) -> Vec<(u32, PathBuf)> {
+        if !self.config.limits.reserve_ram_on_disk {
+            return Vec::new();
+        }
+        let ram = |dir: &Path| dir.join(crate::vmm::qemu::RAM_FILE);
+        let mut out: Vec<(u32, PathBuf)> = self
+            .vms
+            .live
+            .lock()
+            .map(|m| {
+                m.values()
+                    .map(|vm| (vm.info.pid, ram(&vm.info.dir)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.extend(self.pool_dirs().into_iter().map(|(pid, d)| (pid, ram(&d))));
+        out
+    }
+
     /// Graceful shutdown: the warm pool ends; with `shutdown = "pause"` running sandboxes are
     /// paused to disk (the next daemon resumes them), with `"leave"` VMs keep running and are
     /// found again by the next daemon's `recover`.

@@ -328,6 +328,15 @@ impl Service {
         }
     }
 
+    /// Pid and directory of every warm-pool VM.
+    pub(super) fn pool_dirs(&self) -> Vec<(u32, std::path::PathBuf)> {
+        lock(&self.life.golden.pool)
+            .values()
+            .flatten()
+            .map(|p| (p.vm.info.pid, p.vm.info.dir.clone()))
+            .collect()
+    }
+
     /// Warm-pool VMs waiting, every key together: (id, QEMU pid), for the usage sampler.
     pub(super) fn pool_pids(&self) -> Vec<(String, u32)> {
         lock(&self.life.golden.pool)

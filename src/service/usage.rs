@@ -293,8 +293,51 @@ pub fn spawn_sampler(svc: &Arc<Service>) {
             };
             let Some(svc) = weak.upgrade() else { return };
             svc.ledger.record_usage(&samples);
+            let rams = svc.own_ram_files();
+            drop(svc);
+            if !rams.is_empty() {
+                let _ = tokio::task::spawn_blocking(move || rereserve_ram(&rams)).await;
+            }
         }
     });
+}
+
+/// Whether a minute passed since the last RAM reserve warning (and note this one).
+fn warn_due() -> bool {
+    static LAST: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);
+    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    let due = last.is_none_or(|t| t.elapsed() >= Duration::from_secs(60));
+    if due {
+        *last = Some(Instant::now());
+    }
+    due
+}
+
+/// Reserve again what free page reporting gave back of each running VM's own RAM file
+/// (`reserve_ram_on_disk`; see `ramfile::rereserve` and docs/VMM.md, "Free page reporting").
+/// Skips a QEMU that has exited since the list was made: a VM paused to disk gives its reserve
+/// back on purpose. Costs an `fstat` per VM when nothing was discarded.
+pub fn rereserve_ram(rams: &[(u32, std::path::PathBuf)]) {
+    for (pid, ram) in rams {
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        match crate::vmm::qemu::ramfile::rereserve(ram) {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(pid, ram = %ram.display(), bytes = n, "RAM reserve restored"),
+            // At most one warning a minute: a full disk fails this every tick for every VM.
+            Err(e) if warn_due() => tracing::warn!(
+                pid,
+                ram = %ram.display(),
+                error = %e,
+                "cannot reserve the RAM the guest gave back: a first touch of it on a full disk \
+                 would stop the VM"
+            ),
+            Err(e) => {
+                tracing::debug!(pid, ram = %ram.display(), error = %e, "RAM reserve not restored")
+            }
+        }
+    }
 }
 
 #[cfg(test)]

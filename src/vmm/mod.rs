@@ -16,6 +16,7 @@ pub mod probe;
 pub mod qcow2;
 pub mod qemu;
 pub mod qmp;
+pub mod tsc;
 
 pub use images::Images;
 pub use probe::{AccelSetting, probe_accel, resolve_accel};

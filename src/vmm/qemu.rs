@@ -371,6 +371,7 @@ impl QemuDriver {
     ) -> Result<(u32, watch::Receiver<Option<std::process::ExitStatus>>), VmmError> {
         let mut args = args.to_vec();
         let ram_ro = jail::borrowed_ram_read_only(&mut args, paths, self.version);
+        args::page_reporting_where_safe(&mut args, self.version);
         let fence = std::sync::Arc::new(self.jail.prepare(spec, paths, incoming, ram_ro)?);
         let res = self.spawn_fenced(&args, &paths.dir, &paths.qemu_log, fence.clone());
         fence.launched();
@@ -647,4 +648,6 @@ mod tests;
 use args::check_id;
 pub(crate) use args::machine_args;
 pub use args::{AGENT_CHARDEV, RAM_OBJECT, RamBacking, VmPaths, qemu_args};
-pub use snapshot::{Checkpoint, Resumed};
+#[cfg(test)]
+use args::{BALLOON_DEVICE, BALLOON_DEVICE_NO_REPORTING};
+pub use snapshot::{Checkpoint, RAM_FILE, Resumed};

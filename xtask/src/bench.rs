@@ -21,6 +21,9 @@
 //!     latency vs the same commands on an idle sandbox, errors, the daemon's RSS.
 //! (o) workspace cost curves (`bench_curves.rs`): rsync -a vs first sync, delta sync, diff and
 //!     apply at 1k / 10k / 100k files, a per-row budget, a growth check, `bench-curves.svg`.
+//! (p) density (`bench_density.rs`): `--density-count` forks of one sandbox and
+//!     `--density-creates` creates alive at once with the default config: PSS, daemon RSS, idle
+//!     CPU of all QEMUs, `true` on random sandboxes vs on one alone.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -36,7 +39,12 @@ use crate::util;
 const MEM_MIB: u32 = 512;
 const VCPUS: u32 = 1;
 
-pub fn run(reps: usize, load_secs: u64, curves: crate::bench_curves::Options) -> Result<()> {
+pub fn run(
+    reps: usize,
+    load_secs: u64,
+    curves: crate::bench_curves::Options,
+    density: crate::bench_density::DensityArgs,
+) -> Result<()> {
     let reps = reps.max(5);
     let bin = crate::dist::run()?;
     crate::images::run(
@@ -196,6 +204,7 @@ pub fn run(reps: usize, load_secs: u64, curves: crate::bench_curves::Options) ->
     let e2b = crate::bench_e2b::run(&bin, &home.join("e2b"), &out, &config, reps.min(5))?;
     let load = crate::bench_load::run(&bin, &home.join("load"), &out, &config, load_secs)?;
     let curves = crate::bench_curves::run(&bin, &home.join("curves"), &out, &config, &curves)?;
+    let dens = crate::bench_density::run(&bin, &home.join("density"), &out, density)?;
 
     let (a, b, c_api, c_cli) = (median(&base), median(&create), median(&api), median(&cli));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
@@ -364,6 +373,7 @@ pub fn run(reps: usize, load_secs: u64, curves: crate::bench_curves::Options) ->
     md.push_str(&crate::bench_e2b::section(&e2b, &now_utc()?)?);
     md.push_str(&crate::bench_load::section(&load, &now_utc()?)?);
     md.push_str(&crate::bench_curves::section_and_plot(&curves)?);
+    md.push_str(&crate::bench_density::section(&dens, &now_utc()?)?);
     md.push_str(&ws_section(&ws)?);
     println!("\n{md}");
     let path = util::repo_root().join("BENCHMARKS.md");
@@ -502,6 +512,18 @@ pub fn run_load_only(secs: u64) -> Result<()> {
         |bin, home, out, config| {
             let rows = crate::bench_load::run(bin, &home.join("load"), out, config, secs)?;
             crate::bench_load::section(&rows, &now_utc()?)
+        },
+    )
+}
+
+/// `--density-only`: only row (o) on its own daemon; replaces the density section.
+pub fn run_density_only(args: crate::bench_density::DensityArgs) -> Result<()> {
+    run_only(
+        "--density-only",
+        crate::bench_density::HEADING,
+        |bin, home, out, _config| {
+            let rows = crate::bench_density::run(bin, &home.join("density"), out, args)?;
+            crate::bench_density::section(&rows, &now_utc()?)
         },
     )
 }

@@ -9,6 +9,7 @@
 mod bench;
 mod bench_curves;
 mod bench_curves_plot;
+mod bench_density;
 mod bench_e2b;
 mod bench_load;
 mod bench_net;
@@ -141,6 +142,21 @@ enum Cmd {
         /// Repetitions of each cost-curve row (fewer when its budget runs out).
         #[arg(long, default_value_t = 5)]
         curve_reps: usize,
+        /// Run only the density row (p) and replace that section of BENCHMARKS.md.
+        #[arg(long, conflicts_with_all = ["secrets_only", "workspace_only", "e2b_only", "load_only", "curves_only"])]
+        density_only: bool,
+        /// Forks of one sandbox alive at once in row (p).
+        #[arg(long, default_value_t = 100)]
+        density_count: usize,
+        /// Independent creates alive at once in row (p), apart from the forks.
+        #[arg(long, default_value_t = 20)]
+        density_creates: usize,
+        /// Seconds over which row (p) measures the idle QEMUs' CPU.
+        #[arg(long, default_value_t = 30)]
+        density_idle_secs: u64,
+        /// Wall-clock budget of row (p), in seconds: it stops early and says so past it.
+        #[arg(long, default_value_t = 1800)]
+        density_budget_secs: u64,
     },
 }
 
@@ -223,6 +239,19 @@ fn main() -> Result<()> {
             secrets_only: true, ..
         } => bench::run_secrets_only(),
         Cmd::Bench {
+            density_only: true,
+            density_count,
+            density_creates,
+            density_idle_secs,
+            density_budget_secs,
+            ..
+        } => bench::run_density_only(bench_density::DensityArgs {
+            forks: density_count,
+            creates: density_creates,
+            idle_secs: density_idle_secs,
+            budget_secs: density_budget_secs,
+        }),
+        Cmd::Bench {
             load_only: true,
             load_secs,
             ..
@@ -239,11 +268,21 @@ fn main() -> Result<()> {
             curve_sizes,
             row_budget_secs,
             curve_reps,
+            density_count,
+            density_creates,
+            density_idle_secs,
+            density_budget_secs,
             ..
         } => bench::run(
             reps,
             load_secs,
             curve_options(curve_sizes, row_budget_secs, curve_reps)?,
+            bench_density::DensityArgs {
+                forks: density_count,
+                creates: density_creates,
+                idle_secs: density_idle_secs,
+                budget_secs: density_budget_secs,
+            },
         ),
         Cmd::Bench {
             reps,

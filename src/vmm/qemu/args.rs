@@ -62,6 +62,13 @@ impl RamBacking {
 /// Id of the agent channel's chardev (QMP `query-chardev` label).
 pub const AGENT_CHARDEV: &str = "agent";
 
+/// The balloon device, only ever used for free page reporting (never inflated: the daemon
+/// does not take memory back from a guest that holds it).
+pub const BALLOON_DEVICE: &str = "virtio-balloon-device,free-page-reporting=on";
+/// [`BALLOON_DEVICE`] without reporting, for a QEMU that would punch a discarded page out of a
+/// borrowed RAM file that other clones map (before 8.2 it cannot open that file read-only).
+pub const BALLOON_DEVICE_NO_REPORTING: &str = "virtio-balloon-device,free-page-reporting=off";
+
 /// Name of the memory backend object (QMP path `/objects/<name>`).
 pub const RAM_OBJECT: &str = "ram0";
 
@@ -248,6 +255,16 @@ pub(super) fn kernel_cmdline(id: &str) -> String {
     )
 }
 
+/// [`kernel_cmdline`] plus, under TCG, the host's TSC rate so that an idle guest stops
+/// ticking (see [`crate::vmm::tsc`]).
+pub(super) fn kernel_cmdline_for(spec: &VmSpec) -> String {
+    let base = kernel_cmdline(&spec.id);
+    match (spec.accel, crate::vmm::tsc::host_khz()) {
+        (Accel::Tcg, Some(khz)) => format!("{base} {}", crate::vmm::tsc::kernel_params(khz)),
+        _ => base,
+    }
+}
+
 /// Machine, accelerator and CPU arguments shared by VMs and the KVM probe.
 pub(crate) fn machine_args(accel: Accel, vcpus: u32, memory_mib: u32) -> Vec<OsString> {
     machine_args_with(accel, vcpus, memory_mib, "microvm,acpi=off")
@@ -313,7 +330,7 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
         "-initrd".as_ref(),
         spec.initramfs.as_os_str(),
         "-append".as_ref(),
-        kernel_cmdline(&spec.id).as_ref(),
+        kernel_cmdline_for(spec).as_ref(),
     ]);
     push(&[
         "-chardev".as_ref(),
@@ -399,6 +416,12 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
         "-device".as_ref(),
         format!("virtio-net-device,netdev=net0,mac={NIC_MAC},guest_announce=off").as_ref(),
     ]);
+    // Free page reporting: the guest tells QEMU which (4 MiB) blocks it has free and QEMU
+    // discards them, so memory a guest frees goes back to the host (docs/VMM.md, "Free page
+    // reporting"). Last of the devices: the virtio-mmio slots of the others stay as they were.
+    // [`BALLOON_DEVICE`] is rewritten to [`BALLOON_DEVICE_NO_REPORTING`] where discarding is
+    // not safe (see `QemuDriver::spawn_detached`).
+    push(&["-device".as_ref(), BALLOON_DEVICE.as_ref()]);
     push(&[
         "-chardev".as_ref(),
         &opt("socket,id=qmp,path=", &paths.qmp, ",server=on,wait=off"),
@@ -412,4 +435,27 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
         "timestamp=on".as_ref(),
     ]);
     a
+}
+
+/// Keep free page reporting only where a discard cannot reach a file other VMs map: QEMU
+/// discards a reported page of a file-backed RAM block by punching a hole in the *file*, even
+/// when its mapping is private. A clone's borrowed RAM file is the frozen fork base its
+/// siblings map; from 8.2 QEMU opens it read-only (`readonly=on,rom=off`, see
+/// `jail::borrowed_ram_read_only`) and refuses the discard, before that it would punch it.
+/// So an older QEMU gets the device without reporting, for every VM alike (the device set of
+/// a VM and of its clones must match for the migration stream to load). Returns whether
+/// reporting stays on.
+pub(super) fn page_reporting_where_safe(
+    args: &mut [OsString],
+    version: super::QemuVersion,
+) -> bool {
+    if version >= crate::vmm::jail::READONLY_TEMPLATE_SINCE {
+        return args.iter().any(|a| a == BALLOON_DEVICE);
+    }
+    for a in args.iter_mut() {
+        if a == BALLOON_DEVICE {
+            *a = OsString::from(BALLOON_DEVICE_NO_REPORTING);
+        }
+    }
+    false
 }

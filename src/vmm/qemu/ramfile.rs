@@ -173,6 +173,37 @@ pub fn preallocate(path: &Path, size: u64) -> Result<bool, VmmError> {
     }
 }
 
+/// Reserve again the blocks of a running VM's own RAM file that free page reporting gave
+/// back: QEMU discards a page the guest reported free by punching a hole in the file, which
+/// frees its memory and its reserved block at once. Allocating the holes again (`fallocate`
+/// mode 0 allocates only what is missing, as unwritten extents: no page cache, so the memory
+/// stays freed, and no data changes) restores [`preallocate`]'s promise. Never creates a
+/// file (a clone running on a borrowed file has none of its own). Returns the bytes that were
+/// missing (0 when the file is whole or absent); an error when they cannot be reserved (a
+/// full filesystem): the VM runs on, exposed until room comes back.
+pub fn rereserve(path: &Path) -> Result<u64, VmmError> {
+    use std::os::unix::fs::MetadataExt;
+    let f = match std::fs::OpenOptions::new().write(true).open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(io(path)(e)),
+    };
+    let md = f.metadata().map_err(io(path))?;
+    let held = md.blocks().saturating_mul(512);
+    if held >= md.len() {
+        return Ok(0);
+    }
+    match nix::fcntl::fallocate(
+        &f,
+        nix::fcntl::FallocateFlags::empty(),
+        0,
+        md.len() as libc::off_t,
+    ) {
+        Ok(()) | Err(nix::errno::Errno::EOPNOTSUPP) => Ok(md.len() - held),
+        Err(e) => Err(io(path)(std::io::Error::from(e))),
+    }
+}
+
 /// Give back the blocks [`preallocate`] reserved but the guest never wrote (a VM paused to
 /// disk keeps only its data): every range `SEEK_HOLE` reports is punched. Such a range reads
 /// as zeros either way (an unwritten extent, or a page cache page the kernel counts as data
@@ -326,6 +357,39 @@ mod tests {
         assert_eq!(&all[3 << 20..(3 << 20) + 8192], &[7u8; 8192][..]);
         assert_eq!(all.iter().filter(|b| **b != 0).count(), 8192);
         assert_eq!(data_bytes(&d.path().join("missing")), 0);
+    }
+
+    #[test]
+    fn a_punched_reserve_is_reserved_again_keeping_data_and_holes_read_zero() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("mem.ram");
+        assert!(preallocate(&p, 16 << 20).unwrap(), "no fallocate here");
+        let mut f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        f.seek(SeekFrom::Start(2 << 20)).unwrap();
+        f.write_all(&[5u8; 8192]).unwrap();
+        f.seek(SeekFrom::Start(9 << 20)).unwrap();
+        f.write_all(&[6u8; 4 << 20]).unwrap();
+        // What QEMU does with a reported free range: punch it.
+        let flags = nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+            | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE;
+        nix::fcntl::fallocate(&f, flags, 9 << 20, 4 << 20).unwrap();
+        drop(f);
+        let blocks = |p: &Path| std::fs::metadata(p).unwrap().blocks() * 512;
+        assert!(blocks(&p) <= 12 << 20, "{} held", blocks(&p));
+        let missing = rereserve(&p).unwrap();
+        assert!(missing >= 4 << 20, "{missing} missing");
+        assert!(blocks(&p) >= 16 << 20, "{} held", blocks(&p));
+        // Whole again: nothing to do.
+        assert_eq!(rereserve(&p).unwrap(), 0);
+        // The data stays, the punched range reads zero and is not data (a snapshot skips it).
+        let all = std::fs::read(&p).unwrap();
+        assert_eq!(&all[2 << 20..(2 << 20) + 8192], &[5u8; 8192][..]);
+        assert_eq!(all.iter().filter(|b| **b != 0).count(), 8192);
+        // A missing file is not made.
+        let none = d.path().join("absent.ram");
+        assert_eq!(rereserve(&none).unwrap(), 0);
+        assert!(!none.exists());
     }
 
     #[tokio::test]

@@ -480,3 +480,56 @@ fn ram_is_a_shared_file_for_own_vms_and_private_for_clones() {
     let probe = args_str(&machine_args(Accel::Tcg, 1, 64));
     assert_eq!(values_of(&probe, "-M"), ["microvm,acpi=off"]);
 }
+
+#[test]
+fn free_page_reporting_only_where_a_discard_cannot_punch_a_shared_file() {
+    let dir = Path::new("/data/vms/sbx_1");
+    let v = |major, minor| QemuVersion {
+        major,
+        minor,
+        micro: 0,
+    };
+    let balloons = |args: &[OsString]| {
+        values_of(&args_str(args), "-device")
+            .into_iter()
+            .filter(|d| d.starts_with("virtio-balloon-device"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    // One balloon device, last of the devices, reporting on.
+    let mut args = qemu_args(&spec(dir, "sbx_1"), &VmPaths::new(dir));
+    assert_eq!(balloons(&args), [BALLOON_DEVICE]);
+    let all = args_str(&args);
+    assert_eq!(values_of(&all, "-device").last(), Some(&BALLOON_DEVICE));
+    assert!(super::args::page_reporting_where_safe(&mut args, v(10, 0)));
+    assert!(super::args::page_reporting_where_safe(&mut args, v(8, 2)));
+    assert_eq!(balloons(&args), [BALLOON_DEVICE]);
+    // A QEMU that opens a clone's borrowed RAM file read-write would punch it: the device
+    // stays (same device set for every VM) but without reporting.
+    assert!(!super::args::page_reporting_where_safe(&mut args, v(8, 1)));
+    assert_eq!(balloons(&args), [BALLOON_DEVICE_NO_REPORTING]);
+}
+
+#[test]
+fn tcg_guests_get_the_host_tsc_rate_and_kvm_guests_do_not() {
+    let dir = Path::new("/data/vms/sbx_1");
+    let paths = VmPaths::new(dir);
+    let tcg = args_str(&qemu_args(&spec(dir, "sbx_1"), &paths));
+    let append = values_of(&tcg, "-append")[0];
+    match crate::vmm::tsc::host_khz() {
+        Some(khz) => assert!(
+            append.ends_with(&format!(" tsc_early_khz={khz} tsc=reliable")),
+            "{append}"
+        ),
+        None => {
+            println!("no TSC rate measured on this host: TCG guests calibrate as before");
+            assert!(!append.contains("tsc_early_khz"), "{append}");
+        }
+    }
+    let kvm = VmSpec {
+        accel: Accel::Kvm,
+        ..spec(dir, "sbx_1")
+    };
+    let a = args_str(&qemu_args(&kvm, &paths));
+    assert!(!values_of(&a, "-append")[0].contains("tsc"), "{a:?}");
+}

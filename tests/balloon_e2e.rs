@@ -1,0 +1,192 @@
+//! Free page reporting on real VMs (TCG, one vCPU): memory a guest allocates and frees goes
+//! back to the host (the QEMU's PSS drops), the RAM file's disk reserve comes back, and the
+//! balloon device does not break fork (a migration stream with it loads), a clone's discards
+//! never reach the fork base its siblings map, and pause/resume keeps the guest's data.
+
+mod common;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Daemon, create, sh_out, vm_daemon};
+
+const MEMORY_MIB: u64 = 768;
+const CFG: &str = "default_memory_mib = 768\ndefault_vcpus = 1\nboot_timeout_s = 180\n\
+                   [pool]\ngolden = false\nsize = 0\n";
+/// Allocate 256 MiB and write every page (`b'\x01' * n` fills it), hold it a few seconds so
+/// the host can see it, then exit (the guest frees it).
+const ALLOC: &str =
+    "python3 -c 'import time; b = b\"\\x01\" * (256 << 20); time.sleep(4); print(len(b))'";
+
+fn pss_kib(pid: u32) -> u64 {
+    let t = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    t.lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn qemu_pid(d: &Daemon, id: &str) -> u32 {
+    let p = d.root().join("sandboxes").join(id).join("qemu.pid");
+    std::fs::read_to_string(&p)
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Run [`ALLOC`] in `id` while a thread samples its QEMU's PSS: (PSS before, peak).
+fn alloc_and_free(d: &Daemon, id: &str) -> (u64, u64) {
+    let pid = qemu_pid(d, id);
+    let before = pss_kib(pid);
+    let stop = Arc::new(AtomicBool::new(false));
+    let peak = Arc::new(AtomicU64::new(before));
+    let sampler = {
+        let (stop, peak) = (stop.clone(), peak.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                peak.fetch_max(pss_kib(pid), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+    };
+    let (code, out) = sh_out(d, id, ALLOC);
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    assert_eq!((code, out.trim()), (Some(0), "268435456"));
+    (before, peak.load(Ordering::Relaxed))
+}
+
+/// Poll `f` every 250 ms until it returns `Some` or `limit` passes.
+fn poll<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let end = Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() >= end {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn allocated_bytes(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).map(|m| m.blocks() * 512).unwrap_or(0)
+}
+
+/// A checksum of a whole file (FNV-1a over 1 MiB chunks), to see that it did not change.
+fn checksum(p: &Path) -> u64 {
+    let mut f = std::fs::File::open(p).unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    loop {
+        let n = f.read(&mut buf).unwrap();
+        if n == 0 {
+            return h;
+        }
+        for b in &buf[..n] {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+}
+
+fn fork_base(d: &Daemon, parent: &str) -> PathBuf {
+    let forks = d.root().join("sandboxes").join(parent).join("forks");
+    std::fs::read_dir(&forks)
+        .unwrap_or_else(|e| panic!("{}: {e}", forks.display()))
+        .flatten()
+        .map(|e| e.path().join("mem.ram"))
+        .find(|p| p.is_file())
+        .expect("a fork base RAM file")
+}
+
+#[test]
+fn memory_a_guest_frees_goes_back_to_the_host() {
+    let Some(d) = vm_daemon(CFG) else { return };
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+    assert_eq!(sh_out(&d, &id, "echo kept > /root/f").0, Some(0));
+    let pid = qemu_pid(&d, &id);
+    let ram = d.root().join("sandboxes").join(&id).join("mem.ram");
+
+    let (before, peak) = alloc_and_free(&d, &id);
+    assert!(
+        peak >= before + (200 << 10),
+        "the allocation never showed in the QEMU's PSS: before {before} KiB, peak {peak} KiB"
+    );
+    // Freed in the guest, reported (the guest waits ~2 s before a report), discarded by QEMU.
+    let after = poll(Duration::from_secs(30), || {
+        let p = pss_kib(pid);
+        (p <= before + (64 << 10)).then_some(p)
+    });
+    println!(
+        "PSS of the QEMU: before {} MiB, peak {} MiB, after free {} MiB (TCG)",
+        before >> 10,
+        peak >> 10,
+        pss_kib(pid) >> 10
+    );
+    assert!(
+        after.is_some(),
+        "PSS stayed at {} KiB after the guest freed 256 MiB (before {before}, peak {peak})",
+        pss_kib(pid)
+    );
+    // The daemon reserves the discarded blocks again (`reserve_ram_on_disk`, the default).
+    let reserved = poll(Duration::from_secs(15), || {
+        (allocated_bytes(&ram) >= MEMORY_MIB << 20).then_some(())
+    });
+    assert!(
+        reserved.is_some(),
+        "RAM file holds {} of {} bytes",
+        allocated_bytes(&ram),
+        MEMORY_MIB << 20
+    );
+    // ...and that brings no page back into memory.
+    assert!(pss_kib(pid) <= before + (64 << 10), "{}", pss_kib(pid));
+
+    // Fork: the child loads a migration stream that has the balloon device in it.
+    let o = d.cli(&["fork", &id, "--count", "1"]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_text()
+    );
+    let kid = String::from_utf8_lossy(&o.stdout).trim().to_owned();
+    let base = fork_base(&d, &id);
+    let sum = checksum(&base);
+    // The child allocates and frees too: its reports must not punch the shared base.
+    let (kb, kp) = alloc_and_free(&d, &kid);
+    std::thread::sleep(Duration::from_secs(6));
+    let kpid = qemu_pid(&d, &kid);
+    println!(
+        "fork child PSS: before {} MiB, peak {} MiB, 6 s after free {} MiB",
+        kb >> 10,
+        kp >> 10,
+        pss_kib(kpid) >> 10
+    );
+    let klog = std::fs::read_to_string(d.root().join("sandboxes").join(&kid).join("qemu.log"))
+        .unwrap_or_default();
+    println!(
+        "fork child's qemu.log: {} discards refused (read-only fork base)",
+        klog.matches("Discarding RAM").count()
+    );
+    assert_eq!(
+        checksum(&base),
+        sum,
+        "the fork base changed under its clones"
+    );
+    assert_eq!(sh_out(&d, &kid, "cat /root/f").1, "kept\n");
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "kept\n");
+
+    // Pause to disk and resume: the RAM file with its discarded holes is the guest's memory.
+    let o = d.cli(&["pause", &id]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(sh_out(&d, &id, "cat /root/f").1, "kept\n");
+    let (code, out) = sh_out(&d, &id, ALLOC);
+    assert_eq!((code, out.trim()), (Some(0), "268435456"));
+}
