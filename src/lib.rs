@@ -74,6 +74,7 @@ mod workspace;
 #[doc(hidden)]
 pub mod fuzzing {
     pub use crate::daemon::router_fuzzing::http_router;
+    pub use crate::e2b::upload::fuzzing::multipart as e2b_multipart;
 }
 
 use std::process::ExitCode;

@@ -2,7 +2,7 @@
 //! (`multipart/form-data`, one part per file whose filename is the destination path when `path`
 //! is absent; or `application/octet-stream`, optionally `Content-Encoding: gzip`).
 //!
-//! Owns: parsing those bodies (multipart by `multer`, bounded per file and in all; gzip
+//! Owns: parsing those bodies (multipart in `upload.rs`, bounded per file and in all; gzip
 //! decoded with a cap, so a small bomb cannot fill memory), the owner of written files (the
 //! request's user), and the answers' shapes (`[{"name","type":"file","path"}]`; errors as
 //! `{"code","message"}`). Writes go through the service, which refuses stored secret values.
@@ -20,9 +20,6 @@ use serde_json::{Value, json};
 use super::{E2bError, Face, guest_path};
 use crate::daemon::response::Body;
 use crate::service::e2b::E2bSandbox;
-
-/// Most files one multipart upload may hold.
-const MAX_PARTS: usize = 64;
 
 pub async fn handle(req: Request<Incoming>, face: &Face, rec: &E2bSandbox) -> Response<Body> {
     let r = match *req.method() {
@@ -124,42 +121,9 @@ async fn write(
     if ctype.starts_with("multipart/form-data") {
         let boundary = multer::parse_boundary(&ctype)
             .map_err(|e| E2bError::new(StatusCode::BAD_REQUEST, format!("multipart: {e}")))?;
-        let limits = multer::Constraints::new().size_limit(
-            multer::SizeLimit::new()
-                .per_field(max)
-                .whole_stream(max.saturating_mul(2).max(1 << 20)),
-        );
         let stream = req.into_body().into_data_stream();
-        let mut mp = multer::Multipart::with_constraints(stream, boundary, limits);
-        let mut parts = 0usize;
-        while let Some(field) = mp
-            .next_field()
-            .await
-            .map_err(|e| E2bError::new(StatusCode::BAD_REQUEST, format!("multipart: {e}")))?
-        {
-            parts += 1;
-            if parts > MAX_PARTS {
-                return Err(E2bError::new(
-                    StatusCode::BAD_REQUEST,
-                    format!("at most {MAX_PARTS} files per upload"),
-                ));
-            }
-            let name = field.file_name().map(str::to_owned);
-            let data = field.bytes().await.map_err(|e| {
-                E2bError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("multipart: {e}"))
-            })?;
-            // With one file and `path`, `path` names it; otherwise each part's filename does.
-            let dest = match (&q.path, name) {
-                (Some(p), _) if parts == 1 => p.clone(),
-                (_, Some(n)) if !n.is_empty() => n,
-                _ => {
-                    return Err(E2bError::new(
-                        StatusCode::BAD_REQUEST,
-                        "each file needs a destination: `path` or the part's filename",
-                    ));
-                }
-            };
-            written.push(put(face, rec, &dest, &home, own, &data).await?);
+        for part in super::upload::multipart(stream, boundary, q.path.as_deref(), max).await? {
+            written.push(put(face, rec, &part.dest, &home, own, &part.data).await?);
         }
     } else {
         let dest = q.path.clone().ok_or_else(|| {

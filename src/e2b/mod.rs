@@ -25,6 +25,7 @@ pub mod listen;
 mod ports;
 mod process;
 mod proto;
+pub(crate) mod upload;
 mod watch;
 
 use std::sync::Arc;
