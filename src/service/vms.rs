@@ -257,6 +257,13 @@ impl Service {
         let agent = tokio::select! {
             r = AgentClient::connect_unix(&info.agent_socket, timeout) => r,
             _ = wait_dead(driver, &info) => {
+                // The whole story (a guest kernel panic's message comes before its trace) for
+                // the daemon log: the VM's directory may be gone by the time anyone looks.
+                tracing::error!(
+                    sandbox = %info.id,
+                    console = %tail_lines(&info.console_log, 80),
+                    "the VM stopped during boot"
+                );
                 return Err(ServiceError::Internal(format!(
                     "the VM stopped before its agent answered; console: {}",
                     tail(&info.console_log)
@@ -551,11 +558,18 @@ const TAIL_BYTES: u64 = 4096;
 
 /// The last lines of a log file, for error messages.
 pub fn tail(path: &Path) -> String {
-    let text = crate::vmm::qemu::logs::read_tail(path, TAIL_BYTES)
+    tail_lines(path, 8)
+}
+
+/// The last `n` non-empty lines of the log at `path` (read from its last `TAIL_BYTES`, or
+/// 160 bytes a line up to 64 KiB), joined with ` | `.
+pub fn tail_lines(path: &Path, n: usize) -> String {
+    let bytes = TAIL_BYTES.max(n as u64 * 160).min(64 << 10);
+    let text = crate::vmm::qemu::logs::read_tail(path, bytes)
         .map(|b| String::from_utf8_lossy(&b).into_owned())
         .unwrap_or_default();
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    let start = lines.len().saturating_sub(8);
+    let start = lines.len().saturating_sub(n);
     if lines.is_empty() {
         "(empty)".into()
     } else {
