@@ -109,9 +109,16 @@ impl Service {
             let (action, result) = if rec.auto_pause {
                 ("paused", self.pause_sandbox(&id).await.map(|_| ()))
             } else {
+                // The record goes first: while the VM is being torn down (seconds under TCG)
+                // its envd no longer answers, so the E2B face must already say "not found"
+                // (an SDK that saw `is_running() == false` and then connects gets a 404, as
+                // from E2B). A removal that fails puts the record back for the next tick.
+                let _ = self.e2b_forget(&id);
                 let r = self.remove_sandbox(&id).await.map(|_| ());
-                if matches!(r, Ok(()) | Err(ServiceError::NotFound(_))) {
-                    let _ = self.e2b_forget(&id);
+                if let Err(e) = &r
+                    && !matches!(e, ServiceError::NotFound(_))
+                {
+                    let _ = self.e2b_put(&rec);
                 }
                 ("killed", r)
             };
