@@ -370,6 +370,11 @@ fn the_e2b_code_interpreter_sdk_runs_code_in_a_kernel() {
     check("/rich/png", json!("iVBORw0KGgo="));
     check("/rich/display_html", json!(["<i>shown</i>"]));
     check("/rich/display_main", json!(["7"]));
+    // matplotlib is in the image: plt.show() gives one real PNG (ipykernel's inline backend).
+    check("/chart/error", json!(null));
+    check("/chart/pngs", json!(1));
+    check("/chart/is_png", json!(true));
+    check("/chart/big", json!(true));
     // Contexts: own state and cwd, listed, restart clears, remove.
     check("/contexts/cwd", json!("/tmp"));
     check("/contexts/language", json!("python"));

@@ -64,7 +64,7 @@ async fn boots_in_qemu_and_runs_commands() {
         ])
         .args([
             "-append",
-            "console=ttyS0 reboot=t panic=-1 tryboxi.root=/dev/vda tryboxi.hostname=vmtest",
+            "console=ttyS0 reboot=t panic=-1 no_timer_check tryboxi.root=/dev/vda tryboxi.hostname=vmtest",
         ])
         .arg("-serial")
         .arg(format!("file:{}", log.display()))

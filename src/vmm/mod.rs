@@ -64,6 +64,14 @@ pub struct VmSpec {
 /// workspace data (a tar archive) at its start and the guest agent reads it from the device
 /// (after dropping its page cache): far faster than the RPC channel. Its content has no meaning
 /// between transfers, so checkpoints do not capture it.
+/// Kernel parameters of every guest's timer setup. `no_timer_check` skips the boot-time check
+/// that the PIT's interrupt arrives through the IO-APIC: under TCG on a loaded host the vCPU
+/// thread can miss the ticks of that short window, and the kernel then panics (`IO-APIC +
+/// timer doesn't work!`, from `check_timer` during `start_kernel`). Seen once in CI (a guest
+/// dying ~1.3 s into boot); the same panic and fix are known from QEMU-based CI elsewhere.
+/// Harmless under KVM. The probe's command line (`probe::PROBE_CMDLINE`) carries it too.
+pub const GUEST_TIMER_PARAMS: &str = "no_timer_check";
+
 /// The virtio serial of the root disk; the guest's init mounts the disk with this serial
 /// (`tryboxi.root=serial:...`), not a fixed `/dev/vdX`, because the kernel need not enumerate
 /// the virtio-mmio disks in command-line order.

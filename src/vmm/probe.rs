@@ -22,7 +22,7 @@ use super::{Accel, VmmError};
 
 /// What the guest agent prints on the console when booted with `tryboxi.probe=1`.
 pub const PROBE_MARKER: &str = "TRYBOXI_PROBE_OK";
-pub const PROBE_CMDLINE: &str = "console=ttyS0 reboot=t panic=-1 tryboxi.probe=1";
+pub const PROBE_CMDLINE: &str = "console=ttyS0 reboot=t panic=-1 no_timer_check tryboxi.probe=1";
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
 const CACHE_FILE: &str = "accel-probe.json";
 

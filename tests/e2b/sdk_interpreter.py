@@ -7,6 +7,7 @@ line; the Rust test checks it. A failing step is recorded, not fatal.
 """
 
 import asyncio
+import base64
 import json
 import re
 import sys
@@ -112,6 +113,16 @@ def _():
     return {"html": html.results[0].html, "text": html.text,
             "png": png.results[0].png, "formats": sorted(html.results[0].formats()),
             "display_html": [r.html for r in side], "display_main": [r.text for r in main]}
+
+
+@step("chart")
+def _():
+    ex = sbx.run_code("import matplotlib.pyplot as plt\n"
+                      "plt.plot([1, 2, 3], [1, 4, 9])\nplt.title('squares')\nplt.show()")
+    pngs = [r.png for r in ex.results if r.png]
+    raw = base64.b64decode(pngs[0]) if pngs else b""
+    return {"pngs": len(pngs), "is_png": raw[:8] == b"\x89PNG\r\n\x1a\n",
+            "big": len(raw) > 1000, "error": ex.error.name if ex.error else None}
 
 
 @step("contexts")

@@ -772,7 +772,7 @@ fn bare_boot(qemu: &str, images: &Path, scratch: &Path) -> Result<Duration> {
         .arg(images.join("initramfs.cpio.gz"))
         .args([
             "-append",
-            "console=ttyS0 reboot=t panic=-1 quiet tryboxi.probe=1",
+            "console=ttyS0 reboot=t panic=-1 no_timer_check quiet tryboxi.probe=1",
         ])
         .arg("-serial")
         .arg(format!("file:{}", console.display()))

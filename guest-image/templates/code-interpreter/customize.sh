@@ -12,3 +12,8 @@ chroot "$root" env LC_ALL=C HOME=/tmp sh -c '
   python3 -m py_compile /opt/tryboxi/interpreter/server.py &&
   rm -rf /opt/tryboxi/interpreter/__pycache__ &&
   python3 -c "import ipykernel, jupyter_client; print(ipykernel.__version__, jupyter_client.__version__)"'
+# matplotlib builds its font cache on first import (tens of seconds under TCG): build it now,
+# as `user` (uid 1000, who runs the kernels) in that user's cache directory.
+chroot --userspec=1000:1000 "$root" env LC_ALL=C HOME=/home/user MPLBACKEND=Agg \
+  python3 -c "import matplotlib.pyplot as plt; plt.figure(); print('matplotlib', plt.matplotlib.__version__)"
+test -d "$root/home/user/.cache/matplotlib"

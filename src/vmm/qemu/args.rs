@@ -250,7 +250,8 @@ pub(super) fn check_id(id: &str) -> Result<(), VmmError> {
 /// The kernel command line of a normal VM.
 pub(super) fn kernel_cmdline(id: &str) -> String {
     format!(
-        "console=ttyS0 reboot=t panic=-1 quiet tryboxi.root=serial:{} tryboxi.hostname={id}",
+        "console=ttyS0 reboot=t panic=-1 quiet {} tryboxi.root=serial:{} tryboxi.hostname={id}",
+        crate::vmm::GUEST_TIMER_PARAMS,
         crate::vmm::ROOT_DISK_SERIAL
     )
 }

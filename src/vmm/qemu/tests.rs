@@ -533,3 +533,18 @@ fn tcg_guests_get_the_host_tsc_rate_and_kvm_guests_do_not() {
     let a = args_str(&qemu_args(&kvm, &paths));
     assert!(!values_of(&a, "-append")[0].contains("tsc"), "{a:?}");
 }
+
+#[test]
+fn every_guest_and_the_probe_skip_the_boot_timer_check() {
+    // Without it a loaded TCG host can make the guest kernel panic in `check_timer`.
+    let cmdline = super::args::kernel_cmdline("sbx_x");
+    assert!(
+        cmdline.split(' ').any(|p| p == "no_timer_check"),
+        "{cmdline}"
+    );
+    assert!(
+        crate::vmm::probe::PROBE_CMDLINE
+            .split(' ')
+            .any(|p| p == "no_timer_check")
+    );
+}
