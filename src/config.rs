@@ -218,6 +218,13 @@ pub struct LimitsConfig {
     /// page it touches). Costs disk, not memory: each running sandbox holds its memory size
     /// (forks and golden clones excepted: they map their parent's file). Default: true.
     pub reserve_ram_on_disk: bool,
+    /// Disk budget (MiB) of each writable layer of a VM's root disk (its qcow2 overlay, and
+    /// after each snapshot the new one): the layer's file never grows past it, and a guest
+    /// write that would need more fails in the guest with an I/O error (its VM lives on, as on
+    /// a full data root). The guest's other disks are read-only to it. A layer already bigger
+    /// (made before a lower setting) keeps its size as its cap. 0 = no budget (a layer then
+    /// grows up to the size of the root image); at least 64. Default: 4096.
+    pub disk_budget_mib: u64,
 }
 
 /// The host's CPU count (at least 1).
@@ -228,6 +235,11 @@ pub fn host_cpus() -> u32 {
 }
 
 impl LimitsConfig {
+    /// [`LimitsConfig::disk_budget_mib`] in bytes, `None` when off.
+    pub fn disk_budget(&self) -> Option<u64> {
+        (self.disk_budget_mib > 0).then(|| self.disk_budget_mib.max(64).saturating_mul(1 << 20))
+    }
+
     /// [`LimitsConfig::disk_reserve_mib`] in bytes.
     pub fn disk_reserve(&self) -> u64 {
         self.disk_reserve_mib.saturating_mul(1 << 20)
@@ -267,6 +279,7 @@ impl Default for LimitsConfig {
             warn_free_disk_mib: 4096,
             disk_reserve_mib: 64,
             reserve_ram_on_disk: true,
+            disk_budget_mib: 4096,
         }
     }
 }

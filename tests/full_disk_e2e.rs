@@ -2,8 +2,9 @@
 //! it, and a snapshot, pause and create fail with `no_space` (naming the filesystem and what is
 //! free), leave no partial files, leave the sandbox as it was and the store readable; once the
 //! ballast is gone the same operations work. A guest that fills the root with its own writes
-//! gets I/O errors and its VM lives. Needs root (to mount the tmpfs) and the guest images; a
-//! real VM under TCG.
+//! gets I/O errors and its VM lives; so does a guest writing past its root layer's disk budget
+//! (`[limits] disk_budget_mib`), whose layers stay within it. The tmpfs tests need root (to
+//! mount it); all need the guest images; real VMs under TCG.
 
 mod common;
 
@@ -523,4 +524,81 @@ fn a_full_data_root_refuses_sync_fork_and_apply_and_loses_nothing() {
         Some(r#"{"count":1}"#),
     );
     assert_eq!(r.status, 201, "{}\n{}", r.text(), d.log_text());
+}
+
+/// The root layer's disk budget (MiB) of the budget test: room for a boot's writes, far less
+/// than the guest's write.
+const BUDGET_MIB: u64 = 96;
+
+/// Every qcow2 layer file under `dir` (the live overlay and the frozen ones).
+fn layers(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if e.file_type().unwrap().is_dir() {
+                todo.push(p);
+            } else if p.extension().is_some_and(|x| x == "qcow2") {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_guest_writing_past_its_disk_budget_gets_io_errors_and_the_layer_stays_within_it() {
+    // No tmpfs here: the data root is an ordinary directory with plenty of room.
+    let Some(art) = artifacts() else { return };
+    let config = format!("{CONFIG}disk_budget_mib = {BUDGET_MIB}\n");
+    let d = Daemon::start(Some(&config), &["--artifacts", art.to_str().unwrap()]);
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+    let dir = d.root().join("sandboxes").join(&id);
+    // A checkpoint first: the layer the VM writes after it is made by the daemon (blockdev-add)
+    // and has the budget too.
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some("{}"));
+    assert!(r.status < 300, "{}\n{}", r.text(), d.log_tail(40));
+    let files = layers(&dir);
+    assert!(files.len() >= 2, "{}", listing(&dir));
+    for f in &files {
+        let len = std::fs::metadata(f).unwrap().len();
+        assert_eq!(len, BUDGET_MIB * MIB, "{} is {len} bytes long", f.display());
+    }
+    let pid: i32 = std::fs::read_to_string(dir.join("qemu.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+
+    // Twice the budget, synced: the guest's writes past the budget fail; the guest goes on.
+    let script = "dd if=/dev/zero of=/root/big bs=1M count=192 conv=fsync 2>/dev/null; \
+                  echo dd=$?; echo alive";
+    let o = cli_within(&d, &["exec", &id, "--", "sh", "-c", script], 300);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("alive") && out.contains("dd=") && !out.contains("dd=0"),
+        "{out}{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_tail(60)
+    );
+    assert!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok(),
+        "QEMU {pid} died:\n{}",
+        d.log_tail(60)
+    );
+    assert_eq!(state(&d, &id), "ready");
+    assert_eq!(sh_out(&d, &id, "echo ok").1, "ok\n");
+    // No layer holds more than the budget on the host.
+    for f in layers(&dir) {
+        let (len, used) = (std::fs::metadata(&f).unwrap().len(), allocated(&f));
+        assert!(
+            len == BUDGET_MIB * MIB && used <= BUDGET_MIB * MIB,
+            "{}: length {len}, allocated {used}",
+            f.display()
+        );
+    }
+    let r = d.request("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert!(r.status < 300, "{}", r.text());
 }

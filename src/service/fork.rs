@@ -1,7 +1,7 @@
 //! Fork: N new sandboxes that start from the current state of a running one.
 //!
 //! The parent is checkpointed into `<parent dir>/forks/<base>/` (device state, frozen RAM file,
-//! and its disk layer frozen by `blockdev-snapshot-sync`; the parent goes on running on a new
+//! and its disk layer frozen by `blockdev-snapshot`; the parent goes on running on a new
 //! overlay). Each child is a clone of that checkpoint: a private copy-on-write mapping of the
 //! frozen RAM file and its own qcow2 overlay over the frozen layer, its own id, directory,
 //! agent channel and the parent's workspace sync base (manifest copied, blobs and packs

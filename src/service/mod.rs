@@ -220,6 +220,7 @@ impl Service {
             std::time::Duration::from_secs(config.boot_timeout_s),
             config.telemetry.vm_log_max_bytes,
             config.limits.reserve_ram_on_disk,
+            config.limits.disk_budget(),
         );
         let limits = &config.limits;
         let ledger = scheduler::Ledger::new(

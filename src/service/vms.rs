@@ -32,13 +32,20 @@ pub struct Vms {
 }
 
 impl Vms {
-    pub fn new(qemu_binary: &str, boot_timeout: Duration, log_cap: u64, reserve_ram: bool) -> Vms {
+    pub fn new(
+        qemu_binary: &str,
+        boot_timeout: Duration,
+        log_cap: u64,
+        reserve_ram: bool,
+        disk_budget: Option<u64>,
+    ) -> Vms {
         let driver = QemuDriver::new(qemu_binary)
             .map(|d| {
                 Arc::new(
                     d.with_boot_timeout(boot_timeout)
                         .with_log_cap(log_cap)
-                        .with_ram_reserve(reserve_ram),
+                        .with_ram_reserve(reserve_ram)
+                        .with_disk_budget(disk_budget),
                 )
             })
             .map_err(|e| e.to_string());

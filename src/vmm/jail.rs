@@ -282,6 +282,19 @@ impl Jail {
         Ok(())
     }
 
+    /// A file the daemon made in the VM directory `vm_dir` for its running QEMU to write (the
+    /// next root layer of a checkpoint): the VM's own user's.
+    pub(crate) fn give_file(&self, file: &Path, vm_dir: &Path) -> Result<(), VmmError> {
+        if self.vm_user()?.is_some() {
+            let u = user::sandbox_ids(vm_dir)
+                .map_err(|e| VmmError::Fence(format!("no uid of its own for QEMU: {e}")))?;
+            user::give(file, u).map_err(|e| {
+                VmmError::Fence(format!("cannot give {} to QEMU: {e}", file.display()))
+            })?;
+        }
+        Ok(())
+    }
+
     fn prepare_cgroup(&self, spec: &VmSpec) -> Result<Option<Launch>, VmmError> {
         let h = match &self.cgroups {
             Ok(h) => h,

@@ -215,6 +215,8 @@ pub struct QemuDriver {
     /// Reserve the blocks of a VM's own RAM file before QEMU maps it (see
     /// [`ramfile::preallocate`]).
     reserve_ram: bool,
+    /// The disk budget of each writable root layer in bytes (see [`budget`]); `None`: none.
+    disk_budget: Option<u64>,
 }
 
 impl QemuDriver {
@@ -254,6 +256,7 @@ impl QemuDriver {
             followers: logs::Followers::default(),
             jail,
             reserve_ram: true,
+            disk_budget: None,
         })
     }
 
@@ -278,6 +281,21 @@ impl QemuDriver {
     pub fn with_ram_reserve(mut self, on: bool) -> Self {
         self.reserve_ram = on;
         self
+    }
+
+    /// The disk budget in bytes of each writable root layer (the overlay a VM writes, and the
+    /// new one after each checkpoint): its file never grows past it, and a guest write that
+    /// would need more is an I/O error in the guest (see [`budget`]). `None` (default): none.
+    pub fn with_disk_budget(mut self, bytes: Option<u64>) -> Self {
+        self.disk_budget = bytes;
+        self
+    }
+
+    /// `paths` with its root layer sized for the disk budget (see [`budget::cap_layer`]).
+    fn budgeted(&self, paths: &VmPaths) -> Result<VmPaths, VmmError> {
+        let mut p = paths.clone();
+        p.disk_cap = budget::cap_layer(&p.disk, self.disk_budget)?;
+        Ok(p)
     }
 
     /// Reserve the blocks of `paths`' RAM file when the VM owns it (see
@@ -551,6 +569,7 @@ impl VmmDriver for QemuDriver {
         paths.ensure_transfer_disk()?;
         paths.ensure_workspace_disk(None)?;
         self.create_overlay(&spec.rootfs, &paths.disk).await?;
+        let paths = self.budgeted(&paths)?;
 
         let args = qemu_args(&spec, &paths);
         let t0 = Instant::now();
@@ -638,6 +657,7 @@ impl VmmDriver for QemuDriver {
 }
 
 mod args;
+mod budget;
 mod clone;
 pub mod logs;
 pub mod ramfile;

@@ -16,6 +16,9 @@ pub struct VmPaths {
     pub dir: PathBuf,
     /// qcow2 overlay over the base rootfs: the VM's only writable disk.
     pub disk: PathBuf,
+    /// The size `disk`'s file may reach (its disk budget, see [`super::budget`]); `None`: no
+    /// cap. Set by the driver just before QEMU starts.
+    pub disk_cap: Option<u64>,
     pub qmp: PathBuf,
     pub agent: PathBuf,
     /// The VM's NIC: QEMU connects here (`-netdev stream`); the daemon's network stack listens
@@ -77,6 +80,7 @@ impl VmPaths {
         VmPaths {
             dir: dir.to_owned(),
             disk: dir.join("disk.qcow2"),
+            disk_cap: None,
             qmp: dir.join("qmp.sock"),
             agent: dir.join("agent.sock"),
             net: dir.join("net.sock"),
@@ -343,14 +347,23 @@ pub fn qemu_args(spec: &VmSpec, paths: &VmPaths) -> Vec<OsString> {
         "-serial".as_ref(),
         "chardev:console".as_ref(),
     ]);
+    // With a disk budget the layer sits on a `raw` node of that size (budget.rs).
+    let format = if paths.disk_cap.is_some() {
+        ""
+    } else {
+        ",format=qcow2"
+    };
     push(&[
         "-drive".as_ref(),
         &opt(
-            "file=",
+            &super::budget::drive_prefix(paths.disk_cap),
             &paths.disk,
-            // A write the host cannot store (a full data root) is an I/O error in the guest;
-            // QEMU's default for ENOSPC would stop the whole VM until someone resumes it.
-            ",format=qcow2,if=none,id=root,cache=unsafe,discard=unmap,werror=report,rerror=report",
+            // A write the host cannot store (a full data root, the layer's budget) is an I/O
+            // error in the guest; QEMU's default for ENOSPC would stop the whole VM until
+            // someone resumes it.
+            &format!(
+                "{format},if=none,id=root,cache=unsafe,discard=unmap,werror=report,rerror=report"
+            ),
         ),
         "-device".as_ref(),
         format!(

@@ -60,7 +60,7 @@ impl QemuDriver {
         };
         let written = staged.as_ref().unwrap_or(&state);
         let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
-        let disk = active_disk(&qmp).await?;
+        let (disk, _) = active_disk(&qmp).await?;
         let ram = owned_ram(&qmp).await;
         qmp.stop().await?;
         if let Err(e) = save_state(&qmp, written, ram.is_some()).await {

@@ -2,8 +2,9 @@
 //!
 //! A checkpoint captures memory, device state and disk at one instant: the VM is paused, its
 //! device state is written with `migrate` to `state.bin`, and while it is still paused
-//! `blockdev-snapshot-sync` freezes the active qcow2 layer (it becomes a read-only backing
-//! file) and puts a fresh overlay on top; then the VM continues. No disk data is copied.
+//! `blockdev-snapshot` freezes the active qcow2 layer (it becomes a read-only backing file)
+//! under a fresh overlay the daemon made (a qcow2 header, sized for the disk budget:
+//! `budget.rs`) and added with `blockdev-add`; then the VM continues. No disk data is copied.
 //! A VM whose RAM is its own shared file ([`RamBacking::Owned`]) migrates with `x-ignore-shared`
 //! (RAM stays out of `state.bin`, a few tens of KB) and the checkpoint copies the allocated part
 //! of the RAM file to `mem.ram` next to it; a VM on a borrowed (private) mapping writes its RAM
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    AGENT_CHARDEV, LOG_TAIL, QMP_TIMEOUT, QemuDriver, RAM_OBJECT, VmPaths, abs, abs_spec,
+    AGENT_CHARDEV, LOG_TAIL, QMP_TIMEOUT, QemuDriver, RAM_OBJECT, VmPaths, abs, abs_spec, budget,
     qemu_args, ramfile, tail, write_vm_json,
 };
 use crate::vmm::qmp::QmpClient;
@@ -80,7 +81,24 @@ impl QemuDriver {
         let next_overlay = absolute(next_overlay)?;
         let state = dest.join("state.bin");
         let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
-        let layer = active_disk(&qmp).await?;
+        let (layer, node) = active_disk(&qmp).await?;
+        // The next layer is made here (QEMU writes it from the switch on): a qcow2 header over
+        // the active layer, sized for the disk budget, and the VM's to write.
+        super::super::qcow2::create_overlay(&layer, "qcow2", &next_overlay)
+            .map_err(|e| VmmError::Other(format!("cannot make {}: {e}", next_overlay.display())))?;
+        let next_cap = match budget::cap_layer(&next_overlay, self.disk_budget)
+            .and_then(|cap| self.jail.give_file(&next_overlay, &vm.dir).map(|()| cap))
+        {
+            Ok(cap) => cap,
+            Err(e) => {
+                let _ = std::fs::remove_file(&next_overlay);
+                return Err(e);
+            }
+        };
+        let next_node = format!(
+            "root{:x}",
+            crate::vmm::jail::unix_nanos() & 0xffff_ffff_ffff
+        );
         let ram = owned_ram(&qmp).await;
         let frozen_ram = dest.join(RAM_FILE);
         let t0 = Instant::now();
@@ -89,14 +107,21 @@ impl QemuDriver {
         let res = async {
             save_state(&qmp, &state, ram.is_some()).await?;
             qmp.execute(
-                "blockdev-snapshot-sync",
-                Some(serde_json::json!({
-                    "device": "root",
-                    "snapshot-file": next_overlay,
-                    "format": "qcow2",
-                })),
+                "blockdev-add",
+                Some(budget::blockdev_add(&next_node, &next_overlay, next_cap)),
             )
             .await?;
+            let snap = qmp
+                .execute(
+                    "blockdev-snapshot",
+                    Some(serde_json::json!({ "node": node, "overlay": next_node })),
+                )
+                .await;
+            if let Err(e) = snap {
+                let del = serde_json::json!({ "node-name": next_node });
+                let _ = qmp.execute("blockdev-del", Some(del)).await;
+                return Err(e.into());
+            }
             switched = true;
             if let Some(r) = &ram {
                 let bytes = ramfile::copy_sparse_async(r, &frozen_ram).await?;
@@ -224,6 +249,7 @@ impl QemuDriver {
     ) -> Result<Resumed, VmmError> {
         let dir = paths.dir.clone();
         let spec = abs_spec(spec, dir.clone())?;
+        let paths = &self.budgeted(paths)?;
         let mut args = qemu_args(&spec, paths);
         // `defer`: the migration capabilities must match the saving side's before loading
         // (QEMU 10 has no `-global` for `x-ignore-shared`).
@@ -371,16 +397,24 @@ pub(super) fn absolute(p: &Path) -> Result<PathBuf, VmmError> {
 }
 
 /// The file behind the `root` drive right now.
-pub(super) async fn active_disk(qmp: &QmpClient) -> Result<PathBuf, VmmError> {
+/// The root drive's active layer: its file and its node name.
+pub(super) async fn active_disk(qmp: &QmpClient) -> Result<(PathBuf, String), VmmError> {
     let blocks = qmp.execute("query-block", None).await?;
-    blocks
+    let inserted = blocks
         .as_array()
         .into_iter()
         .flatten()
         .find(|b| b["device"] == "root")
-        .and_then(|b| b["inserted"]["file"].as_str())
-        .map(PathBuf::from)
-        .ok_or_else(|| VmmError::Qmp("query-block shows no `root` drive".into()))
+        .map(|b| &b["inserted"])
+        .ok_or_else(|| VmmError::Qmp("query-block shows no `root` drive".into()))?;
+    let file = inserted["file"]
+        .as_str()
+        .and_then(budget::layer_path)
+        .ok_or_else(|| VmmError::Qmp(format!("query-block: no file in {inserted}")))?;
+    let node = inserted["node-name"]
+        .as_str()
+        .ok_or_else(|| VmmError::Qmp(format!("query-block: no node name in {inserted}")))?;
+    Ok((file, node.to_owned()))
 }
 
 async fn wait_migration(qmp: &QmpClient, want: &str) -> Result<(), VmmError> {

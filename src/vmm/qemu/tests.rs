@@ -204,6 +204,7 @@ async fn reused_pid_is_not_alive_and_is_never_killed() {
             "qemu-system-x86_64",
         ))),
         reserve_ram: true,
+        disk_budget: None,
     };
     assert!(!d.is_alive(&vm));
     d.kill(&vm).await.expect("kill is a no-op");
