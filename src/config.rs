@@ -101,6 +101,11 @@ pub struct Config {
     pub api: ApiConfig,
     /// Retention of events, traces and VM logs (`[telemetry]` table).
     pub telemetry: TelemetryConfig,
+    /// First of the numeric uids (and gids) a root daemon gives each sandbox's QEMU, one per
+    /// sandbox (no /etc/passwd entry); 2^30 ids from there. Change it when a directory
+    /// service hands out ids in that range. A sandbox keeps the id it has. At least 1048576,
+    /// at most 3221225471. Default: 2000000000.
+    pub vm_uid_base: u32,
 }
 
 /// `[api]`: who may talk to the daemon over its unix socket. The peer's uid comes from the
@@ -553,6 +558,7 @@ impl Default for Config {
             http: HttpConfig::default(),
             api: ApiConfig::default(),
             telemetry: TelemetryConfig::default(),
+            vm_uid_base: crate::vmm::jail::user::DEFAULT_UID_BASE,
         }
     }
 }
@@ -571,7 +577,9 @@ impl Config {
     }
 
     pub fn parse(text: &str) -> Result<Config, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+        let c: Config = toml::from_str(text).map_err(|e| e.to_string())?;
+        crate::vmm::jail::user::check_uid_base(c.vm_uid_base)?;
+        Ok(c)
     }
 }
 
@@ -663,6 +671,23 @@ fn absolute(p: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_vm_uid_base_is_checked_when_the_config_is_read() {
+        assert_eq!(
+            Config::parse("").unwrap().vm_uid_base,
+            crate::vmm::jail::user::DEFAULT_UID_BASE
+        );
+        assert_eq!(
+            Config::parse("vm_uid_base = 300000000")
+                .unwrap()
+                .vm_uid_base,
+            300_000_000
+        );
+        let e = Config::parse("vm_uid_base = 1000").unwrap_err();
+        assert!(e.contains("vm_uid_base = 1000"), "{e}");
+        assert!(Config::parse("vm_uid_base = 4000000000").is_err());
+    }
 
     #[test]
     fn empty_config_gives_documented_defaults() {

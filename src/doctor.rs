@@ -36,6 +36,7 @@ impl Check {
 pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> {
     let paths = Paths::discover().map_err(|e| TopError::Usage(e.to_string()))?;
     let config = Config::load(&paths).map_err(|e| TopError::Usage(e.to_string()))?;
+    let _ = crate::vmm::jail::user::set_uid_base(config.vm_uid_base);
     let artifacts = artifacts
         .or_else(|| config.artifacts.clone())
         .unwrap_or_else(|| paths.artifacts_dir());

@@ -113,6 +113,8 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
     crate::oom::protect_daemon();
     let config = Config::load(&paths)?;
     check_tcp_listen(&config)?;
+    // Checked when the config was parsed.
+    let _ = crate::vmm::jail::user::set_uid_base(config.vm_uid_base);
     let store = Store::open(&paths.store_file())?;
     let token = ensure_token(&paths)?;
     let artifacts = opts

@@ -135,7 +135,7 @@ impl Jail {
                 Some(u) => Ok(format!(
                     "a uid of each sandbox's own from {} (supplementary group `{}`, gid {}), no \
                      new privileges",
-                    user::UID_BASE,
+                    user::uid_base(),
                     user::VM_USER,
                     u.gid
                 )),

@@ -286,7 +286,7 @@ async fn qemu_of_a_root_daemon_runs_as_its_sandboxs_uid_with_only_the_shared_gro
     let pid = q.vm.pid;
     let shared = super::user::lookup().expect("the tryboxi-vm group exists after a launch");
     let u = super::user::sandbox_ids(&q.vm.dir).expect("the VM dir's uid");
-    assert!(u.uid >= super::user::UID_BASE && u.uid != shared.uid);
+    assert!(u.uid >= super::user::uid_base() && u.uid != shared.uid);
     let uid = u.uid.to_string();
     let gid = u.gid.to_string();
     assert_eq!(

@@ -1,6 +1,7 @@
 //! The unprivileged ids QEMU runs as when the daemon is root.
 //!
-//! Owns: each sandbox's own numeric uid/gid ([`sandbox_ids`]: `UID_BASE` + an index, no
+//! Owns: each sandbox's own numeric uid/gid ([`sandbox_ids`]: the base ([`uid_base`], the
+//! config key `vm_uid_base`, default [`DEFAULT_UID_BASE`]) + an index, no
 //! /etc/passwd entry, persisted in the VM's directory and claimed in a root-only registry so
 //! two VM directories never get the same one); the shared read-only group `tryboxi-vm`
 //! (finding or creating that system user and group: idempotent, `useradd --system` only when
@@ -16,11 +17,57 @@ use std::path::Path;
 
 /// Name of the system user whose group is the shared read-only group of every QEMU.
 pub const VM_USER: &str = "tryboxi-vm";
-/// First uid (and gid) of the per-sandbox ids: far above any id a distribution hands out,
-/// below the 2^32-1 "no id".
-pub const UID_BASE: u32 = 2_000_000_000;
+/// Default first uid (and gid) of the per-sandbox ids: far above any id a distribution hands
+/// out (and above the ranges Active Directory id mapping uses by default), below the 2^32-1
+/// "no id". Hosts whose directory service hands out ids there set `vm_uid_base`.
+pub const DEFAULT_UID_BASE: u32 = 2_000_000_000;
 /// How many per-sandbox ids there are.
 pub const UID_RANGE: u32 = 1 << 30;
+/// The lowest base `vm_uid_base` may name: above the ids of local users, system users and
+/// the usual subordinate-id ranges' start.
+pub const MIN_UID_BASE: u32 = 1 << 20;
+
+/// The base in use (set once from the configuration at start).
+static BASE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(DEFAULT_UID_BASE);
+
+/// Whether `base` can be the first per-sandbox id: at least [`MIN_UID_BASE`], and its whole
+/// range of [`UID_RANGE`] ids below 2^32-1 (`(uid_t)-1` means "no id").
+pub fn check_uid_base(base: u32) -> Result<(), String> {
+    let top = u64::from(base) + u64::from(UID_RANGE);
+    if base < MIN_UID_BASE || top > u64::from(u32::MAX) {
+        return Err(format!(
+            "vm_uid_base = {base}: must be {MIN_UID_BASE}..={} (its {UID_RANGE} ids must stay              below 4294967295)",
+            u32::MAX - UID_RANGE
+        ));
+    }
+    Ok(())
+}
+
+/// Use `base` for new claims from now on (checked by [`check_uid_base`]).
+pub fn set_uid_base(base: u32) -> Result<(), String> {
+    check_uid_base(base)?;
+    BASE.store(base, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// The first per-sandbox id in use.
+pub fn uid_base() -> u32 {
+    BASE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether `uid` may be a per-sandbox id under any valid base (a VM directory keeps its id
+/// when the base changes later, so a uid file is read by this, not by the current range).
+fn any_base_range(uid: u32) -> bool {
+    (MIN_UID_BASE..u32::MAX).contains(&uid)
+}
+
+/// Whether `uid` belongs to a sandbox: in the current range, or claimed in the registry (a
+/// sandbox made under an earlier base).
+fn is_sandbox_uid(uid: u32) -> bool {
+    let base = uid_base();
+    (base..base + UID_RANGE).contains(&uid)
+        || (any_base_range(uid) && Path::new(UID_REGISTRY).join(uid.to_string()).is_file())
+}
 /// The root-only registry of claimed per-sandbox ids: one file per uid holding its VM
 /// directory.
 pub const UID_REGISTRY: &str = "/var/lib/tryboxi/vm-uids";
@@ -94,10 +141,11 @@ pub fn ensure() -> Result<VmUser, String> {
 /// daemon wrote that file, else a new pair claimed in [`UID_REGISTRY`] and written there.
 /// A claim whose VM directory is gone (or holds another uid) is taken over.
 pub fn sandbox_ids(dir: &Path) -> Result<VmUser, String> {
-    sandbox_ids_in(dir, Path::new(UID_REGISTRY))
+    sandbox_ids_in(dir, Path::new(UID_REGISTRY), uid_base())
 }
 
-pub(crate) fn sandbox_ids_in(dir: &Path, registry: &Path) -> Result<VmUser, String> {
+/// [`sandbox_ids`] with the registry `registry` and a new claim taken from `base`.
+pub(crate) fn sandbox_ids_in(dir: &Path, registry: &Path, base: u32) -> Result<VmUser, String> {
     use std::io::Write as _;
     let err = |p: &Path, e: std::io::Error| format!("{}: {e}", p.display());
     let file = dir.join(UID_FILE);
@@ -121,7 +169,7 @@ pub(crate) fn sandbox_ids_in(dir: &Path, registry: &Path) -> Result<VmUser, Stri
     };
     let me = dir.as_os_str().as_encoded_bytes();
     for i in 0..UID_RANGE.min(4096) {
-        let uid = UID_BASE + (start + i) % UID_RANGE;
+        let uid = base + (start + i) % UID_RANGE;
         let claim = registry.join(uid.to_string());
         let taken = match std::fs::OpenOptions::new()
             .write(true)
@@ -156,7 +204,7 @@ pub(crate) fn sandbox_ids_in(dir: &Path, registry: &Path) -> Result<VmUser, Stri
     }
     Err(format!(
         "no free per-sandbox uid near {} in {}",
-        UID_BASE + start,
+        base + start,
         registry.display()
     ))
 }
@@ -242,9 +290,7 @@ fn read_uid_file(file: &Path) -> Option<u32> {
         return None;
     }
     let uid: u32 = std::fs::read_to_string(file).ok()?.trim().parse().ok()?;
-    (UID_BASE..UID_BASE + UID_RANGE)
-        .contains(&uid)
-        .then_some(uid)
+    any_base_range(uid).then_some(uid)
 }
 
 fn chown(p: &Path, uid: Option<u32>, gid: Option<u32>) -> std::io::Result<()> {
@@ -285,7 +331,7 @@ pub fn can_read(md: &std::fs::Metadata, u: VmUser, shared: u32) -> bool {
 pub fn let_read(file: &Path, u: VmUser, shared: u32) -> Result<(), String> {
     let md = std::fs::metadata(file).map_err(|e| format!("{}: {e}", file.display()))?;
     // A file another sandbox's QEMU made stays writable by it until it is root's.
-    let other_sandbox = md.uid() != u.uid && (UID_BASE..UID_BASE + UID_RANGE).contains(&md.uid());
+    let other_sandbox = md.uid() != u.uid && is_sandbox_uid(md.uid());
     if !other_sandbox && can_read(&md, u, shared) {
         return Ok(());
     }
@@ -349,8 +395,8 @@ mod claim_tests {
         let (a, b) = (t.path().join("a"), t.path().join("b"));
         std::fs::create_dir(&a).expect("a");
         std::fs::create_dir(&b).expect("b");
-        let ua = sandbox_ids_in(&a, &reg).expect("a's ids");
-        let ub = sandbox_ids_in(&b, &reg).expect("b's ids");
+        let ua = sandbox_ids_in(&a, &reg, DEFAULT_UID_BASE).expect("a's ids");
+        let ub = sandbox_ids_in(&b, &reg, DEFAULT_UID_BASE).expect("b's ids");
         assert_ne!(ua.uid, ub.uid);
         assert!(reg.join(ua.uid.to_string()).is_file());
         // Idempotent, and only `a`'s claim goes.
@@ -362,7 +408,7 @@ mod claim_tests {
         // stays.
         let c = t.path().join("c");
         std::fs::create_dir(&c).expect("c");
-        let uc = sandbox_ids_in(&c, &reg).expect("c's ids");
+        let uc = sandbox_ids_in(&c, &reg, DEFAULT_UID_BASE).expect("c's ids");
         std::fs::remove_dir_all(&b).expect("rm b");
         assert_eq!(sweep_claims_in(&reg).expect("sweep"), 1);
         assert!(!reg.join(ub.uid.to_string()).exists());
@@ -384,7 +430,7 @@ mod claim_tests {
         let uids: Vec<u32> = std::thread::scope(|s| {
             let hs: Vec<_> = dirs
                 .iter()
-                .map(|d| s.spawn(|| sandbox_ids_in(d, &reg).expect("ids").uid))
+                .map(|d| s.spawn(|| sandbox_ids_in(d, &reg, DEFAULT_UID_BASE).expect("ids").uid))
                 .collect();
             hs.into_iter().map(|h| h.join().expect("join")).collect()
         });
@@ -392,5 +438,32 @@ mod claim_tests {
         u.sort_unstable();
         u.dedup();
         assert_eq!(u.len(), uids.len(), "{uids:?}");
+    }
+
+    #[test]
+    fn the_uid_base_is_a_setting_and_a_directory_keeps_its_id_when_it_changes() {
+        assert!(check_uid_base(DEFAULT_UID_BASE).is_ok());
+        assert!(check_uid_base(MIN_UID_BASE).is_ok());
+        assert!(check_uid_base(u32::MAX - UID_RANGE).is_ok());
+        assert!(check_uid_base(1000).is_err());
+        assert!(check_uid_base(u32::MAX - UID_RANGE + 1).is_err());
+        let t = tempfile::tempdir().expect("tmp");
+        let reg = t.path().join("reg");
+        let a = t.path().join("a");
+        std::fs::create_dir(&a).expect("a");
+        let base = 300_000_000;
+        let ua = sandbox_ids_in(&a, &reg, base).expect("a's ids");
+        assert!((base..base + UID_RANGE).contains(&ua.uid), "{}", ua.uid);
+        // Another base later: `a` keeps its id (its QEMU may still run as it), and its claim
+        // is not swept as stale.
+        assert_eq!(
+            sandbox_ids_in(&a, &reg, DEFAULT_UID_BASE).expect("again"),
+            ua
+        );
+        assert_eq!(sweep_claims_in(&reg).expect("sweep"), 0);
+        let b = t.path().join("b");
+        std::fs::create_dir(&b).expect("b");
+        let ub = sandbox_ids_in(&b, &reg, DEFAULT_UID_BASE).expect("b's ids");
+        assert!(ub.uid >= DEFAULT_UID_BASE, "{}", ub.uid);
     }
 }
