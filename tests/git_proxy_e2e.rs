@@ -1,4 +1,5 @@
-//! End to end with ONE real VM (issue 16, item 8): the git proxy with the guest's own `git`.
+//! End to end with TWO real VMs (issue 16, item 8), one scenario run twice: the git proxy with
+//! the guest's own `git`, directly and through an explicit upstream proxy.
 //! A local forge stands in for the internet: `git http-backend` (CGI) behind a small rustls
 //! HTTP/1.1 server for `git.test`, whose certificate comes from a test CA the daemon is told to
 //! trust (`[network] intercept_extra_ca`), and which, like a forge with private repositories,
@@ -8,19 +9,25 @@
 //! request to the repository), `git push origin HEAD:main` is refused with git's own
 //! `[remote rejected]` line carrying our reason (nothing lands), and another repository of the
 //! same forge gets no token (the forge's 401 fails the clone). The token never reaches the VM.
+//! The second run sets `[network] upstream_proxy` to the test `CONNECT` proxy
+//! (`common::proxy`, with Basic credentials), the only way to `git.test`: clone, allowed push
+//! and refused push again, every tunnel `CONNECT git.test:443` with the right credentials.
+//! Neither run's events nor daemon log hold the token (or the proxy's password).
 //! Uses the guest images from `TRYBOXI_ARTIFACTS` or `_out/` (skips without them or without
 //! `git http-backend` on the host, except under CI).
 
 mod common;
 
+use std::collections::HashMap;
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use common::{BIN, Daemon, SMALL_VMS, bash, create_with, skip_unless_ci, vm_daemon};
+use common::proxy::{PASS as PROXY_PASS, Proxy};
+use common::{SMALL_VMS, bash, create_with, follow_events, skip_unless_ci, vm_daemon};
 
 const GHOST: &str = "git.test";
 const TOKEN: &str = "ghs_e2e_token_Zx81Lm02Qp93Rt74Wq";
@@ -35,19 +42,6 @@ fn expected_auth() -> String {
         "Basic {}",
         base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{TOKEN}"))
     )
-}
-
-fn cli_stdin(d: &Daemon, args: &[&str], input: &[u8]) -> Output {
-    let mut c = Command::new(BIN)
-        .args(args)
-        .env("TRYBOXI_HOME", d.root())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    c.stdin.take().unwrap().write_all(input).unwrap();
-    c.wait_with_output().unwrap()
 }
 
 /// Host-side git (setup and checks), with its own HOME.
@@ -258,6 +252,23 @@ fn forge(ca_path: &Path, backend: PathBuf, root: PathBuf) -> (SocketAddr, Seen) 
 
 #[test]
 fn guest_git_clones_pushes_its_branch_and_is_refused_main_and_other_repos() {
+    scenario(false);
+}
+
+/// The same grant with the daemon's egress through an explicit upstream proxy (its one extra
+/// VM): `git.test` resolves nowhere but in the proxy, which maps `git.test:443` to the forge.
+/// A clone and the `agent/x` push land, `main` is refused; every tunnel was `CONNECT
+/// git.test:443` with the proxy's credentials; the forge saw the token, the guest never did;
+/// neither the events nor the daemon log hold the token or the proxy's password.
+#[test]
+fn guest_git_goes_through_the_upstream_proxy() {
+    scenario(true);
+}
+
+/// One run of the git scenario, direct (`test_hosts` maps the forge's name) or through a
+/// [`Proxy`] (the only way to the forge's name). The direct run also checks that another
+/// repository of the forge gets no token; the proxied run keeps to clone, push, refusal.
+fn scenario(proxied: bool) {
     let Some(backend) = http_backend() else {
         skip_unless_ci("no git-http-backend on the host");
         return;
@@ -294,16 +305,29 @@ fn guest_git_clones_pushes_its_branch_and_is_refused_main_and_other_repos() {
 
     let ca_path = dir.path().join("forge-ca.pem");
     let (addr, seen) = forge(&ca_path, backend, root.clone());
+    let proxy = proxied.then(|| {
+        Proxy::start(
+            HashMap::from([(format!("{GHOST}:443"), addr)]),
+            HashMap::new(),
+        )
+    });
+    // The forge's name: through the proxy, or mapped by the test resolver. Either way the
+    // daemon's own resolver (`upstream_dns`) answers nothing.
+    let route = match &proxy {
+        Some(p) => format!("upstream_proxy = \"{}\"\n", p.url()),
+        None => format!(
+            "[network.test_hosts]\n\"{GHOST}\" = [\"203.0.113.20\"]\n\
+             [network.test_upstream_map]\n\"203.0.113.20:443\" = \"{addr}\"\n"
+        ),
+    };
     let cfg = format!(
         "{SMALL_VMS}[network]\ndefault_policy = []\nupstream_dns = \"127.0.0.1:9\"\n\
-         intercept_extra_ca = \"{}\"\n\
-         [network.test_hosts]\n\"{GHOST}\" = [\"203.0.113.20\"]\n\
-         [network.test_upstream_map]\n\"203.0.113.20:443\" = \"{addr}\"\n",
+         intercept_extra_ca = \"{}\"\n{route}",
         ca_path.display()
     );
     let Some(d) = vm_daemon(&cfg) else { return };
-    let o = cli_stdin(
-        &d,
+    let events = follow_events(&d, "?since=0");
+    let o = d.cli_stdin(
         &["secret", "set", "GH_TOKEN", "--host", GHOST],
         TOKEN.as_bytes(),
     );
@@ -326,18 +350,22 @@ fn guest_git_clones_pushes_its_branch_and_is_refused_main_and_other_repos() {
 
     let mut bad: Vec<String> = Vec::new();
     // One exec for the whole guest side (each exec costs seconds under TCG).
-    let out = bash(
-        &d,
-        &id,
-        "export GIT_TERMINAL_PROMPT=0; cd /tmp && \
+    let mut script = "export GIT_TERMINAL_PROMPT=0; cd /tmp && \
          git clone -q https://git.test/owner/repo w 2>&1; echo clone=$?; cd w && \
          echo two > a.txt && git -c user.name=t -c user.email=t@e commit -qam two && \
          git rev-parse HEAD | sed 's/^/head=/'; \
          git push origin HEAD:agent/x 2>&1; echo push_agent=$?; \
-         git push origin HEAD:main 2>&1; echo push_main=$?; \
-         cd /tmp && git clone -q https://git.test/owner/other o2 2>&1; echo clone_other=$?",
-    );
-    for want in ["clone=0", "push_agent=0", "push_main=1", "clone_other=128"] {
+         git push origin HEAD:main 2>&1; echo push_main=$?; "
+        .to_owned();
+    let mut wants = vec!["clone=0", "push_agent=0", "push_main=1"];
+    if !proxied {
+        script.push_str(
+            "cd /tmp && git clone -q https://git.test/owner/other o2 2>&1; echo clone_other=$?",
+        );
+        wants.push("clone_other=128");
+    }
+    let out = bash(&d, &id, &script);
+    for want in wants {
         if !out.contains(&format!("{want}\n")) {
             bad.push(format!("expected {want}"));
         }
@@ -389,7 +417,7 @@ fn guest_git_clones_pushes_its_branch_and_is_refused_main_and_other_repos() {
                 "{posts} receive-pack POSTs reached the forge (want 1: agent/x)"
             ));
         }
-        if o.is_empty() || o.iter().any(|(_, a)| a.contains(&expected_auth()[6..])) {
+        if !proxied && (o.is_empty() || o.iter().any(|(_, a)| a.contains(&expected_auth()[6..]))) {
             bad.push(format!(
                 "the other repository: {} requests, token present: {}",
                 o.len(),
@@ -397,9 +425,49 @@ fn guest_git_clones_pushes_its_branch_and_is_refused_main_and_other_repos() {
             ));
         }
     }
-    assert!(d.cli(&["rm", &id]).status.success());
-    if d.log_text().contains(TOKEN) {
-        bad.push("the daemon log holds the token".into());
+    if let Some(p) = &proxy {
+        let targets = p.targets();
+        let want = format!("{GHOST}:443");
+        if targets.is_empty() || targets.iter().any(|t| *t != want) {
+            bad.push(format!(
+                "the proxy's tunnels were not all {want}: {targets:?}"
+            ));
+        }
+        if !p.all_authed() {
+            bad.push("a CONNECT without the proxy's credentials".into());
+        }
     }
-    assert!(bad.is_empty(), "{}\nguest output:\n{out}", bad.join("\n"));
+    assert!(d.cli(&["rm", &id]).status.success());
+    // The events up to the removal (bounded): the refusal is among them; none holds a secret.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut refused, mut removed) = (false, false);
+    while !removed && Instant::now() < deadline {
+        let Ok(ev) = events.recv_timeout(Duration::from_millis(500)) else {
+            continue;
+        };
+        let t = ev.to_string();
+        if t.contains(TOKEN) || t.contains(PROXY_PASS) || t.contains(&expected_auth()[6..]) {
+            bad.push(format!(
+                "a {} event holds the token or the proxy password",
+                ev["type"]
+            ));
+        }
+        refused |= ev["type"] == "git.refused" && t.contains("main");
+        removed |= ev["type"] == "sandbox.removed";
+    }
+    if !refused || !removed {
+        bad.push(format!(
+            "events: git.refused {refused}, sandbox.removed {removed}"
+        ));
+    }
+    let log = d.log_text();
+    if log.contains(TOKEN) || log.contains(PROXY_PASS) {
+        bad.push("the daemon log holds the token or the proxy password".into());
+    }
+    assert!(
+        bad.is_empty(),
+        "{}\nguest output:\n{out}\n{}",
+        bad.join("\n"),
+        d.log_tail(60)
+    );
 }

@@ -1,9 +1,9 @@
 //! End to end with ONE real VM (issue 16): the daemon's guest egress goes through an explicit
 //! upstream proxy (`[network] upstream_proxy`, with Basic credentials) as `CONNECT <name>:<port>`.
 //!
-//! The proxy is a real local `CONNECT` proxy in this test: it requires the credentials, counts
-//! its tunnels, and is the only way to the upstreams' names (it maps `upstream.test:443`,
-//! `secret.test:443` and `plain.test:80` to loopback servers). The daemon's own resolver
+//! The proxy is a real local `CONNECT` proxy (`common::proxy`, shared with `git_proxy_e2e`): it
+//! requires the credentials, records its tunnels, and is the only way to the upstreams' names
+//! (it maps `upstream.test:443`, `secret.test:443` and `plain.test:80` to loopback servers). The daemon's own resolver
 //! (`upstream_dns = 127.0.0.1:9`) cannot resolve them, so the sandbox resolver answers them
 //! with synthetic addresses. In the VM: curl reaches the HTTPS upstream (pass-through, the
 //! guest trusting the test CA), a secret's host (intercepted: the upstream sees the value,
@@ -16,17 +16,15 @@
 mod common;
 
 use std::collections::HashMap;
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{BIN, Daemon, SMALL_VMS, bash, create_with, follow_events, vm_daemon};
+use common::proxy::{PASS as PROXY_PASS, Proxy};
+use common::{Daemon, SMALL_VMS, bash, create_with, follow_events, vm_daemon};
 
 const VALUE: &str = "sk-proxy-e2e-Ub7Yt3Rk9Pw2Qs5";
-const PROXY_USER: &str = "alice";
-const PROXY_PASS: &str = "pr0xy-pa55-Zq8";
 
 /// Reads a request head (bounded); returns its `Authorization` value ("" if none).
 fn read_head<R: std::io::Read>(r: R) -> String {
@@ -95,107 +93,6 @@ fn plain_server() -> SocketAddr {
     addr
 }
 
-/// A `CONNECT` proxy requiring Basic credentials: tunnels the `name:port` targets of `map`,
-/// refuses those of `refuse` with their status, records every target it was asked for (and
-/// whether the credentials were right).
-struct Proxy {
-    addr: SocketAddr,
-    seen: Arc<Mutex<Vec<(String, bool)>>>,
-}
-
-impl Proxy {
-    fn start(map: HashMap<String, SocketAddr>, refuse: HashMap<String, u16>) -> Proxy {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let want = format!(
-            "Basic {}",
-            base64::Engine::encode(
-                &base64::engine::general_purpose::STANDARD,
-                format!("{PROXY_USER}:{PROXY_PASS}")
-            )
-        );
-        let (map, refuse, s2) = (Arc::new(map), Arc::new(refuse), seen.clone());
-        std::thread::spawn(move || {
-            for conn in l.incoming() {
-                let Ok(c) = conn else { return };
-                let (map, refuse, seen, want) =
-                    (map.clone(), refuse.clone(), s2.clone(), want.clone());
-                std::thread::spawn(move || Proxy::serve(c, &map, &refuse, &seen, &want));
-            }
-        });
-        Proxy { addr, seen }
-    }
-
-    fn serve(
-        mut c: TcpStream,
-        map: &HashMap<String, SocketAddr>,
-        refuse: &HashMap<String, u16>,
-        seen: &Mutex<Vec<(String, bool)>>,
-        want: &str,
-    ) {
-        // Byte by byte (bounded): what follows the head belongs to the tunnel.
-        let mut head = Vec::new();
-        let mut b = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            if head.len() > 8192 || c.read_exact(&mut b).is_err() {
-                return;
-            }
-            head.push(b[0]);
-        }
-        let text = String::from_utf8_lossy(&head).into_owned();
-        let mut lines = text.split("\r\n");
-        let Some(target) = lines
-            .next()
-            .and_then(|l| l.strip_prefix("CONNECT "))
-            .and_then(|r| r.strip_suffix(" HTTP/1.1"))
-            .map(str::to_owned)
-        else {
-            let _ = c.write_all(b"HTTP/1.1 405 CONNECT only\r\n\r\n");
-            return;
-        };
-        let authed = lines
-            .filter_map(|l| l.split_once(':'))
-            .any(|(k, v)| k.eq_ignore_ascii_case("proxy-authorization") && v.trim() == want);
-        seen.lock().unwrap().push((target.clone(), authed));
-        if !authed {
-            let _ = c.write_all(b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n");
-            return;
-        }
-        if let Some(code) = refuse.get(&target) {
-            let _ = write!(c, "HTTP/1.1 {code} Blocked by policy\r\n\r\n");
-            return;
-        }
-        let Some(up) = map.get(&target).and_then(|a| TcpStream::connect(a).ok()) else {
-            let _ = c.write_all(b"HTTP/1.1 502 Unknown target\r\n\r\n");
-            return;
-        };
-        let _ = c.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n");
-        let (mut c2, mut up2) = (c.try_clone().unwrap(), up.try_clone().unwrap());
-        let t = std::thread::spawn(move || {
-            let _ = std::io::copy(&mut up2, &mut c2);
-            let _ = c2.shutdown(std::net::Shutdown::Write);
-        });
-        let mut up = up;
-        let _ = std::io::copy(&mut c, &mut up);
-        let _ = up.shutdown(std::net::Shutdown::Write);
-        let _ = t.join();
-    }
-
-    fn targets(&self) -> Vec<String> {
-        self.seen
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(t, _)| t.clone())
-            .collect()
-    }
-
-    fn all_authed(&self) -> bool {
-        self.seen.lock().unwrap().iter().all(|(_, a)| *a)
-    }
-}
-
 /// A local address that is not loopback (loopback always bypasses the proxy), if the host has
 /// one; found without sending a packet.
 fn non_loopback_ip() -> Option<IpAddr> {
@@ -206,16 +103,7 @@ fn non_loopback_ip() -> Option<IpAddr> {
 }
 
 fn secret_set(d: &Daemon, name: &str, host: &str, value: &str) {
-    let mut c = Command::new(BIN)
-        .args(["secret", "set", name, "--host", host])
-        .env("TRYBOXI_HOME", d.root())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    c.stdin.take().unwrap().write_all(value.as_bytes()).unwrap();
-    let o = c.wait_with_output().unwrap();
+    let o = d.cli_stdin(&["secret", "set", name, "--host", host], value.as_bytes());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
@@ -253,11 +141,11 @@ fn guest_egress_goes_through_the_upstream_proxy_by_name() {
     let mut config = format!(
         "{SMALL_VMS}[network]\ndefault_policy = []\nupstream_dns = \"127.0.0.1:9\"\n\
          intercept_extra_ca = \"{}\"\n\
-         upstream_proxy = \"http://{PROXY_USER}:{PROXY_PASS}@{}\"\n\
+         upstream_proxy = \"{}\"\n\
          upstream_no_proxy = [\"direct.test\"]\n\
          [network.test_hosts]\n\"direct.test\" = [\"203.0.113.40\"]\n",
         extra_ca.display(),
-        proxy.addr
+        proxy.url()
     );
     if let Some((addr, _)) = &direct {
         config.push_str(&format!(

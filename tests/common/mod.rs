@@ -2,6 +2,7 @@
 //! and by raw HTTP over its unix socket.
 #![allow(dead_code)]
 
+pub mod proxy;
 pub mod tls;
 pub mod ws;
 
@@ -142,6 +143,20 @@ impl Daemon {
             .stdin(Stdio::null())
             .output()
             .expect("run cli")
+    }
+
+    /// Run the CLI against this daemon with `input` on its stdin (e.g. `secret set`'s value).
+    pub fn cli_stdin(&self, args: &[&str], input: &[u8]) -> Output {
+        let mut c = Command::new(BIN)
+            .args(args)
+            .env("TRYBOXI_HOME", self.home.path())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run cli");
+        c.stdin.take().unwrap().write_all(input).unwrap();
+        c.wait_with_output().expect("run cli")
     }
 
     pub fn request(&self, method: &str, path: &str, body: Option<&str>) -> Resp {
