@@ -23,6 +23,8 @@ mod watch;
 
 #[cfg(test)]
 mod hostile_tests;
+#[cfg(test)]
+mod watch_hostile_tests;
 
 pub use exec::{ExecControl, ExecEvent, ExecRequest, ExecStream};
 pub use streams::Deadlines;
