@@ -155,6 +155,11 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/files/missing", json!("NotFoundException"));
     check("/files/binary_ok", json!(true));
     check("/watch_dir/created", json!(true));
+    check("/watch_dir/write_prompt", json!(true));
+    check("/watch_dir/renamed", json!(true));
+    check("/watch_dir/moved_created", json!(true));
+    check("/watch_dir/removed", json!(true));
+    check("/watch_dir/old_name_removed", json!(false));
     // control plane
     let id = at("/sandbox_id");
     check("/list/mine", json!([id]));
@@ -167,6 +172,7 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/pause_connect/running_while_paused", json!(false));
     check("/pause_connect/kept", json!("kept across pause"));
     check("/pause_connect/after", json!("back\n"));
+    check("/pause_connect/watch_raised", json!(true));
     check("/wrong_key", json!("AuthenticationException"));
     check("/short_timeout/gone", json!(true));
     check("/short_timeout/connect_after", json!("NotFoundException"));
@@ -247,6 +253,9 @@ fn the_e2b_js_sdk_runs_unchanged_on_node() {
     check("/files/exists", json!(true));
     check("/files/gone", json!(true));
     check("/watch_dir/created", json!(true));
+    check("/watch_dir/renamed", json!(true));
+    check("/watch_dir/moved_created", json!(true));
+    check("/watch_dir/rename_prompt", json!(true));
     check("/list/mine", json!([obs["sandbox_id"].clone()]));
     check("/kill/first", json!(true));
     check("/kill/second", json!(false));
