@@ -149,7 +149,7 @@ impl Watchers {
     }
 
     /// A polled watcher fed by `watch` (already in place in the guest): its id.
-    pub fn create(&self, sandbox: &str, mut watch: VmWatch) -> Result<String, ConnectError> {
+    pub fn create(&self, sandbox: &str, watch: VmWatch) -> Result<String, ConnectError> {
         let w = Watcher::new(sandbox, false);
         let stop = w.stop.clone();
         let id = self.insert(w)?;
@@ -157,44 +157,57 @@ impl Watchers {
         tokio::spawn(async move {
             let mut check = tokio::time::interval(IDLE_CHECK);
             check.reset();
+            let mut watch = Some(watch);
             loop {
+                let next = async {
+                    match watch.as_mut() {
+                        Some(w) => w.next().await,
+                        None => std::future::pending().await,
+                    }
+                };
                 let r = tokio::select! {
                     () = stop.notified() => return,
                     _ = check.tick() => {
-                        let mut map = me.lock();
-                        match map.get(&wid) {
-                            Some(w) if w.last_read.elapsed() <= IDLE => continue,
-                            Some(_) => {
-                                tracing::debug!(watcher = %wid, "dropping an idle directory watcher");
-                                map.remove(&wid);
-                                return;
-                            }
-                            None => return,
+                        if me.drop_if_idle(&wid) {
+                            return;
                         }
+                        continue;
                     }
-                    r = watch.next() => r,
+                    r = next => r,
                 };
                 let mut map = me.lock();
                 let Some(w) = map.get_mut(&wid) else { return };
-                match r {
+                let failed = match r {
                     Ok(Some(batch)) => {
                         if batch.lost > 0 {
                             tracing::debug!(watcher = %wid, lost = batch.lost, "the guest dropped watch events");
                         }
                         w.queue(batch.events.iter().map(event_json));
+                        continue;
                     }
-                    Ok(None) => {
-                        w.failed = Some(ConnectError::new(Code::Unavailable, "the watch ended"));
-                        return;
-                    }
-                    Err(e) => {
-                        w.failed = Some(e.into());
-                        return;
-                    }
-                }
+                    Ok(None) => ConnectError::new(Code::Unavailable, "the watch ended"),
+                    Err(e) => e.into(),
+                };
+                // The error waits for a reader (or the idle drop); the VM is let go now.
+                w.failed = Some(failed);
+                watch = None;
             }
         });
         Ok(id)
+    }
+
+    /// Drops watcher `id` if nobody read it for [`IDLE`]; true when it is gone.
+    fn drop_if_idle(&self, id: &str) -> bool {
+        let mut map = self.lock();
+        match map.get(id) {
+            Some(w) if w.last_read.elapsed() <= IDLE => false,
+            Some(_) => {
+                tracing::debug!(watcher = %id, "dropping an idle directory watcher");
+                map.remove(id);
+                true
+            }
+            None => true,
+        }
     }
 
     /// The events queued since the last call (a failed watch answers its error once, then is
