@@ -110,6 +110,9 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
         "/tests/e2b/sdk_sync.py"
     ));
     let obs = e.scenario(cmd, "Python SDK");
+    // What a watch costs in time, for the record (checked below).
+    eprintln!("watch_dir: {}", obs["watch_dir"]);
+    eprintln!("pause_connect: {}", obs["pause_connect"]);
     let show = serde_json::to_string_pretty(&obs).unwrap();
     let at = |p: &str| obs.pointer(p).cloned().unwrap_or(serde_json::Value::Null);
     let check = |p: &str, want: serde_json::Value| {
@@ -234,6 +237,7 @@ fn the_e2b_js_sdk_runs_unchanged_on_node() {
     let mut cmd = Command::new(&node);
     cmd.arg(&script);
     let obs = e.scenario(cmd, "JS SDK");
+    eprintln!("watch_dir: {}", obs["watch_dir"]);
     let _ = std::fs::remove_file(&script);
     let show = serde_json::to_string_pretty(&obs).unwrap();
     let check = |p: &str, want: serde_json::Value| {

@@ -236,7 +236,7 @@ async fn next(w: &mut crate::rpc::DirWatch) -> Vec<WatchEvent> {
 #[tokio::test]
 async fn the_agent_streams_events_until_cancelled_or_the_directory_goes() {
     let agent = super::super::tests::agent();
-    let (client, _wire, _server) = super::super::tests::link(&agent).await;
+    let (client, wire, _server) = super::super::tests::link(&agent).await;
     let d = tempfile::tempdir().unwrap();
     let root = d.path().join("w");
     std::fs::create_dir(&root).unwrap();
@@ -299,4 +299,25 @@ async fn the_agent_streams_events_until_cancelled_or_the_directory_goes() {
         "{end:?}"
     );
     client.ping().await.unwrap();
+    // The link dies (the VM paused, restored or gone): the host's watch ends at once with
+    // `Disconnected`, and the agent drops its watch with the connection.
+    let root2 = d.path().join("w2");
+    std::fs::create_dir(&root2).unwrap();
+    let mut w = client
+        .watch_dir(root2.to_str().unwrap(), true)
+        .await
+        .unwrap();
+    wire.abort();
+    let end = tokio::time::timeout(T, w.next())
+        .await
+        .expect("the watch hung");
+    assert!(matches!(end, Err(RpcError::Disconnected)), "{end:?}");
+    let gone = async {
+        while RUNNING.load(std::sync::atomic::Ordering::SeqCst) != 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(T, gone)
+        .await
+        .expect("the agent kept the watch of a dead connection");
 }
