@@ -8,7 +8,9 @@
 //! envd's fsnotify does ([`kind_of`]), and a bounded queue of events waiting for the host's
 //! credit ([`MAX_PENDING`]; past it events are counted as lost, never kept). A write raises
 //! `IN_MODIFY` and later `IN_CLOSE_WRITE`: the close is reported only when no modify came
-//! before it, and a burst of modifies of one file not yet sent is reported once.
+//! before it, and a burst of modifies of one file not yet sent is reported once. The agent's own
+//! whole-file writes (`WriteFile`: a temporary file renamed over the target) are reported as a
+//! create and a write of the target; the temporary name never shows.
 //!
 //! The watch ends when the host cancels it, the connection ends, or the watched directory is
 //! removed or moved away (then with a `NotFound` error).
@@ -24,7 +26,7 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDe
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{Notify, Semaphore};
 
-use super::files::check_path;
+use super::files::{check_path, is_temp_name};
 use crate::rpc::data_cost;
 use crate::rpc::frame::{CHUNK, encode_answer};
 use crate::rpc::msg::{
@@ -104,6 +106,9 @@ pub struct DirWatch {
     modified: HashSet<String>,
     /// Most directories watched ([`WATCH_MAX_DIRS`]; less in tests).
     max_dirs: usize,
+    /// The cookie of the last move of one of the agent's own temporary files (a whole-file
+    /// write about to land under its real name).
+    temp_move: Option<u32>,
 }
 
 impl AsRawFd for DirWatch {
@@ -132,6 +137,7 @@ impl DirWatch {
             lost: 0,
             modified: HashSet::new(),
             max_dirs,
+            temp_move: None,
         };
         // The root follows a symlink (as listing it would); nothing below it does.
         match w.ino.add_watch(&w.root, mask()) {
@@ -287,10 +293,27 @@ impl DirWatch {
         let Some(name) = ev.name.as_deref() else {
             return Ok(());
         };
-        let name = join(&dir, &String::from_utf8_lossy(name.as_bytes()));
+        let base = String::from_utf8_lossy(name.as_bytes());
+        // The agent's own whole-file writes go through a temporary file renamed over the real
+        // one: report them as envd would a write in place (create and write of the real name).
+        if is_temp_name(&base) {
+            if m.contains(AddWatchFlags::IN_MOVED_FROM) {
+                self.temp_move = Some(ev.cookie);
+            }
+            return Ok(());
+        }
+        let name = join(&dir, &base);
         let Some(kind) = kind_of(m) else {
             return Ok(());
         };
+        if m.contains(AddWatchFlags::IN_MOVED_TO)
+            && ev.cookie != 0
+            && self.temp_move.take() == Some(ev.cookie)
+        {
+            self.push(name.clone(), WatchKind::Create);
+            self.push(name, WatchKind::Write);
+            return Ok(());
+        }
         let is_dir = m.contains(AddWatchFlags::IN_ISDIR);
         if kind == WatchKind::Write {
             if m.contains(AddWatchFlags::IN_MODIFY) {

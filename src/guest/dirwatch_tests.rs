@@ -97,6 +97,43 @@ fn every_kind_of_change_is_reported_once_and_in_order() {
 }
 
 #[test]
+fn the_agents_own_writes_show_as_a_create_and_write_of_the_target() {
+    use super::super::files::{is_temp_name, temp_name};
+    let t = temp_name("a.txt");
+    assert!(is_temp_name(&t), "{t}");
+    for not in [
+        "a.txt",
+        ".a.txt",
+        ".tryboxi-1-2-ab",
+        ".a.tryboxi-1-2",
+        ".a.tryboxi-x-2-ab",
+        ".a.tryboxi-1-2-zz",
+        "a.tryboxi-1-2-ab",
+    ] {
+        assert!(!is_temp_name(not), "{not}");
+    }
+    let d = tempfile::tempdir().unwrap();
+    let mut w = start(d.path(), false);
+    std::fs::write(d.path().join(&t), b"content").unwrap();
+    std::fs::rename(d.path().join(&t), d.path().join("a.txt")).unwrap();
+    assert_eq!(
+        events(&mut w),
+        [
+            ev("a.txt", WatchKind::Create),
+            ev("a.txt", WatchKind::Write)
+        ]
+    );
+    // Another file renamed in is a plain create.
+    std::fs::write(d.path().join("x"), b"").unwrap();
+    events(&mut w);
+    std::fs::rename(d.path().join("x"), d.path().join("y")).unwrap();
+    assert_eq!(
+        events(&mut w),
+        [ev("x", WatchKind::Rename), ev("y", WatchKind::Create)]
+    );
+}
+
+#[test]
 fn recursive_watches_follow_new_and_moved_directories() {
     let d = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(d.path().join("old/deep")).unwrap();
@@ -257,6 +294,16 @@ async fn the_agent_streams_events_until_cancelled_or_the_directory_goes() {
     }
     assert_eq!(got, [ev("a", WatchKind::Create), ev("a", WatchKind::Write)]);
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // A whole-file write through the agent shows as envd's create and write, nothing else.
+    client
+        .write_file(root.join("b").to_str().unwrap(), b"2", 0o644)
+        .await
+        .unwrap();
+    let mut got = next(&mut w).await;
+    while got.len() < 2 {
+        got.extend(next(&mut w).await);
+    }
+    assert_eq!(got, [ev("b", WatchKind::Create), ev("b", WatchKind::Write)]);
     // Dropping the watch cancels it in the guest: its route goes.
     drop(w);
     let gone = async {
