@@ -163,6 +163,7 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/watch_dir/moved_created", json!(true));
     check("/watch_dir/removed", json!(true));
     check("/watch_dir/old_name_removed", json!(false));
+    check("/watch_dir/temp_names", json!([]));
     // control plane
     let id = at("/sandbox_id");
     check("/list/mine", json!([id]));

@@ -200,6 +200,8 @@ def _():
             "write_prompt": wrote is not None and wrote < 2.0, "write_latency_s": wrote,
             "renamed": renamed is not None, "moved_created": moved is not None,
             "removed": removed is not None,
+            # the agent's temporary file of a whole-file write never shows
+            "temp_names": sorted({e.name for e in seen if ".tryboxi-" in e.name}),
             # a rename is not a remove of the old name
             "old_name_removed": any(e.name == "new.txt" and "REMOVE" in str(e.type) for e in seen)}
 
