@@ -110,6 +110,9 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
         "/tests/e2b/sdk_sync.py"
     ));
     let obs = e.scenario(cmd, "Python SDK");
+    // What a watch costs in time, for the record (checked below).
+    eprintln!("watch_dir: {}", obs["watch_dir"]);
+    eprintln!("pause_connect: {}", obs["pause_connect"]);
     let show = serde_json::to_string_pretty(&obs).unwrap();
     let at = |p: &str| obs.pointer(p).cloned().unwrap_or(serde_json::Value::Null);
     let check = |p: &str, want: serde_json::Value| {
@@ -155,6 +158,12 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/files/missing", json!("NotFoundException"));
     check("/files/binary_ok", json!(true));
     check("/watch_dir/created", json!(true));
+    check("/watch_dir/write_prompt", json!(true));
+    check("/watch_dir/renamed", json!(true));
+    check("/watch_dir/moved_created", json!(true));
+    check("/watch_dir/removed", json!(true));
+    check("/watch_dir/old_name_removed", json!(false));
+    check("/watch_dir/temp_names", json!([]));
     // control plane
     let id = at("/sandbox_id");
     check("/list/mine", json!([id]));
@@ -167,6 +176,7 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/pause_connect/running_while_paused", json!(false));
     check("/pause_connect/kept", json!("kept across pause"));
     check("/pause_connect/after", json!("back\n"));
+    check("/pause_connect/watch_raised", json!(true));
     check("/wrong_key", json!("AuthenticationException"));
     check("/short_timeout/gone", json!(true));
     check("/short_timeout/connect_after", json!("NotFoundException"));
@@ -228,6 +238,7 @@ fn the_e2b_js_sdk_runs_unchanged_on_node() {
     let mut cmd = Command::new(&node);
     cmd.arg(&script);
     let obs = e.scenario(cmd, "JS SDK");
+    eprintln!("watch_dir: {}", obs["watch_dir"]);
     let _ = std::fs::remove_file(&script);
     let show = serde_json::to_string_pretty(&obs).unwrap();
     let check = |p: &str, want: serde_json::Value| {
@@ -247,6 +258,9 @@ fn the_e2b_js_sdk_runs_unchanged_on_node() {
     check("/files/exists", json!(true));
     check("/files/gone", json!(true));
     check("/watch_dir/created", json!(true));
+    check("/watch_dir/renamed", json!(true));
+    check("/watch_dir/moved_created", json!(true));
+    check("/watch_dir/rename_prompt", json!(true));
     check("/list/mine", json!([obs["sandbox_id"].clone()]));
     check("/kill/first", json!(true));
     check("/kill/second", json!(false));

@@ -4,7 +4,8 @@
 //! Owns: E2B's path rules (relative paths start in the user's home), `EntryInfo` building
 //! (owner and group names from the guest's account files), ListDir's depth walk (bounded), and
 //! the mapping of errors onto Connect codes, and the watch methods (WatchDir as a stream;
-//! CreateWatcher, GetWatcherEvents, RemoveWatcher) on the polled watchers of `watch.rs`.
+//! CreateWatcher, GetWatcherEvents, RemoveWatcher) on the guest's inotify watches, kept by
+//! `watch.rs`.
 
 use std::collections::VecDeque;
 
@@ -90,25 +91,22 @@ struct WatcherRequest {
     watcher_id: String,
 }
 
-/// The first listing of a directory to watch (which must be a directory).
-async fn watch_base(
+/// A watch of `p` in the guest, in place when this returns (`InvalidArgument` when `p` is not a
+/// directory).
+async fn start_watch(
     face: &Face,
     id: &str,
     p: &str,
     recursive: bool,
-) -> Result<super::watch::Seen, ConnectError> {
-    let st = face.svc.vm_stat(id, p).await?;
-    if st.kind != FileKind::Dir {
-        return Err(ConnectError::new(
-            Code::InvalidArgument,
-            format!("{p} is not a directory"),
-        ));
-    }
-    super::watch::snapshot(&face.svc, id, p, recursive).await
+) -> Result<crate::service::vmfs::VmWatch, ConnectError> {
+    face.watchers.check_room(id)?;
+    Ok(face.svc.vm_watch_dir(id, p, recursive).await?)
 }
 
-/// `WatchDir`: `{"start":{}}`, then `{"filesystem":{"name","type"}}` for each change (polled,
-/// see `watch.rs`), keepalives when asked; the watch ends with the stream.
+/// `WatchDir`: `{"start":{}}` once the guest's watch is in place, then
+/// `{"filesystem":{"name","type"}}` for each change as the guest reports it (`watch.rs`),
+/// keepalives when asked; the watch ends with the stream (or with an error envelope when the
+/// VM or the directory went away).
 async fn watch_dir(
     req: Request<Incoming>,
     face: &Face,
@@ -140,48 +138,42 @@ async fn watch_dir(
     let id = rec.sandbox_id.clone();
     let (_, home) = who(face, rec, &user).await?;
     let p = guest_path(&r.path, &home)?;
-    face.watchers.check_room(&id, 0)?;
     let recursive = r.recursive.unwrap_or(false);
-    let base = watch_base(face, &id, &p, recursive).await?;
-    let wid = face
-        .watchers
-        .create(face.svc.clone(), &id, p, recursive, base);
-    let watchers = face.watchers.clone();
+    let mut watch = start_watch(face, &id, &p, recursive).await?;
+    let slot = face.watchers.stream_slot(&id)?;
     let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(16);
     tokio::spawn(async move {
         use super::connect::{end, message};
+        let _slot = slot;
         let _ = tx.send(message(&json!({ "start": {} }))).await;
-        let mut since_ping = std::time::Instant::now();
+        let mut ping =
+            tokio::time::interval(keepalive.unwrap_or(std::time::Duration::from_secs(3600)));
+        ping.reset();
         let end_err = loop {
             tokio::select! {
-                _ = tokio::time::sleep(super::watch::POLL) => {}
-                _ = tx.closed() => break None,
-            }
-            match watchers.take(&id, &wid) {
-                Ok(evs) => {
-                    for ev in evs {
-                        if tx
-                            .send(message(&json!({ "filesystem": ev })))
-                            .await
-                            .is_err()
-                        {
-                            let _ = watchers.remove(&id, &wid);
-                            return;
-                        }
+                // The client went away: dropping `watch` cancels the guest's watch.
+                _ = tx.closed() => return,
+                _ = ping.tick(), if keepalive.is_some() => {
+                    if tx.send(message(&json!({ "keepalive": {} }))).await.is_err() {
+                        return;
                     }
                 }
-                Err(e) => break Some(e),
-            }
-            if let Some(k) = keepalive
-                && since_ping.elapsed() >= k
-            {
-                since_ping = std::time::Instant::now();
-                if tx.send(message(&json!({ "keepalive": {} }))).await.is_err() {
-                    break None;
-                }
+                r = watch.next() => match r {
+                    // A slow client holds the guest back: the next batch is not read (nor
+                    // its credit given back) until these are sent.
+                    Ok(Some(batch)) => {
+                        for ev in &batch.events {
+                            let m = message(&json!({ "filesystem": super::watch::event_json(ev) }));
+                            if tx.send(m).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Ok(None) => break Some(ConnectError::new(Code::Unavailable, "the watch ended")),
+                    Err(e) => break Some(ConnectError::from(e)),
+                },
             }
         };
-        let _ = watchers.remove(&id, &wid);
         let _ = tx.send(end(end_err.as_ref())).await;
     });
     Ok(super::connect_stream(rx))
@@ -275,11 +267,8 @@ async fn unary(
             let r: WatchRequest = decode(&body)?;
             let (_, home) = who(face, rec, &user).await?;
             let p = guest_path(&r.path, &home)?;
-            face.watchers.check_room(id, 0)?;
-            let base = watch_base(face, id, &p, r.recursive.unwrap_or(false)).await?;
-            let wid =
-                face.watchers
-                    .create(face.svc.clone(), id, p, r.recursive.unwrap_or(false), base);
+            let watch = start_watch(face, id, &p, r.recursive.unwrap_or(false)).await?;
+            let wid = face.watchers.create(id, watch)?;
             Ok(json!({ "watcherId": wid }))
         }
         "GetWatcherEvents" => {

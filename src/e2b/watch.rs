@@ -1,121 +1,103 @@
 //! envd's directory watches: `WatchDir` (a server stream) and the polled watchers of the sync
 //! Python SDK (`CreateWatcher`, `GetWatcherEvents`, `RemoveWatcher`).
 //!
-//! Owns: watching by polling. Every [`POLL`] the watched directory (and, when recursive, its
-//! subdirectories, bounded) is listed through the agent and compared with the previous
-//! listing: new entries are `CREATE`, gone ones `REMOVE`, a changed size or mtime `WRITE`, a
-//! changed mode `CHMOD` (a rename shows as a `REMOVE` and a `CREATE`; changes within one poll
-//! merge). Watchers are bounded per sandbox and in queued events, and dropped when their
-//! sandbox is gone or nobody asked for their events for [`IDLE`].
+//! Owns: the bookkeeping of watches per sandbox and envd's JSON of an event. The watching
+//! itself is inotify in the guest (`Service::vm_watch_dir`, the agent's `WatchDir` request):
+//! events arrive as they happen, a rename is a `RENAME` of the old name and a `CREATE` of the
+//! new one. Watchers are bounded per sandbox ([`MAX_PER_SANDBOX`], both kinds) and in queued
+//! events ([`MAX_QUEUED`], the oldest dropped), and a polled watcher is dropped when nobody asked
+//! for its events for [`IDLE`] (its guest watch is cancelled). A watch whose VM went away
+//! (stopped, paused, restored) or whose directory was removed ends with a Connect error: the
+//! stream's end, or the next `GetWatcherEvents`.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use tokio::sync::Notify;
 
 use super::connect::{Code, ConnectError};
-use crate::rpc::msg::FileKind;
-use crate::service::Service;
+use crate::rpc::msg::{WatchEvent, WatchKind};
+use crate::service::vmfs::VmWatch;
 
-/// How often a watched directory is listed.
-pub const POLL: Duration = Duration::from_millis(500);
 /// A polled watcher nobody read for this long is dropped.
 const IDLE: Duration = Duration::from_secs(600);
+/// How often a polled watcher checks whether it went idle (a host timer; the guest is not
+/// asked anything).
+const IDLE_CHECK: Duration = Duration::from_secs(30);
 /// Watchers (both kinds) per sandbox.
 const MAX_PER_SANDBOX: usize = 16;
 /// Events a polled watcher keeps until they are read (older ones are dropped).
-const MAX_QUEUED: usize = 10_000;
-/// Entries one listing may hold (recursive watches of big trees are refused past it).
-const MAX_ENTRIES: usize = 20_000;
-/// Deepest recursive listing.
-const MAX_DEPTH: usize = 16;
+pub const MAX_QUEUED: usize = 10_000;
 
-/// What a listing remembers of an entry: kind, size, mtime, mode.
-pub type Seen = BTreeMap<String, (FileKind, u64, i64, u32)>;
-
-/// Lists `dir` (relative names, `/`-separated; recursive: every level down to [`MAX_DEPTH`]).
-pub async fn snapshot(
-    svc: &Service,
-    id: &str,
-    dir: &str,
-    recursive: bool,
-) -> Result<Seen, ConnectError> {
-    let mut out = Seen::new();
-    let mut todo: VecDeque<(String, usize)> = VecDeque::from([(String::new(), 0)]);
-    while let Some((rel, depth)) = todo.pop_front() {
-        let abs = if rel.is_empty() {
-            dir.to_owned()
-        } else {
-            format!("{}/{rel}", dir.trim_end_matches('/'))
-        };
-        let entries = match svc.vm_list(id, &abs).await {
-            Ok(e) => e,
-            // A subdirectory removed between two listings is not an error.
-            Err(crate::service::ServiceError::NotFound(_)) if !rel.is_empty() => continue,
-            Err(e) => return Err(e.into()),
-        };
-        for e in entries {
-            let name = if rel.is_empty() {
-                e.name.clone()
-            } else {
-                format!("{rel}/{}", e.name)
-            };
-            if recursive && e.stat.kind == FileKind::Dir && depth + 1 < MAX_DEPTH {
-                todo.push_back((name.clone(), depth + 1));
-            }
-            out.insert(name, (e.stat.kind, e.stat.size, e.stat.mtime, e.stat.mode));
-            if out.len() > MAX_ENTRIES {
-                return Err(ConnectError::new(
-                    Code::ResourceExhausted,
-                    format!("more than {MAX_ENTRIES} entries to watch: watch a smaller tree"),
-                ));
-            }
-        }
+/// envd's name of an event kind.
+pub fn type_name(k: WatchKind) -> &'static str {
+    match k {
+        WatchKind::Create => "EVENT_TYPE_CREATE",
+        WatchKind::Write => "EVENT_TYPE_WRITE",
+        WatchKind::Remove => "EVENT_TYPE_REMOVE",
+        WatchKind::Rename => "EVENT_TYPE_RENAME",
+        WatchKind::Chmod => "EVENT_TYPE_CHMOD",
     }
-    Ok(out)
 }
 
-/// The events that turn listing `old` into `new`, as `FilesystemEvent` JSON.
-pub fn changes(old: &Seen, new: &Seen) -> Vec<Value> {
-    let ev = |name: &str, t: &str| json!({ "name": name, "type": t });
-    let mut out = Vec::new();
-    for (name, now) in new {
-        match old.get(name) {
-            None => out.push(ev(name, "EVENT_TYPE_CREATE")),
-            Some(was) if was.0 != now.0 => {
-                out.push(ev(name, "EVENT_TYPE_REMOVE"));
-                out.push(ev(name, "EVENT_TYPE_CREATE"));
-            }
-            Some(was) => {
-                if was.1 != now.1 || was.2 != now.2 {
-                    out.push(ev(name, "EVENT_TYPE_WRITE"));
-                }
-                if was.3 != now.3 {
-                    out.push(ev(name, "EVENT_TYPE_CHMOD"));
-                }
-            }
-        }
-    }
-    for name in old.keys().filter(|n| !new.contains_key(*n)) {
-        out.push(ev(name, "EVENT_TYPE_REMOVE"));
-    }
-    out
+/// An event as envd's `FilesystemEvent` JSON.
+pub fn event_json(e: &WatchEvent) -> Value {
+    json!({ "name": e.name, "type": type_name(e.kind) })
 }
 
 struct Watcher {
     sandbox: String,
+    /// A `WatchDir` stream: counted, but not readable through `GetWatcherEvents`.
+    stream: bool,
     events: VecDeque<Value>,
-    /// Set when the watch ended (sandbox gone, directory removed): returned once, then the
+    /// Set when the watch ended (VM gone, directory removed): returned once, then the
     /// watcher is dropped.
     failed: Option<ConnectError>,
     last_read: Instant,
+    /// Ends the watcher's task (and with it the guest's watch).
+    stop: Arc<Notify>,
 }
 
-/// The polled watchers of every sandbox.
+impl Watcher {
+    fn new(sandbox: &str, stream: bool) -> Watcher {
+        Watcher {
+            sandbox: sandbox.to_owned(),
+            stream,
+            events: VecDeque::new(),
+            failed: None,
+            last_read: Instant::now(),
+            stop: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Queues `evs`, dropping the oldest past [`MAX_QUEUED`].
+    fn queue(&mut self, evs: impl IntoIterator<Item = Value>) {
+        self.events.extend(evs);
+        let over = self.events.len().saturating_sub(MAX_QUEUED);
+        if over > 0 {
+            self.events.drain(..over);
+        }
+    }
+}
+
+/// The watches of every sandbox.
 #[derive(Default, Clone)]
 pub struct Watchers {
     inner: Arc<Mutex<HashMap<String, Watcher>>>,
+}
+
+/// A `WatchDir` stream's place among its sandbox's watches; given back when dropped.
+pub struct StreamSlot {
+    watchers: Watchers,
+    id: String,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.watchers.lock().remove(&self.id);
+    }
 }
 
 impl Watchers {
@@ -124,6 +106,7 @@ impl Watchers {
     }
 
     /// Watchers of `sandbox` right now (both kinds count against [`MAX_PER_SANDBOX`]).
+    #[cfg(test)]
     pub fn count(&self, sandbox: &str) -> usize {
         self.lock()
             .values()
@@ -131,8 +114,14 @@ impl Watchers {
             .count()
     }
 
-    pub fn check_room(&self, sandbox: &str, streams: usize) -> Result<(), ConnectError> {
-        if self.count(sandbox) + streams >= MAX_PER_SANDBOX {
+    /// Whether `sandbox` may have one more watch (checked before the guest is asked, and again
+    /// when the watch is registered).
+    pub fn check_room(&self, sandbox: &str) -> Result<(), ConnectError> {
+        Self::room(&self.lock(), sandbox)
+    }
+
+    fn room(map: &HashMap<String, Watcher>, sandbox: &str) -> Result<(), ConnectError> {
+        if map.values().filter(|w| w.sandbox == sandbox).count() >= MAX_PER_SANDBOX {
             return Err(ConnectError::new(
                 Code::ResourceExhausted,
                 format!("at most {MAX_PER_SANDBOX} directory watches per sandbox"),
@@ -141,63 +130,84 @@ impl Watchers {
         Ok(())
     }
 
-    /// Start a polled watcher on `dir` (whose first listing is `base`): its id.
-    pub fn create(
-        &self,
-        svc: Arc<Service>,
-        sandbox: &str,
-        dir: String,
-        recursive: bool,
-        base: Seen,
-    ) -> String {
+    /// Registers `watcher` under a new id if its sandbox has room.
+    fn insert(&self, watcher: Watcher) -> Result<String, ConnectError> {
+        let mut map = self.lock();
+        Self::room(&map, &watcher.sandbox)?;
         let id = crate::service::e2b::new_token()[..24].to_owned();
-        self.lock().insert(
-            id.clone(),
-            Watcher {
-                sandbox: sandbox.to_owned(),
-                events: VecDeque::new(),
-                failed: None,
-                last_read: Instant::now(),
-            },
-        );
-        let (me, wid, sbx) = (self.clone(), id.clone(), sandbox.to_owned());
+        map.insert(id.clone(), watcher);
+        Ok(id)
+    }
+
+    /// Counts a `WatchDir` stream of `sandbox` until the slot is dropped.
+    pub fn stream_slot(&self, sandbox: &str) -> Result<StreamSlot, ConnectError> {
+        let id = self.insert(Watcher::new(sandbox, true))?;
+        Ok(StreamSlot {
+            watchers: self.clone(),
+            id,
+        })
+    }
+
+    /// A polled watcher fed by `watch` (already in place in the guest): its id.
+    pub fn create(&self, sandbox: &str, watch: VmWatch) -> Result<String, ConnectError> {
+        let w = Watcher::new(sandbox, false);
+        let stop = w.stop.clone();
+        let id = self.insert(w)?;
+        let (me, wid) = (self.clone(), id.clone());
         tokio::spawn(async move {
-            let mut seen = base;
+            let mut check = tokio::time::interval(IDLE_CHECK);
+            check.reset();
+            let mut watch = Some(watch);
             loop {
-                tokio::time::sleep(POLL).await;
-                {
-                    let map = me.lock();
-                    match map.get(&wid) {
-                        None => return,
-                        Some(w) if w.last_read.elapsed() > IDLE => {
-                            drop(map);
-                            me.lock().remove(&wid);
+                let next = async {
+                    match watch.as_mut() {
+                        Some(w) => w.next().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let r = tokio::select! {
+                    () = stop.notified() => return,
+                    _ = check.tick() => {
+                        if me.drop_if_idle(&wid) {
                             return;
                         }
-                        Some(_) => {}
+                        continue;
                     }
-                }
-                match snapshot(&svc, &sbx, &dir, recursive).await {
-                    Ok(now) => {
-                        let evs = changes(&seen, &now);
-                        seen = now;
-                        let mut map = me.lock();
-                        let Some(w) = map.get_mut(&wid) else { return };
-                        w.events.extend(evs);
-                        while w.events.len() > MAX_QUEUED {
-                            w.events.pop_front();
+                    r = next => r,
+                };
+                let mut map = me.lock();
+                let Some(w) = map.get_mut(&wid) else { return };
+                let failed = match r {
+                    Ok(Some(batch)) => {
+                        if batch.lost > 0 {
+                            tracing::debug!(watcher = %wid, lost = batch.lost, "the guest dropped watch events");
                         }
+                        w.queue(batch.events.iter().map(event_json));
+                        continue;
                     }
-                    Err(e) => {
-                        if let Some(w) = me.lock().get_mut(&wid) {
-                            w.failed = Some(e);
-                        }
-                        return;
-                    }
-                }
+                    Ok(None) => ConnectError::new(Code::Unavailable, "the watch ended"),
+                    Err(e) => e.into(),
+                };
+                // The error waits for a reader (or the idle drop); the VM is let go now.
+                w.failed = Some(failed);
+                watch = None;
             }
         });
-        id
+        Ok(id)
+    }
+
+    /// Drops watcher `id` if nobody read it for [`IDLE`]; true when it is gone.
+    fn drop_if_idle(&self, id: &str) -> bool {
+        let mut map = self.lock();
+        match map.get(id) {
+            Some(w) if w.last_read.elapsed() <= IDLE => false,
+            Some(_) => {
+                tracing::debug!(watcher = %id, "dropping an idle directory watcher");
+                map.remove(id);
+                true
+            }
+            None => true,
+        }
     }
 
     /// The events queued since the last call (a failed watch answers its error once, then is
@@ -206,7 +216,7 @@ impl Watchers {
         let mut map = self.lock();
         let w = map
             .get_mut(id)
-            .filter(|w| w.sandbox == sandbox)
+            .filter(|w| w.sandbox == sandbox && !w.stream)
             .ok_or_else(|| ConnectError::new(Code::NotFound, format!("watcher {id} not found")))?;
         w.last_read = Instant::now();
         if let Some(e) = w.failed.take() {
@@ -216,10 +226,12 @@ impl Watchers {
         Ok(w.events.drain(..).collect())
     }
 
+    /// Removes a polled watcher; its guest watch is cancelled.
     pub fn remove(&self, sandbox: &str, id: &str) -> Result<(), ConnectError> {
         let mut map = self.lock();
         match map.get(id) {
-            Some(w) if w.sandbox == sandbox => {
+            Some(w) if w.sandbox == sandbox && !w.stream => {
+                w.stop.notify_one();
                 map.remove(id);
                 Ok(())
             }
@@ -235,85 +247,75 @@ impl Watchers {
 mod tests {
     use super::*;
 
-    fn seen(items: &[(&str, FileKind, u64, i64, u32)]) -> Seen {
-        items
-            .iter()
-            .map(|(n, k, s, m, p)| ((*n).to_owned(), (*k, *s, *m, *p)))
-            .collect()
+    #[test]
+    fn events_are_envd_json() {
+        let ev = |name: &str, kind| {
+            event_json(&WatchEvent {
+                name: name.into(),
+                kind,
+            })
+        };
+        assert_eq!(
+            ev("a/b", WatchKind::Rename),
+            json!({"name": "a/b", "type": "EVENT_TYPE_RENAME"})
+        );
+        assert_eq!(ev("x", WatchKind::Create)["type"], "EVENT_TYPE_CREATE");
+        assert_eq!(ev("x", WatchKind::Write)["type"], "EVENT_TYPE_WRITE");
+        assert_eq!(ev("x", WatchKind::Remove)["type"], "EVENT_TYPE_REMOVE");
+        assert_eq!(ev("x", WatchKind::Chmod)["type"], "EVENT_TYPE_CHMOD");
     }
 
     #[test]
-    fn listings_turn_into_create_write_chmod_and_remove() {
-        use FileKind::*;
-        let old = seen(&[
-            ("a", File, 1, 10, 0o644),
-            ("b", File, 1, 10, 0o644),
-            ("d", Dir, 0, 1, 0o755),
-            ("x", File, 1, 1, 0o644),
-        ]);
-        let new = seen(&[
-            ("a", File, 2, 11, 0o644),
-            ("b", File, 1, 10, 0o600),
-            ("c", File, 0, 12, 0o644),
-            ("d", File, 0, 1, 0o644),
-        ]);
-        let got: Vec<(String, String)> = changes(&old, &new)
-            .into_iter()
-            .map(|v| {
-                (
-                    v["name"].as_str().unwrap().to_owned(),
-                    v["type"].as_str().unwrap().to_owned(),
-                )
-            })
-            .collect();
-        let want = [
-            ("a", "EVENT_TYPE_WRITE"),
-            ("b", "EVENT_TYPE_CHMOD"),
-            ("c", "EVENT_TYPE_CREATE"),
-            ("d", "EVENT_TYPE_REMOVE"),
-            ("d", "EVENT_TYPE_CREATE"),
-            ("x", "EVENT_TYPE_REMOVE"),
-        ];
-        assert_eq!(
-            got,
-            want.map(|(a, b)| (a.to_owned(), b.to_owned())).to_vec()
-        );
-        assert!(changes(&new, &new).is_empty());
+    fn the_queue_keeps_the_newest_events() {
+        let mut w = Watcher::new("s", false);
+        w.queue((0..MAX_QUEUED + 5).map(|i| json!(i)));
+        assert_eq!(w.events.len(), MAX_QUEUED);
+        assert_eq!(w.events.front(), Some(&json!(5)));
+        assert_eq!(w.events.back(), Some(&json!(MAX_QUEUED + 4)));
     }
 
     #[test]
     fn watchers_belong_to_their_sandbox_and_are_bounded() {
         let w = Watchers::default();
-        w.lock().insert(
-            "w1".into(),
-            Watcher {
-                sandbox: "s1".into(),
-                events: VecDeque::from([json!({"name":"a"})]),
-                failed: None,
-                last_read: Instant::now(),
-            },
-        );
+        let mut one = Watcher::new("s1", false);
+        one.events.push_back(json!({"name":"a"}));
+        w.lock().insert("w1".into(), one);
         assert_eq!(w.take("s2", "w1").unwrap_err().code, Code::NotFound);
         assert_eq!(w.take("s1", "w1").unwrap().len(), 1);
         assert!(w.take("s1", "w1").unwrap().is_empty());
         assert!(w.remove("s2", "w1").is_err());
         w.remove("s1", "w1").unwrap();
         assert!(w.take("s1", "w1").is_err());
-        for i in 0..MAX_PER_SANDBOX {
-            w.lock().insert(
-                format!("x{i}"),
-                Watcher {
-                    sandbox: "s1".into(),
-                    events: VecDeque::new(),
-                    failed: None,
-                    last_read: Instant::now(),
-                },
-            );
-        }
+        // Streams count, but are not polled watchers.
+        let slot = w.stream_slot("s1").unwrap();
+        assert_eq!(w.count("s1"), 1);
+        assert_eq!(w.take("s1", &slot.id).unwrap_err().code, Code::NotFound);
+        assert!(w.remove("s1", &slot.id).is_err());
+        drop(slot);
+        assert_eq!(w.count("s1"), 0);
+        let slots: Vec<_> = (0..MAX_PER_SANDBOX)
+            .map(|_| w.stream_slot("s1").unwrap())
+            .collect();
         assert_eq!(
-            w.check_room("s1", 0).unwrap_err().code,
+            w.check_room("s1").unwrap_err().code,
             Code::ResourceExhausted
         );
-        assert!(w.check_room("s2", 0).is_ok());
+        assert_eq!(
+            w.stream_slot("s1").err().unwrap().code,
+            Code::ResourceExhausted
+        );
+        assert!(w.check_room("s2").is_ok());
+        drop(slots);
+        assert!(w.check_room("s1").is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_failed_watch_is_reported_once() {
+        let w = Watchers::default();
+        let mut f = Watcher::new("s1", false);
+        f.failed = Some(ConnectError::new(Code::Unavailable, "VM gone"));
+        w.lock().insert("w1".into(), f);
+        assert_eq!(w.take("s1", "w1").unwrap_err().code, Code::Unavailable);
+        assert_eq!(w.take("s1", "w1").unwrap_err().code, Code::NotFound);
     }
 }

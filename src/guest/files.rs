@@ -82,6 +82,29 @@ fn unique_suffix() -> String {
     format!("{}-{n}-{nanos:x}", std::process::id())
 }
 
+/// The name of the temporary file a write of `name` goes through (renamed over `name` when
+/// complete).
+pub fn temp_name(name: &str) -> String {
+    format!(".{name}.tryboxi-{}", unique_suffix())
+}
+
+/// Whether `name` is one of [`temp_name`]'s (`.<name>.tryboxi-<pid>-<n>-<hex>`): directory
+/// watches do not report them.
+pub fn is_temp_name(name: &str) -> bool {
+    let Some((head, tail)) = name.rsplit_once(".tryboxi-") else {
+        return false;
+    };
+    let parts: Vec<&str> = tail.split('-').collect();
+    head.len() > 1
+        && head.starts_with('.')
+        && parts.len() == 3
+        && parts[..2]
+            .iter()
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        && !parts[2].is_empty()
+        && parts[2].bytes().all(|b| b.is_ascii_hexdigit())
+}
+
 pub fn check_path(path: &str) -> Result<PathBuf, RemoteError> {
     if !path.starts_with('/') {
         return Err(RemoteError::new(
@@ -305,11 +328,7 @@ pub async fn write(
         };
         // Not getrandom: in a fresh VM without a hardware RNG it blocks until the kernel's
         // entropy pool is ready, which under TCG can take minutes. Unique is enough here.
-        let t = dir.join(format!(
-            ".{}.tryboxi-{}",
-            name.to_string_lossy(),
-            unique_suffix()
-        ));
+        let t = dir.join(temp_name(&name.to_string_lossy()));
         let ctx = |e: std::io::Error| RemoteError::from_io(&format!("write {}", p.display()), &e);
         let mut f = tokio::fs::OpenOptions::new()
             .write(true)

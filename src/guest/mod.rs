@@ -9,6 +9,7 @@
 //! Outside a VM (argv[0] `init` but not PID 1) it serves one connection on stdin/stdout,
 //! which is handy for poking at it by hand; tests use [`server::serve`] directly.
 
+pub mod dirwatch;
 pub mod exec;
 pub mod files;
 pub mod init;

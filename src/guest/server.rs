@@ -81,6 +81,8 @@ enum Route {
     /// A write_file or untar and its content's [`Inflow`].
     Write(mpsc::UnboundedSender<WriteMsg>, Arc<Inflow>),
     Read(Arc<Semaphore>),
+    /// A directory watch: its credit, and what stops it (`Cancel`, the connection's end).
+    Watch(Arc<Semaphore>, Arc<tokio::sync::Notify>),
     /// A one-shot request in progress; data for it is a protocol error.
     Busy,
 }
@@ -119,8 +121,13 @@ where
     }
     outbox.close();
     for (_, r) in lock(&routes).drain() {
-        if let Route::Read(sem) = r {
-            sem.close();
+        match r {
+            Route::Read(sem) => sem.close(),
+            Route::Watch(sem, stop) => {
+                sem.close();
+                stop.notify_one();
+            }
+            _ => {}
         }
     }
     writer.stop().await;
@@ -267,7 +274,7 @@ async fn serve_inner<R: AsyncRead + Unpin>(
                 _ => {}
             },
             Body::Credit(n) => {
-                if let Some(Route::Read(sem)) = lock(routes).get(&stream) {
+                if let Some(Route::Read(sem) | Route::Watch(sem, _)) = lock(routes).get(&stream) {
                     if sem.available_permits() + n as usize > WINDOW {
                         return Err(ServeError::Protocol(format!("credit overflow on {stream}")));
                     }
@@ -285,6 +292,11 @@ async fn serve_inner<R: AsyncRead + Unpin>(
                         g.remove(&stream);
                     }
                     Some(Route::Write(..)) => {
+                        g.remove(&stream);
+                    }
+                    Some(Route::Watch(sem, stop)) => {
+                        sem.close();
+                        stop.notify_one();
                         g.remove(&stream);
                     }
                     _ => {}
@@ -427,6 +439,16 @@ async fn request(
             let cache = agent.walks.clone();
             tokio::spawn(async move {
                 super::tree::walk_since(cache, path, skip, since, ob, stream, sem).await;
+                lock(&rt).remove(&stream);
+            });
+        }
+        Request::WatchDir { path, recursive } => {
+            let sem = Arc::new(Semaphore::new(WINDOW));
+            let stop = Arc::new(tokio::sync::Notify::new());
+            lock(routes).insert(stream, Route::Watch(sem.clone(), stop.clone()));
+            let (ob, rt) = (outbox.clone(), routes.clone());
+            tokio::spawn(async move {
+                super::dirwatch::run(path, recursive, ob, stream, sem, stop).await;
                 lock(&rt).remove(&stream);
             });
         }

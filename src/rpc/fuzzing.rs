@@ -209,6 +209,10 @@ mod tests {
                 from: "/a".into(),
                 to: "/b".into(),
             },
+            Request::WatchDir {
+                path: "/w".into(),
+                recursive: true,
+            },
             Request::Chown {
                 path: "/a".into(),
                 uid: 1000,

@@ -20,7 +20,7 @@ pub mod outbox;
 
 #[allow(unused_imports)]
 pub use client::{
-    AgentClient, Deadlines, ExecControl, ExecEvent, ExecRequest, ExecStream, FileChunks,
+    AgentClient, Deadlines, DirWatch, ExecControl, ExecEvent, ExecRequest, ExecStream, FileChunks,
 };
 pub use frame::FrameError;
 #[allow(unused_imports)]

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this file.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
 pub const CONTROL_STREAM: u32 = 0;
@@ -164,6 +164,54 @@ pub enum Request {
         uid: u32,
         gid: u32,
     },
+    /// Watch the directory `path` with inotify (and, with `recursive`, its subdirectories down to
+    /// [`WATCH_MAX_DEPTH`], at most [`WATCH_MAX_DIRS`] of them; new ones are watched as they
+    /// appear) until the host sends `Cancel` or the directory goes away. Answered with `Data`
+    /// frames, each the bincode of one [`WatchBatch`] within the stream's credit; the first one,
+    /// empty, says the watch is in place. Ends with `Error` (`NotFound` when the directory was
+    /// removed or moved away). Since protocol 10.
+    WatchDir {
+        path: String,
+        recursive: bool,
+    },
+}
+
+/// Deepest level under a [`Request::WatchDir`] root that is watched (the root is level 0).
+pub const WATCH_MAX_DEPTH: usize = 16;
+/// Most directories one recursive [`Request::WatchDir`] watches (more at the start is refused;
+/// new ones past it are not watched).
+pub const WATCH_MAX_DIRS: usize = 8192;
+/// Most events in one [`WatchBatch`] (the host refuses more).
+pub const WATCH_MAX_BATCH: usize = 1024;
+/// Longest [`WatchEvent::name`] in bytes (the host refuses longer).
+pub const WATCH_MAX_NAME: usize = 4096;
+
+/// What happened to an entry of a watched directory (envd's `EventType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WatchKind {
+    Create,
+    Write,
+    Remove,
+    Rename,
+    Chmod,
+}
+
+/// One change under a watched directory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchEvent {
+    /// Relative to the watched directory, `/`-separated (at most [`WATCH_MAX_NAME`] bytes).
+    pub name: String,
+    pub kind: WatchKind,
+}
+
+/// What one `Data` frame of a [`Request::WatchDir`] stream holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct WatchBatch {
+    /// At most [`WATCH_MAX_BATCH`], in the order they happened.
+    pub events: Vec<WatchEvent>,
+    /// Events the guest lost since the last batch (its queue was full while the host gave no
+    /// credit, or the kernel's inotify queue overflowed).
+    pub lost: u64,
 }
 
 /// A position in the agent's walk cache: `generation` counts its updates, `epoch` names the cache

@@ -23,6 +23,36 @@ const MAX_ACCOUNTS_FILE: u64 = 1024 * 1024;
 /// Most accounts (users or groups) parsed from one of those files.
 const MAX_ACCOUNTS: usize = 10_000;
 
+/// A directory watch in a sandbox's VM ([`Service::vm_watch_dir`]). It holds the VM, so the
+/// sandbox counts as in use (no idle pause) while watched, as during an exec; the VM going away
+/// (stopped, paused, restored, crashed) ends it with `Unavailable`.
+pub struct VmWatch {
+    _vm: Arc<LiveVm>,
+    watch: crate::rpc::DirWatch,
+    path: String,
+}
+
+impl VmWatch {
+    /// The next batch of changes, however long it takes; `Ok(None)` when the guest ended the
+    /// watch. After an error the watch is over.
+    pub async fn next(&mut self) -> Result<Option<crate::rpc::msg::WatchBatch>, ServiceError> {
+        self.watch.next().await.map_err(|e| match e {
+            RpcError::Remote(r) if r.kind == ErrorKind::NotFound => {
+                ServiceError::NotFound(r.message)
+            }
+            RpcError::Remote(r) => {
+                ServiceError::Unprocessable(format!("watch of {}: {}", self.path, r.message))
+            }
+            RpcError::Disconnected | RpcError::Closed(_) => ServiceError::Unavailable(format!(
+                "the watch of {} ended: the sandbox's VM stopped, was paused or was restored \
+                 ({e}); watch it again",
+                self.path
+            )),
+            e => ServiceError::Unavailable(format!("the watch of {} ended: {e}", self.path)),
+        })
+    }
+}
+
 /// A guest user as `/etc/passwd` names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GuestUser {
@@ -189,6 +219,28 @@ impl Service {
         check_path(to)?;
         let vm = self.fs_vm(id).await?;
         vm.agent.rename(from, to).await.map_err(fs_err(from))
+    }
+
+    /// Watch directory `path` (with `recursive`, its tree) with inotify in the guest: returns
+    /// once the watch is in place (`BadRequest` when `path` is not a directory).
+    pub async fn vm_watch_dir(
+        &self,
+        id: &str,
+        path: &str,
+        recursive: bool,
+    ) -> Result<VmWatch, ServiceError> {
+        check_path(path)?;
+        let vm = self.fs_vm(id).await?;
+        let watch = vm
+            .agent
+            .watch_dir(path, recursive)
+            .await
+            .map_err(fs_err(path))?;
+        Ok(VmWatch {
+            _vm: vm,
+            watch,
+            path: path.to_owned(),
+        })
     }
 
     /// Remove a file, a symlink or a whole directory tree.

@@ -57,13 +57,29 @@ await step('watch_dir', async () => {
   await sbx.files.makeDir('jw')
   const events = []
   const w = await sbx.files.watchDir('jw', (ev) => events.push(ev))
-  await sbx.files.write('jw/new.txt', 'x')
-  const deadline = Date.now() + 30_000
-  while (Date.now() < deadline && !events.some((e) => e.name === 'new.txt')) {
-    await new Promise((r) => setTimeout(r, 250))
+  const is = (e, name, kind) => e.name === name && String(e.type).toLowerCase().includes(kind)
+  // Waits (bounded) until an event matches; the milliseconds it took, or null.
+  const waitFor = async (pred) => {
+    const start = Date.now()
+    while (Date.now() - start < 30_000) {
+      if (events.some(pred)) return Date.now() - start
+      await new Promise((r) => setTimeout(r, 20))
+    }
+    return null
   }
+  await sbx.files.write('jw/new.txt', 'x')
+  const created = await waitFor((e) => is(e, 'new.txt', 'create'))
+  await sbx.files.rename('jw/new.txt', 'jw/moved.txt')
+  const renamed = await waitFor((e) => is(e, 'new.txt', 'rename'))
+  const moved = await waitFor((e) => is(e, 'moved.txt', 'create'))
   await w.stop()
-  return { created: events.some((e) => e.name === 'new.txt' && String(e.type).toLowerCase().includes('create')) }
+  return {
+    created: created !== null,
+    renamed: renamed !== null,
+    moved_created: moved !== null,
+    rename_ms: renamed,
+    rename_prompt: renamed !== null && renamed < 2000,
+  }
 })
 
 await step('list', async () => {

@@ -171,14 +171,39 @@ def _():
 def _():
     sbx.files.make_dir("wdir")
     w = sbx.files.watch_dir("wdir")
-    sbx.files.write("wdir/new.txt", "x")
     seen = []
-    deadline = time.time() + 30
-    while time.time() < deadline and not any(e.name == "new.txt" for e in seen):
-        time.sleep(0.5)
-        seen.extend(w.get_new_events())
+
+    def wait_for(pred, within=30.0):
+        """Reads events until one matches `pred` (bounded); the seconds it took, or None."""
+        start = time.time()
+        while time.time() - start < within:
+            seen.extend(w.get_new_events())
+            if any(pred(e) for e in seen):
+                return time.time() - start
+            time.sleep(0.05)
+        return None
+
+    sbx.files.write("wdir/new.txt", "x")
+    created = wait_for(lambda e: e.name == "new.txt" and "CREATE" in str(e.type))
+    # The append is over when `run` returns: its event must follow promptly (the guest reports
+    # it as it happens, not at the next listing).
+    sbx.commands.run("printf more >> ~/wdir/new.txt")
+    # (files.write lands as a temporary file renamed over new.txt: new.txt's only WRITE is this.)
+    wrote = wait_for(lambda e: e.name == "new.txt" and "WRITE" in str(e.type))
+    sbx.files.rename("wdir/new.txt", "wdir/moved.txt")
+    renamed = wait_for(lambda e: e.name == "new.txt" and "RENAME" in str(e.type))
+    moved = wait_for(lambda e: e.name == "moved.txt" and "CREATE" in str(e.type))
+    sbx.files.remove("wdir/moved.txt")
+    removed = wait_for(lambda e: e.name == "moved.txt" and "REMOVE" in str(e.type))
     w.stop()
-    return {"created": any(e.name == "new.txt" and "CREATE" in str(e.type) for e in seen)}
+    return {"created": created is not None,
+            "write_prompt": wrote is not None and wrote < 2.0, "write_latency_s": wrote,
+            "renamed": renamed is not None, "moved_created": moved is not None,
+            "removed": removed is not None,
+            # the agent's temporary file of a whole-file write never shows
+            "temp_names": sorted({e.name for e in seen if ".tryboxi-" in e.name}),
+            # a rename is not a remove of the old name
+            "old_name_removed": any(e.name == "new.txt" and "REMOVE" in str(e.type) for e in seen)}
 
 
 @step("list")
@@ -201,13 +226,24 @@ def _():
 @step("pause_connect")
 def _():
     sbx.files.write("/tmp/keep.txt", "kept across pause")
+    w = sbx.files.watch_dir("/tmp")
     paused = sbx.pause()
     running_while_paused = sbx.is_running()
     again = Sandbox.connect(sbx.sandbox_id)
     kept = again.files.read("/tmp/keep.txt")
     r = again.commands.run("echo back")
+    # The watcher's VM went away with the pause: reading it raises (bounded; never a hang).
+    watch_error = None
+    start = time.time()
+    while watch_error is None and time.time() - start < 30:
+        try:
+            w.get_new_events()
+            time.sleep(0.1)
+        except Exception as e:
+            watch_error = type(e).__name__ + ": " + str(e)[:200]
     return {"paused": paused, "running_while_paused": running_while_paused,
-            "kept": kept, "after": r.stdout}
+            "kept": kept, "after": r.stdout, "watch_raised": watch_error is not None,
+            "watch_error": watch_error}
 
 
 @step("wrong_key")

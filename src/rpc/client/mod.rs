@@ -19,12 +19,16 @@
 mod connect;
 mod exec;
 mod streams;
+mod watch;
 
 #[cfg(test)]
 mod hostile_tests;
+#[cfg(test)]
+mod watch_hostile_tests;
 
 pub use exec::{ExecControl, ExecEvent, ExecRequest, ExecStream};
 pub use streams::Deadlines;
+pub use watch::DirWatch;
 
 use super::RpcError;
 use super::frame::{MAX_ANSWER, decode_answer};
@@ -104,6 +108,7 @@ fn request_name(req: &Request) -> &'static str {
         Request::SetClock { .. } => "set_clock",
         Request::Rename { .. } => "rename",
         Request::Chown { .. } => "chown",
+        Request::WatchDir { .. } => "watch_dir",
     }
 }
 
