@@ -392,20 +392,7 @@ fn a_guest_that_fills_the_data_root_gets_io_errors_and_its_vm_lives() {
     // Three times what is free, then fresh memory (pages the guest had not touched yet).
     let script = "dd if=/dev/zero of=/root/big bs=1M count=72 conv=fsync 2>/dev/null; \
                   echo dd=$?; head -c 96M /dev/zero | md5sum >/dev/null; echo alive";
-    let o = cli_within(&d, &["exec", &id, "--", "sh", "-c", script], 300);
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        out.contains("alive") && !out.contains("dd=0"),
-        "{out}{}\n{}",
-        String::from_utf8_lossy(&o.stderr),
-        d.log_tail(60)
-    );
-    assert!(
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok(),
-        "QEMU {pid} died:\n{}",
-        d.log_tail(60)
-    );
-    assert_eq!(state(&d, &id), "ready");
+    guest_write_fails_and_vm_lives(&d, &id, pid, script);
     // The data root is full now: an exec runs (the store had room) or is refused clearly.
     let o = cli_within(&d, &["exec", &id, "--", "echo", "still"], 120);
     let (out, err) = (
@@ -526,6 +513,25 @@ fn a_full_data_root_refuses_sync_fork_and_apply_and_loses_nothing() {
     assert_eq!(r.status, 201, "{}\n{}", r.text(), d.log_text());
 }
 
+/// Run `script` (a `dd` that prints `dd=$?`, then `alive`) in `id`: the write fails, the
+/// exec ends, QEMU `pid` lives and the sandbox stays ready.
+fn guest_write_fails_and_vm_lives(d: &Daemon, id: &str, pid: i32, script: &str) {
+    let o = cli_within(d, &["exec", id, "--", "sh", "-c", script], 300);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("alive") && out.contains("dd=") && !out.contains("dd=0"),
+        "{out}{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_tail(60)
+    );
+    assert!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok(),
+        "QEMU {pid} died:\n{}",
+        d.log_tail(60)
+    );
+    assert_eq!(state(d, id), "ready");
+}
+
 /// The root layer's disk budget (MiB) of the budget test: room for a boot's writes, far less
 /// than the guest's write.
 const BUDGET_MIB: u64 = 96;
@@ -575,20 +581,7 @@ fn a_guest_writing_past_its_disk_budget_gets_io_errors_and_the_layer_stays_withi
     // Twice the budget, synced: the guest's writes past the budget fail; the guest goes on.
     let script = "dd if=/dev/zero of=/root/big bs=1M count=192 conv=fsync 2>/dev/null; \
                   echo dd=$?; echo alive";
-    let o = cli_within(&d, &["exec", &id, "--", "sh", "-c", script], 300);
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        out.contains("alive") && out.contains("dd=") && !out.contains("dd=0"),
-        "{out}{}\n{}",
-        String::from_utf8_lossy(&o.stderr),
-        d.log_tail(60)
-    );
-    assert!(
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok(),
-        "QEMU {pid} died:\n{}",
-        d.log_tail(60)
-    );
-    assert_eq!(state(&d, &id), "ready");
+    guest_write_fails_and_vm_lives(&d, &id, pid, script);
     assert_eq!(sh_out(&d, &id, "echo ok").1, "ok\n");
     // No layer holds more than the budget on the host.
     for f in layers(&dir) {

@@ -42,18 +42,9 @@ const MAX_MODIFIED: usize = 4096;
 /// `read(2)`s of the inotify fd per wakeup, so a flood cannot starve the sending.
 const READS_PER_WAKEUP: usize = 64;
 
-/// What a watched directory reports.
+/// What a watched directory reports (the same as the walk's watches, see `watch.rs`).
 fn mask() -> AddWatchFlags {
-    AddWatchFlags::IN_CREATE
-        | AddWatchFlags::IN_DELETE
-        | AddWatchFlags::IN_MODIFY
-        | AddWatchFlags::IN_ATTRIB
-        | AddWatchFlags::IN_CLOSE_WRITE
-        | AddWatchFlags::IN_MOVED_FROM
-        | AddWatchFlags::IN_MOVED_TO
-        | AddWatchFlags::IN_DELETE_SELF
-        | AddWatchFlags::IN_MOVE_SELF
-        | AddWatchFlags::IN_ONLYDIR
+    super::watch::dir_mask()
 }
 
 /// envd's (fsnotify's) kind of an inotify event on an entry of a watched directory: `None` for

@@ -25,8 +25,9 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 
 use crate::rpc::msg::{FileKind, WalkCursor, WalkDelta, WalkEntry};
 
-/// What a directory watch reports.
-fn mask() -> AddWatchFlags {
+/// What a watched directory reports (this walk's watches and `dirwatch.rs`'s): every change
+/// of an entry, and the directory's own removal or move.
+pub(crate) fn dir_mask() -> AddWatchFlags {
     AddWatchFlags::IN_CREATE
         | AddWatchFlags::IN_DELETE
         | AddWatchFlags::IN_MODIFY
@@ -37,7 +38,11 @@ fn mask() -> AddWatchFlags {
         | AddWatchFlags::IN_DELETE_SELF
         | AddWatchFlags::IN_MOVE_SELF
         | AddWatchFlags::IN_ONLYDIR
-        | AddWatchFlags::IN_DONT_FOLLOW
+}
+
+/// What a directory watch of the walk reports (never through a symlink).
+fn mask() -> AddWatchFlags {
+    dir_mask() | AddWatchFlags::IN_DONT_FOLLOW
 }
 
 /// Entries stated by every walk of this agent so far: the progress a `WalkSince` reports

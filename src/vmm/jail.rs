@@ -272,9 +272,7 @@ impl Jail {
 
     /// A directory QEMU is to write into (a checkpoint's directory), made by the caller.
     pub(crate) fn share_dir(&self, dir: &Path, vm_dir: &Path) -> Result<(), VmmError> {
-        if self.vm_user()?.is_some() {
-            let u = user::sandbox_ids(vm_dir)
-                .map_err(|e| VmmError::Fence(format!("no uid of its own for QEMU: {e}")))?;
+        if let Some(u) = self.vm_ids(vm_dir)? {
             user::share_dir(dir, u).map_err(|e| {
                 VmmError::Fence(format!("cannot open {} to QEMU: {e}", dir.display()))
             })?;
@@ -285,14 +283,23 @@ impl Jail {
     /// A file the daemon made in the VM directory `vm_dir` for its running QEMU to write (the
     /// next root layer of a checkpoint): the VM's own user's.
     pub(crate) fn give_file(&self, file: &Path, vm_dir: &Path) -> Result<(), VmmError> {
-        if self.vm_user()?.is_some() {
-            let u = user::sandbox_ids(vm_dir)
-                .map_err(|e| VmmError::Fence(format!("no uid of its own for QEMU: {e}")))?;
+        if let Some(u) = self.vm_ids(vm_dir)? {
             user::give(file, u).map_err(|e| {
                 VmmError::Fence(format!("cannot give {} to QEMU: {e}", file.display()))
             })?;
         }
         Ok(())
+    }
+
+    /// The ids the QEMU of the VM directory `vm_dir` runs as, when it runs as its own user
+    /// (a root daemon); `None` otherwise.
+    fn vm_ids(&self, vm_dir: &Path) -> Result<Option<user::VmUser>, VmmError> {
+        if self.vm_user()?.is_none() {
+            return Ok(None);
+        }
+        user::sandbox_ids(vm_dir)
+            .map(Some)
+            .map_err(|e| VmmError::Fence(format!("no uid of its own for QEMU: {e}")))
     }
 
     fn prepare_cgroup(&self, spec: &VmSpec) -> Result<Option<Launch>, VmmError> {
