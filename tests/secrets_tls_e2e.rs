@@ -13,13 +13,13 @@
 
 mod common;
 
-use std::io::{BufRead as _, BufReader, Write as _};
+use std::io::{BufReader, Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener};
-use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{BIN, Daemon, SMALL_VMS, bash, create_with, follow_events, vm_daemon};
+use common::tls::{Reply, Seen, https_upstream, intercept_config, read_request};
+use common::{SMALL_VMS, bash, create_with, follow_events, placeholder, set_secret, vm_daemon};
 
 const VALUE: &str = "sk-tls-e2e-Hn4Jk7Lq1Ws9Xe3Rd5";
 const HOST: &str = "api.test";
@@ -31,68 +31,12 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-fn cli_stdin(d: &Daemon, args: &[&str], input: &[u8]) -> Output {
-    let mut c = Command::new(BIN)
-        .args(args)
-        .env("TRYBOXI_HOME", d.root())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    c.stdin.take().unwrap().write_all(input).unwrap();
-    c.wait_with_output().unwrap()
-}
-
-/// Reads a request head (bounded) and returns its `Authorization` header value ("" if none).
-fn read_head<R: std::io::Read>(r: R) -> String {
-    let mut r = BufReader::new(r.take(64 << 10));
-    let mut auth = String::new();
-    let mut line = String::new();
-    while r.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
-        if let Some((k, v)) = line.split_once(':')
-            && k.eq_ignore_ascii_case("authorization")
-        {
-            auth = v.trim().to_owned();
-        }
-        line.clear();
-    }
-    auth
-}
-
-/// An HTTPS upstream for [`HOST`] and [`HOST2`] (HTTP/1.1 only) with a certificate from a fresh test CA
-/// (written to `ca_path`): hands over each request's `Authorization` and echoes it back.
-fn tls_upstream(ca_path: &std::path::Path) -> (SocketAddr, mpsc::Receiver<String>) {
-    let cfg = common::tls::ca_signed_server(ca_path, None, &[HOST, HOST2]);
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for conn in l.incoming() {
-            let Ok(tcp) = conn else { return };
-            let (cfg, tx) = (cfg.clone(), tx.clone());
-            std::thread::spawn(move || {
-                let _ = tcp.set_read_timeout(Some(Duration::from_secs(60)));
-                let Ok(conn) = rustls::ServerConnection::new(cfg) else {
-                    return;
-                };
-                let mut s = rustls::StreamOwned::new(conn, tcp);
-                let auth = read_head(&mut s);
-                let body = format!("auth=[{auth}]\n");
-                let _ = write!(
-                    s,
-                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\
-                     Connection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = s.flush();
-                s.conn.send_close_notify();
-                let _ = s.flush();
-                let _ = tx.send(auth);
-            });
-        }
-    });
-    (addr, rx)
+/// An HTTPS upstream for [`HOST`] and [`HOST2`] (certificate from a fresh test CA written to
+/// `ca_path`) that echoes each request's `Authorization` back.
+fn tls_upstream(ca_path: &std::path::Path) -> (SocketAddr, mpsc::Receiver<Seen>) {
+    https_upstream(ca_path, &[HOST, HOST2], |r| {
+        Reply::ok("text/plain", format!("auth=[{}]\n", r.auth))
+    })
 }
 
 /// A plaintext HTTP upstream for the other allowed host: hands over each request's
@@ -104,7 +48,10 @@ fn plain_upstream() -> (SocketAddr, mpsc::Receiver<String>) {
     std::thread::spawn(move || {
         for conn in l.incoming() {
             let Ok(mut c) = conn else { return };
-            let auth = read_head(c.try_clone().unwrap());
+            let mut r = BufReader::new(c.try_clone().unwrap().take(64 << 10));
+            let auth = read_request(&mut r)
+                .map(|(s, _)| s.auth)
+                .unwrap_or_default();
             let _ = c.write_all(
                 b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n",
             );
@@ -127,26 +74,20 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
     let ca_path = dir.path().join("upstream-ca.pem");
     let (tls_addr, tls_seen) = tls_upstream(&ca_path);
     let (plain_addr, plain_seen) = plain_upstream();
-    let cfg = format!(
-        "{SMALL_VMS}[network]\ndefault_policy = []\nupstream_dns = \"127.0.0.1:9\"\n\
-         intercept_extra_ca = \"{}\"\n\
-         [network.test_hosts]\n\"{HOST}\" = [\"203.0.113.10\"]\n\
-         \"other.test\" = [\"203.0.113.11\"]\n\"{HOST2}\" = [\"203.0.113.12\"]\n\
-         [network.test_upstream_map]\n\"203.0.113.10:443\" = \"{tls_addr}\"\n\
-         \"203.0.113.12:443\" = \"{tls_addr}\"\n\
-         \"203.0.113.11:80\" = \"{plain_addr}\"\n",
-        ca_path.display()
-    );
+    let cfg = SMALL_VMS.to_owned()
+        + &intercept_config(
+            &ca_path,
+            &[
+                (HOST, "203.0.113.10", 443, tls_addr),
+                ("other.test", "203.0.113.11", 80, plain_addr),
+                (HOST2, "203.0.113.12", 443, tls_addr),
+            ],
+        );
     let Some(d) = vm_daemon(&cfg) else { return };
     let events = follow_events(&d, "?since=0");
     let mut bad: Vec<String> = Vec::new();
 
-    let o = cli_stdin(
-        &d,
-        &["secret", "set", "API_KEY", "--host", HOST],
-        VALUE.as_bytes(),
-    );
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    set_secret(&d, "API_KEY", VALUE, HOST);
     let ws = tempfile::tempdir().unwrap();
     let id = create_with(&d, ws.path(), &["--secret", "API_KEY"]);
     for h in [HOST, "other.test", HOST2] {
@@ -189,11 +130,7 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
         bad.push(format!("no .distro copy: {out}"));
     }
 
-    let placeholder = bash(&d, &id, "printf %s \"$API_KEY\"");
-    assert!(
-        placeholder.len() >= 16 && !placeholder.contains(VALUE),
-        "{placeholder}"
-    );
+    let placeholder = placeholder(&d, &id, "API_KEY", VALUE);
     let echoed = format!("auth=[Bearer {placeholder}]");
 
     // curl over HTTP/1.1 and HTTP/2, Python urllib: the upstream sees the value, the guest the
@@ -231,7 +168,10 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
         if *what == "curl http/2" && !out.contains("v=2") {
             bad.push(format!("{what}: not HTTP/2: {out}"));
         }
-        match tls_seen.recv_timeout(Duration::from_secs(30)) {
+        match tls_seen
+            .recv_timeout(Duration::from_secs(30))
+            .map(|s| s.auth)
+        {
             Ok(a) if a == format!("Bearer {VALUE}") => {}
             Ok(a) => bad.push(format!(
                 "{what}: the upstream saw another Authorization ({} bytes)",
@@ -243,12 +183,7 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
 
     // A secret for a new host added to the running sandbox: the CA is re-issued to cover it
     // and the guest's bundle is written again before the next exec.
-    let o = cli_stdin(
-        &d,
-        &["secret", "set", "API2_KEY", "--host", HOST2],
-        VALUE2.as_bytes(),
-    );
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    set_secret(&d, "API2_KEY", VALUE2, HOST2);
     let r = d.request(
         "POST",
         &format!("/v1/sandboxes/{id}/secrets"),
@@ -263,7 +198,10 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
     if !out.contains("auth=[Bearer ") || out.contains(VALUE2) {
         bad.push(format!("new host after a secret add: {out}"));
     }
-    match tls_seen.recv_timeout(Duration::from_secs(30)) {
+    match tls_seen
+        .recv_timeout(Duration::from_secs(30))
+        .map(|s| s.auth)
+    {
         Ok(a) if a == format!("Bearer {VALUE2}") => {}
         Ok(a) => bad.push(format!("new host: the upstream saw {} bytes", a.len())),
         Err(_) => bad.push("new host: the upstream saw no request".into()),

@@ -476,3 +476,20 @@ pub fn bash(d: &Daemon, id: &str, script: &str) -> String {
         String::from_utf8_lossy(&o.stderr)
     )
 }
+
+/// `tryboxi secret set NAME --host HOST` with `value` on stdin, which must succeed.
+pub fn set_secret(d: &Daemon, name: &str, value: &str, host: &str) {
+    let o = d.cli_stdin(&["secret", "set", name, "--host", host], value.as_bytes());
+    assert!(
+        o.status.success(),
+        "secret set: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// The placeholder sandbox `id` sees for secret `name` (checked to look like one, not `value`).
+pub fn placeholder(d: &Daemon, id: &str, name: &str, value: &str) -> String {
+    let p = bash(d, id, &format!("printf %s \"${name}\""));
+    assert!(p.starts_with("tbx_") && !p.contains(value), "{p}");
+    p
+}
