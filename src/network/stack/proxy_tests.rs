@@ -20,6 +20,13 @@ use crate::network::upstream_proxy_testkit::{self as kit, Rules};
 
 const AUTH: &str = "Basic dXNlcjpzM2NyZXQ="; // user:s3cret
 
+/// A test gate whose egress goes through `proxy`.
+fn gate_via(proxy: Arc<UpstreamProxy>) -> Arc<TestGate> {
+    let gate = Arc::new(TestGate::default());
+    *gate.proxy.lock().unwrap() = Some(proxy);
+    gate
+}
+
 fn proxy_for(addr: SocketAddr, no_proxy: &[&str]) -> Arc<UpstreamProxy> {
     let np: Vec<String> = no_proxy.iter().map(|s| s.to_string()).collect();
     let url = format!("http://user:s3cret@{addr}");
@@ -60,8 +67,7 @@ async fn an_inspected_flow_is_tunnelled_by_the_allowed_name_only_after_the_gate_
         ..Rules::default()
     })
     .await;
-    let gate = Arc::new(TestGate::default());
-    *gate.proxy.lock().unwrap() = Some(proxy_for(proxy.addr, &[]));
+    let gate = gate_via(proxy_for(proxy.addr, &[]));
     // The gate's upstream is an address the host cannot reach: only the proxy's name works.
     gate.allow(
         "198.51.100.30:443",
@@ -121,8 +127,7 @@ async fn a_flow_without_inspection_is_tunnelled_by_its_address() {
         ..Rules::default()
     })
     .await;
-    let gate = Arc::new(TestGate::default());
-    *gate.proxy.lock().unwrap() = Some(proxy_for(proxy.addr, &[]));
+    let gate = gate_via(proxy_for(proxy.addr, &[]));
     gate.allow(
         "198.51.100.31:8080",
         "192.0.2.31:8080".parse().unwrap(),
@@ -141,8 +146,7 @@ async fn a_refusing_or_dead_proxy_resets_the_guest_and_says_why_without_the_pass
         ..Rules::default()
     })
     .await;
-    let gate = Arc::new(TestGate::default());
-    *gate.proxy.lock().unwrap() = Some(proxy_for(proxy.addr, &[]));
+    let gate = gate_via(proxy_for(proxy.addr, &[]));
     gate.allow(
         "198.51.100.32:443",
         "192.0.2.32:443".parse().unwrap(),
@@ -228,8 +232,7 @@ async fn a_no_proxy_name_drops_the_proxy_connection_and_goes_directly() {
         }
     });
     let proxy = kit::start(Rules::default()).await;
-    let gate = Arc::new(TestGate::default());
-    *gate.proxy.lock().unwrap() = Some(proxy_for(proxy.addr, &["good.test"]));
+    let gate = gate_via(proxy_for(proxy.addr, &["good.test"]));
     gate.allow("198.51.100.33:443", direct, Inspect::TlsSni);
     let (mut g, _) = start(gate.clone(), StackConfig::default());
     let h = g.tcp("198.51.100.33:443", 4096);
@@ -255,9 +258,8 @@ async fn a_no_proxy_name_drops_the_proxy_connection_and_goes_directly() {
 #[tokio::test]
 async fn a_synthetic_address_is_never_connected_directly() {
     let proxy = kit::start(Rules::default()).await;
-    let gate = Arc::new(TestGate::default());
     // A no-proxy CIDR that covers the synthetic range would send the flow directly.
-    *gate.proxy.lock().unwrap() = Some(proxy_for(proxy.addr, &["198.16.0.0/12"]));
+    let gate = gate_via(proxy_for(proxy.addr, &["198.16.0.0/12"]));
     gate.allow(
         "198.19.0.5:443",
         "198.19.0.5:443".parse().unwrap(),
