@@ -561,19 +561,10 @@ const BUDGET_MIB: u64 = 96;
 
 /// Every qcow2 layer file under `dir` (the live overlay and the frozen ones).
 fn layers(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_owned()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let p = e.path();
-            if e.file_type().unwrap().is_dir() {
-                todo.push(p);
-            } else if p.extension().is_some_and(|x| x == "qcow2") {
-                out.push(p);
-            }
-        }
-    }
-    out
+    walk(dir)
+        .into_iter()
+        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "qcow2"))
+        .collect()
 }
 
 #[test]
