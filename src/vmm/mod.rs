@@ -59,11 +59,6 @@ pub struct VmSpec {
     pub accel: Accel,
 }
 
-/// The transfer disk of every VM: a sparse raw file in the VM's directory, attached read-only
-/// as a second virtio-blk device with serial [`TRANSFER_DISK_SERIAL`]. The host writes bulk
-/// workspace data (a tar archive) at its start and the guest agent reads it from the device
-/// (after dropping its page cache): far faster than the RPC channel. Its content has no meaning
-/// between transfers, so checkpoints do not capture it.
 /// Kernel parameters of every guest's timer setup. `no_timer_check` skips the boot-time check
 /// that the PIT's interrupt arrives through the IO-APIC: under TCG on a loaded host the vCPU
 /// thread can miss the ticks of that short window, and the kernel then panics (`IO-APIC +
@@ -72,10 +67,25 @@ pub struct VmSpec {
 /// Harmless under KVM. The probe's command line (`probe::PROBE_CMDLINE`) carries it too.
 pub const GUEST_TIMER_PARAMS: &str = "no_timer_check";
 
+/// Kernel parameter for TCG guests: QEMU's emulated local APIC timer counts at a fixed 1 GHz
+/// (`APIC_BUS_CYCLE_NS` = 1). Our kernel's patch `lapic_timer_hz`
+/// (`guest-image/kernel/patches/`) takes it as known, so the boot neither calibrates the APIC
+/// timer nor verifies it against the PIT. On a loaded host that verification fails at random
+/// ("APIC timer disabled due to verification failure") and leaves the PIT as the guest's tick
+/// device, which wakes an idle guest ~40 times a second (~1 % of a host core each). KVM
+/// guests have the TSC-deadline timer and skip the calibration anyway. A kernel without the
+/// patch passes the unknown parameter on to init's environment, where nothing reads it.
+pub const TCG_LAPIC_PARAMS: &str = "lapic_timer_hz=1000000000";
+
 /// The virtio serial of the root disk; the guest's init mounts the disk with this serial
 /// (`tryboxi.root=serial:...`), not a fixed `/dev/vdX`, because the kernel need not enumerate
 /// the virtio-mmio disks in command-line order.
 pub const ROOT_DISK_SERIAL: &str = "tryboxi-root";
+/// The transfer disk of every VM: a sparse raw file in the VM's directory, attached read-only
+/// as a second virtio-blk device with serial [`TRANSFER_DISK_SERIAL`]. The host writes bulk
+/// workspace data (a tar archive) at its start and the guest agent reads it from the device
+/// (after dropping its page cache): far faster than the RPC channel. Its content has no meaning
+/// between transfers, so checkpoints do not capture it.
 pub const TRANSFER_DISK_FILE: &str = "xfer.img";
 pub const TRANSFER_DISK_SERIAL: &str = "tryboxi-xfer";
 /// Its fixed size: the largest archive one transfer can carry.

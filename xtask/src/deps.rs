@@ -33,6 +33,8 @@ const PACKAGES: &[&str] = &[
     "bc",
     "flex",
     "bison",
+    // Applies guest-image/kernel/patches/ to the kernel source.
+    "patch",
     "libelf-dev",
     "libssl-dev",
     "mmdebstrap",

@@ -260,12 +260,18 @@ pub(super) fn kernel_cmdline(id: &str) -> String {
     )
 }
 
-/// [`kernel_cmdline`] plus, under TCG, the host's TSC rate so that an idle guest stops
+/// [`kernel_cmdline`] plus, under TCG, the APIC timer's known rate
+/// ([`crate::vmm::TCG_LAPIC_PARAMS`]) and the host's TSC rate, so that an idle guest stops
 /// ticking (see [`crate::vmm::tsc`]).
 pub(super) fn kernel_cmdline_for(spec: &VmSpec) -> String {
     let base = kernel_cmdline(&spec.id);
     match (spec.accel, crate::vmm::tsc::host_khz()) {
-        (Accel::Tcg, Some(khz)) => format!("{base} {}", crate::vmm::tsc::kernel_params(khz)),
+        (Accel::Tcg, Some(khz)) => format!(
+            "{base} {} {}",
+            crate::vmm::TCG_LAPIC_PARAMS,
+            crate::vmm::tsc::kernel_params(khz)
+        ),
+        (Accel::Tcg, None) => format!("{base} {}", crate::vmm::TCG_LAPIC_PARAMS),
         _ => base,
     }
 }

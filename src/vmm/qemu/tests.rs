@@ -512,19 +512,22 @@ fn free_page_reporting_only_where_a_discard_cannot_punch_a_shared_file() {
 }
 
 #[test]
-fn tcg_guests_get_the_host_tsc_rate_and_kvm_guests_do_not() {
+fn tcg_guests_get_the_host_tsc_rate_and_apic_timer_rate_and_kvm_guests_do_not() {
     let dir = Path::new("/data/vms/sbx_1");
     let paths = VmPaths::new(dir);
     let tcg = args_str(&qemu_args(&spec(dir, "sbx_1"), &paths));
     let append = values_of(&tcg, "-append")[0];
     match crate::vmm::tsc::host_khz() {
         Some(khz) => assert!(
-            append.ends_with(&format!(" tsc_early_khz={khz} tsc=reliable")),
+            append.ends_with(&format!(
+                " lapic_timer_hz=1000000000 tsc_early_khz={khz} tsc=reliable"
+            )),
             "{append}"
         ),
         None => {
             println!("no TSC rate measured on this host: TCG guests calibrate as before");
             assert!(!append.contains("tsc_early_khz"), "{append}");
+            assert!(append.ends_with(" lapic_timer_hz=1000000000"), "{append}");
         }
     }
     let kvm = VmSpec {
@@ -533,6 +536,7 @@ fn tcg_guests_get_the_host_tsc_rate_and_kvm_guests_do_not() {
     };
     let a = args_str(&qemu_args(&kvm, &paths));
     assert!(!values_of(&a, "-append")[0].contains("tsc"), "{a:?}");
+    assert!(!values_of(&a, "-append")[0].contains("lapic"), "{a:?}");
 }
 
 #[test]

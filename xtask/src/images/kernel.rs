@@ -1,10 +1,12 @@
 //! The guest kernel, one of two ([`Flavor`]):
 //!
 //! - `built` (default): `tinyconfig` + our fragment (`guest-image/kernel/config-fragment`),
-//!   built from Debian's `linux-source-6.1` tarball. Everything built in, no modules. Cache
-//!   key = sha256(fragment, linux-source package version, recipe version). Fails the build if
-//!   any option the fragment asks for did not survive `make olddefconfig`: a silently dropped
-//!   option is a bug.
+//!   built from Debian's `linux-source-6.1` tarball with our patches
+//!   (`guest-image/kernel/patches/*.patch`, applied in name order with `patch -p1`; each says
+//!   why it exists). Everything built in, no modules. Cache key = sha256(fragment, patches,
+//!   linux-source package version, recipe version). Fails the build if any option the
+//!   fragment asks for did not survive `make olddefconfig`, or a patch does not apply: a
+//!   silently dropped option or patch is a bug.
 //! - `packaged`: Debian's signed cloud kernel ([`PACKAGED_META`]), fetched with `apt-get
 //!   download` from the machine's own apt sources and unpacked with `dpkg-deb -x` (never
 //!   installed), plus the modules of `guest-image/kernel/packaged-modules` (see [`super::modules`])
@@ -177,16 +179,42 @@ pub fn fragment_path() -> PathBuf {
     repo_root().join("guest-image/kernel/config-fragment")
 }
 
+/// The kernel patches, in the order they are applied: `(file name, contents)`.
+pub fn patches() -> Result<Vec<(String, Vec<u8>)>> {
+    let dir = repo_root().join("guest-image/kernel/patches");
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = e?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        if name.ends_with(".patch") {
+            let text =
+                std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+            out.push((name.to_string(), text));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
 pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
     let fragment_file = fragment_path();
     let fragment = std::fs::read(&fragment_file)
         .with_context(|| format!("reading {}", fragment_file.display()))?;
     let src_version = package_version(SOURCE_PACKAGE)?;
-    let key = recipe_key(&[
+    let patches = patches()?;
+    let patch_keys: Vec<(String, &[u8])> = patches
+        .iter()
+        .map(|(name, text)| (format!("patch:{name}"), text.as_slice()))
+        .collect();
+    let mut parts: Vec<(&str, &[u8])> = vec![
         ("recipe", RECIPE_VERSION.as_bytes()),
         ("fragment", &fragment),
         ("linux-source", src_version.as_bytes()),
-    ]);
+    ];
+    parts.extend(patch_keys.iter().map(|(k, v)| (k.as_str(), *v)));
+    let key = recipe_key(&parts);
     if !force && let Some(e) = cache.lookup("kernel", &key) {
         println!(
             "==> kernel: cached (Linux {}, built {})",
@@ -222,6 +250,18 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
         &log,
     )?;
     let src = single_subdir(&work)?;
+    for (name, _) in &patches {
+        println!("    patching: {name}");
+        let file = repo_root().join("guest-image/kernel/patches").join(name);
+        run_logged(
+            Command::new("patch")
+                .current_dir(&src)
+                .args(["-p1", "--forward", "--batch", "-i"])
+                .arg(&file),
+            &format!("patch {name}"),
+            &log,
+        )?;
+    }
     let make = |args: &[&str], what: &str| -> Result<()> {
         run_logged(
             Command::new("make")
