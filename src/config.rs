@@ -223,12 +223,14 @@ pub struct LimitsConfig {
     /// page it touches). Costs disk, not memory: each running sandbox holds its memory size
     /// (forks and golden clones excepted: they map their parent's file). Default: true.
     pub reserve_ram_on_disk: bool,
-    /// Disk budget (MiB) of each writable layer of a VM's root disk (its qcow2 overlay, and
-    /// after each snapshot the new one): the layer's file never grows past it, and a guest
-    /// write that would need more fails in the guest with an I/O error (its VM lives on, as on
-    /// a full data root). The guest's other disks are read-only to it. A layer already bigger
-    /// (made before a lower setting) keeps its size as its cap. 0 = no budget (a layer then
-    /// grows up to the size of the root image); at least 64. Default: 4096.
+    /// Disk budget (MiB) of each sandbox's root disk: what the guest writes, in its qcow2
+    /// overlay and, after each snapshot, pause or restore, in the layers frozen below the new
+    /// one. A new layer gets what the frozen layers in the sandbox's directory leave (at least
+    /// 1 MiB), its file never grows past that, and a guest write that would need more fails in
+    /// the guest with an I/O error (its VM lives on, as on a full data root). The guest's other
+    /// disks are read-only to it. A layer already bigger (made before a lower setting) keeps
+    /// its size as its cap. 0 = no budget (a layer then grows up to the size of the root
+    /// image); at least 64. Default: 4096.
     pub disk_budget_mib: u64,
 }
 

@@ -576,36 +576,83 @@ fn a_guest_writing_past_its_disk_budget_gets_io_errors_and_the_layer_stays_withi
     let ws = tempfile::tempdir().unwrap();
     let id = create(&d, ws.path());
     let dir = d.root().join("sandboxes").join(&id);
-    // A checkpoint first: the layer the VM writes after it is made by the daemon (blockdev-add)
-    // and has the budget too.
+    let budget = BUDGET_MIB * MIB;
+    let layer_files = |dir: &Path| -> Vec<PathBuf> {
+        layers(dir)
+            .into_iter()
+            .filter(|p| p.parent() == Some(dir))
+            .collect()
+    };
+    let held = |dir: &Path| -> u64 { layer_files(dir).iter().map(|f| allocated(f)).sum() };
+    for f in layer_files(&dir) {
+        assert_eq!(
+            std::fs::metadata(&f).unwrap().len(),
+            budget,
+            "{}",
+            f.display()
+        );
+    }
+    // Half the budget, synced, then a snapshot: the layer the VM writes after it is made by
+    // the daemon (blockdev-add) and gets only what the frozen one leaves of the budget.
+    let (code, out) = sh_out(
+        &d,
+        &id,
+        "dd if=/dev/zero of=/root/half bs=1M count=48 conv=fsync 2>&1 | tail -1; sync",
+    );
+    assert_eq!(code, Some(0), "{out}");
     let r = d.request("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some("{}"));
     assert!(r.status < 300, "{}\n{}", r.text(), d.log_tail(40));
-    let files = layers(&dir);
-    assert!(files.len() >= 2, "{}", listing(&dir));
-    for f in &files {
-        let len = std::fs::metadata(f).unwrap().len();
-        assert_eq!(len, BUDGET_MIB * MIB, "{} is {len} bytes long", f.display());
-    }
+    let snap = serde_json::from_str::<serde_json::Value>(&r.text()).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let files = layer_files(&dir);
+    assert_eq!(files.len(), 2, "{}", listing(&dir));
+    let frozen = files.iter().map(|f| allocated(f)).max().unwrap();
+    let active = files
+        .iter()
+        .find(|f| std::fs::metadata(f).unwrap().len() < budget)
+        .unwrap_or_else(|| panic!("no layer below the budget: {}", listing(&dir)))
+        .clone();
+    let share = std::fs::metadata(&active).unwrap().len();
+    assert!(
+        frozen >= 48 * MIB && share + frozen <= budget + MIB,
+        "frozen layer holds {frozen}, the new one may grow to {share}, budget {budget}"
+    );
     let pid: i32 = std::fs::read_to_string(dir.join("qemu.pid"))
         .unwrap()
         .trim()
         .parse()
         .unwrap();
 
-    // Twice the budget, synced: the guest's writes past the budget fail; the guest goes on.
-    let script = "dd if=/dev/zero of=/root/big bs=1M count=192 conv=fsync 2>/dev/null; \
+    // Another 64 MiB, synced: it would fit a layer of its own, not what is left of the
+    // sandbox's budget. The guest's writes past the budget fail; the guest goes on.
+    let script = "dd if=/dev/zero of=/root/big bs=1M count=64 conv=fsync 2>/dev/null; \
                   echo dd=$?; echo alive";
     guest_write_fails_and_vm_lives(&d, &id, pid, script);
     assert_eq!(sh_out(&d, &id, "echo ok").1, "ok\n");
-    // No layer holds more than the budget on the host.
-    for f in layers(&dir) {
-        let (len, used) = (std::fs::metadata(&f).unwrap().len(), allocated(&f));
-        assert!(
-            len == BUDGET_MIB * MIB && used <= BUDGET_MIB * MIB,
-            "{}: length {len}, allocated {used}",
-            f.display()
-        );
-    }
+    // The sandbox's layers together hold no more than the budget on the host.
+    let total = held(&dir);
+    assert!(
+        total <= budget + MIB,
+        "layers hold {total} of a {budget} budget:\n{}",
+        listing(&dir)
+    );
+
+    // A restore abandons the filled layer: it is deleted (restore after restore must not
+    // pile layers up), and the new layer again gets what the snapshot's layer leaves.
+    let o = d.cli(&["restore", &id, &snap]);
+    assert!(o.status.success(), "{o:?}\n{}", d.log_tail(40));
+    assert!(
+        !active.exists(),
+        "{} was kept:\n{}",
+        active.display(),
+        listing(&dir)
+    );
+    assert_eq!(layer_files(&dir).len(), 2, "{}", listing(&dir));
+    let (code, out) = sh_out(&d, &id, "ls /root; echo ok");
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("half") && !out.contains("big"), "{out}");
     let r = d.request("DELETE", &format!("/v1/sandboxes/{id}"), None);
     assert!(r.status < 300, "{}", r.text());
 }

@@ -447,6 +447,11 @@ pub(super) fn keep_paused_ram_apart(rec: &SandboxRecord) -> Result<(), ServiceEr
     write_pause(rec, &pr)
 }
 
+/// The root layer a paused sandbox's VM wrote last (its pause checkpoint's frozen layer).
+pub(super) fn paused_layer(rec: &SandboxRecord) -> Option<std::path::PathBuf> {
+    read_pause(rec).ok().map(|p| p.checkpoint.disk_layer)
+}
+
 fn read_pause(rec: &SandboxRecord) -> Result<PauseRecord, ServiceError> {
     let path = rec.dir.join(PAUSE_DIR).join(PAUSE_FILE);
     let data = std::fs::read(&path)

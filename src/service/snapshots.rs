@@ -8,6 +8,7 @@
 //! After a restore the agent channel is reconnected at once; commands that were running on the
 //! old connection end with an `error` event (their host side is gone), never a hang.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -247,6 +248,12 @@ impl Service {
         if was_paused {
             super::pause::keep_paused_ram_apart(&rec)?;
         }
+        // The layer the sandbox writes now: after the restore nothing refers to it.
+        let old_top = match &old {
+            Some(vm) => driver.active_layer(&vm.info).await.ok(),
+            None if was_paused => super::pause::paused_layer(&rec),
+            None => None,
+        };
         let t0 = Instant::now();
         let restored = async {
             let started = driver
@@ -298,6 +305,9 @@ impl Service {
                 {
                     tracing::warn!(sandbox = %id, error = %e, "cannot delete the old pause state");
                 }
+                if let Some(old_top) = old_top {
+                    self.drop_abandoned_layer(&rec, &old_top, &overlay);
+                }
                 tracing::info!(sandbox = %id, snapshot = %snap.api.id, vm_ms, agent_ms, ms = t0.elapsed().as_millis() as u64, "sandbox restored");
                 rec.api.state = SandboxState::Ready;
                 rec.api.error = None;
@@ -327,6 +337,54 @@ impl Service {
                     self.mark_failed(id, e.to_string());
                 }
                 Err(e)
+            }
+        }
+    }
+
+    /// Delete the root layer `old_top` a restore abandoned (the layer the replaced VM wrote):
+    /// the restored VM writes `overlay` over the snapshot's chain, and nothing else refers to
+    /// the old top, so keeping it would let restore after restore fill the host with layers
+    /// no disk budget counts. Kept when it is not a `disk*.qcow2` in the sandbox's own
+    /// directory, is a snapshot's frozen layer, or another layer there names it as backing
+    /// (each checked: the path came from QEMU or a pause record).
+    fn drop_abandoned_layer(&self, rec: &super::SandboxRecord, old_top: &Path, overlay: &Path) {
+        let canon = |p: &Path| std::fs::canonicalize(p).ok();
+        let (Some(dir), Some(top)) = (canon(&rec.dir), canon(old_top)) else {
+            return;
+        };
+        let name = top.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if top.parent() != Some(dir.as_path())
+            || !name.starts_with("disk")
+            || !name.ends_with(".qcow2")
+            || canon(overlay).as_deref() == Some(top.as_path())
+        {
+            return;
+        }
+        let in_snapshot = self.snapshots_of(&rec.api.id).map_or(true, |snaps| {
+            snaps
+                .iter()
+                .any(|s| canon(&s.checkpoint.disk_layer).as_deref() == Some(top.as_path()))
+        });
+        let backs_another = std::fs::read_dir(&dir).map_or(true, |rd| {
+            rd.flatten().take(4096).any(|e| {
+                let p = e.path();
+                p != top
+                    && p.extension().is_some_and(|x| x == "qcow2")
+                    && crate::vmm::qemu::layer_backing(&p)
+                        .and_then(|b| canon(&b))
+                        .as_deref()
+                        == Some(top.as_path())
+            })
+        });
+        if in_snapshot || backs_another {
+            return;
+        }
+        match crate::safefs::remove_under(&rec.dir, &top) {
+            Ok(()) => {
+                tracing::info!(sandbox = %rec.api.id, layer = %top.display(), "abandoned root layer deleted")
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %rec.api.id, error = %e, "cannot delete an abandoned root layer")
             }
         }
     }

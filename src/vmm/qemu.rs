@@ -283,18 +283,22 @@ impl QemuDriver {
         self
     }
 
-    /// The disk budget in bytes of each writable root layer (the overlay a VM writes, and the
-    /// new one after each checkpoint): its file never grows past it, and a guest write that
-    /// would need more is an I/O error in the guest (see [`budget`]). `None` (default): none.
+    /// The disk budget in bytes of each sandbox's root disk: the writable layer a VM writes
+    /// (at its start, and the new one after each checkpoint) gets what the sandbox's frozen
+    /// layers below it leave of the budget, its file never grows past that, and a guest write
+    /// that would need more is an I/O error in the guest (see [`budget`]). `None` (default):
+    /// none.
     pub fn with_disk_budget(mut self, bytes: Option<u64>) -> Self {
         self.disk_budget = bytes;
         self
     }
 
-    /// `paths` with its root layer sized for the disk budget (see [`budget::cap_layer`]).
+    /// `paths` with its root layer sized for what the layers below it leave of the disk budget
+    /// (see [`budget::layer_share`] and [`budget::cap_layer`]).
     fn budgeted(&self, paths: &VmPaths) -> Result<VmPaths, VmmError> {
         let mut p = paths.clone();
-        p.disk_cap = budget::cap_layer(&p.disk, self.disk_budget)?;
+        let share = budget::layer_share(&p.disk, &p.dir, self.disk_budget);
+        p.disk_cap = budget::cap_layer(&p.disk, share)?;
         Ok(p)
     }
 
@@ -671,3 +675,8 @@ pub use args::{AGENT_CHARDEV, RAM_OBJECT, RamBacking, VmPaths, qemu_args};
 #[cfg(test)]
 use args::{BALLOON_DEVICE, BALLOON_DEVICE_NO_REPORTING};
 pub use snapshot::{Checkpoint, RAM_FILE, Resumed};
+
+/// The backing file of the qcow2 layer `layer` (see [`budget::backing_of`]).
+pub fn layer_backing(layer: &Path) -> Option<PathBuf> {
+    budget::backing_of(layer)
+}

@@ -11,15 +11,110 @@
 //! A layer file already longer than the budget (made under a larger setting) keeps its length
 //! as its cap: a budget never truncates a layer.
 //!
-//! Owns: sizing a layer file for its budget, the `-drive` and `blockdev-add` options of a
-//! budgeted layer, and reading the layer's file back out of QEMU's `json:` filenames.
-//! Never: the backing layers (read-only to the guest) or the guest's other disks.
+//! The budget is the sandbox's, not each layer's: a new layer (after a checkpoint, a pause, a
+//! restore) gets what the frozen layers below it in the sandbox's own directory leave of the
+//! budget (their allocated blocks, found by walking the qcow2 backing chain), and at least
+//! [`MIN_LAYER`]. So snapshots, pauses and restores never multiply it: the root disk chain a
+//! sandbox writes through holds at most the budget (plus [`MIN_LAYER`] per checkpoint taken at
+//! the budget). Layers of the chain in other directories (a fork child's parent) are the
+//! parent's, counted there.
+//!
+//! Owns: sizing a layer file for its budget, the sandbox's share of it, the `-drive` and
+//! `blockdev-add` options of a budgeted layer, reading a layer's backing file name from its
+//! qcow2 header, and reading the layer's file back out of QEMU's `json:` filenames.
+//! Never: writing the backing layers (read-only to the guest) or the guest's other disks.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
 use crate::vmm::VmmError;
+
+/// The smallest cap a new layer gets when the layers below it already hold the budget: an
+/// empty overlay's four 64 KiB metadata clusters and room for a few more, so the VM runs and
+/// its first write past the budget is an I/O error in the guest.
+pub(crate) const MIN_LAYER: u64 = 1 << 20;
+/// Longest backing chain walked; a sandbox's chain grows by one per checkpoint, pause or
+/// restore, and a header naming itself (or a cycle) must not loop.
+const MAX_CHAIN: usize = 4096;
+/// qcow2 header fields (big-endian): magic at 0, backing file name offset (u64) at 8 and
+/// length (u32) at 16.
+const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
+/// QEMU refuses backing file names longer than this; a header saying more is not QEMU's.
+const MAX_BACKING_NAME: u64 = 1023;
+/// A backing file name lies in the header cluster (64 KiB) of the images QEMU and
+/// [`crate::vmm::qcow2`] write; one past it is not read.
+const MAX_HEADER: u64 = 64 << 10;
+
+/// The backing file of the qcow2 image `layer`, resolved against its directory when relative;
+/// `None` when it has none or its header is not one QEMU writes (bounded reads only: a header
+/// is read from a file a compromised QEMU could have written).
+pub(crate) fn backing_of(layer: &Path) -> Option<PathBuf> {
+    use std::io::{Read, Seek, SeekFrom};
+    use std::os::unix::ffi::OsStrExt;
+    let mut f = std::fs::File::open(layer).ok()?;
+    let mut h = [0u8; 20];
+    f.read_exact(&mut h).ok()?;
+    if h[..4] != QCOW2_MAGIC {
+        return None;
+    }
+    let off = u64::from_be_bytes(h[8..16].try_into().ok()?);
+    let len = u64::from(u32::from_be_bytes(h[16..20].try_into().ok()?));
+    if off == 0 || len == 0 || len > MAX_BACKING_NAME || off.saturating_add(len) > MAX_HEADER {
+        return None;
+    }
+    f.seek(SeekFrom::Start(off)).ok()?;
+    let mut name = vec![0u8; len as usize];
+    f.read_exact(&mut name).ok()?;
+    let p = PathBuf::from(std::ffi::OsStr::from_bytes(&name));
+    Some(if p.is_absolute() {
+        p
+    } else {
+        layer.parent()?.join(p)
+    })
+}
+
+/// Bytes the layers below `layer` in its backing chain hold on the host (allocated blocks),
+/// counting only those in `vm_dir` itself: the walk ends at the first layer elsewhere (the
+/// base image, a parent's layers), after which none is the sandbox's.
+pub(crate) fn held_below(layer: &Path, vm_dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(home) = std::fs::canonicalize(vm_dir) else {
+        return 0;
+    };
+    let mut held = 0u64;
+    let mut next = backing_of(layer);
+    for _ in 0..MAX_CHAIN {
+        let Some(p) = next else { break };
+        let Ok(real) = std::fs::canonicalize(&p) else {
+            break;
+        };
+        if real.parent() != Some(home.as_path()) {
+            break;
+        }
+        let Ok(md) = std::fs::metadata(&real) else {
+            break;
+        };
+        if !md.is_file() {
+            break;
+        }
+        held = held.saturating_add(md.blocks().saturating_mul(512));
+        next = backing_of(&real);
+    }
+    held
+}
+
+/// The cap of a new root layer `layer` of the VM in `vm_dir` under a sandbox budget of
+/// `budget` bytes: what the layers below it there leave, and at least [`MIN_LAYER`].
+pub(crate) fn layer_share(layer: &Path, vm_dir: &Path, budget: Option<u64>) -> Option<u64> {
+    let budget = budget?;
+    let held = held_below(layer, vm_dir);
+    let share = budget.saturating_sub(held).max(MIN_LAYER);
+    if share < budget {
+        tracing::debug!(layer = %layer.display(), held, budget, share, "disk budget: the layers below hold part of it");
+    }
+    Some(share)
+}
 
 /// Make `file` (a qcow2 layer the VM is about to write) fit a budget of `budget` bytes: extend
 /// it sparse to the budget if it is shorter. Returns the cap to give QEMU (`None`: no budget).
@@ -130,6 +225,99 @@ mod tests {
         // A lower budget never truncates.
         assert_eq!(cap_layer(&f, Some(1 << 20)).unwrap(), Some(budget));
         assert_eq!(std::fs::metadata(&f).unwrap().len(), budget);
+    }
+
+    /// A file of `n` allocated bytes (written, not sparse), appended to `p`.
+    fn grow(p: &Path, n: usize) {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().append(true).open(p).unwrap();
+        f.write_all(&vec![7u8; n]).unwrap();
+        f.sync_all().unwrap();
+    }
+
+    #[test]
+    fn a_new_layer_gets_what_the_sandboxs_frozen_layers_leave_of_the_budget() {
+        let root = tempfile::tempdir().unwrap();
+        let images = root.path().join("images");
+        let vm = root.path().join("vm");
+        std::fs::create_dir_all(&images).unwrap();
+        std::fs::create_dir_all(&vm).unwrap();
+        // The base image (elsewhere: never the sandbox's) and a parent's layer in another
+        // directory, as a fork child has.
+        let base = images.join("rootfs.ext4");
+        std::fs::write(&base, vec![0u8; 8 << 20]).unwrap();
+        let parent = images.join("parent.qcow2");
+        crate::vmm::qcow2::create_overlay(&base, "raw", &parent).unwrap();
+        grow(&parent, 4 << 20);
+        // The sandbox's chain: disk.qcow2 (frozen by a snapshot) <- disk-s1 (frozen by a
+        // pause) <- disk-s2 (the new layer).
+        let l0 = vm.join("disk.qcow2");
+        crate::vmm::qcow2::create_overlay(&parent, "qcow2", &l0).unwrap();
+        assert_eq!(backing_of(&l0), Some(parent.clone()));
+        assert_eq!(backing_of(&parent), Some(base.clone()));
+        assert_eq!(backing_of(&base), None, "a raw image has no qcow2 header");
+        // A fresh layer has nothing of the sandbox's below it: the whole budget.
+        let budget = 64 << 20;
+        assert_eq!(held_below(&l0, &vm), 0);
+        assert_eq!(layer_share(&l0, &vm, Some(budget)), Some(budget));
+        assert_eq!(layer_share(&l0, &vm, None), None);
+        grow(&l0, 20 << 20);
+        let l1 = vm.join("disk-s1.qcow2");
+        crate::vmm::qcow2::create_overlay(&l0, "qcow2", &l1).unwrap();
+        grow(&l1, 30 << 20);
+        let l2 = vm.join("disk-s2.qcow2");
+        crate::vmm::qcow2::create_overlay(&l1, "qcow2", &l2).unwrap();
+        let held = held_below(&l2, &vm);
+        // l0 and l1 (each >= its data; headers and filesystem rounding add a little), never
+        // the parent's layer or the base.
+        assert!((50 << 20..52 << 20).contains(&held), "held {held}");
+        assert_eq!(layer_share(&l2, &vm, Some(budget)), Some(budget - held));
+        // At the budget: the smallest layer, never zero and never the whole budget again.
+        grow(&l1, 20 << 20);
+        assert_eq!(layer_share(&l2, &vm, Some(budget)), Some(MIN_LAYER));
+        // A relative backing name resolves against the layer's directory.
+        let rel = vm.join("disk-rel.qcow2");
+        std::fs::write(&rel, header_naming(b"disk-s1.qcow2")).unwrap();
+        assert_eq!(backing_of(&rel), Some(l1.clone()));
+    }
+
+    /// A qcow2 v3 header whose backing file name (at offset 512) is `name`.
+    fn header_naming(name: &[u8]) -> Vec<u8> {
+        header(512, name.len() as u32, name)
+    }
+
+    fn header(off: u64, len: u32, name: &[u8]) -> Vec<u8> {
+        let mut h = b"QFI\xfb".to_vec();
+        h.extend_from_slice(&3u32.to_be_bytes());
+        h.extend_from_slice(&off.to_be_bytes());
+        h.extend_from_slice(&len.to_be_bytes());
+        h.resize(4096, 0);
+        h[512..512 + name.len()].copy_from_slice(name);
+        h
+    }
+
+    #[test]
+    fn hostile_headers_are_not_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("disk.qcow2");
+        // Past the header cluster, too long, zero, or past the end of the file: no backing.
+        for (off, len) in [
+            (u64::MAX - 2, 16),
+            (512, 4096),
+            (0, 8),
+            (512, 0),
+            (4090, 100),
+        ] {
+            std::fs::write(&f, header(off, len, b"x")).unwrap();
+            assert_eq!(backing_of(&f), None, "offset {off} length {len}");
+        }
+        // A layer naming itself: the walk ends (bounded) and counts it at most MAX_CHAIN times.
+        std::fs::write(&f, header_naming(b"disk.qcow2")).unwrap();
+        assert_eq!(backing_of(&f), Some(f.clone()));
+        use std::os::unix::fs::MetadataExt;
+        let one = std::fs::metadata(&f).unwrap().blocks() * 512;
+        let held = held_below(&f, d.path());
+        assert!(held >= one && held <= one * MAX_CHAIN as u64, "{held}");
     }
 
     #[test]

@@ -66,6 +66,12 @@ const EARLY_AGENT_WAIT: Duration = Duration::from_millis(200);
 pub const RAM_FILE: &str = "mem.ram";
 
 impl QemuDriver {
+    /// The root layer file the running VM `vm` writes (as its QEMU reports it).
+    pub async fn active_layer(&self, vm: &VmInfo) -> Result<PathBuf, VmmError> {
+        let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
+        Ok(active_disk(&qmp).await?.0)
+    }
+
     /// Checkpoint the running VM `vm` into `dest` (a new directory inside the VM's directory).
     /// `next_overlay` is the file the VM continues to write to afterwards.
     pub async fn checkpoint(
@@ -83,10 +89,12 @@ impl QemuDriver {
         let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
         let (layer, node) = active_disk(&qmp).await?;
         // The next layer is made here (QEMU writes it from the switch on): a qcow2 header over
-        // the active layer, sized for the disk budget, and the VM's to write.
+        // the active layer, sized for what the layers below leave of the disk budget, and the
+        // VM's to write.
         super::super::qcow2::create_overlay(&layer, "qcow2", &next_overlay)
             .map_err(|e| VmmError::Other(format!("cannot make {}: {e}", next_overlay.display())))?;
-        let next_cap = match budget::cap_layer(&next_overlay, self.disk_budget)
+        let share = budget::layer_share(&next_overlay, &vm.dir, self.disk_budget);
+        let next_cap = match budget::cap_layer(&next_overlay, share)
             .and_then(|cap| self.jail.give_file(&next_overlay, &vm.dir).map(|()| cap))
         {
             Ok(cap) => cap,
