@@ -4,9 +4,9 @@
 //! env or stdin is refused naming the secret; a file written through the API and a synced file
 //! holding it are refused / left out and reported; a secret added to the running sandbox shows
 //! up in the next exec; `secret ls` shows no value; and at the end no file of the data root
-//! (daemon log, store with its events, exec logs, sync base) but `secrets.json`, no event and
-//! no `/metrics` line holds the value. Uses the guest images from `TRYBOXI_ARTIFACTS` or
-//! `_out/` (skips without them, except under CI).
+//! (daemon log, store with its events, exec logs, sync base) but `secrets.json`, no event, no
+//! trace (the sandbox's and every exec's) and no `/metrics` line holds the value. Uses the
+//! guest images from `TRYBOXI_ARTIFACTS` or `_out/` (skips without them, except under CI).
 
 mod common;
 
@@ -67,6 +67,23 @@ fn write(root: &Path, rel: &str, data: &str) {
     let p = root.join(rel);
     std::fs::create_dir_all(p.parent().unwrap()).unwrap();
     std::fs::write(p, data).unwrap();
+}
+
+/// The ids of the execs that left a directory under `dir` (`…/execs/exe_…`).
+fn exec_ids(dir: &Path, out: &mut Vec<String>) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            if name.starts_with("exe_") {
+                out.push(name);
+            } else {
+                exec_ids(&e.path(), out);
+            }
+        }
+    }
 }
 
 /// Files under `dir` holding the value (guest disks and RAM files are left to the guest's grep).
@@ -327,6 +344,21 @@ fn a_secret_never_enters_the_sandbox_and_never_leaks_from_the_daemon() {
     for v in [VALUE, OTHER] {
         if holds(all_events.as_bytes(), v) {
             bad.push("an event holds a value".into());
+        }
+    }
+    // The traces of the sandbox and of every exec it ran.
+    let mut ids = vec![id.clone()];
+    exec_ids(d.root(), &mut ids);
+    if ids.len() < 5 {
+        bad.push(format!("too few execs found for the trace check: {ids:?}"));
+    }
+    for t in &ids {
+        let r = d.request("GET", &format!("/v1/traces/{t}"), None);
+        if r.status != 200 {
+            bad.push(format!("trace {t}: {}", r.status));
+        }
+        if holds(&r.body, VALUE) || holds(&r.body, OTHER) {
+            bad.push(format!("the trace of {t} holds a value"));
         }
     }
     // While the sandbox exists (its exec logs and sync base), then after it is gone.
