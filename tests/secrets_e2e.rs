@@ -385,6 +385,66 @@ fn a_secret_never_enters_the_sandbox_and_never_leaks_from_the_daemon() {
     assert!(bad.is_empty(), "{bad:#?}\n{}", d.log_text());
 }
 
+/// No VM: `secret set` on a terminal prompts with echo off, so the value typed after the
+/// prompt never comes back on the terminal, and it is stored.
+#[test]
+fn secret_set_on_a_terminal_prompts_without_echo() {
+    use std::io::Read as _;
+    let d = Daemon::start(None, &[]);
+    let pty = nix::pty::openpty(None, None).unwrap();
+    let mut master = std::fs::File::from(pty.master);
+    let mut c = Command::new(BIN)
+        .args(["secret", "set", "TTY_KEY", "--host", "tty.example.com"])
+        .env("TRYBOXI_HOME", d.root())
+        .stdin(Stdio::from(pty.slave))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The prompt (on stderr) comes once echo is off; the terminal's output is collected aside.
+    let (tx, rx) = std::sync::mpsc::channel::<u8>();
+    let mut err = c.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        let mut b = [0u8; 1];
+        while matches!(err.read(&mut b), Ok(1)) {
+            let _ = tx.send(b[0]);
+        }
+    });
+    let mut echo_reader = master.try_clone().unwrap();
+    let (etx, erx) = std::sync::mpsc::channel::<Vec<u8>>();
+    std::thread::spawn(move || {
+        let mut b = [0u8; 256];
+        while let Ok(n @ 1..) = echo_reader.read(&mut b) {
+            let _ = etx.send(b[..n].to_vec());
+        }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut prompt = Vec::new();
+    while !text(&prompt).contains("(not shown)") {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(b) => prompt.push(b),
+            Err(_) => panic!("no prompt: {}", text(&prompt)),
+        }
+    }
+    master.write_all(format!("{VALUE}\n").as_bytes()).unwrap();
+    let status = c.wait().unwrap();
+    assert!(status.success(), "{}", text(&prompt));
+    let mut shown = Vec::new();
+    while let Ok(b) = erx.recv_timeout(Duration::from_millis(500)) {
+        shown.extend(b);
+    }
+    assert!(
+        !holds(&shown, VALUE),
+        "the terminal echoed the value: {shown:?}"
+    );
+    assert!(!holds(&prompt, VALUE));
+    let r = d.request("GET", "/v1/secrets", None);
+    assert!(r.text().contains("TTY_KEY"), "{}", r.text());
+    let stored = std::fs::read(d.root().join("secrets.json")).unwrap();
+    assert!(holds(&stored, VALUE), "the typed value was not stored");
+}
+
 /// No VM: the API over the socket. A set answers without the value, `GET /v1/secrets` never
 /// has it, a create naming an unknown secret is a 400 before anything boots, the value does
 /// not reach the daemon log, and a `secrets.json` the daemon cannot read stops it from

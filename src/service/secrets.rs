@@ -581,7 +581,10 @@ mod tests {
                 .unwrap_err();
             let msg = e.to_string();
             assert!(matches!(e, ServiceError::Forbidden(_)), "{msg}");
-            assert!(msg.contains("`API_KEY`") && msg.contains("file written"), "{msg}");
+            assert!(
+                msg.contains("`API_KEY`") && msg.contains("file written"),
+                "{msg}"
+            );
             assert!(!msg.contains(V), "{msg}");
         }
         // Without a value the write goes on to the VM (here: no such sandbox).

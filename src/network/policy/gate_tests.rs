@@ -584,7 +584,10 @@ async fn secrets_turn_interception_on_and_placeholders_elsewhere_are_blocked() {
     for cut in 1..head.len() {
         let v = t.gate.inspect(&plain, &head.as_bytes()[..cut]);
         assert!(
-            matches!(v, InspectVerdict::NeedMore | InspectVerdict::Intercept { .. }),
+            matches!(
+                v,
+                InspectVerdict::NeedMore | InspectVerdict::Intercept { .. }
+            ),
             "cut {cut}: {v:?}"
         );
     }
