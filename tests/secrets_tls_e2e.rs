@@ -5,7 +5,8 @@
 //! value comes back as the placeholder; a guest clock 2 h behind still accepts the leaf; the
 //! placeholder sent to another allowed host is refused with a `secret.blocked` event, also when
 //! a redirect leads there; a restored VM gets the host's clock back (its checkpoint's clock was
-//! set to 2020); and a fork gets fresh placeholders (the parent's is not swapped in it).
+//! set to 2020); a fork gets fresh placeholders (the parent's is not swapped in it); and
+//! `secret ls` shows when a secret was last swapped in (never for one not used yet).
 //!
 //! The upstream is a local rustls server whose certificate comes from a test CA the daemon is
 //! told to trust (`[network] intercept_extra_ca`); `api.test` is pinned to a test address that
@@ -213,9 +214,28 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
         }
     }
 
+    // `secret ls` says when each secret was last swapped in: API_KEY now, API2_KEY (stored
+    // just now, nothing sent yet) never.
+    set_secret(&d, "API2_KEY", VALUE2, HOST2);
+    let o = d.cli(&["secret", "ls", "--json"]);
+    let ls: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+    let used = |n: &str| {
+        ls["secrets"]
+            .as_array()
+            .and_then(|a| a.iter().find(|s| s["name"] == n))
+            .map(|s| s["last_used_at"].clone())
+    };
+    if !matches!(used("API_KEY"), Some(serde_json::Value::String(_)))
+        || used("API2_KEY") != Some(serde_json::Value::Null)
+    {
+        bad.push(format!("secret ls last used: {}", text(&o.stdout)));
+    }
+    if o.stdout.windows(VALUE.len()).any(|w| w == VALUE.as_bytes()) {
+        bad.push("secret ls shows a value".into());
+    }
+
     // A secret for a new host added to the running sandbox: the CA is re-issued to cover it
     // and the guest's bundle is written again before the next exec.
-    set_secret(&d, "API2_KEY", VALUE2, HOST2);
     let r = d.request(
         "POST",
         &format!("/v1/sandboxes/{id}/secrets"),
