@@ -356,7 +356,7 @@ async fn behind_the_upstream_proxy_grpc_streams_through_a_tunnel_by_name() {
     assert_eq!(t["x-echo-auth"], format!("Bearer {PH}").as_str());
 
     // Client streaming on the same guest connection, the placeholder inside a message.
-    let (_client, resp, mut send) = start_on(client, "Collect").await;
+    let (client, resp, mut send) = start_on(client, "Collect").await;
     let mut body = frame(0, &pb(b"a"));
     body.extend(frame(0, &pb(PH.as_bytes())));
     body.extend(frame(0, &pb(b"c")));
@@ -395,4 +395,32 @@ async fn behind_the_upstream_proxy_grpc_streams_through_a_tunnel_by_name() {
     // One tunnel, asked for by name (never by the unreachable address): both calls were
     // multiplexed on the HTTP/2 connection the stack's tunnel carries.
     assert_eq!(proxy.seen.connects(), vec![format!("{HOST}:443")]);
+
+    // The proxy drops the tunnel: the guest's connection stays, and a later call goes on a
+    // new tunnel, again by name (a call racing the close may fail; the deadline bounds it).
+    proxy.cut();
+    let deadline = std::time::Instant::now() + wait;
+    let mut call = loop {
+        let (_c, resp, mut send) = start_on(client.clone(), "Collect").await;
+        let _ = send.send_data(frame(0, &pb(b"again")).into(), true);
+        if let Ok(Ok(r)) = tokio::time::timeout(wait, resp).await
+            && r.status() == 200
+        {
+            break Call {
+                body: r.into_body(),
+                buf: Vec::new(),
+            };
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no call succeeded after the tunnel was cut"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let (_, m) = call.next().await.expect("an answer on the new tunnel");
+    assert_eq!(unpb(&m), format!("n=1 auth=Bearer {} msgs=again", masked()));
+    assert_eq!(
+        proxy.seen.connects(),
+        vec![format!("{HOST}:443"), format!("{HOST}:443")]
+    );
 }
