@@ -1,10 +1,11 @@
-//! End to end with ONE real VM (issue 16, item 3, guest side): real TLS clients inside the
-//! sandbox reach an intercepted HTTPS upstream with a secret's placeholder and the upstream sees
-//! the real value. The guest trusts the sandbox's interception CA through its trust store and
-//! the CA env vars; curl (HTTP/1.1 and HTTP/2) and Python `urllib` work; an upstream echo of the
-//! value comes back as the placeholder; a guest clock 2 h behind still accepts the leaf; the
-//! placeholder sent to another allowed host is refused with a `secret.blocked` event, also when
-//! a redirect leads there; a restored VM gets the host's clock back (its checkpoint's clock was
+//! End to end with ONE real VM and its fork (issue 16, item 3, guest side): real TLS clients
+//! inside the sandbox reach an intercepted HTTPS upstream with a secret's placeholder and the
+//! upstream sees the real value. The guest trusts the sandbox's interception CA through its
+//! trust store and the CA env vars; curl (HTTP/1.1 and HTTP/2) and Python `urllib` work; an
+//! upstream echo of the value comes back as the placeholder; a guest clock 2 h behind still
+//! accepts the leaf; the placeholder sent to another allowed host is refused with a
+//! `secret.blocked` event, also when a redirect leads there; pause/resume keeps the
+//! placeholder and the CA; a restored VM gets the host's clock back (its checkpoint's clock was
 //! set to 2020); a fork gets fresh placeholders (the parent's is not swapped in it); and
 //! `secret ls` shows when a secret was last swapped in (never for one not used yet).
 //!
@@ -328,6 +329,26 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
         Some(ev) if ev.contains("API_KEY") => {}
         other => bad.push(format!(
             "redirect: no secret.blocked for other.test: {other:?} {out}"
+        )),
+    }
+
+    // Pause to disk and resume: the same placeholder, and the guest still trusts the CA.
+    for verb in ["pause", "resume"] {
+        let o = d.cli(&[verb, &id]);
+        assert!(o.status.success(), "{verb}: {}", text(&o.stderr));
+    }
+    let out = bash(
+        &d,
+        &id,
+        "curl -sS -m 60 -H \"Authorization: Bearer $API_KEY\" https://api.test/resumed",
+    );
+    if !out.contains(&echoed) {
+        bad.push(format!("after pause/resume: {out}"));
+    }
+    match seen_path(&tls_seen, "/resumed", Duration::from_secs(30)) {
+        Some(s) if s.auth == format!("Bearer {VALUE}") => {}
+        _ => bad.push(format!(
+            "after pause/resume: the upstream saw no value: {out}"
         )),
     }
 
