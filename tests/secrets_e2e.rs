@@ -4,9 +4,9 @@
 //! env or stdin is refused naming the secret; a file written through the API and a synced file
 //! holding it are refused / left out and reported; a secret added to the running sandbox shows
 //! up in the next exec; `secret ls` shows no value; and at the end no file of the data root
-//! (daemon log, store with its events, exec logs, sync base) but `secrets.json`, no event and
-//! no `/metrics` line holds the value. Uses the guest images from `TRYBOXI_ARTIFACTS` or
-//! `_out/` (skips without them, except under CI).
+//! (daemon log, store with its events, exec logs, sync base) but `secrets.json`, no event, no
+//! trace (the sandbox's and every exec's) and no `/metrics` line holds the value. Uses the
+//! guest images from `TRYBOXI_ARTIFACTS` or `_out/` (skips without them, except under CI).
 
 mod common;
 
@@ -67,6 +67,23 @@ fn write(root: &Path, rel: &str, data: &str) {
     let p = root.join(rel);
     std::fs::create_dir_all(p.parent().unwrap()).unwrap();
     std::fs::write(p, data).unwrap();
+}
+
+/// The ids of the execs that left a directory under `dir` (`…/execs/exe_…`).
+fn exec_ids(dir: &Path, out: &mut Vec<String>) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            if name.starts_with("exe_") {
+                out.push(name);
+            } else {
+                exec_ids(&e.path(), out);
+            }
+        }
+    }
 }
 
 /// Files under `dir` holding the value (guest disks and RAM files are left to the guest's grep).
@@ -329,6 +346,21 @@ fn a_secret_never_enters_the_sandbox_and_never_leaks_from_the_daemon() {
             bad.push("an event holds a value".into());
         }
     }
+    // The traces of the sandbox and of every exec it ran.
+    let mut ids = vec![id.clone()];
+    exec_ids(d.root(), &mut ids);
+    if ids.len() < 5 {
+        bad.push(format!("too few execs found for the trace check: {ids:?}"));
+    }
+    for t in &ids {
+        let r = d.request("GET", &format!("/v1/traces/{t}"), None);
+        if r.status != 200 {
+            bad.push(format!("trace {t}: {}", r.status));
+        }
+        if holds(&r.body, VALUE) || holds(&r.body, OTHER) {
+            bad.push(format!("the trace of {t} holds a value"));
+        }
+    }
     // While the sandbox exists (its exec logs and sync base), then after it is gone.
     for phase in ["with the sandbox", "after rm"] {
         let mut files = Vec::new();
@@ -351,6 +383,66 @@ fn a_secret_never_enters_the_sandbox_and_never_leaks_from_the_daemon() {
         bad.push(format!("secret rm: {}", text(&rm.stderr)));
     }
     assert!(bad.is_empty(), "{bad:#?}\n{}", d.log_text());
+}
+
+/// No VM: `secret set` on a terminal prompts with echo off, so the value typed after the
+/// prompt never comes back on the terminal, and it is stored.
+#[test]
+fn secret_set_on_a_terminal_prompts_without_echo() {
+    use std::io::Read as _;
+    let d = Daemon::start(None, &[]);
+    let pty = nix::pty::openpty(None, None).unwrap();
+    let mut master = std::fs::File::from(pty.master);
+    let mut c = Command::new(BIN)
+        .args(["secret", "set", "TTY_KEY", "--host", "tty.example.com"])
+        .env("TRYBOXI_HOME", d.root())
+        .stdin(Stdio::from(pty.slave))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The prompt (on stderr) comes once echo is off; the terminal's output is collected aside.
+    let (tx, rx) = std::sync::mpsc::channel::<u8>();
+    let mut err = c.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        let mut b = [0u8; 1];
+        while matches!(err.read(&mut b), Ok(1)) {
+            let _ = tx.send(b[0]);
+        }
+    });
+    let mut echo_reader = master.try_clone().unwrap();
+    let (etx, erx) = std::sync::mpsc::channel::<Vec<u8>>();
+    std::thread::spawn(move || {
+        let mut b = [0u8; 256];
+        while let Ok(n @ 1..) = echo_reader.read(&mut b) {
+            let _ = etx.send(b[..n].to_vec());
+        }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut prompt = Vec::new();
+    while !text(&prompt).contains("(not shown)") {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(b) => prompt.push(b),
+            Err(_) => panic!("no prompt: {}", text(&prompt)),
+        }
+    }
+    master.write_all(format!("{VALUE}\n").as_bytes()).unwrap();
+    let status = c.wait().unwrap();
+    assert!(status.success(), "{}", text(&prompt));
+    let mut shown = Vec::new();
+    while let Ok(b) = erx.recv_timeout(Duration::from_millis(500)) {
+        shown.extend(b);
+    }
+    assert!(
+        !holds(&shown, VALUE),
+        "the terminal echoed the value: {shown:?}"
+    );
+    assert!(!holds(&prompt, VALUE));
+    let r = d.request("GET", "/v1/secrets", None);
+    assert!(r.text().contains("TTY_KEY"), "{}", r.text());
+    let stored = std::fs::read(d.root().join("secrets.json")).unwrap();
+    assert!(holds(&stored, VALUE), "the typed value was not stored");
 }
 
 /// No VM: the API over the socket. A set answers without the value, `GET /v1/secrets` never

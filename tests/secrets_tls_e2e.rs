@@ -1,10 +1,13 @@
-//! End to end with ONE real VM (issue 16, item 3, guest side): real TLS clients inside the
-//! sandbox reach an intercepted HTTPS upstream with a secret's placeholder and the upstream sees
-//! the real value. The guest trusts the sandbox's interception CA through its trust store and
-//! the CA env vars; curl (HTTP/1.1 and HTTP/2) and Python `urllib` work; an upstream echo of the
-//! value comes back as the placeholder; a guest clock 2 h behind still accepts the leaf; the
-//! placeholder sent to another allowed host is refused with a `secret.blocked` event; and a
-//! restored VM gets the host's clock back (its checkpoint's clock was set to 2020).
+//! End to end with ONE real VM and its fork (issue 16, item 3, guest side): real TLS clients
+//! inside the sandbox reach an intercepted HTTPS upstream with a secret's placeholder and the
+//! upstream sees the real value. The guest trusts the sandbox's interception CA through its
+//! trust store and the CA env vars; curl (HTTP/1.1 and HTTP/2) and Python `urllib` work; an
+//! upstream echo of the value comes back as the placeholder; a guest clock 2 h behind still
+//! accepts the leaf; the placeholder sent to another allowed host is refused with a
+//! `secret.blocked` event, also when a redirect leads there; pause/resume keeps the
+//! placeholder and the CA; a restored VM gets the host's clock back (its checkpoint's clock was
+//! set to 2020); a fork gets fresh placeholders (the parent's is not swapped in it); and
+//! `secret ls` shows when a secret was last swapped in (never for one not used yet).
 //!
 //! The upstream is a local rustls server whose certificate comes from a test CA the daemon is
 //! told to trust (`[network] intercept_extra_ca`); `api.test` is pinned to a test address that
@@ -32,11 +35,42 @@ fn text(b: &[u8]) -> String {
 }
 
 /// An HTTPS upstream for [`HOST`] and [`HOST2`] (certificate from a fresh test CA written to
-/// `ca_path`) that echoes each request's `Authorization` back.
+/// `ca_path`) that echoes each request's `Authorization` back; `/redir` answers a redirect to
+/// the plaintext other host.
 fn tls_upstream(ca_path: &std::path::Path) -> (SocketAddr, mpsc::Receiver<Seen>) {
     https_upstream(ca_path, &[HOST, HOST2], |r| {
+        if r.path == "/redir" {
+            return Reply::redirect("http://other.test/cb");
+        }
         Reply::ok("text/plain", format!("auth=[{}]\n", r.auth))
     })
+}
+
+/// The next request the upstream saw for `path` within `wait` (earlier ones are skipped).
+fn seen_path(rx: &mpsc::Receiver<Seen>, path: &str, wait: Duration) -> Option<Seen> {
+    let deadline = Instant::now() + wait;
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        match rx.recv_timeout(left) {
+            Ok(s) if s.path == path => return Some(s),
+            Ok(_) => {}
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
+/// The next `secret.blocked` event naming `host` within 20 s.
+fn blocked_event(events: &mpsc::Receiver<serde_json::Value>, host: &str) -> Option<String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(ev) = events.recv_timeout(Duration::from_millis(500))
+            && ev["type"] == "secret.blocked"
+            && ev.to_string().contains(host)
+        {
+            return Some(ev.to_string());
+        }
+    }
+    None
 }
 
 /// A plaintext HTTP upstream for the other allowed host: hands over each request's
@@ -181,9 +215,28 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
         }
     }
 
+    // `secret ls` says when each secret was last swapped in: API_KEY now, API2_KEY (stored
+    // just now, nothing sent yet) never.
+    set_secret(&d, "API2_KEY", VALUE2, HOST2);
+    let o = d.cli(&["secret", "ls", "--json"]);
+    let ls: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+    let used = |n: &str| {
+        ls["secrets"]
+            .as_array()
+            .and_then(|a| a.iter().find(|s| s["name"] == n))
+            .map(|s| s["last_used_at"].clone())
+    };
+    if !matches!(used("API_KEY"), Some(serde_json::Value::String(_)))
+        || used("API2_KEY") != Some(serde_json::Value::Null)
+    {
+        bad.push(format!("secret ls last used: {}", text(&o.stdout)));
+    }
+    if o.stdout.windows(VALUE.len()).any(|w| w == VALUE.as_bytes()) {
+        bad.push("secret ls shows a value".into());
+    }
+
     // A secret for a new host added to the running sandbox: the CA is re-issued to cover it
     // and the guest's bundle is written again before the next exec.
-    set_secret(&d, "API2_KEY", VALUE2, HOST2);
     let r = d.request(
         "POST",
         &format!("/v1/sandboxes/{id}/secrets"),
@@ -231,16 +284,7 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
     {
         bad.push(format!("the placeholder reached other.test: {out}"));
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut blocked = None;
-    while blocked.is_none() && Instant::now() < deadline {
-        if let Ok(ev) = events.recv_timeout(Duration::from_millis(500))
-            && ev["type"] == "secret.blocked"
-        {
-            blocked = Some(ev.to_string());
-        }
-    }
-    match blocked {
+    match blocked_event(&events, "other.test") {
         Some(ev) if ev.contains("API_KEY") && ev.contains("other.test") => {
             if ev.contains(VALUE) || ev.contains(&placeholder) {
                 bad.push("the secret.blocked event holds the value or placeholder".into());
@@ -248,6 +292,63 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
         }
         other => bad.push(format!(
             "no secret.blocked event for other.test: {other:?} {out}"
+        )),
+    }
+
+    // A redirect to another host: the interceptor hands the 302 back (it follows nothing
+    // itself), so the value goes only to api.test; a client that carries the header across
+    // hosts (`--location-trusted`) carries the placeholder, which is refused at other.test.
+    // Whatever the first refusal published is taken first, so the event below is the redirect's.
+    while let Ok(ev) = events.recv_timeout(Duration::from_millis(500)) {
+        if ev["type"] == "secret.blocked" {
+            bad.push(format!("a second event for one refusal: {ev}"));
+        }
+    }
+    let out = bash(
+        &d,
+        &id,
+        "curl -sS -L --location-trusted -m 60 -o /dev/null -w 'code=%{http_code}\\n' \
+         -H \"Authorization: Bearer $API_KEY\" https://api.test/redir; echo rc=$?",
+    );
+    match seen_path(&tls_seen, "/redir", Duration::from_secs(30)) {
+        Some(s) if s.auth == format!("Bearer {VALUE}") => {}
+        Some(s) => bad.push(format!(
+            "redirect: the first hop saw {} bytes",
+            s.auth.len()
+        )),
+        None => bad.push(format!("redirect: the first hop saw no request: {out}")),
+    }
+    if let Ok(a) = plain_seen.recv_timeout(Duration::from_secs(3))
+        && (a.contains(&placeholder) || a.contains(VALUE))
+    {
+        bad.push(format!(
+            "the redirect carried the secret to other.test: {out}"
+        ));
+    }
+    match blocked_event(&events, "other.test") {
+        Some(ev) if ev.contains("API_KEY") => {}
+        other => bad.push(format!(
+            "redirect: no secret.blocked for other.test: {other:?} {out}"
+        )),
+    }
+
+    // Pause to disk and resume: the same placeholder, and the guest still trusts the CA.
+    for verb in ["pause", "resume"] {
+        let o = d.cli(&[verb, &id]);
+        assert!(o.status.success(), "{verb}: {}", text(&o.stderr));
+    }
+    let out = bash(
+        &d,
+        &id,
+        "curl -sS -m 60 -H \"Authorization: Bearer $API_KEY\" https://api.test/resumed",
+    );
+    if !out.contains(&echoed) {
+        bad.push(format!("after pause/resume: {out}"));
+    }
+    match seen_path(&tls_seen, "/resumed", Duration::from_secs(30)) {
+        Some(s) if s.auth == format!("Bearer {VALUE}") => {}
+        _ => bad.push(format!(
+            "after pause/resume: the upstream saw no value: {out}"
         )),
     }
 
@@ -276,6 +377,44 @@ fn real_tls_clients_in_the_vm_get_the_value_swapped_in_and_scrubbed_out() {
     if !out.contains(&echoed) {
         bad.push(format!("after restore: {out}"));
     }
+
+    // A fork gets fresh placeholders: its own works (the upstream gets the value, the guest
+    // its own placeholder back), the parent's is only a string in the child.
+    let o = d.cli(&["fork", &id]);
+    assert!(o.status.success(), "fork: {}", text(&o.stderr));
+    let child = common::first_word(&o);
+    let child_ph = common::placeholder(&d, &child, "API_KEY", VALUE);
+    if child_ph == placeholder {
+        bad.push("the fork kept its parent's placeholder".into());
+    }
+    let out = bash(
+        &d,
+        &child,
+        "curl -sS -m 60 -H \"Authorization: Bearer $API_KEY\" https://api.test/child",
+    );
+    if !out.contains(&format!("auth=[Bearer {child_ph}]")) {
+        bad.push(format!("fork: its own placeholder: {out}"));
+    }
+    match seen_path(&tls_seen, "/child", Duration::from_secs(30)) {
+        Some(s) if s.auth == format!("Bearer {VALUE}") => {}
+        Some(s) => bad.push(format!("fork: the upstream saw {} bytes", s.auth.len())),
+        None => bad.push(format!("fork: the upstream saw no request: {out}")),
+    }
+    let out = bash(
+        &d,
+        &child,
+        &format!("curl -sS -m 60 -H 'Authorization: Bearer {placeholder}' https://api.test/stale"),
+    );
+    // Passed as the string it is (or refused): never swapped.
+    if let Some(s) = seen_path(&tls_seen, "/stale", Duration::from_secs(10))
+        && s.auth.contains(VALUE)
+    {
+        bad.push("fork: the parent's placeholder was swapped in the child".into());
+    }
+    if out.contains(VALUE) {
+        bad.push("fork: the value reached the child".into());
+    }
+    assert!(d.cli(&["rm", &child]).status.success());
 
     assert!(d.cli(&["rm", &id]).status.success());
     if d.log_text().contains(VALUE) {

@@ -110,8 +110,9 @@ fn read_value(name: &str) -> Result<Zeroizing<String>, TopError> {
     let stdin = std::io::stdin();
     let mut raw = Zeroizing::new(Vec::new());
     if stdin.is_terminal() {
-        eprint!("value of {name} (not shown): ");
+        // Echo off before the prompt: nothing typed (or pasted) after the prompt shows.
         let _echo = NoEcho::new().map_err(|e| TopError::Other(e.into()))?;
+        eprint!("value of {name} (not shown): ");
         let mut line = Zeroizing::new(String::new());
         stdin
             .read_line(&mut line)

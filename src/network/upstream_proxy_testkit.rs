@@ -18,6 +18,8 @@ pub struct Seen {
     pub connects: Mutex<Vec<String>>,
     /// Every `Proxy-Authorization` value (None when absent), in order.
     pub auths: Mutex<Vec<Option<String>>>,
+    /// The task of every connection (its tunnel, once open), for [`TestProxy::cut`].
+    tunnels: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 impl Seen {
@@ -30,6 +32,16 @@ pub struct TestProxy {
     pub addr: SocketAddr,
     pub seen: Arc<Seen>,
     _task: tokio::task::JoinHandle<()>,
+}
+
+impl TestProxy {
+    /// Close every connection and tunnel open now (both ends see the TCP close), as a proxy
+    /// that restarts or times tunnels out does.
+    pub fn cut(&self) {
+        for t in self.seen.tunnels.lock().unwrap().drain(..) {
+            t.abort();
+        }
+    }
 }
 
 impl Drop for TestProxy {
@@ -57,7 +69,8 @@ pub async fn start(rules: Rules) -> TestProxy {
     let task = tokio::spawn(async move {
         while let Ok((c, _)) = l.accept().await {
             s2.accepts.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(serve(c, s2.clone(), rules.clone()));
+            let t = tokio::spawn(serve(c, s2.clone(), rules.clone()));
+            s2.tunnels.lock().unwrap().push(t.abort_handle());
         }
     });
     TestProxy {

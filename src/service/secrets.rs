@@ -560,4 +560,38 @@ mod tests {
         };
         svc.refuse_exec_values("sbx_1", &fine).unwrap();
     }
+
+    /// The one write path of the files API and of E2B uploads (after multipart and gzip
+    /// decoding): refused before any VM is asked, naming the secret.
+    #[tokio::test]
+    async fn a_file_write_holding_any_stored_value_is_refused_before_the_vm() {
+        let d = tempfile::tempdir().unwrap();
+        let svc = super::super::test_service(d.path(), crate::config::Config::default());
+        set(&svc, "API_KEY");
+        let value = format!("{V}-API_KEY");
+        // A sandbox that does not exist and was never given the secret: the scan comes first.
+        for data in [
+            format!("k={value}\n").into_bytes(),
+            hex::encode(&value).into_bytes(),
+            crate::api::b64::encode(value.as_bytes()).into_bytes(),
+        ] {
+            let e = svc
+                .vm_write("sbx_none", "/workspace/up.txt", &data, Some((1000, 1000)))
+                .await
+                .unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, ServiceError::Forbidden(_)), "{msg}");
+            assert!(
+                msg.contains("`API_KEY`") && msg.contains("file written"),
+                "{msg}"
+            );
+            assert!(!msg.contains(V), "{msg}");
+        }
+        // Without a value the write goes on to the VM (here: no such sandbox).
+        let e = svc
+            .vm_write("sbx_none", "/workspace/up.txt", b"fine", None)
+            .await
+            .unwrap_err();
+        assert!(!matches!(e, ServiceError::Forbidden(_)), "{e}");
+    }
 }

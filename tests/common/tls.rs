@@ -54,11 +54,13 @@ pub struct Seen {
     pub auth: String,
 }
 
-/// What an upstream's handler answers: status, content type and body.
+/// What an upstream's handler answers: status, content type, body and (for a redirect) a
+/// `Location`.
 pub struct Reply {
     pub status: u16,
     pub content_type: &'static str,
     pub body: Vec<u8>,
+    pub location: Option<String>,
 }
 
 impl Reply {
@@ -67,6 +69,7 @@ impl Reply {
             status: 200,
             content_type,
             body: body.into(),
+            location: None,
         }
     }
 
@@ -75,6 +78,15 @@ impl Reply {
             status,
             content_type: "text/plain",
             body: format!("{status}\n").into_bytes(),
+            location: None,
+        }
+    }
+
+    /// A `302 Found` to `to`.
+    pub fn redirect(to: &str) -> Reply {
+        Reply {
+            location: Some(to.to_owned()),
+            ..Reply::status(302)
         }
     }
 }
@@ -137,10 +149,14 @@ pub fn https_upstream(
                     let r = handler(&seen);
                     let w = s.get_mut();
                     let head = format!(
-                        "HTTP/1.1 {} X\r\nContent-Type: {}\r\nContent-Length: {}\r\n{}\r\n",
+                        "HTTP/1.1 {} X\r\nContent-Type: {}\r\nContent-Length: {}\r\n{}{}\r\n",
                         r.status,
                         r.content_type,
                         r.body.len(),
+                        r.location
+                            .as_ref()
+                            .map(|l| format!("Location: {l}\r\n"))
+                            .unwrap_or_default(),
                         if close { "Connection: close\r\n" } else { "" }
                     );
                     let sent = w

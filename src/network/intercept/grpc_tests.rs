@@ -2,7 +2,9 @@
 //! speaking the gRPC wire format by hand (HTTP/2, `content-type: application/grpc`,
 //! `te: trailers`, 5-byte length-prefixed protobuf messages, `grpc-status`/`grpc-message`
 //! trailers), so no gRPC library stands between the test and the bytes. The upstream is a
-//! rustls + hyper HTTP/2 server on 127.0.0.1 with a certificate from the test's extra CA.
+//! rustls + hyper HTTP/2 server on 127.0.0.1 with a certificate from the test's extra CA,
+//! reached directly or through a real in-process HTTP `CONNECT` proxy (`[network]
+//! upstream_proxy`).
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, StreamBody};
@@ -187,6 +189,19 @@ async fn start(
     let (tls, _task) = guest_tls(h, &[b"h2"]).await.unwrap();
     let (client, conn) = h2::client::handshake(tls).await.unwrap();
     tokio::spawn(conn);
+    start_on(client, method).await
+}
+
+/// [`start`] on an HTTP/2 connection the test already holds (e.g. one through the upstream
+/// proxy).
+async fn start_on(
+    client: h2::client::SendRequest<Bytes>,
+    method: &str,
+) -> (
+    h2::client::SendRequest<Bytes>,
+    h2::client::ResponseFuture,
+    h2::SendStream<Bytes>,
+) {
     let mut client = client.ready().await.unwrap();
     let req = hyper::Request::builder()
         .method("POST")
@@ -284,4 +299,128 @@ async fn grpc_client_streaming_and_compressed_responses() {
         let seen = h.seen.lock().unwrap().clone();
         assert!(seen.contains(&format!("msgs=a|{PH}|c")), "{seen:?}");
     }
+}
+
+#[tokio::test]
+async fn behind_the_upstream_proxy_grpc_streams_through_a_tunnel_by_name() {
+    use crate::network::upstream_proxy::{self as up, Dial};
+    use crate::network::upstream_proxy_testkit::{self as kit, Rules};
+    let h = grpc_upstream().await;
+    let proxy = kit::start(Rules {
+        map: std::collections::HashMap::from([(format!("{HOST}:443"), h.addr)]),
+        ..Rules::default()
+    })
+    .await;
+    let p = std::sync::Arc::new(
+        up::resolve(Some(&format!("http://{}", proxy.addr)), Some(&[]), |_| None)
+            .unwrap()
+            .unwrap(),
+    );
+    // What the stack hands over: a tunnel to the name, and the route for more (an address the
+    // host cannot reach: only the proxy's name works).
+    let first = p
+        .tunnel(p.connect_proxy().await.unwrap(), HOST, 443)
+        .await
+        .unwrap();
+    let dial = Dial::route("192.0.2.50:443".parse().unwrap(), Some(HOST), Some(&p));
+    assert!(dial.via_proxy());
+    let (tls, _task) = super::tests::guest_tls_over(&h, &[b"h2"], first, dial)
+        .await
+        .unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (client, conn) = h2::client::handshake(tls).await.unwrap();
+    tokio::spawn(conn);
+
+    // Bidi streaming: each message answered before the next is sent.
+    let (client, resp, mut send) = start_on(client, "Chat").await;
+    send.send_data(frame(0, &pb(b"one")).into(), false).unwrap();
+    let mut call = call_of(resp).await;
+    let (_, m) = call.next().await.unwrap();
+    assert_eq!(unpb(&m), format!("echo:one auth:Bearer {}", masked()));
+    let f = frame(0, &pb(b"two"));
+    send.send_data(Bytes::copy_from_slice(&f[..3]), false)
+        .unwrap();
+    send.send_data(Bytes::copy_from_slice(&f[3..]), true)
+        .unwrap();
+    let (_, m) = call.next().await.unwrap();
+    assert_eq!(unpb(&m), format!("echo:two auth:Bearer {}", masked()));
+    assert!(call.next().await.is_none());
+    let wait = std::time::Duration::from_secs(10);
+    let t = tokio::time::timeout(wait, call.body.trailers())
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("trailers are forwarded");
+    assert_eq!(t["grpc-status"], "0");
+    assert_eq!(t["grpc-message"], format!("done Bearer {PH}").as_str());
+    assert_eq!(t["x-echo-auth"], format!("Bearer {PH}").as_str());
+
+    // Client streaming on the same guest connection, the placeholder inside a message.
+    let (client, resp, mut send) = start_on(client, "Collect").await;
+    let mut body = frame(0, &pb(b"a"));
+    body.extend(frame(0, &pb(PH.as_bytes())));
+    body.extend(frame(0, &pb(b"c")));
+    for piece in body.chunks(7) {
+        send.send_data(Bytes::copy_from_slice(piece), false)
+            .unwrap();
+    }
+    send.send_data(Bytes::new(), true).unwrap();
+    let mut call = call_of(resp).await;
+    let (_, m) = call.next().await.unwrap();
+    assert_eq!(
+        unpb(&m),
+        format!("n=3 auth=Bearer {} msgs=a|{PH}|c", masked())
+    );
+    assert!(call.next().await.is_none());
+    let t = tokio::time::timeout(wait, call.body.trailers())
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("trailers are forwarded");
+    assert_eq!(t["grpc-status"], "0");
+    assert_eq!(t["x-echo-auth"], format!("Bearer {PH}").as_str());
+
+    // The upstream got the value in the metadata of both calls, never the placeholder there.
+    let seen = h.seen.lock().unwrap().clone();
+    let calls: Vec<_> = seen.iter().filter(|s| s.starts_with("path=")).collect();
+    assert_eq!(calls.len(), 2, "{seen:?}");
+    assert!(calls[0].starts_with("path=/t.Echo/Chat"), "{seen:?}");
+    assert!(calls[1].starts_with("path=/t.Echo/Collect"), "{seen:?}");
+    for c in &calls {
+        assert!(c.contains(&format!("auth=Bearer {VAL} ")), "{seen:?}");
+        assert!(c.contains("te=Some(\"trailers\")"), "{seen:?}");
+        assert!(!c.contains(PH), "{seen:?}");
+    }
+    assert!(h.blocked.lock().unwrap().is_empty());
+    // One tunnel, asked for by name (never by the unreachable address): both calls were
+    // multiplexed on the HTTP/2 connection the stack's tunnel carries.
+    assert_eq!(proxy.seen.connects(), vec![format!("{HOST}:443")]);
+
+    // The proxy drops the tunnel: the guest's connection stays, and a later call goes on a
+    // new tunnel, again by name (a call racing the close may fail; the deadline bounds it).
+    proxy.cut();
+    let deadline = std::time::Instant::now() + wait;
+    let mut call = loop {
+        let (_c, resp, mut send) = start_on(client.clone(), "Collect").await;
+        let _ = send.send_data(frame(0, &pb(b"again")).into(), true);
+        if let Ok(Ok(r)) = tokio::time::timeout(wait, resp).await
+            && r.status() == 200
+        {
+            break Call {
+                body: r.into_body(),
+                buf: Vec::new(),
+            };
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no call succeeded after the tunnel was cut"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let (_, m) = call.next().await.expect("an answer on the new tunnel");
+    assert_eq!(unpb(&m), format!("n=1 auth=Bearer {} msgs=again", masked()));
+    assert_eq!(
+        proxy.seen.connects(),
+        vec![format!("{HOST}:443"), format!("{HOST}:443")]
+    );
 }

@@ -440,4 +440,72 @@ mod tests {
         assert!(find_blocked_in_http1(head.as_bytes(), &s, "evil.test").is_some());
         assert!(find_blocked_in_http1(head.as_bytes(), &s, "api.test").is_none());
     }
+
+    #[test]
+    fn every_authorization_position_is_swapped_for_its_host_and_blocked_elsewhere() {
+        let s = snap();
+        let basic = STANDARD.encode(format!("u:{PH}"));
+        let cases = [
+            (
+                "authorization",
+                format!("Bearer {PH}"),
+                "Bearer sk-real/+&=".to_owned(),
+            ),
+            (
+                "proxy-authorization",
+                format!("Basic {basic}"),
+                format!("Basic {}", STANDARD.encode("u:sk-real/+&=")),
+            ),
+            (
+                "proxy-authorization",
+                format!("Bearer {PH}"),
+                "Bearer sk-real/+&=".into(),
+            ),
+            ("x-api-key", PH.into(), "sk-real/+&=".into()),
+            ("api-key", PH.into(), "sk-real/+&=".into()),
+            ("x-goog-api-key", PH.into(), "sk-real/+&=".into()),
+            // The binding's own `--header` (stored lowercase; sent in any case).
+            ("X-Custom", format!("tok={PH}"), "tok=sk-real/+&=".into()),
+        ];
+        for (name, sent, want) in &cases {
+            let req = hyper::Request::builder()
+                .uri("/")
+                .header(*name, sent.as_str())
+                .body(())
+                .unwrap();
+            let (mut parts, ()) = req.into_parts();
+            let sw = swap_head(&mut parts, &s, "api.test").unwrap();
+            assert_eq!(sw.used, [0], "{name}");
+            assert_eq!(parts.headers[*name], want.as_str(), "{name}");
+            assert!(parts.headers[*name].is_sensitive(), "{name}");
+            // The same header to another host: nothing swapped, refused naming the position.
+            let req = hyper::Request::builder()
+                .uri("/")
+                .header(*name, sent.as_str())
+                .body(())
+                .unwrap();
+            let (mut parts, ()) = req.into_parts();
+            assert!(
+                swap_head(&mut parts, &s, "evil.test")
+                    .unwrap()
+                    .used
+                    .is_empty()
+            );
+            assert_eq!(parts.headers[*name], sent.as_str(), "{name}");
+            let hs: Vec<(&str, &[u8])> = parts
+                .headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_bytes()))
+                .collect();
+            let b = find_blocked(&s, "evil.test", hs.iter().copied(), None)
+                .unwrap_or_else(|| panic!("{name} to another host is not blocked"));
+            assert_eq!(b.secret, "KEY");
+            assert_eq!(b.position, format!("header {}", name.to_ascii_lowercase()));
+            let head = format!("GET / HTTP/1.1\r\nHost: evil.test\r\n{name}: {sent}\r\n\r\n");
+            assert!(
+                find_blocked_in_http1(head.as_bytes(), &s, "evil.test").is_some(),
+                "{name} in a plaintext head"
+            );
+        }
+    }
 }

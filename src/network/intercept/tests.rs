@@ -742,3 +742,41 @@ async fn plaintext_flows_check_every_request_and_never_swap() {
     assert_eq!(seen.lock().unwrap().len(), 1);
     assert!(seen.lock().unwrap().iter().all(|s| !s.contains(VAL)));
 }
+
+#[tokio::test]
+async fn h1_body_swap_fixes_a_declared_content_length() {
+    let h = harness_with(true, true).await;
+    let mut c = client(&h, false).await;
+    // The guest declares the placeholder body's length (a longer one than the value's) and
+    // sends it in pieces that split the placeholder; the upstream must get a well-framed body.
+    let body = format!("{{\"k\":\"{PH}\",\"n\":1}}");
+    let frames: Vec<Result<Frame<Bytes>, super::BoxError>> = body
+        .as_bytes()
+        .chunks(7)
+        .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
+        .collect();
+    let req = Request::builder()
+        .method("POST")
+        .uri("/plain")
+        .header("host", HOST)
+        .header("content-length", body.len())
+        .body(boxed(StreamBody::new(futures_util::stream::iter(frames))))
+        .unwrap();
+    let wait = std::time::Duration::from_secs(10);
+    let g = tokio::time::timeout(wait, c.send(req))
+        .await
+        .expect("the upstream got a complete body (no stale Content-Length)");
+    assert_eq!(g.status, 200, "{}", g.body);
+    let seen = h.seen.lock().unwrap().last().cloned().unwrap();
+    assert!(
+        seen.ends_with(&format!("body={{\"k\":\"{VAL}\",\"n\":1}}")),
+        "{seen}"
+    );
+    assert_no_value(&g);
+    // The connection stays usable: the next request is framed right too.
+    let g = tokio::time::timeout(wait, c.get("/plain", &[("x-api-key", PH)]))
+        .await
+        .unwrap();
+    assert_eq!(g.status, 200);
+    assert!(h.blocked.lock().unwrap().is_empty());
+}

@@ -577,6 +577,27 @@ async fn secrets_turn_interception_on_and_placeholders_elsewhere_are_blocked() {
     assert_eq!(t.count.load(Ordering::SeqCst), before);
     assert_eq!(blocked(&t).len(), 2);
     assert!(blocked(&t)[1].ends_with("dns name"), "{:?}", blocked(&t));
+    // The placeholder in a header of a head that arrives in pieces (the stack asks again with
+    // every byte more): no prefix is let through raw, and the whole head is refused.
+    let head = format!("GET / HTTP/1.1\r\nHost: other.test\r\nX-Api-Key: {PH}\r\n\r\n");
+    let plain = tcp("203.0.113.20:80");
+    for cut in 1..head.len() {
+        let v = t.gate.inspect(&plain, &head.as_bytes()[..cut]);
+        assert!(
+            matches!(
+                v,
+                InspectVerdict::NeedMore | InspectVerdict::Intercept { .. }
+            ),
+            "cut {cut}: {v:?}"
+        );
+    }
+    assert_eq!(blocked(&t).len(), 2, "{:?}", blocked(&t));
+    let v = t.gate.inspect(&plain, head.as_bytes());
+    assert!(matches!(v, InspectVerdict::Deny { .. }), "{v:?}");
+    assert_eq!(
+        blocked(&t).last().map(String::as_str),
+        Some("KEY other.test header x-api-key")
+    );
 }
 
 fn with_proxy(no_proxy: &[&str]) -> impl FnOnce(&mut GateSettings) {
