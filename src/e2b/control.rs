@@ -3,8 +3,9 @@
 //!
 //! Owns: the request/response shapes of these calls, their bounds, the mapping of `templateID`
 //! onto our templates and of E2B's network options onto our egress policy (default: the
-//! daemon's default allowlist, never the open internet; `allow_internet_access: false`: no
-//! egress; `network.allowOut`: those names added). Errors in E2B's shape.
+//! daemon's default allowlist, never the open internet; `network.allowOut` alone: those names
+//! added; deny-all (`allow_internet_access: false` or `denyOut: ["0.0.0.0/0"]`): exactly
+//! `allowOut`; what we cannot honour refused), list filters and paging. Errors in E2B's shape.
 
 use std::collections::BTreeMap;
 
@@ -37,8 +38,10 @@ const CLIENT_ID: &str = "local";
 struct NetworkOpts {
     allow_out: Option<Vec<String>>,
     deny_out: Option<Vec<String>>,
-    allow_public_traffic: Option<bool>,
-    mask_request_host: Option<String>,
+    // `allowPublicTraffic`, `maskRequestHost` (ingress) and `dnsServers` are accepted and
+    // need nothing here: ingress is loopback-only (`tryboxi port`), DNS is the daemon's.
+    rules: Option<Value>,
+    egress_proxy: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -335,24 +338,47 @@ async fn start_interpreter(face: &Face, rec: &E2bSandbox) -> Result<(), E2bError
     Ok(())
 }
 
-/// E2B's network options as our policy (`None`: the daemon's default allowlist).
-fn policy_for(face: &Face, n: &NewSandbox) -> Result<Option<api::NetworkSpec>, E2bError> {
+/// What E2B's "all traffic" selector (`ALL_TRAFFIC` in the SDKs) is.
+const ALL_TRAFFIC: &str = "0.0.0.0/0";
+
+/// E2B's network options as our policy (`None`: the daemon's default allowlist, `default`).
+///
+/// E2B allows everything unless told otherwise; our egress is an allowlist. So: no options
+/// -> our default allowlist (never the open internet); `allowOut` alone -> those names added
+/// to it; "deny all" (`allow_internet_access: false`, or `denyOut: ["0.0.0.0/0"]`, the SDKs'
+/// `ALL_TRAFFIC`) -> exactly `allowOut`, or no egress at all. Anything we would have to ignore
+/// and that changes where traffic may go (other `denyOut` entries, per-host `rules`, an
+/// `egressProxy`) is refused rather than dropped.
+fn policy_for(default: &[String], n: &NewSandbox) -> Result<Option<api::NetworkSpec>, E2bError> {
     let opts = n.network.as_ref();
-    if opts.is_some_and(|o| o.allow_public_traffic == Some(false) || o.mask_request_host.is_some())
+    let present = |v: Option<&Value>| v.is_some_and(|v| !v.is_null() && v != &json!({}));
+    if present(opts.and_then(|o| o.rules.as_ref())) {
+        return Err(bad(
+            "network.rules (per-host transforms) are not supported by tryboxi's E2B face; \
+             store credentials with `tryboxi secret` instead",
+        ));
+    }
+    if present(opts.and_then(|o| o.egress_proxy.as_ref())) {
+        return Err(bad(
+            "network.egressProxy is not supported; set the daemon's `[network] upstream_proxy`",
+        ));
+    }
+    let deny = opts.and_then(|o| o.deny_out.as_ref());
+    if let Some(deny) = deny
+        && deny.iter().any(|d| d != ALL_TRAFFIC)
     {
-        // Ingress options: ours is loopback-only ingress (`tryboxi port`), nothing to mask.
+        return Err(bad(
+            "network.denyOut: only `0.0.0.0/0` (deny everything not allowed) is supported; \
+             egress here is an allowlist, so list what to allow in allowOut",
+        ));
     }
-    if let Some(deny) = opts.and_then(|o| o.deny_out.as_ref()) {
-        // Our policy is deny-by-default: "deny everything else" is what it already does.
-        if deny.iter().any(|d| d != "0.0.0.0/0") {
-            return Err(bad(
-                "network.denyOut: only `0.0.0.0/0` (deny everything not allowed) is supported; \
-                 egress here is an allowlist, so list what to allow in allowOut",
-            ));
-        }
+    let allow = opts.and_then(|o| o.allow_out.clone()).unwrap_or_default();
+    if allow.len() > 256 {
+        return Err(bad("network.allowOut: at most 256 entries"));
     }
-    if n.allow_internet_access == Some(false) {
-        let allow = opts.and_then(|o| o.allow_out.clone()).unwrap_or_default();
+    let deny_all = n.allow_internet_access == Some(false)
+        || deny.is_some_and(|d| d.iter().any(|x| x == ALL_TRAFFIC));
+    if deny_all {
         return Ok(Some(api::NetworkSpec {
             policy: if allow.is_empty() {
                 vec!["none".into()]
@@ -361,17 +387,12 @@ fn policy_for(face: &Face, n: &NewSandbox) -> Result<Option<api::NetworkSpec>, E
             },
         }));
     }
-    match opts.and_then(|o| o.allow_out.as_ref()) {
-        Some(extra) if !extra.is_empty() => {
-            if extra.len() > 256 {
-                return Err(bad("network.allowOut: at most 256 entries"));
-            }
-            let mut policy = face.svc.config.network.default_policy.clone();
-            policy.extend(extra.iter().cloned());
-            Ok(Some(api::NetworkSpec { policy }))
-        }
-        _ => Ok(None),
+    if allow.is_empty() {
+        return Ok(None);
     }
+    let mut policy = default.to_vec();
+    policy.extend(allow);
+    Ok(Some(api::NetworkSpec { policy }))
 }
 
 async fn create(face: &Face, n: NewSandbox) -> Result<Response<Body>, E2bError> {
@@ -393,7 +414,7 @@ async fn create(face: &Face, n: NewSandbox) -> Result<Response<Body>, E2bError> 
     let env_vars = n.env_vars.clone().unwrap_or_default();
     check_map("envVars", &env_vars, MAX_ENV_VARS, MAX_ENV_VALUE)?;
     let template = template_for(face, &template_id)?;
-    let network = policy_for(face, &n)?;
+    let network = policy_for(&face.svc.config.network.default_policy, &n)?;
     let req = api::CreateSandboxRequest {
         workspace: Default::default(),
         template: Some(template),
@@ -489,10 +510,7 @@ fn disk_sizes(face: &Face) -> BTreeMap<String, u64> {
 
 /// E2B's `ListedSandbox` / `SandboxDetail`.
 fn listed(disks: &BTreeMap<String, u64>, rec: &E2bSandbox, sbx: &api::Sandbox) -> Value {
-    let state = match sbx.state {
-        api::SandboxState::Paused => "paused",
-        _ => "running",
-    };
+    let state = state_name(sbx.state);
     json!({
         "templateID": rec.template_id,
         "sandboxID": rec.sandbox_id,
@@ -506,6 +524,52 @@ fn listed(disks: &BTreeMap<String, u64>, rec: &E2bSandbox, sbx: &api::Sandbox) -
         "state": state,
         "envdVersion": super::ENVD_VERSION,
     })
+}
+
+/// E2B's `state` of one of our sandboxes (a paused one is `paused`, anything else `running`).
+fn state_name(s: api::SandboxState) -> &'static str {
+    match s {
+        api::SandboxState::Paused => "paused",
+        _ => "running",
+    }
+}
+
+/// A list request's filters and page.
+struct ListQuery {
+    /// Every pair must match the sandbox's metadata.
+    metadata: Vec<(String, String)>,
+    /// Empty: any state.
+    states: Vec<String>,
+    limit: usize,
+    /// The `x-next-token` of the previous page.
+    after: Option<String>,
+}
+
+/// One page of `all` for `q`: oldest first (then by id, a stable order for paging), and the
+/// token of the next page when more follow.
+fn select<T>(
+    all: Vec<(E2bSandbox, T)>,
+    state: impl Fn(&T) -> &'static str,
+    q: &ListQuery,
+) -> (Vec<(E2bSandbox, T)>, Option<String>) {
+    let key = |r: &E2bSandbox| format!("{}|{}", r.started_at, r.sandbox_id);
+    let mut all: Vec<(E2bSandbox, T)> = all
+        .into_iter()
+        .filter(|(r, s)| {
+            (q.states.is_empty() || q.states.iter().any(|w| w == state(s)))
+                && q.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
+                && q.after.as_ref().is_none_or(|after| key(r) > *after)
+        })
+        .collect();
+    all.sort_by_key(|(r, _)| key(r));
+    let more = all.len() > q.limit;
+    all.truncate(q.limit);
+    let next = if more {
+        all.last().map(|(r, _)| key(r))
+    } else {
+        None
+    };
+    (all, next)
 }
 
 /// `GET /v2/sandboxes?metadata=<urlencoded k=v&...>&state=running,paused&limit=&nextToken=`.
@@ -533,35 +597,24 @@ fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
     if want_meta.len() > MAX_METADATA {
         return Err(bad("too many metadata filters"));
     }
-    let mut all: Vec<(E2bSandbox, api::Sandbox)> = face
-        .svc
-        .e2b_list()?
-        .into_iter()
-        .filter(|(r, s)| {
-            let state = if s.state == api::SandboxState::Paused {
-                "paused"
-            } else {
-                "running"
-            };
-            (states.is_empty() || states.iter().any(|w| w == state))
-                && want_meta.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
-        })
-        .collect();
-    // Oldest first, then by id: a stable order for paging.
-    all.sort_by(|a, b| (&a.0.started_at, &a.0.sandbox_id).cmp(&(&b.0.started_at, &b.0.sandbox_id)));
-    if let Some(after) = &after {
-        all.retain(|(r, _)| format!("{}|{}", r.started_at, r.sandbox_id) > *after);
-    }
-    let more = all.len() > limit;
-    all.truncate(limit);
+    let q = ListQuery {
+        metadata: want_meta,
+        states,
+        limit,
+        after,
+    };
+    let (all, next) = select(
+        face.svc.e2b_list()?,
+        |s: &api::Sandbox| state_name(s.state),
+        &q,
+    );
     let disks = disk_sizes(face);
     let body: Vec<Value> = all.iter().map(|(r, s)| listed(&disks, r, s)).collect();
     let mut resp = super::json(StatusCode::OK, &body);
-    if more && let Some((r, _)) = all.last() {
-        let token = format!("{}|{}", r.started_at, r.sandbox_id);
-        if let Ok(v) = hyper::header::HeaderValue::from_str(&token) {
-            resp.headers_mut().insert("x-next-token", v);
-        }
+    if let Some(token) = next
+        && let Ok(v) = hyper::header::HeaderValue::from_str(&token)
+    {
+        resp.headers_mut().insert("x-next-token", v);
     }
     Ok(resp)
 }
@@ -605,5 +658,156 @@ mod tests {
         let mut empty_key = BTreeMap::new();
         empty_key.insert(String::new(), "v".into());
         assert!(check_map("envVars", &empty_key, MAX_ENV_VARS, MAX_ENV_VALUE).is_err());
+    }
+
+    fn policy(body: &str) -> Result<Option<Vec<String>>, StatusCode> {
+        let n: NewSandbox = serde_json::from_str(body).unwrap();
+        let default = vec!["registries".to_owned(), "github".to_owned()];
+        policy_for(&default, &n)
+            .map(|p| p.map(|p| p.policy))
+            .map_err(|e| e.status)
+    }
+
+    #[test]
+    fn network_options_map_onto_our_allowlist() {
+        let v = |xs: &[&str]| Some(xs.iter().map(|x| x.to_string()).collect::<Vec<_>>());
+        // Nothing said: the daemon's default allowlist (never the open internet).
+        assert_eq!(policy(r#"{}"#), Ok(None));
+        assert_eq!(policy(r#"{"allow_internet_access":true}"#), Ok(None));
+        // allowOut alone adds names to the default.
+        assert_eq!(
+            policy(r#"{"network":{"allowOut":["api.example.com"]}}"#),
+            Ok(v(&["registries", "github", "api.example.com"]))
+        );
+        // No internet: no egress at all, or only what allowOut names.
+        assert_eq!(
+            policy(r#"{"allow_internet_access":false}"#),
+            Ok(v(&["none"]))
+        );
+        assert_eq!(
+            policy(r#"{"allow_internet_access":false,"network":{"allowOut":["pypi.org"]}}"#),
+            Ok(v(&["pypi.org"]))
+        );
+        // The SDKs' idiom for "only these hosts": denyOut ALL_TRAFFIC + allowOut.
+        assert_eq!(
+            policy(r#"{"network":{"allowOut":["api.example.com"],"denyOut":["0.0.0.0/0"]}}"#),
+            Ok(v(&["api.example.com"]))
+        );
+        assert_eq!(
+            policy(r#"{"network":{"denyOut":["0.0.0.0/0"]}}"#),
+            Ok(v(&["none"]))
+        );
+        // Ingress and DNS options need nothing.
+        assert_eq!(
+            policy(
+                r#"{"network":{"allowPublicTraffic":false,"maskRequestHost":"x","dnsServers":[]}}"#
+            ),
+            Ok(None)
+        );
+        // What we cannot honour is refused, never silently widened or dropped.
+        let refused = Err(StatusCode::BAD_REQUEST);
+        assert_eq!(policy(r#"{"network":{"denyOut":["10.0.0.0/8"]}}"#), refused);
+        assert_eq!(
+            policy(r#"{"network":{"rules":{"api.example.com":[{"transform":{}}]}}}"#),
+            refused
+        );
+        assert_eq!(
+            policy(r#"{"network":{"egressProxy":{"url":"http://p:3128"}}}"#),
+            refused
+        );
+        let many: Vec<String> = (0..257).map(|i| format!("h{i}.example")).collect();
+        let body = json!({ "network": { "allowOut": many } }).to_string();
+        assert_eq!(policy(&body), refused);
+        // Empty rules / a null proxy are what some clients send for "none".
+        assert_eq!(
+            policy(r#"{"network":{"rules":{},"egressProxy":null}}"#),
+            Ok(None)
+        );
+    }
+
+    fn rec(id: &str, started: &str, meta: &[(&str, &str)]) -> E2bSandbox {
+        E2bSandbox {
+            sandbox_id: id.into(),
+            template_id: "base".into(),
+            envd_token: String::new(),
+            traffic_token: String::new(),
+            metadata: meta
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            env_vars: BTreeMap::new(),
+            started_at: started.into(),
+            end_at: 0,
+            auto_pause: false,
+        }
+    }
+
+    #[test]
+    fn lists_filter_by_metadata_and_state_and_page_with_the_next_token() {
+        let all = || {
+            vec![
+                (
+                    rec("sbx_c", "2026-01-01T00:00:03Z", &[("job", "1")]),
+                    "running",
+                ),
+                (
+                    rec("sbx_a", "2026-01-01T00:00:01Z", &[("job", "1")]),
+                    "paused",
+                ),
+                (
+                    rec("sbx_b", "2026-01-01T00:00:02Z", &[("job", "2")]),
+                    "running",
+                ),
+                (
+                    rec("sbx_d", "2026-01-01T00:00:03Z", &[("job", "1"), ("x", "y")]),
+                    "running",
+                ),
+            ]
+        };
+        let q = |meta: &[(&str, &str)], states: &[&str], limit, after: Option<String>| ListQuery {
+            metadata: meta
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            states: states.iter().map(|s| s.to_string()).collect(),
+            limit,
+            after,
+        };
+        let ids = |v: &[(E2bSandbox, &str)]| -> Vec<String> {
+            v.iter().map(|(r, _)| r.sandbox_id.clone()).collect()
+        };
+        let state = |s: &&'static str| *s;
+        // Oldest first, ties by id; everything fits: no token.
+        let (page, next) = select(all(), state, &q(&[], &[], MAX_PAGE, None));
+        assert_eq!(ids(&page), ["sbx_a", "sbx_b", "sbx_c", "sbx_d"]);
+        assert_eq!(next, None);
+        // Metadata: every pair must match.
+        let (page, _) = select(all(), state, &q(&[("job", "1")], &[], MAX_PAGE, None));
+        assert_eq!(ids(&page), ["sbx_a", "sbx_c", "sbx_d"]);
+        let (page, _) = select(all(), state, &q(&[("job", "1"), ("x", "y")], &[], 9, None));
+        assert_eq!(ids(&page), ["sbx_d"]);
+        // State.
+        let (page, _) = select(all(), state, &q(&[], &["paused"], 9, None));
+        assert_eq!(ids(&page), ["sbx_a"]);
+        let (page, _) = select(all(), state, &q(&[], &["running", "paused"], 9, None));
+        assert_eq!(page.len(), 4);
+        // Pages of two, following the token, see each sandbox exactly once.
+        let mut seen = Vec::new();
+        let mut after = None;
+        for _ in 0..4 {
+            let (page, next) = select(all(), state, &q(&[], &[], 2, after.clone()));
+            seen.extend(ids(&page));
+            match next {
+                Some(t) => after = Some(t),
+                None => break,
+            }
+        }
+        assert_eq!(seen, ["sbx_a", "sbx_b", "sbx_c", "sbx_d"]);
+        // Filters and paging together.
+        let (page, next) = select(all(), state, &q(&[("job", "1")], &["running"], 1, None));
+        assert_eq!(ids(&page), ["sbx_c"]);
+        let (page, next) = select(all(), state, &q(&[("job", "1")], &["running"], 1, next));
+        assert_eq!(ids(&page), ["sbx_d"]);
+        assert_eq!(next, None);
     }
 }
