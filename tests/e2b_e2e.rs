@@ -67,8 +67,8 @@ impl E2bDaemon {
     }
 
     /// Run an SDK scenario (`cmd` with only the three E2B variables set), remove every sandbox
-    /// it left behind, and return its JSON summary (its last stdout line); `what` names it in
-    /// failures.
+    /// it left behind, and return its JSON summary (its last stdout line, plus `left_behind`:
+    /// the ids removed after it); `what` names it in failures.
     fn scenario(&self, mut cmd: Command, what: &str) -> serde_json::Value {
         let out = cmd
             .env("E2B_API_URL", &self.url)
@@ -83,9 +83,11 @@ impl E2bDaemon {
         // Whatever happened, leave no VM behind.
         let left = self.d.cli(&["ls", "--json"]);
         let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
+        let mut left_behind = Vec::new();
         for s in list["sandboxes"].as_array().into_iter().flatten() {
             if let Some(id) = s["id"].as_str() {
                 self.d.cli(&["rm", id]);
+                left_behind.push(id.to_owned());
             }
         }
         assert!(
@@ -93,8 +95,11 @@ impl E2bDaemon {
             "the {what} scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
             self.d.log_tail(60)
         );
-        serde_json::from_str(stdout.lines().last().unwrap_or(""))
-            .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"))
+        let mut obs: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
+            .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"));
+        // The sandboxes that outlived the scenario (and were removed just now).
+        obs["left_behind"] = serde_json::json!(left_behind);
+        obs
     }
 }
 
@@ -104,11 +109,25 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     let Some(art) = artifacts() else { return };
     let e = E2bDaemon::start(SMALL_VMS, &art);
     let d = &e.d;
+    // A sandbox of our own API (no workspace): the E2B face must not see, kill or connect it.
+    let native = d.cli(&["create"]);
+    assert!(
+        native.status.success(),
+        "{}",
+        String::from_utf8_lossy(&native.stderr)
+    );
+    let native = String::from_utf8_lossy(&native.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or("")
+        .to_owned();
+    assert!(native.starts_with("sbx_"), "{native}");
     let mut cmd = Command::new(&python);
     cmd.arg(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/e2b/sdk_sync.py"
-    ));
+    ))
+    .env("TRYBOXI_NATIVE_ID", &native);
     let obs = e.scenario(cmd, "Python SDK");
     // What a watch costs in time, for the record (checked below).
     eprintln!("watch_dir: {}", obs["watch_dir"]);
@@ -180,23 +199,52 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/wrong_key", json!("AuthenticationException"));
     check("/short_timeout/gone", json!(true));
     check("/short_timeout/connect_after", json!("NotFoundException"));
+    // Only its own sandboxes: ours stays unlisted, unkillable and unconnectable through it.
+    check("/foreign/listed", json!(false));
+    check("/foreign/kill", json!(false));
+    check("/foreign/connect", json!("NotFoundException"));
+    assert!(
+        obs["left_behind"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|x| x == &native.as_str())),
+        "the native sandbox {native} did not survive the E2B scenario:\n{show}"
+    );
+    // An unknown template: a clear 400 naming ours (the SDK raises its SandboxException).
+    check("/unknown_template/raised", json!("SandboxException"));
+    check("/unknown_template/lists_ours", json!(true));
+    // on_timeout pause: paused at the deadline, listed as paused, connect resumes it with a
+    // fresh deadline; list pages of one cover both sandboxes.
+    check("/auto_pause/state", json!("paused"));
+    check("/auto_pause/paused_listed", json!(true));
+    check("/auto_pause/after", json!("resumed\n"));
+    check("/auto_pause/fresh_deadline", json!(true));
+    check("/auto_pause/killed", json!(true));
+    check("/auto_pause/pages", json!([1, 1]));
+    check("/auto_pause/paged_all", json!(true));
+    check("/snapshot/has_id", json!(true));
+    check("/snapshot/after", json!("still here\n"));
     check("/kill_twice/first", json!(true));
     check("/kill_twice/second", json!(false));
     // The timeout left its event (already stored: read from the start, bounded).
     let events = common::follow_events(d, "?since=0");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let mut kinds = Vec::new();
+    // One timeout killed its sandbox, the `on_timeout: pause` one paused its own.
+    let mut actions: Vec<String> = Vec::new();
     while let Ok(ev) =
         events.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
     {
         let kind = ev["type"].as_str().unwrap_or("").to_owned();
         if kind == "e2b.timeout" {
-            assert_eq!(ev["data"]["action"], "killed", "{ev}");
-            return;
+            actions.push(ev["data"]["action"].as_str().unwrap_or("").to_owned());
+            actions.sort();
+            if actions == ["killed", "paused"] {
+                return;
+            }
         }
         kinds.push(kind);
     }
-    panic!("no e2b.timeout event; saw {kinds:?}");
+    panic!("e2b.timeout events {actions:?}, want one killed and one paused; saw {kinds:?}");
 }
 
 /// The JS SDK's directory (`cargo xtask deps`: `_out/e2b-node`) and the `node` to run it with

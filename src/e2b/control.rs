@@ -156,8 +156,11 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Result<Response<Body
             } else {
                 StatusCode::OK
             };
-            if let Some(t) = t.timeout {
-                rec.end_at = unix_now() + check_timeout(t)?;
+            let t = t.timeout.map(check_timeout).transpose()?;
+            let end_at =
+                end_after_connect(rec.end_at, unix_now(), status == StatusCode::CREATED, t);
+            if end_at != rec.end_at {
+                rec.end_at = end_at;
                 face.svc.e2b_put(&rec)?;
             }
             Ok(super::json(status, &sandbox_json(&rec)))
@@ -199,6 +202,17 @@ fn own(face: &Face, id: &str) -> Result<(E2bSandbox, api::Sandbox), E2bError> {
         .ok_or_else(|| E2bError::new(StatusCode::NOT_FOUND, format!("sandbox {id} not found")))?;
     let sbx = face.svc.get_sandbox(id)?;
     Ok((rec, sbx))
+}
+
+/// A sandbox's deadline after `connect` (E2B's rules): never earlier than it was; a resumed
+/// sandbox gets at least `timeout` from now (E2B's default when none is given: else one
+/// auto-paused at its deadline would be paused again by the next deadline tick).
+fn end_after_connect(end_at: u64, now: u64, resumed: bool, timeout: Option<u64>) -> u64 {
+    match (resumed, timeout) {
+        (true, t) => end_at.max(now + t.unwrap_or(DEFAULT_TIMEOUT_S)),
+        (false, Some(t)) => end_at.max(now + t),
+        (false, None) => end_at,
+    }
 }
 
 fn check_timeout(t: u64) -> Result<u64, E2bError> {
@@ -543,9 +557,15 @@ struct ListQuery {
     limit: usize,
     /// The `x-next-token` of the previous page.
     after: Option<String>,
+    /// `template`: the template id the sandbox was created with (`code-interpreter-v1` and
+    /// `code-interpreter` are one).
+    template: Option<String>,
+    /// `order=desc`: newest first.
+    newest_first: bool,
 }
 
-/// One page of `all` for `q`: oldest first (then by id, a stable order for paging), and the
+/// One page of `all` for `q`: oldest first (then by id, a stable order for paging; reversed
+/// with `newest_first`), and the
 /// token of the next page when more follow.
 fn select<T>(
     all: Vec<(E2bSandbox, T)>,
@@ -558,10 +578,22 @@ fn select<T>(
         .filter(|(r, s)| {
             (q.states.is_empty() || q.states.iter().any(|w| w == state(s)))
                 && q.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
-                && q.after.as_ref().is_none_or(|after| key(r) > *after)
+                && q.template.as_ref().is_none_or(|t| {
+                    *t == r.template_id || (is_interpreter(t) && is_interpreter(&r.template_id))
+                })
+                && q.after.as_ref().is_none_or(|after| {
+                    if q.newest_first {
+                        key(r) < *after
+                    } else {
+                        key(r) > *after
+                    }
+                })
         })
         .collect();
     all.sort_by_key(|(r, _)| key(r));
+    if q.newest_first {
+        all.reverse();
+    }
     let more = all.len() > q.limit;
     all.truncate(q.limit);
     let next = if more {
@@ -578,6 +610,8 @@ fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
     let mut states: Vec<String> = Vec::new();
     let mut limit = MAX_PAGE;
     let mut after: Option<String> = None;
+    let mut template: Option<String> = None;
+    let mut newest_first = false;
     for (k, v) in form_urlencoded::parse(query.as_bytes()) {
         match k.as_ref() {
             "metadata" => want_meta.extend(
@@ -591,6 +625,17 @@ fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
                     .clamp(1, MAX_PAGE)
             }
             "nextToken" => after = Some(v.into_owned()),
+            "template" => template = Some(v.into_owned()),
+            "order" => match v.as_ref() {
+                "asc" => newest_first = false,
+                "desc" => newest_first = true,
+                _ => return Err(bad("`order` must be `asc` or `desc`")),
+            },
+            "startedAfter" => {
+                return Err(bad(
+                    "the `startedAfter` filter is not supported by tryboxi's E2B face",
+                ));
+            }
             _ => {}
         }
     }
@@ -602,6 +647,8 @@ fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
         states,
         limit,
         after,
+        template,
+        newest_first,
     };
     let (all, next) = select(
         face.svc.e2b_list()?,
@@ -620,194 +667,5 @@ fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn create_bodies_parse_as_the_sdk_sends_them() {
-        let n: NewSandbox = serde_json::from_str(
-            r#"{"templateID":"base","timeout":60,"metadata":{"k":"v"},"envVars":{"A":"1"},
-                "autoPause":true,"allow_internet_access":false,"network":{"allowOut":["pypi.org"]},
-                "secure":true,"mcp":null,"volumeMounts":[]}"#,
-        )
-        .unwrap();
-        assert_eq!(n.template_id.as_deref(), Some("base"));
-        assert_eq!(n.timeout, Some(60));
-        assert_eq!(n.env_vars.unwrap()["A"], "1");
-        assert_eq!(n.auto_pause, Some(true));
-        assert_eq!(n.allow_internet_access, Some(false));
-        assert_eq!(n.network.unwrap().allow_out.unwrap(), vec!["pypi.org"]);
-        // An empty body is the all-defaults request.
-        let e: NewSandbox = parse(b"").unwrap();
-        assert!(e.template_id.is_none());
-        assert!(parse::<NewSandbox>(b"{").is_err());
-    }
-
-    #[test]
-    fn bounds_are_checked() {
-        assert!(check_timeout(0).is_err());
-        assert!(check_timeout(MAX_TIMEOUT_S + 1).is_err());
-        assert_eq!(check_timeout(300).unwrap(), 300);
-        let mut m = BTreeMap::new();
-        m.insert("k".into(), "x".repeat(MAX_META_VALUE + 1));
-        assert!(check_map("metadata", &m, MAX_METADATA, MAX_META_VALUE).is_err());
-        let many: BTreeMap<String, String> = (0..=MAX_METADATA)
-            .map(|i| (format!("k{i}"), "v".into()))
-            .collect();
-        assert!(check_map("metadata", &many, MAX_METADATA, MAX_META_VALUE).is_err());
-        let mut empty_key = BTreeMap::new();
-        empty_key.insert(String::new(), "v".into());
-        assert!(check_map("envVars", &empty_key, MAX_ENV_VARS, MAX_ENV_VALUE).is_err());
-    }
-
-    fn policy(body: &str) -> Result<Option<Vec<String>>, StatusCode> {
-        let n: NewSandbox = serde_json::from_str(body).unwrap();
-        let default = vec!["registries".to_owned(), "github".to_owned()];
-        policy_for(&default, &n)
-            .map(|p| p.map(|p| p.policy))
-            .map_err(|e| e.status)
-    }
-
-    #[test]
-    fn network_options_map_onto_our_allowlist() {
-        let v = |xs: &[&str]| Some(xs.iter().map(|x| x.to_string()).collect::<Vec<_>>());
-        // Nothing said: the daemon's default allowlist (never the open internet).
-        assert_eq!(policy(r#"{}"#), Ok(None));
-        assert_eq!(policy(r#"{"allow_internet_access":true}"#), Ok(None));
-        // allowOut alone adds names to the default.
-        assert_eq!(
-            policy(r#"{"network":{"allowOut":["api.example.com"]}}"#),
-            Ok(v(&["registries", "github", "api.example.com"]))
-        );
-        // No internet: no egress at all, or only what allowOut names.
-        assert_eq!(
-            policy(r#"{"allow_internet_access":false}"#),
-            Ok(v(&["none"]))
-        );
-        assert_eq!(
-            policy(r#"{"allow_internet_access":false,"network":{"allowOut":["pypi.org"]}}"#),
-            Ok(v(&["pypi.org"]))
-        );
-        // The SDKs' idiom for "only these hosts": denyOut ALL_TRAFFIC + allowOut.
-        assert_eq!(
-            policy(r#"{"network":{"allowOut":["api.example.com"],"denyOut":["0.0.0.0/0"]}}"#),
-            Ok(v(&["api.example.com"]))
-        );
-        assert_eq!(
-            policy(r#"{"network":{"denyOut":["0.0.0.0/0"]}}"#),
-            Ok(v(&["none"]))
-        );
-        // Ingress and DNS options need nothing.
-        assert_eq!(
-            policy(
-                r#"{"network":{"allowPublicTraffic":false,"maskRequestHost":"x","dnsServers":[]}}"#
-            ),
-            Ok(None)
-        );
-        // What we cannot honour is refused, never silently widened or dropped.
-        let refused = Err(StatusCode::BAD_REQUEST);
-        assert_eq!(policy(r#"{"network":{"denyOut":["10.0.0.0/8"]}}"#), refused);
-        assert_eq!(
-            policy(r#"{"network":{"rules":{"api.example.com":[{"transform":{}}]}}}"#),
-            refused
-        );
-        assert_eq!(
-            policy(r#"{"network":{"egressProxy":{"url":"http://p:3128"}}}"#),
-            refused
-        );
-        let many: Vec<String> = (0..257).map(|i| format!("h{i}.example")).collect();
-        let body = json!({ "network": { "allowOut": many } }).to_string();
-        assert_eq!(policy(&body), refused);
-        // Empty rules / a null proxy are what some clients send for "none".
-        assert_eq!(
-            policy(r#"{"network":{"rules":{},"egressProxy":null}}"#),
-            Ok(None)
-        );
-    }
-
-    fn rec(id: &str, started: &str, meta: &[(&str, &str)]) -> E2bSandbox {
-        E2bSandbox {
-            sandbox_id: id.into(),
-            template_id: "base".into(),
-            envd_token: String::new(),
-            traffic_token: String::new(),
-            metadata: meta
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            env_vars: BTreeMap::new(),
-            started_at: started.into(),
-            end_at: 0,
-            auto_pause: false,
-        }
-    }
-
-    #[test]
-    fn lists_filter_by_metadata_and_state_and_page_with_the_next_token() {
-        let all = || {
-            vec![
-                (
-                    rec("sbx_c", "2026-01-01T00:00:03Z", &[("job", "1")]),
-                    "running",
-                ),
-                (
-                    rec("sbx_a", "2026-01-01T00:00:01Z", &[("job", "1")]),
-                    "paused",
-                ),
-                (
-                    rec("sbx_b", "2026-01-01T00:00:02Z", &[("job", "2")]),
-                    "running",
-                ),
-                (
-                    rec("sbx_d", "2026-01-01T00:00:03Z", &[("job", "1"), ("x", "y")]),
-                    "running",
-                ),
-            ]
-        };
-        let q = |meta: &[(&str, &str)], states: &[&str], limit, after: Option<String>| ListQuery {
-            metadata: meta
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            states: states.iter().map(|s| s.to_string()).collect(),
-            limit,
-            after,
-        };
-        let ids = |v: &[(E2bSandbox, &str)]| -> Vec<String> {
-            v.iter().map(|(r, _)| r.sandbox_id.clone()).collect()
-        };
-        let state = |s: &&'static str| *s;
-        // Oldest first, ties by id; everything fits: no token.
-        let (page, next) = select(all(), state, &q(&[], &[], MAX_PAGE, None));
-        assert_eq!(ids(&page), ["sbx_a", "sbx_b", "sbx_c", "sbx_d"]);
-        assert_eq!(next, None);
-        // Metadata: every pair must match.
-        let (page, _) = select(all(), state, &q(&[("job", "1")], &[], MAX_PAGE, None));
-        assert_eq!(ids(&page), ["sbx_a", "sbx_c", "sbx_d"]);
-        let (page, _) = select(all(), state, &q(&[("job", "1"), ("x", "y")], &[], 9, None));
-        assert_eq!(ids(&page), ["sbx_d"]);
-        // State.
-        let (page, _) = select(all(), state, &q(&[], &["paused"], 9, None));
-        assert_eq!(ids(&page), ["sbx_a"]);
-        let (page, _) = select(all(), state, &q(&[], &["running", "paused"], 9, None));
-        assert_eq!(page.len(), 4);
-        // Pages of two, following the token, see each sandbox exactly once.
-        let mut seen = Vec::new();
-        let mut after = None;
-        for _ in 0..4 {
-            let (page, next) = select(all(), state, &q(&[], &[], 2, after.clone()));
-            seen.extend(ids(&page));
-            match next {
-                Some(t) => after = Some(t),
-                None => break,
-            }
-        }
-        assert_eq!(seen, ["sbx_a", "sbx_b", "sbx_c", "sbx_d"]);
-        // Filters and paging together.
-        let (page, next) = select(all(), state, &q(&[("job", "1")], &["running"], 1, None));
-        assert_eq!(ids(&page), ["sbx_c"]);
-        let (page, next) = select(all(), state, &q(&[("job", "1")], &["running"], 1, next));
-        assert_eq!(ids(&page), ["sbx_d"]);
-        assert_eq!(next, None);
-    }
-}
+#[path = "control_tests.rs"]
+mod tests;

@@ -15,7 +15,7 @@ import traceback
 
 import asyncio
 
-from e2b import AsyncSandbox, PtySize, Sandbox, SandboxQuery
+from e2b import AsyncSandbox, PtySize, Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import AuthenticationException, NotFoundException
 from e2b.sandbox.commands.command_handle import CommandExitException
 
@@ -273,6 +273,66 @@ def _():
     except Exception as e:
         connect = type(e).__name__
     return {"gone": gone, "connect_after": connect}
+
+
+@step("foreign")
+def _():
+    """A sandbox made with our own API (id in TRYBOXI_NATIVE_ID) is invisible to the E2B face."""
+    native = os.environ["TRYBOXI_NATIVE_ID"]
+    listed = [s.sandbox_id for s in Sandbox.list().next_items()]
+    try:
+        Sandbox.connect(native)
+        connect = "connected"
+    except NotFoundException:
+        connect = "NotFoundException"
+    return {"listed": native in listed, "kill": Sandbox.kill(native), "connect": connect}
+
+
+@step("unknown_template")
+def _():
+    try:
+        Sandbox.create(template="no-such-template")
+        return {"raised": None}
+    except Exception as e:
+        return {"raised": type(e).__name__, "lists_ours": "base" in str(e)}
+
+
+@step("auto_pause")
+def _():
+    """`on_timeout: pause`: the deadline pauses it; connect resumes it with a fresh deadline.
+    Meanwhile two sandboxes exist: list pages of one, and the state filter."""
+    s = Sandbox.create(template="base", timeout=5, metadata={"suite": "tryboxi-e2e"},
+                       lifecycle={"on_timeout": "pause"})
+    pager = Sandbox.list(query=SandboxQuery(metadata={"suite": "tryboxi-e2e"}), limit=1)
+    pages = []
+    while pager.has_next and len(pages) < 5:
+        pages.append([x.sandbox_id for x in pager.next_items()])
+    start = time.time()
+    state = None
+    while time.time() - start < 120:
+        st = Sandbox.get_info(s.sandbox_id).state
+        state = str(getattr(st, "value", st))
+        if state == "paused":
+            break
+        time.sleep(0.5)
+    paused = [x.sandbox_id for x in Sandbox.list(
+        query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()]
+    again = Sandbox.connect(s.sandbox_id)
+    out = again.commands.run("echo resumed").stdout
+    info = again.get_info()
+    left_s = info.end_at.timestamp() - time.time()
+    killed = again.kill()
+    return {"state": state, "paused_listed": paused == [s.sandbox_id], "after": out,
+            "fresh_deadline": left_s > 60, "deadline_left_s": left_s, "killed": killed,
+            "pages": [len(p) for p in pages],
+            "paged_all": sorted(sum(pages, [])) == sorted([sbx.sandbox_id, s.sandbox_id])}
+
+
+@step("snapshot")
+def _():
+    snap = sbx.create_snapshot()
+    r = sbx.commands.run("echo still here").stdout
+    return {"has_id": bool(snap.snapshot_id), "after": r}
 
 
 @step("kill_twice")
