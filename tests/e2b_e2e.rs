@@ -4,7 +4,8 @@
 //! The scenario is `tests/e2b/sdk_sync.py`; this test supplies the daemon and checks what the
 //! SDK saw.
 //!
-//! The JS SDK (npm `e2b`, pinned, in `_out/e2b-node`) runs `tests/e2b/sdk_js.mjs` on Node.
+//! The JS SDK (npm `e2b`, pinned, in `_out/e2b-node`) runs `tests/e2b/sdk_js.mjs` on Node,
+//! the JS code interpreter SDK (`@e2b/code-interpreter`) `tests/e2b/sdk_js_interpreter.mjs`.
 //!
 //! Needs the guest images and the SDKs. Without them it skips with a message, except under
 //! CI, where that is a failure.
@@ -312,6 +313,59 @@ fn the_e2b_js_sdk_runs_unchanged_on_node() {
     check("/list/mine", json!([obs["sandbox_id"].clone()]));
     check("/kill/first", json!(true));
     check("/kill/second", json!(false));
+}
+
+#[test]
+fn the_e2b_js_code_interpreter_sdk_runs_code_on_node() {
+    let Some((dir, node)) = node_sdk() else {
+        return;
+    };
+    let Some(art) = artifacts() else { return };
+    if !interpreter_image(&art) {
+        return;
+    }
+    if !dir
+        .join("node_modules/@e2b/code-interpreter/package.json")
+        .exists()
+    {
+        common::skip_unless_ci(
+            "no @e2b/code-interpreter in _out/e2b-node (run `cargo xtask deps`)",
+        );
+        return;
+    }
+    let e = E2bDaemon::start(SMALL_VMS, &art);
+    let script = dir.join(format!("sdk_js_interpreter-{}.mjs", std::process::id()));
+    std::fs::copy(
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/e2b/sdk_js_interpreter.mjs"
+        ),
+        &script,
+    )
+    .unwrap();
+    let mut cmd = Command::new(&node);
+    cmd.arg(&script);
+    let obs = e.scenario(cmd, "JS code interpreter");
+    let _ = std::fs::remove_file(&script);
+    let show = serde_json::to_string_pretty(&obs).unwrap();
+    let check = |p: &str, want: serde_json::Value| {
+        let got = obs.pointer(p).cloned().unwrap_or(serde_json::Value::Null);
+        assert_eq!(
+            got, want,
+            "{p} in the JS interpreter SDK's observations:\n{show}"
+        );
+    };
+    use serde_json::json;
+    check("/state/first_error", json!(null));
+    check("/state/text", json!("42"));
+    check("/state/stdout", json!("hi j1\n"));
+    check("/state/callback", json!("hi j1\n"));
+    check("/error/name", json!("ValueError"));
+    check("/error/value", json!("bad js"));
+    check("/error/traceback_has_f", json!(true));
+    check("/context/cwd", json!("'/tmp'"));
+    check("/context/isolated", json!("False"));
+    check("/kill", json!(true));
 }
 
 #[test]
