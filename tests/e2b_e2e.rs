@@ -164,6 +164,11 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/port/status", json!(200));
     check("/port/body", json!("served-from-vm\n"));
     check("/port/wrong_token", json!(403));
+    // envd: the sandbox id without its access token gets nowhere (Connect `unauthenticated`)
+    check("/envd_token/none", json!(401));
+    check("/envd_token/wrong", json!(401));
+    check("/envd_token/files_wrong", json!(401));
+    check("/envd_token/right", json!(200));
     // files
     check("/files/write_path", json!("/home/user/dir/a.txt"));
     check("/files/read", json!("content one"));
@@ -371,9 +376,10 @@ fn the_e2b_js_code_interpreter_sdk_runs_code_on_node() {
 #[test]
 fn the_e2b_listener_refuses_other_hosts_and_wrong_keys() {
     // No VM needed: the control plane's auth and the Host check answer before any sandbox.
+    // The listener from the config key this time (the other tests use `--e2b`).
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
-    let d = Daemon::start(None, &["--e2b", &addr]);
+    let d = Daemon::start(Some(&format!("e2b_listen = \"{addr}\"\n")), &[]);
     let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
     let token = token.lines().next().unwrap_or("").trim().to_owned();
     let ask = |host: &str, key: &str, extra: &str| {

@@ -140,6 +140,32 @@ def _():
     return {"status": status, "body": body, "wrong_token": bad_status}
 
 
+@step("envd_token")
+def _():
+    """envd refuses a call that knows the sandbox id but not its access token."""
+    import urllib.request
+    import urllib.error
+    base = os.environ["E2B_SANDBOX_URL"]
+
+    def call(path, token, body=None):
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if token is not None:
+            headers["X-Access-Token"] = token
+        req = urllib.request.Request(base + path, data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    listing = "/process.Process/List"
+    return {"none": call(listing, None, b"{}"), "wrong": call(listing, "0" * 64, b"{}"),
+            "files_wrong": call("/files?path=/etc/hostname", "0" * 64),
+            "right": call(listing, sbx._envd_access_token, b"{}")}
+
+
 @step("files")
 def _():
     info = sbx.files.write("dir/a.txt", "content one")
