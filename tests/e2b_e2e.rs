@@ -212,7 +212,7 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     assert!(
         obs["left_behind"]
             .as_array()
-            .is_some_and(|l| l.iter().any(|x| x == &native.as_str())),
+            .is_some_and(|l| l.iter().any(|x| x == native.as_str())),
         "the native sandbox {native} did not survive the E2B scenario:\n{show}"
     );
     // An unknown template: a clear 400 naming ours (the SDK raises its SandboxException).
