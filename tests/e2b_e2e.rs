@@ -156,6 +156,12 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/pty/tty", json!(true));
     check("/async_client/stdout", json!("async c1\n"));
     check("/async_client/read", json!("from async"));
+    check("/reattach/stdout", json!("one\ntwo z\n"));
+    // uploads: octet-stream (file object), gzip, several files in one multipart request
+    check(
+        "/uploads/seen",
+        json!("via octet-stream\n3000\nfirstsecond"),
+    );
     check("/kill/killed", json!(true));
     check("/kill/wait_raised", json!(true));
     check("/kill/gone", json!(true));

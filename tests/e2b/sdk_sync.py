@@ -66,6 +66,33 @@ def _():
     return {"pid_listed": h.pid in listed, "stdout": r.stdout, "exit_code": r.exit_code}
 
 
+@step("reattach")
+def _():
+    """commands.connect(pid): a detached command's output so far is replayed, then it goes on."""
+    h = sbx.commands.run("echo one; touch /tmp/one.flag; read x; echo two $x",
+                         background=True, stdin=True)
+    # Its first line is out before we leave (bounded).
+    start = time.time()
+    while not sbx.files.exists("/tmp/one.flag") and time.time() - start < 30:
+        time.sleep(0.05)
+    h.disconnect()
+    again = sbx.commands.connect(h.pid)
+    sbx.commands.send_stdin(h.pid, "z\n")
+    return {"stdout": again.wait().stdout}
+
+
+@step("uploads")
+def _():
+    import io
+    sbx.files.write("/tmp/up/io.txt", io.BytesIO(b"via octet-stream"))
+    sbx.files.write("/tmp/up/gz.txt", b"gz " * 1000, gzip=True)
+    sbx.files.write_files([{"path": "/tmp/up/m1.txt", "data": "first"},
+                           {"path": "/tmp/up/m2.txt", "data": b"second"}])
+    r = sbx.commands.run("cat /tmp/up/io.txt; echo; wc -c < /tmp/up/gz.txt; "
+                         "cat /tmp/up/m1.txt /tmp/up/m2.txt")
+    return {"seen": r.stdout}
+
+
 @step("kill")
 def _():
     h = sbx.commands.run("sleep 1000", background=True)
