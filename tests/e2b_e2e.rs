@@ -199,6 +199,11 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     let id = at("/sandbox_id");
     check("/list/mine", json!([id]));
     check("/list/other", json!(0));
+    // template and startedAfter filters (the SDK sends its local time with its zone)
+    check("/list/filters/template_base", json!([id]));
+    check("/list/filters/template_other", json!([]));
+    check("/list/filters/started_before", json!([id]));
+    check("/list/filters/started_later", json!([]));
     check("/list/metadata/suite", json!("tryboxi-e2e"));
     check("/info_timeout/template", json!("base"));
     check("/info_timeout/running", json!(true));

@@ -562,6 +562,8 @@ struct ListQuery {
     template: Option<String>,
     /// `order=desc`: newest first.
     newest_first: bool,
+    /// `startedAfter` (unix seconds): only sandboxes started at or after it.
+    started_after: Option<u64>,
 }
 
 /// One page of `all` for `q`: oldest first (then by id, a stable order for paging; reversed
@@ -578,6 +580,9 @@ fn select<T>(
         .filter(|(r, s)| {
             (q.states.is_empty() || q.states.iter().any(|w| w == state(s)))
                 && q.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
+                && q.started_after.is_none_or(|t| {
+                    crate::service::parse_rfc3339(&r.started_at).is_some_and(|s| s >= t)
+                })
                 && q.template.as_ref().is_none_or(|t| {
                     *t == r.template_id || (is_interpreter(t) && is_interpreter(&r.template_id))
                 })
@@ -604,6 +609,26 @@ fn select<T>(
     (all, next)
 }
 
+/// Unix seconds of an RFC 3339 time with a zone (`2026-12-06T07:00:00.5+01:00`, `...Z`), as
+/// the SDKs send `startedAfter`; fractions are dropped. `None` without a zone.
+fn parse_instant(s: &str) -> Option<u64> {
+    let local = crate::service::parse_rfc3339(&format!("{}Z", s.get(..19)?))?;
+    let rest = s.get(19..)?;
+    let rest = rest
+        .strip_prefix('.')
+        .map_or(rest, |r| r.trim_start_matches(|c: char| c.is_ascii_digit()));
+    let offset: i64 = match rest.as_bytes() {
+        [b'Z' | b'z'] => 0,
+        [sign @ (b'+' | b'-'), h1, h2, b':', m1, m2] => {
+            let d = |b: &u8| b.is_ascii_digit().then(|| i64::from(b - b'0'));
+            let secs = (d(h1)? * 10 + d(h2)?) * 3600 + (d(m1)? * 10 + d(m2)?) * 60;
+            if *sign == b'+' { secs } else { -secs }
+        }
+        _ => return None,
+    };
+    u64::try_from(i64::try_from(local).ok()? - offset).ok()
+}
+
 /// `GET /v2/sandboxes?metadata=<urlencoded k=v&...>&state=running,paused&limit=&nextToken=`.
 fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
     let mut want_meta: Vec<(String, String)> = Vec::new();
@@ -612,6 +637,7 @@ fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
     let mut after: Option<String> = None;
     let mut template: Option<String> = None;
     let mut newest_first = false;
+    let mut started_after: Option<u64> = None;
     for (k, v) in form_urlencoded::parse(query.as_bytes()) {
         match k.as_ref() {
             "metadata" => want_meta.extend(
@@ -632,9 +658,9 @@ fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
                 _ => return Err(bad("`order` must be `asc` or `desc`")),
             },
             "startedAfter" => {
-                return Err(bad(
-                    "the `startedAfter` filter is not supported by tryboxi's E2B face",
-                ));
+                started_after = Some(parse_instant(&v).ok_or_else(|| {
+                    bad("`startedAfter` must be an RFC 3339 time with a zone (Z or +HH:MM)")
+                })?)
             }
             _ => {}
         }
@@ -649,6 +675,7 @@ fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
         after,
         template,
         newest_first,
+        started_after,
     };
     let (all, next) = select(
         face.svc.e2b_list()?,

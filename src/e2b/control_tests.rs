@@ -1,6 +1,7 @@
 //! Tests of `control`: request bodies, bounds, the network mapping, list paging, deadlines.
 
 use super::*;
+use crate::service::parse_rfc3339;
 
 #[test]
 fn create_bodies_parse_as_the_sdk_sends_them() {
@@ -151,6 +152,7 @@ fn lists_filter_by_metadata_and_state_and_page_with_the_next_token() {
         after,
         template: None,
         newest_first: false,
+        started_after: None,
     };
     let ids = |v: &[(E2bSandbox, &str)]| -> Vec<String> {
         v.iter().map(|(r, _)| r.sandbox_id.clone()).collect()
@@ -209,6 +211,24 @@ fn lists_filter_by_metadata_and_state_and_page_with_the_next_token() {
     t.template = Some("base".into());
     let (page, _) = select(more, state, &t);
     assert_eq!(page.len(), 4);
+    // Started at or after an instant (as the SDKs send it, with a zone).
+    let mut after = q(&[], &[], 9, None);
+    after.started_after = parse_instant("2026-01-01T01:00:02.999+01:00");
+    let (page, _) = select(all(), state, &after);
+    assert_eq!(ids(&page), ["sbx_b", "sbx_c", "sbx_d"]);
+}
+
+#[test]
+fn started_after_is_read_with_its_zone() {
+    let utc = parse_rfc3339("2026-12-06T07:00:00Z").unwrap();
+    assert_eq!(parse_instant("2026-12-06T07:00:00Z"), Some(utc));
+    assert_eq!(parse_instant("2026-12-06T07:00:00.123456+00:00"), Some(utc));
+    assert_eq!(parse_instant("2026-12-06T08:30:00+01:30"), Some(utc));
+    assert_eq!(parse_instant("2026-12-06T05:00:00-02:00"), Some(utc));
+    // No zone (a naive local time), or garbage: refused.
+    assert_eq!(parse_instant("2026-12-06T07:00:00"), None);
+    assert_eq!(parse_instant("2026-12-06T07:00:00+0100"), None);
+    assert_eq!(parse_instant("yesterday"), None);
 }
 
 #[test]

@@ -263,7 +263,15 @@ def _():
 def _():
     mine = Sandbox.list(query=SandboxQuery(metadata={"suite": "tryboxi-e2e"})).next_items()
     other = Sandbox.list(query=SandboxQuery(metadata={"suite": "no-such"})).next_items()
-    return {"mine": [s.sandbox_id for s in mine], "other": len(other),
+    import datetime
+    now = datetime.datetime.now()
+    hour = datetime.timedelta(hours=1)
+    by = lambda q: [x.sandbox_id for x in Sandbox.list(query=q).next_items()]
+    filters = {"template_base": by(SandboxQuery(template="base")),
+               "template_other": by(SandboxQuery(template="code-interpreter-v1")),
+               "started_before": by(SandboxQuery(started_after=now - hour)),
+               "started_later": by(SandboxQuery(started_after=now + hour))}
+    return {"mine": [s.sandbox_id for s in mine], "other": len(other), "filters": filters,
             "state": [str(s.state) for s in mine],
             "metadata": mine[0].metadata if mine else None}
 
