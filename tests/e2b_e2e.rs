@@ -69,7 +69,8 @@ impl E2bDaemon {
 
     /// Run an SDK scenario (`cmd` with only the three E2B variables set), remove every sandbox
     /// it left behind, and return its JSON summary (its last stdout line, plus `left_behind`:
-    /// the ids removed after it); `what` names it in failures.
+    /// the ids removed after it, and `left_policies`: their egress policies by id); `what`
+    /// names it in failures.
     fn scenario(&self, mut cmd: Command, what: &str) -> serde_json::Value {
         let out = cmd
             .env("E2B_API_URL", &self.url)
@@ -85,8 +86,13 @@ impl E2bDaemon {
         let left = self.d.cli(&["ls", "--json"]);
         let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
         let mut left_behind = Vec::new();
+        let mut policies = serde_json::Map::new();
         for s in list["sandboxes"].as_array().into_iter().flatten() {
             if let Some(id) = s["id"].as_str() {
+                let p = self
+                    .d
+                    .request("GET", &format!("/v1/sandboxes/{id}/network"), None);
+                policies.insert(id.to_owned(), p.json());
                 self.d.cli(&["rm", id]);
                 left_behind.push(id.to_owned());
             }
@@ -100,6 +106,7 @@ impl E2bDaemon {
             .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"));
         // The sandboxes that outlived the scenario (and were removed just now).
         obs["left_behind"] = serde_json::json!(left_behind);
+        obs["left_policies"] = serde_json::Value::Object(policies);
         obs
     }
 }
@@ -240,6 +247,30 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/auto_pause/paged_all", json!(true));
     check("/snapshot/has_id", json!(true));
     check("/snapshot/after", json!("still here\n"));
+    // E2B's network options as our policy (read from the sandboxes the step left running).
+    let policy = |step: &str| {
+        let id = at(&format!("/network/{step}"));
+        let p = obs["left_policies"][id.as_str().unwrap_or("?")].clone();
+        assert!(p.is_object(), "no policy for {step} ({id}):\n{show}");
+        (p["presets"].clone(), p["rules"].clone())
+    };
+    let (presets, rules) = policy("none");
+    assert_eq!(
+        (presets, rules),
+        (json!([]), json!([])),
+        "no internet: nothing allowed"
+    );
+    let (presets, rules) = policy("only");
+    assert_eq!(presets, json!([]), "deny all + allow_out");
+    assert_eq!(rules, json!(["allow example.com"]), "deny all + allow_out");
+    let (presets, rules) = policy("more");
+    assert_eq!(rules, json!(["allow example.com"]), "allow_out alone");
+    assert!(
+        presets
+            .as_array()
+            .is_some_and(|p| !p.is_empty() && !p.contains(&json!("none"))),
+        "allow_out alone keeps the default presets: {presets}"
+    );
     check("/kill_twice/first", json!(true));
     check("/kill_twice/second", json!(false));
     // The timeout left its event (already stored: read from the start, bounded).

@@ -396,6 +396,16 @@ def _():
     return {"has_id": bool(snap.snapshot_id), "after": r}
 
 
+@step("network")
+def _():
+    """E2B's network options, left running: the Rust side reads the policy each one got."""
+    none = Sandbox.create(template="base", allow_internet_access=False)
+    only = Sandbox.create(template="base", network={"allow_out": ["example.com"],
+                                                    "deny_out": ["0.0.0.0/0"]})
+    more = Sandbox.create(template="base", network={"allow_out": ["example.com"]})
+    return {"none": none.sandbox_id, "only": only.sandbox_id, "more": more.sandbox_id}
+
+
 @step("kill_twice")
 def _():
     return {"first": sbx.kill(), "second": sbx.kill()}
