@@ -4,7 +4,8 @@
 //! The scenario is `tests/e2b/sdk_sync.py`; this test supplies the daemon and checks what the
 //! SDK saw.
 //!
-//! The JS SDK (npm `e2b`, pinned, in `_out/e2b-node`) runs `tests/e2b/sdk_js.mjs` on Node.
+//! The JS SDK (npm `e2b`, pinned, in `_out/e2b-node`) runs `tests/e2b/sdk_js.mjs` on Node,
+//! the JS code interpreter SDK (`@e2b/code-interpreter`) `tests/e2b/sdk_js_interpreter.mjs`.
 //!
 //! Needs the guest images and the SDKs. Without them it skips with a message, except under
 //! CI, where that is a failure.
@@ -67,8 +68,9 @@ impl E2bDaemon {
     }
 
     /// Run an SDK scenario (`cmd` with only the three E2B variables set), remove every sandbox
-    /// it left behind, and return its JSON summary (its last stdout line); `what` names it in
-    /// failures.
+    /// it left behind, and return its JSON summary (its last stdout line, plus `left_behind`:
+    /// the ids removed after it, and `left_policies`: their egress policies by id); `what`
+    /// names it in failures.
     fn scenario(&self, mut cmd: Command, what: &str) -> serde_json::Value {
         let out = cmd
             .env("E2B_API_URL", &self.url)
@@ -83,9 +85,16 @@ impl E2bDaemon {
         // Whatever happened, leave no VM behind.
         let left = self.d.cli(&["ls", "--json"]);
         let list: serde_json::Value = serde_json::from_slice(&left.stdout).unwrap_or_default();
+        let mut left_behind = Vec::new();
+        let mut policies = serde_json::Map::new();
         for s in list["sandboxes"].as_array().into_iter().flatten() {
             if let Some(id) = s["id"].as_str() {
+                let p = self
+                    .d
+                    .request("GET", &format!("/v1/sandboxes/{id}/network"), None);
+                policies.insert(id.to_owned(), p.json());
                 self.d.cli(&["rm", id]);
+                left_behind.push(id.to_owned());
             }
         }
         assert!(
@@ -93,8 +102,12 @@ impl E2bDaemon {
             "the {what} scenario failed:\nstdout:\n{stdout}\nstderr:\n{stderr}\ndaemon:\n{}",
             self.d.log_tail(60)
         );
-        serde_json::from_str(stdout.lines().last().unwrap_or(""))
-            .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"))
+        let mut obs: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
+            .unwrap_or_else(|e| panic!("no JSON summary ({e}):\n{stdout}\n{stderr}"));
+        // The sandboxes that outlived the scenario (and were removed just now).
+        obs["left_behind"] = serde_json::json!(left_behind);
+        obs["left_policies"] = serde_json::Value::Object(policies);
+        obs
     }
 }
 
@@ -104,11 +117,25 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     let Some(art) = artifacts() else { return };
     let e = E2bDaemon::start(SMALL_VMS, &art);
     let d = &e.d;
+    // A sandbox of our own API (no workspace): the E2B face must not see, kill or connect it.
+    let native = d.cli(&["create"]);
+    assert!(
+        native.status.success(),
+        "{}",
+        String::from_utf8_lossy(&native.stderr)
+    );
+    let native = String::from_utf8_lossy(&native.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or("")
+        .to_owned();
+    assert!(native.starts_with("sbx_"), "{native}");
     let mut cmd = Command::new(&python);
     cmd.arg(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/e2b/sdk_sync.py"
-    ));
+    ))
+    .env("TRYBOXI_NATIVE_ID", &native);
     let obs = e.scenario(cmd, "Python SDK");
     // What a watch costs in time, for the record (checked below).
     eprintln!("watch_dir: {}", obs["watch_dir"]);
@@ -136,6 +163,12 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/pty/tty", json!(true));
     check("/async_client/stdout", json!("async c1\n"));
     check("/async_client/read", json!("from async"));
+    check("/reattach/stdout", json!("one\ntwo z\n"));
+    // uploads: octet-stream (file object), gzip, several files in one multipart request
+    check(
+        "/uploads/seen",
+        json!("via octet-stream\n3000\nfirstsecond"),
+    );
     check("/kill/killed", json!(true));
     check("/kill/wait_raised", json!(true));
     check("/kill/gone", json!(true));
@@ -144,6 +177,11 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/port/status", json!(200));
     check("/port/body", json!("served-from-vm\n"));
     check("/port/wrong_token", json!(403));
+    // envd: the sandbox id without its access token gets nowhere (Connect `unauthenticated`)
+    check("/envd_token/none", json!(401));
+    check("/envd_token/wrong", json!(401));
+    check("/envd_token/files_wrong", json!(401));
+    check("/envd_token/right", json!(200));
     // files
     check("/files/write_path", json!("/home/user/dir/a.txt"));
     check("/files/read", json!("content one"));
@@ -168,6 +206,11 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     let id = at("/sandbox_id");
     check("/list/mine", json!([id]));
     check("/list/other", json!(0));
+    // template and startedAfter filters (the SDK sends its local time with its zone)
+    check("/list/filters/template_base", json!([id]));
+    check("/list/filters/template_other", json!([]));
+    check("/list/filters/started_before", json!([id]));
+    check("/list/filters/started_later", json!([]));
     check("/list/metadata/suite", json!("tryboxi-e2e"));
     check("/info_timeout/template", json!("base"));
     check("/info_timeout/running", json!(true));
@@ -180,23 +223,76 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/wrong_key", json!("AuthenticationException"));
     check("/short_timeout/gone", json!(true));
     check("/short_timeout/connect_after", json!("NotFoundException"));
+    // Only its own sandboxes: ours stays unlisted, unkillable and unconnectable through it.
+    check("/foreign/listed", json!(false));
+    check("/foreign/kill", json!(false));
+    check("/foreign/connect", json!("NotFoundException"));
+    assert!(
+        obs["left_behind"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|x| x == native.as_str())),
+        "the native sandbox {native} did not survive the E2B scenario:\n{show}"
+    );
+    // An unknown template: a clear 400 naming ours (the SDK raises its SandboxException).
+    check("/unknown_template/raised", json!("SandboxException"));
+    check("/unknown_template/lists_ours", json!(true));
+    // on_timeout pause: paused at the deadline, listed as paused, connect resumes it with a
+    // fresh deadline; list pages of one cover both sandboxes.
+    check("/auto_pause/state", json!("paused"));
+    check("/auto_pause/paused_listed", json!(true));
+    check("/auto_pause/after", json!("resumed\n"));
+    check("/auto_pause/fresh_deadline", json!(true));
+    check("/auto_pause/killed", json!(true));
+    check("/auto_pause/pages", json!([1, 1]));
+    check("/auto_pause/paged_all", json!(true));
+    check("/snapshot/has_id", json!(true));
+    check("/snapshot/after", json!("still here\n"));
+    // E2B's network options as our policy (read from the sandboxes the step left running).
+    let policy = |step: &str| {
+        let id = at(&format!("/network/{step}"));
+        let p = obs["left_policies"][id.as_str().unwrap_or("?")].clone();
+        assert!(p.is_object(), "no policy for {step} ({id}):\n{show}");
+        (p["presets"].clone(), p["rules"].clone())
+    };
+    let (presets, rules) = policy("none");
+    assert_eq!(
+        (presets, rules),
+        (json!([]), json!([])),
+        "no internet: nothing allowed"
+    );
+    let (presets, rules) = policy("only");
+    assert_eq!(presets, json!([]), "deny all + allow_out");
+    assert_eq!(rules, json!(["allow example.com"]), "deny all + allow_out");
+    let (presets, rules) = policy("more");
+    assert_eq!(rules, json!(["allow example.com"]), "allow_out alone");
+    assert!(
+        presets
+            .as_array()
+            .is_some_and(|p| !p.is_empty() && !p.contains(&json!("none"))),
+        "allow_out alone keeps the default presets: {presets}"
+    );
     check("/kill_twice/first", json!(true));
     check("/kill_twice/second", json!(false));
     // The timeout left its event (already stored: read from the start, bounded).
     let events = common::follow_events(d, "?since=0");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let mut kinds = Vec::new();
+    // One timeout killed its sandbox, the `on_timeout: pause` one paused its own.
+    let mut actions: Vec<String> = Vec::new();
     while let Ok(ev) =
         events.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
     {
         let kind = ev["type"].as_str().unwrap_or("").to_owned();
         if kind == "e2b.timeout" {
-            assert_eq!(ev["data"]["action"], "killed", "{ev}");
-            return;
+            actions.push(ev["data"]["action"].as_str().unwrap_or("").to_owned());
+            actions.sort();
+            if actions == ["killed", "paused"] {
+                return;
+            }
         }
         kinds.push(kind);
     }
-    panic!("no e2b.timeout event; saw {kinds:?}");
+    panic!("e2b.timeout events {actions:?}, want one killed and one paused; saw {kinds:?}");
 }
 
 /// The JS SDK's directory (`cargo xtask deps`: `_out/e2b-node`) and the `node` to run it with
@@ -267,11 +363,65 @@ fn the_e2b_js_sdk_runs_unchanged_on_node() {
 }
 
 #[test]
+fn the_e2b_js_code_interpreter_sdk_runs_code_on_node() {
+    let Some((dir, node)) = node_sdk() else {
+        return;
+    };
+    let Some(art) = artifacts() else { return };
+    if !interpreter_image(&art) {
+        return;
+    }
+    if !dir
+        .join("node_modules/@e2b/code-interpreter/package.json")
+        .exists()
+    {
+        common::skip_unless_ci(
+            "no @e2b/code-interpreter in _out/e2b-node (run `cargo xtask deps`)",
+        );
+        return;
+    }
+    let e = E2bDaemon::start(SMALL_VMS, &art);
+    let script = dir.join(format!("sdk_js_interpreter-{}.mjs", std::process::id()));
+    std::fs::copy(
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/e2b/sdk_js_interpreter.mjs"
+        ),
+        &script,
+    )
+    .unwrap();
+    let mut cmd = Command::new(&node);
+    cmd.arg(&script);
+    let obs = e.scenario(cmd, "JS code interpreter");
+    let _ = std::fs::remove_file(&script);
+    let show = serde_json::to_string_pretty(&obs).unwrap();
+    let check = |p: &str, want: serde_json::Value| {
+        let got = obs.pointer(p).cloned().unwrap_or(serde_json::Value::Null);
+        assert_eq!(
+            got, want,
+            "{p} in the JS interpreter SDK's observations:\n{show}"
+        );
+    };
+    use serde_json::json;
+    check("/state/first_error", json!(null));
+    check("/state/text", json!("42"));
+    check("/state/stdout", json!("hi j1\n"));
+    check("/state/callback", json!("hi j1\n"));
+    check("/error/name", json!("ValueError"));
+    check("/error/value", json!("bad js"));
+    check("/error/traceback_has_f", json!(true));
+    check("/context/cwd", json!("'/tmp'"));
+    check("/context/isolated", json!("False"));
+    check("/kill", json!(true));
+}
+
+#[test]
 fn the_e2b_listener_refuses_other_hosts_and_wrong_keys() {
     // No VM needed: the control plane's auth and the Host check answer before any sandbox.
+    // The listener from the config key this time (the other tests use `--e2b`).
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
-    let d = Daemon::start(None, &["--e2b", &addr]);
+    let d = Daemon::start(Some(&format!("e2b_listen = \"{addr}\"\n")), &[]);
     let token = String::from_utf8(d.cli(&["token"]).stdout).unwrap();
     let token = token.lines().next().unwrap_or("").trim().to_owned();
     let ask = |host: &str, key: &str, extra: &str| {

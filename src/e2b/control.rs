@@ -3,8 +3,9 @@
 //!
 //! Owns: the request/response shapes of these calls, their bounds, the mapping of `templateID`
 //! onto our templates and of E2B's network options onto our egress policy (default: the
-//! daemon's default allowlist, never the open internet; `allow_internet_access: false`: no
-//! egress; `network.allowOut`: those names added). Errors in E2B's shape.
+//! daemon's default allowlist, never the open internet; `network.allowOut` alone: those names
+//! added; deny-all (`allow_internet_access: false` or `denyOut: ["0.0.0.0/0"]`): exactly
+//! `allowOut`; what we cannot honour refused), list filters and paging. Errors in E2B's shape.
 
 use std::collections::BTreeMap;
 
@@ -37,8 +38,10 @@ const CLIENT_ID: &str = "local";
 struct NetworkOpts {
     allow_out: Option<Vec<String>>,
     deny_out: Option<Vec<String>>,
-    allow_public_traffic: Option<bool>,
-    mask_request_host: Option<String>,
+    // `allowPublicTraffic`, `maskRequestHost` (ingress) and `dnsServers` are accepted and
+    // need nothing here: ingress is loopback-only (`tryboxi port`), DNS is the daemon's.
+    rules: Option<Value>,
+    egress_proxy: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -153,8 +156,11 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Result<Response<Body
             } else {
                 StatusCode::OK
             };
-            if let Some(t) = t.timeout {
-                rec.end_at = unix_now() + check_timeout(t)?;
+            let t = t.timeout.map(check_timeout).transpose()?;
+            let end_at =
+                end_after_connect(rec.end_at, unix_now(), status == StatusCode::CREATED, t);
+            if end_at != rec.end_at {
+                rec.end_at = end_at;
                 face.svc.e2b_put(&rec)?;
             }
             Ok(super::json(status, &sandbox_json(&rec)))
@@ -196,6 +202,17 @@ fn own(face: &Face, id: &str) -> Result<(E2bSandbox, api::Sandbox), E2bError> {
         .ok_or_else(|| E2bError::new(StatusCode::NOT_FOUND, format!("sandbox {id} not found")))?;
     let sbx = face.svc.get_sandbox(id)?;
     Ok((rec, sbx))
+}
+
+/// A sandbox's deadline after `connect` (E2B's rules): never earlier than it was; a resumed
+/// sandbox gets at least `timeout` from now (E2B's default when none is given: else one
+/// auto-paused at its deadline would be paused again by the next deadline tick).
+fn end_after_connect(end_at: u64, now: u64, resumed: bool, timeout: Option<u64>) -> u64 {
+    match (resumed, timeout) {
+        (true, t) => end_at.max(now + t.unwrap_or(DEFAULT_TIMEOUT_S)),
+        (false, Some(t)) => end_at.max(now + t),
+        (false, None) => end_at,
+    }
 }
 
 fn check_timeout(t: u64) -> Result<u64, E2bError> {
@@ -335,24 +352,47 @@ async fn start_interpreter(face: &Face, rec: &E2bSandbox) -> Result<(), E2bError
     Ok(())
 }
 
-/// E2B's network options as our policy (`None`: the daemon's default allowlist).
-fn policy_for(face: &Face, n: &NewSandbox) -> Result<Option<api::NetworkSpec>, E2bError> {
+/// What E2B's "all traffic" selector (`ALL_TRAFFIC` in the SDKs) is.
+const ALL_TRAFFIC: &str = "0.0.0.0/0";
+
+/// E2B's network options as our policy (`None`: the daemon's default allowlist, `default`).
+///
+/// E2B allows everything unless told otherwise; our egress is an allowlist. So: no options
+/// -> our default allowlist (never the open internet); `allowOut` alone -> those names added
+/// to it; "deny all" (`allow_internet_access: false`, or `denyOut: ["0.0.0.0/0"]`, the SDKs'
+/// `ALL_TRAFFIC`) -> exactly `allowOut`, or no egress at all. Anything we would have to ignore
+/// and that changes where traffic may go (other `denyOut` entries, per-host `rules`, an
+/// `egressProxy`) is refused rather than dropped.
+fn policy_for(default: &[String], n: &NewSandbox) -> Result<Option<api::NetworkSpec>, E2bError> {
     let opts = n.network.as_ref();
-    if opts.is_some_and(|o| o.allow_public_traffic == Some(false) || o.mask_request_host.is_some())
+    let present = |v: Option<&Value>| v.is_some_and(|v| !v.is_null() && v != &json!({}));
+    if present(opts.and_then(|o| o.rules.as_ref())) {
+        return Err(bad(
+            "network.rules (per-host transforms) are not supported by tryboxi's E2B face; \
+             store credentials with `tryboxi secret` instead",
+        ));
+    }
+    if present(opts.and_then(|o| o.egress_proxy.as_ref())) {
+        return Err(bad(
+            "network.egressProxy is not supported; set the daemon's `[network] upstream_proxy`",
+        ));
+    }
+    let deny = opts.and_then(|o| o.deny_out.as_ref());
+    if let Some(deny) = deny
+        && deny.iter().any(|d| d != ALL_TRAFFIC)
     {
-        // Ingress options: ours is loopback-only ingress (`tryboxi port`), nothing to mask.
+        return Err(bad(
+            "network.denyOut: only `0.0.0.0/0` (deny everything not allowed) is supported; \
+             egress here is an allowlist, so list what to allow in allowOut",
+        ));
     }
-    if let Some(deny) = opts.and_then(|o| o.deny_out.as_ref()) {
-        // Our policy is deny-by-default: "deny everything else" is what it already does.
-        if deny.iter().any(|d| d != "0.0.0.0/0") {
-            return Err(bad(
-                "network.denyOut: only `0.0.0.0/0` (deny everything not allowed) is supported; \
-                 egress here is an allowlist, so list what to allow in allowOut",
-            ));
-        }
+    let allow = opts.and_then(|o| o.allow_out.clone()).unwrap_or_default();
+    if allow.len() > 256 {
+        return Err(bad("network.allowOut: at most 256 entries"));
     }
-    if n.allow_internet_access == Some(false) {
-        let allow = opts.and_then(|o| o.allow_out.clone()).unwrap_or_default();
+    let deny_all = n.allow_internet_access == Some(false)
+        || deny.is_some_and(|d| d.iter().any(|x| x == ALL_TRAFFIC));
+    if deny_all {
         return Ok(Some(api::NetworkSpec {
             policy: if allow.is_empty() {
                 vec!["none".into()]
@@ -361,17 +401,12 @@ fn policy_for(face: &Face, n: &NewSandbox) -> Result<Option<api::NetworkSpec>, E
             },
         }));
     }
-    match opts.and_then(|o| o.allow_out.as_ref()) {
-        Some(extra) if !extra.is_empty() => {
-            if extra.len() > 256 {
-                return Err(bad("network.allowOut: at most 256 entries"));
-            }
-            let mut policy = face.svc.config.network.default_policy.clone();
-            policy.extend(extra.iter().cloned());
-            Ok(Some(api::NetworkSpec { policy }))
-        }
-        _ => Ok(None),
+    if allow.is_empty() {
+        return Ok(None);
     }
+    let mut policy = default.to_vec();
+    policy.extend(allow);
+    Ok(Some(api::NetworkSpec { policy }))
 }
 
 async fn create(face: &Face, n: NewSandbox) -> Result<Response<Body>, E2bError> {
@@ -393,7 +428,7 @@ async fn create(face: &Face, n: NewSandbox) -> Result<Response<Body>, E2bError> 
     let env_vars = n.env_vars.clone().unwrap_or_default();
     check_map("envVars", &env_vars, MAX_ENV_VARS, MAX_ENV_VALUE)?;
     let template = template_for(face, &template_id)?;
-    let network = policy_for(face, &n)?;
+    let network = policy_for(&face.svc.config.network.default_policy, &n)?;
     let req = api::CreateSandboxRequest {
         workspace: Default::default(),
         template: Some(template),
@@ -489,10 +524,7 @@ fn disk_sizes(face: &Face) -> BTreeMap<String, u64> {
 
 /// E2B's `ListedSandbox` / `SandboxDetail`.
 fn listed(disks: &BTreeMap<String, u64>, rec: &E2bSandbox, sbx: &api::Sandbox) -> Value {
-    let state = match sbx.state {
-        api::SandboxState::Paused => "paused",
-        _ => "running",
-    };
+    let state = state_name(sbx.state);
     json!({
         "templateID": rec.template_id,
         "sandboxID": rec.sandbox_id,
@@ -508,12 +540,104 @@ fn listed(disks: &BTreeMap<String, u64>, rec: &E2bSandbox, sbx: &api::Sandbox) -
     })
 }
 
+/// E2B's `state` of one of our sandboxes (a paused one is `paused`, anything else `running`).
+fn state_name(s: api::SandboxState) -> &'static str {
+    match s {
+        api::SandboxState::Paused => "paused",
+        _ => "running",
+    }
+}
+
+/// A list request's filters and page.
+struct ListQuery {
+    /// Every pair must match the sandbox's metadata.
+    metadata: Vec<(String, String)>,
+    /// Empty: any state.
+    states: Vec<String>,
+    limit: usize,
+    /// The `x-next-token` of the previous page.
+    after: Option<String>,
+    /// `template`: the template id the sandbox was created with (`code-interpreter-v1` and
+    /// `code-interpreter` are one).
+    template: Option<String>,
+    /// `order=desc`: newest first.
+    newest_first: bool,
+    /// `startedAfter` (unix seconds): only sandboxes started at or after it.
+    started_after: Option<u64>,
+}
+
+/// One page of `all` for `q`: oldest first (then by id, a stable order for paging; reversed
+/// with `newest_first`), and the
+/// token of the next page when more follow.
+fn select<T>(
+    all: Vec<(E2bSandbox, T)>,
+    state: impl Fn(&T) -> &'static str,
+    q: &ListQuery,
+) -> (Vec<(E2bSandbox, T)>, Option<String>) {
+    let key = |r: &E2bSandbox| format!("{}|{}", r.started_at, r.sandbox_id);
+    let mut all: Vec<(E2bSandbox, T)> = all
+        .into_iter()
+        .filter(|(r, s)| {
+            (q.states.is_empty() || q.states.iter().any(|w| w == state(s)))
+                && q.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
+                && q.started_after.is_none_or(|t| {
+                    crate::service::parse_rfc3339(&r.started_at).is_some_and(|s| s >= t)
+                })
+                && q.template.as_ref().is_none_or(|t| {
+                    *t == r.template_id || (is_interpreter(t) && is_interpreter(&r.template_id))
+                })
+                && q.after.as_ref().is_none_or(|after| {
+                    if q.newest_first {
+                        key(r) < *after
+                    } else {
+                        key(r) > *after
+                    }
+                })
+        })
+        .collect();
+    all.sort_by_key(|(r, _)| key(r));
+    if q.newest_first {
+        all.reverse();
+    }
+    let more = all.len() > q.limit;
+    all.truncate(q.limit);
+    let next = if more {
+        all.last().map(|(r, _)| key(r))
+    } else {
+        None
+    };
+    (all, next)
+}
+
+/// Unix seconds of an RFC 3339 time with a zone (`2026-12-06T07:00:00.5+01:00`, `...Z`), as
+/// the SDKs send `startedAfter`; fractions are dropped. `None` without a zone.
+fn parse_instant(s: &str) -> Option<u64> {
+    let local = crate::service::parse_rfc3339(&format!("{}Z", s.get(..19)?))?;
+    let rest = s.get(19..)?;
+    let rest = rest
+        .strip_prefix('.')
+        .map_or(rest, |r| r.trim_start_matches(|c: char| c.is_ascii_digit()));
+    let offset: i64 = match rest.as_bytes() {
+        [b'Z' | b'z'] => 0,
+        [sign @ (b'+' | b'-'), h1, h2, b':', m1, m2] => {
+            let d = |b: &u8| b.is_ascii_digit().then(|| i64::from(b - b'0'));
+            let secs = (d(h1)? * 10 + d(h2)?) * 3600 + (d(m1)? * 10 + d(m2)?) * 60;
+            if *sign == b'+' { secs } else { -secs }
+        }
+        _ => return None,
+    };
+    u64::try_from(i64::try_from(local).ok()? - offset).ok()
+}
+
 /// `GET /v2/sandboxes?metadata=<urlencoded k=v&...>&state=running,paused&limit=&nextToken=`.
 fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
     let mut want_meta: Vec<(String, String)> = Vec::new();
     let mut states: Vec<String> = Vec::new();
     let mut limit = MAX_PAGE;
     let mut after: Option<String> = None;
+    let mut template: Option<String> = None;
+    let mut newest_first = false;
+    let mut started_after: Option<u64> = None;
     for (k, v) in form_urlencoded::parse(query.as_bytes()) {
         match k.as_ref() {
             "metadata" => want_meta.extend(
@@ -527,83 +651,48 @@ fn list(face: &Face, query: &str) -> Result<Response<Body>, E2bError> {
                     .clamp(1, MAX_PAGE)
             }
             "nextToken" => after = Some(v.into_owned()),
+            "template" => template = Some(v.into_owned()),
+            "order" => match v.as_ref() {
+                "asc" => newest_first = false,
+                "desc" => newest_first = true,
+                _ => return Err(bad("`order` must be `asc` or `desc`")),
+            },
+            "startedAfter" => {
+                started_after = Some(parse_instant(&v).ok_or_else(|| {
+                    bad("`startedAfter` must be an RFC 3339 time with a zone (Z or +HH:MM)")
+                })?)
+            }
             _ => {}
         }
     }
     if want_meta.len() > MAX_METADATA {
         return Err(bad("too many metadata filters"));
     }
-    let mut all: Vec<(E2bSandbox, api::Sandbox)> = face
-        .svc
-        .e2b_list()?
-        .into_iter()
-        .filter(|(r, s)| {
-            let state = if s.state == api::SandboxState::Paused {
-                "paused"
-            } else {
-                "running"
-            };
-            (states.is_empty() || states.iter().any(|w| w == state))
-                && want_meta.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
-        })
-        .collect();
-    // Oldest first, then by id: a stable order for paging.
-    all.sort_by(|a, b| (&a.0.started_at, &a.0.sandbox_id).cmp(&(&b.0.started_at, &b.0.sandbox_id)));
-    if let Some(after) = &after {
-        all.retain(|(r, _)| format!("{}|{}", r.started_at, r.sandbox_id) > *after);
-    }
-    let more = all.len() > limit;
-    all.truncate(limit);
+    let q = ListQuery {
+        metadata: want_meta,
+        states,
+        limit,
+        after,
+        template,
+        newest_first,
+        started_after,
+    };
+    let (all, next) = select(
+        face.svc.e2b_list()?,
+        |s: &api::Sandbox| state_name(s.state),
+        &q,
+    );
     let disks = disk_sizes(face);
     let body: Vec<Value> = all.iter().map(|(r, s)| listed(&disks, r, s)).collect();
     let mut resp = super::json(StatusCode::OK, &body);
-    if more && let Some((r, _)) = all.last() {
-        let token = format!("{}|{}", r.started_at, r.sandbox_id);
-        if let Ok(v) = hyper::header::HeaderValue::from_str(&token) {
-            resp.headers_mut().insert("x-next-token", v);
-        }
+    if let Some(token) = next
+        && let Ok(v) = hyper::header::HeaderValue::from_str(&token)
+    {
+        resp.headers_mut().insert("x-next-token", v);
     }
     Ok(resp)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn create_bodies_parse_as_the_sdk_sends_them() {
-        let n: NewSandbox = serde_json::from_str(
-            r#"{"templateID":"base","timeout":60,"metadata":{"k":"v"},"envVars":{"A":"1"},
-                "autoPause":true,"allow_internet_access":false,"network":{"allowOut":["pypi.org"]},
-                "secure":true,"mcp":null,"volumeMounts":[]}"#,
-        )
-        .unwrap();
-        assert_eq!(n.template_id.as_deref(), Some("base"));
-        assert_eq!(n.timeout, Some(60));
-        assert_eq!(n.env_vars.unwrap()["A"], "1");
-        assert_eq!(n.auto_pause, Some(true));
-        assert_eq!(n.allow_internet_access, Some(false));
-        assert_eq!(n.network.unwrap().allow_out.unwrap(), vec!["pypi.org"]);
-        // An empty body is the all-defaults request.
-        let e: NewSandbox = parse(b"").unwrap();
-        assert!(e.template_id.is_none());
-        assert!(parse::<NewSandbox>(b"{").is_err());
-    }
-
-    #[test]
-    fn bounds_are_checked() {
-        assert!(check_timeout(0).is_err());
-        assert!(check_timeout(MAX_TIMEOUT_S + 1).is_err());
-        assert_eq!(check_timeout(300).unwrap(), 300);
-        let mut m = BTreeMap::new();
-        m.insert("k".into(), "x".repeat(MAX_META_VALUE + 1));
-        assert!(check_map("metadata", &m, MAX_METADATA, MAX_META_VALUE).is_err());
-        let many: BTreeMap<String, String> = (0..=MAX_METADATA)
-            .map(|i| (format!("k{i}"), "v".into()))
-            .collect();
-        assert!(check_map("metadata", &many, MAX_METADATA, MAX_META_VALUE).is_err());
-        let mut empty_key = BTreeMap::new();
-        empty_key.insert(String::new(), "v".into());
-        assert!(check_map("envVars", &empty_key, MAX_ENV_VARS, MAX_ENV_VALUE).is_err());
-    }
-}
+#[path = "control_tests.rs"]
+mod tests;

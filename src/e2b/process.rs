@@ -4,9 +4,10 @@
 //!
 //! Owns: E2B's command semantics (as the user `user` unless the request names another, env =
 //! the sandbox's `envVars` under the command's own, cwd default the user's home, the process
-//! outliving the stream that started it), pid/tag selectors, stream keepalives
-//! (`Keepalive-Ping-Interval`), the stream deadline (`Connect-Timeout-Ms` ends the stream, not
-//! the process), and Go-style end statuses (`exit status 1`, `signal: killed`).
+//! outliving the stream that started it; `Connect` replays its output so far, then follows),
+//! pid/tag selectors, stream keepalives (`Keepalive-Ping-Interval`), the stream deadline
+//! (`Connect-Timeout-Ms` ends the stream, not the process), and Go-style end statuses
+//! (`exit status 1`, `signal: killed`).
 
 use std::time::Duration;
 
@@ -198,7 +199,9 @@ async fn attach(
         .into_iter()
         .find(|e| e.id == id)
         .is_some_and(|e| e.pty);
-    let events = face.svc.attach_exec(&id, false).await?;
+    // The output so far first (from the capped exec log: all stdout, then all stderr), so a
+    // client that went away and comes back misses nothing; then the live events.
+    let events = face.svc.attach_exec(&id, true).await?;
     Ok(stream_events(events, pty, timing))
 }
 

@@ -15,7 +15,7 @@ import traceback
 
 import asyncio
 
-from e2b import AsyncSandbox, PtySize, Sandbox, SandboxQuery
+from e2b import AsyncSandbox, PtySize, Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import AuthenticationException, NotFoundException
 from e2b.sandbox.commands.command_handle import CommandExitException
 
@@ -64,6 +64,33 @@ def _():
     sbx.commands.send_stdin(h.pid, "hello\n")
     r = h.wait()
     return {"pid_listed": h.pid in listed, "stdout": r.stdout, "exit_code": r.exit_code}
+
+
+@step("reattach")
+def _():
+    """commands.connect(pid): a detached command's output so far is replayed, then it goes on."""
+    h = sbx.commands.run("echo one; touch /tmp/one.flag; read x; echo two $x",
+                         background=True, stdin=True)
+    # Its first line is out before we leave (bounded).
+    start = time.time()
+    while not sbx.files.exists("/tmp/one.flag") and time.time() - start < 30:
+        time.sleep(0.05)
+    h.disconnect()
+    again = sbx.commands.connect(h.pid)
+    sbx.commands.send_stdin(h.pid, "z\n")
+    return {"stdout": again.wait().stdout}
+
+
+@step("uploads")
+def _():
+    import io
+    sbx.files.write("/tmp/up/io.txt", io.BytesIO(b"via octet-stream"))
+    sbx.files.write("/tmp/up/gz.txt", b"gz " * 1000, gzip=True)
+    sbx.files.write_files([{"path": "/tmp/up/m1.txt", "data": "first"},
+                           {"path": "/tmp/up/m2.txt", "data": b"second"}])
+    r = sbx.commands.run("cat /tmp/up/io.txt; echo; wc -c < /tmp/up/gz.txt; "
+                         "cat /tmp/up/m1.txt /tmp/up/m2.txt")
+    return {"seen": r.stdout}
 
 
 @step("kill")
@@ -140,6 +167,32 @@ def _():
     return {"status": status, "body": body, "wrong_token": bad_status}
 
 
+@step("envd_token")
+def _():
+    """envd refuses a call that knows the sandbox id but not its access token."""
+    import urllib.request
+    import urllib.error
+    base = os.environ["E2B_SANDBOX_URL"]
+
+    def call(path, token, body=None):
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if token is not None:
+            headers["X-Access-Token"] = token
+        req = urllib.request.Request(base + path, data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    listing = "/process.Process/List"
+    return {"none": call(listing, None, b"{}"), "wrong": call(listing, "0" * 64, b"{}"),
+            "files_wrong": call("/files?path=/etc/hostname", "0" * 64),
+            "right": call(listing, sbx._envd_access_token, b"{}")}
+
+
 @step("files")
 def _():
     info = sbx.files.write("dir/a.txt", "content one")
@@ -210,7 +263,15 @@ def _():
 def _():
     mine = Sandbox.list(query=SandboxQuery(metadata={"suite": "tryboxi-e2e"})).next_items()
     other = Sandbox.list(query=SandboxQuery(metadata={"suite": "no-such"})).next_items()
-    return {"mine": [s.sandbox_id for s in mine], "other": len(other),
+    import datetime
+    now = datetime.datetime.now()
+    hour = datetime.timedelta(hours=1)
+    by = lambda q: [x.sandbox_id for x in Sandbox.list(query=q).next_items()]
+    filters = {"template_base": by(SandboxQuery(template="base")),
+               "template_other": by(SandboxQuery(template="code-interpreter-v1")),
+               "started_before": by(SandboxQuery(started_after=now - hour)),
+               "started_later": by(SandboxQuery(started_after=now + hour))}
+    return {"mine": [s.sandbox_id for s in mine], "other": len(other), "filters": filters,
             "state": [str(s.state) for s in mine],
             "metadata": mine[0].metadata if mine else None}
 
@@ -273,6 +334,76 @@ def _():
     except Exception as e:
         connect = type(e).__name__
     return {"gone": gone, "connect_after": connect}
+
+
+@step("foreign")
+def _():
+    """A sandbox made with our own API (id in TRYBOXI_NATIVE_ID) is invisible to the E2B face."""
+    native = os.environ["TRYBOXI_NATIVE_ID"]
+    listed = [s.sandbox_id for s in Sandbox.list().next_items()]
+    try:
+        Sandbox.connect(native)
+        connect = "connected"
+    except NotFoundException:
+        connect = "NotFoundException"
+    return {"listed": native in listed, "kill": Sandbox.kill(native), "connect": connect}
+
+
+@step("unknown_template")
+def _():
+    try:
+        Sandbox.create(template="no-such-template")
+        return {"raised": None}
+    except Exception as e:
+        return {"raised": type(e).__name__, "lists_ours": "base" in str(e)}
+
+
+@step("auto_pause")
+def _():
+    """`on_timeout: pause`: the deadline pauses it; connect resumes it with a fresh deadline.
+    Meanwhile two sandboxes exist: list pages of one, and the state filter."""
+    s = Sandbox.create(template="base", timeout=5, metadata={"suite": "tryboxi-e2e"},
+                       lifecycle={"on_timeout": "pause"})
+    pager = Sandbox.list(query=SandboxQuery(metadata={"suite": "tryboxi-e2e"}), limit=1)
+    pages = []
+    while pager.has_next and len(pages) < 5:
+        pages.append([x.sandbox_id for x in pager.next_items()])
+    start = time.time()
+    state = None
+    while time.time() - start < 120:
+        st = Sandbox.get_info(s.sandbox_id).state
+        state = str(getattr(st, "value", st))
+        if state == "paused":
+            break
+        time.sleep(0.5)
+    paused = [x.sandbox_id for x in Sandbox.list(
+        query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()]
+    again = Sandbox.connect(s.sandbox_id)
+    out = again.commands.run("echo resumed").stdout
+    info = again.get_info()
+    left_s = info.end_at.timestamp() - time.time()
+    killed = again.kill()
+    return {"state": state, "paused_listed": paused == [s.sandbox_id], "after": out,
+            "fresh_deadline": left_s > 60, "deadline_left_s": left_s, "killed": killed,
+            "pages": [len(p) for p in pages],
+            "paged_all": sorted(sum(pages, [])) == sorted([sbx.sandbox_id, s.sandbox_id])}
+
+
+@step("snapshot")
+def _():
+    snap = sbx.create_snapshot()
+    r = sbx.commands.run("echo still here").stdout
+    return {"has_id": bool(snap.snapshot_id), "after": r}
+
+
+@step("network")
+def _():
+    """E2B's network options, left running: the Rust side reads the policy each one got."""
+    none = Sandbox.create(template="base", allow_internet_access=False)
+    only = Sandbox.create(template="base", network={"allow_out": ["example.com"],
+                                                    "deny_out": ["0.0.0.0/0"]})
+    more = Sandbox.create(template="base", network={"allow_out": ["example.com"]})
+    return {"none": none.sandbox_id, "only": only.sandbox_id, "more": more.sandbox_id}
 
 
 @step("kill_twice")
