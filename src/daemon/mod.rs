@@ -217,6 +217,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
             svc: svc.clone(),
             token: shared.token.clone(),
             watchers: Default::default(),
+            idempotency: Default::default(),
         });
         let (cfg, tx) = (shared.svc.config.http.clone(), shutdown_tx.clone());
         tokio::spawn(async move { crate::e2b::listen::run(l, e2b_tls, &cfg, face, tx).await });

@@ -102,6 +102,12 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Result<Response<Body
             "Invalid API key: set E2B_API_KEY to the output of `tryboxi token`",
         ));
     }
+    let idempotency_key = req
+        .headers()
+        .get("idempotency-key")
+        .map(|v| v.to_str().map(str::to_owned))
+        .transpose()
+        .map_err(|_| bad("Idempotency-Key must be printable ASCII"))?;
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let query = req.uri().query().unwrap_or("").to_owned();
@@ -113,7 +119,10 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Result<Response<Body
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
     let body = read_body(req.into_body(), super::MAX_JSON_BODY).await?;
     match (&method, parts.as_slice()) {
-        (&Method::POST, ["sandboxes"]) => create(face, parse(&body)?).await,
+        (&Method::POST, ["sandboxes"]) => match idempotency_key {
+            Some(k) => create_once(face, &k, parse(&body)?).await,
+            None => create(face, parse(&body)?).await.map(|rec| created(&rec)),
+        },
         (&Method::GET, ["sandboxes"]) => list(face, &query),
         (&Method::GET, ["sandboxes", id]) => {
             let (rec, sbx) = own(face, id)?;
@@ -409,7 +418,39 @@ fn policy_for(default: &[String], n: &NewSandbox) -> Result<Option<api::NetworkS
     Ok(Some(api::NetworkSpec { policy }))
 }
 
-async fn create(face: &Face, n: NewSandbox) -> Result<Response<Body>, E2bError> {
+fn created(rec: &E2bSandbox) -> Response<Body> {
+    super::json(StatusCode::CREATED, &sandbox_json(rec))
+}
+
+/// A create with an `Idempotency-Key`: the first request with the key creates; one that
+/// arrives meanwhile waits for it; every later one gets the same sandbox (201 again, as the
+/// SDK expects), or a 409 once that sandbox is gone.
+async fn create_once(face: &Face, key: &str, n: NewSandbox) -> Result<Response<Body>, E2bError> {
+    let slot = face
+        .idempotency
+        .slot(key, std::time::Instant::now())
+        .map_err(|e| match e {
+            super::idempotency::KeyError::Length => bad(e.to_string()),
+            super::idempotency::KeyError::Full => {
+                E2bError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+            }
+        })?;
+    let mut done = slot.lock().await;
+    if let Some(id) = done.as_deref() {
+        return match own(face, id) {
+            Ok((rec, _)) => Ok(created(&rec)),
+            Err(_) => Err(E2bError::new(
+                StatusCode::CONFLICT,
+                format!("the sandbox {id} created with this Idempotency-Key is gone"),
+            )),
+        };
+    }
+    let rec = create(face, n).await?;
+    *done = Some(rec.sandbox_id.clone());
+    Ok(created(&rec))
+}
+
+async fn create(face: &Face, n: NewSandbox) -> Result<E2bSandbox, E2bError> {
     let template_id = n.template_id.clone().unwrap_or_else(|| "base".into());
     if n.volume_mounts
         .as_ref()
@@ -461,7 +502,7 @@ async fn create(face: &Face, n: NewSandbox) -> Result<Response<Body>, E2bError> 
         return Err(e);
     }
     tracing::info!(sandbox = %sbx.id, template = %rec.template_id, timeout, "E2B sandbox created");
-    Ok(super::json(StatusCode::CREATED, &sandbox_json(&rec)))
+    Ok(rec)
 }
 
 async fn fork(face: &Face, parent: &E2bSandbox, b: ForkBody) -> Result<Response<Body>, E2bError> {

@@ -21,6 +21,7 @@ mod files;
 mod filesystem;
 #[cfg(test)]
 mod fuzzing;
+pub mod idempotency;
 pub mod listen;
 mod ports;
 mod process;
@@ -56,6 +57,8 @@ pub struct Face {
     pub token: String,
     /// Directory watches (`filesystem.Filesystem/WatchDir` and the polled watchers).
     pub watchers: watch::Watchers,
+    /// `Idempotency-Key`s of creates (see [`idempotency`]).
+    pub idempotency: idempotency::Keys,
 }
 
 /// An error in E2B's control-plane shape: `{"code": <http status>, "message": "..."}`.

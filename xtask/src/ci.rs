@@ -48,14 +48,17 @@ pub fn run() -> Result<()> {
             // list, so it can fall behind the main crate unnoticed; it builds on stable (only
             // running it needs nightly: `cargo xtask fuzz`). CI replays the saved corpora
             // through `cargo test`.
+            // `--cfg fuzzing` is what cargo-fuzz sets: the targets' entry points exist only
+            // under it.
             "fuzz-build" => run_inherit(
-                &mut cargo_cmd(&[
+                cargo_cmd(&[
                     "check",
                     "--manifest-path",
                     "fuzz/Cargo.toml",
                     "--bins",
                     "--locked",
-                ]),
+                ])
+                .env("RUSTFLAGS", "--cfg fuzzing"),
                 "cargo check (fuzz crate)",
             ),
             "dist" => dist::run().map(|b| binary = b),
