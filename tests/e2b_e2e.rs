@@ -147,6 +147,7 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     };
     use serde_json::json;
     // commands.run: callbacks, env from create and from the run, user `user` in its home.
+    check("/idempotent_create/same", json!(true));
     check("/run/stdout", json!("hi c1 r1\nuser\n/home/user\n"));
     check("/run/stderr", json!("oops\n"));
     check("/run/exit_code", json!(0));

@@ -33,9 +33,18 @@ def step(name):
     return wrap
 
 
+IKEY = "tryboxi-e2e-%d" % os.getpid()
 sbx = Sandbox.create(template="base", timeout=600, envs={"FROM_CREATE": "c1"},
-                     metadata={"suite": "tryboxi-e2e", "run": str(os.getpid())})
+                     metadata={"suite": "tryboxi-e2e", "run": str(os.getpid())},
+                     idempotency_key=IKEY)
 obs["sandbox_id"] = sbx.sandbox_id
+
+
+@step("idempotent_create")
+def _():
+    # The same Idempotency-Key again: the first create's sandbox, not a second one.
+    again = Sandbox.create(template="base", timeout=600, idempotency_key=IKEY)
+    return {"same": again.sandbox_id == sbx.sandbox_id}
 
 
 @step("run")
