@@ -148,6 +148,12 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     use serde_json::json;
     // commands.run: callbacks, env from create and from the run, user `user` in its home.
     check("/idempotent_create/same", json!(true));
+    // get_metrics: one sample read in the guest (SMALL_VMS: 1 vCPU).
+    check("/metrics/samples", json!(1));
+    check("/metrics/cpu_count", json!(1));
+    check("/metrics/cpu_pct_ok", json!(true));
+    check("/metrics/mem_ok", json!(true));
+    check("/metrics/disk_ok", json!(true));
     check("/run/stdout", json!("hi c1 r1\nuser\n/home/user\n"));
     check("/run/stderr", json!("oops\n"));
     check("/run/exit_code", json!(0));

@@ -193,8 +193,9 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Result<Response<Body
             fork(face, &rec, b).await
         }
         (&Method::GET, ["sandboxes", id, "metrics"]) => {
-            own(face, id)?;
-            Ok(super::json(StatusCode::OK, &json!([])))
+            let (rec, sbx) = own(face, id)?;
+            let list = super::metrics::sample(face, &rec, &sbx).await?;
+            Ok(super::json(StatusCode::OK, &list))
         }
         _ => Err(E2bError::new(
             StatusCode::NOT_FOUND,

@@ -23,6 +23,7 @@ mod filesystem;
 mod fuzzing;
 pub mod idempotency;
 pub mod listen;
+mod metrics;
 mod ports;
 mod process;
 mod proto;

@@ -57,6 +57,17 @@ def _():
             "cb_out": "".join(out), "cb_err": "".join(err)}
 
 
+@step("metrics")
+def _():
+    m = sbx.get_metrics()
+    if not m:
+        return {"samples": 0}
+    x = m[-1]
+    return {"samples": len(m), "cpu_count": x.cpu_count,
+            "cpu_pct_ok": 0.0 <= x.cpu_used_pct <= 100.0,
+            "mem_ok": 0 < x.mem_used < x.mem_total, "disk_ok": 0 < x.disk_used < x.disk_total}
+
+
 @step("exit_code")
 def _():
     try:
