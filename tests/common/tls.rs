@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader, Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::sync::{Arc, mpsc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 
@@ -194,4 +194,47 @@ pub fn intercept_config(extra_ca: &Path, pins: &[(&str, &str, u16, SocketAddr)])
          intercept_extra_ca = \"{}\"\n{hosts}{map}",
         extra_ca.display()
     )
+}
+
+/// The next request the upstream saw for `path` within `wait` (earlier ones are skipped).
+pub fn seen_path(rx: &mpsc::Receiver<Seen>, path: &str, wait: Duration) -> Option<Seen> {
+    let deadline = Instant::now() + wait;
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        match rx.recv_timeout(left) {
+            Ok(s) if s.path == path => return Some(s),
+            Ok(_) => {}
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
+/// In sandbox `id`, a placeholder `ph` that is not its own (another sandbox's, or its fork
+/// parent's) sent to `https://api.test{path}` must stay the string it is: what went wrong
+/// (the upstream saw `value`, or `value` came back into the VM), each naming `who`.
+pub fn foreign_placeholder_stays_a_string(
+    d: &super::Daemon,
+    id: &str,
+    ph: &str,
+    rx: &mpsc::Receiver<Seen>,
+    path: &str,
+    value: &str,
+    who: &str,
+) -> Vec<String> {
+    let mut bad = Vec::new();
+    let out = super::bash(
+        d,
+        id,
+        &format!("curl -sS -m 60 -H 'Authorization: Bearer {ph}' https://api.test{path}"),
+    );
+    // Passed as the string it is (or refused): never swapped.
+    if let Some(s) = seen_path(rx, path, Duration::from_secs(10))
+        && s.auth.contains(value)
+    {
+        bad.push(format!("{who}: a placeholder not its own was swapped"));
+    }
+    if out.contains(value) {
+        bad.push(format!("{who}: the value reached the VM"));
+    }
+    bad
 }

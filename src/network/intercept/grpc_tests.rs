@@ -303,30 +303,8 @@ async fn grpc_client_streaming_and_compressed_responses() {
 
 #[tokio::test]
 async fn behind_the_upstream_proxy_grpc_streams_through_a_tunnel_by_name() {
-    use crate::network::upstream_proxy::{self as up, Dial};
-    use crate::network::upstream_proxy_testkit::{self as kit, Rules};
     let h = grpc_upstream().await;
-    let proxy = kit::start(Rules {
-        map: std::collections::HashMap::from([(format!("{HOST}:443"), h.addr)]),
-        ..Rules::default()
-    })
-    .await;
-    let p = std::sync::Arc::new(
-        up::resolve(Some(&format!("http://{}", proxy.addr)), Some(&[]), |_| None)
-            .unwrap()
-            .unwrap(),
-    );
-    // What the stack hands over: a tunnel to the name, and the route for more (an address the
-    // host cannot reach: only the proxy's name works).
-    let first = p
-        .tunnel(p.connect_proxy().await.unwrap(), HOST, 443)
-        .await
-        .unwrap();
-    let dial = Dial::route("192.0.2.50:443".parse().unwrap(), Some(HOST), Some(&p));
-    assert!(dial.via_proxy());
-    let (tls, _task) = super::tests::guest_tls_over(&h, &[b"h2"], first, dial)
-        .await
-        .unwrap();
+    let (proxy, tls, _task) = super::tests::guest_tls_behind_proxy(&h, &[b"h2"]).await;
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
     let (client, conn) = h2::client::handshake(tls).await.unwrap();
     tokio::spawn(conn);

@@ -298,6 +298,40 @@ pub(super) async fn guest_tls(
     guest_tls_over(h, alpn, tcp, dial).await
 }
 
+/// A guest's TLS connection to [`HOST`] at `h`, intercepted, with the daemon behind an upstream
+/// CONNECT proxy (in-process, mapping `HOST:443` to `h`): the first tunnel by name, as the stack
+/// hands it over, and the route for more (an address the host cannot reach: only the proxy's
+/// name works). Returns the proxy (what it saw), the guest's TLS stream and the flow's task.
+pub(super) async fn guest_tls_behind_proxy(
+    h: &Harness,
+    alpn: &[&[u8]],
+) -> (
+    crate::network::upstream_proxy_testkit::TestProxy,
+    tokio_rustls::client::TlsStream<tokio::io::DuplexStream>,
+    tokio::task::JoinHandle<Result<(), InterceptError>>,
+) {
+    use crate::network::upstream_proxy::{self as up, Dial};
+    use crate::network::upstream_proxy_testkit::{self as kit, Rules};
+    let proxy = kit::start(Rules {
+        map: std::collections::HashMap::from([(format!("{HOST}:443"), h.addr)]),
+        ..Rules::default()
+    })
+    .await;
+    let p = std::sync::Arc::new(
+        up::resolve(Some(&format!("http://{}", proxy.addr)), Some(&[]), |_| None)
+            .unwrap()
+            .unwrap(),
+    );
+    let first = p
+        .tunnel(p.connect_proxy().await.unwrap(), HOST, 443)
+        .await
+        .unwrap();
+    let dial = Dial::route("192.0.2.50:443".parse().unwrap(), Some(HOST), Some(&p));
+    assert!(dial.via_proxy());
+    let (tls, task) = guest_tls_over(h, alpn, first, dial).await.unwrap();
+    (proxy, tls, task)
+}
+
 /// [`guest_tls`] with the stack's part given: the first upstream connection and the route of
 /// later ones (e.g. a tunnel through an upstream proxy).
 pub(super) async fn guest_tls_over(

@@ -210,30 +210,8 @@ async fn websocket_handshake_is_swapped_frames_flow_both_ways_and_are_scrubbed()
 
 #[tokio::test]
 async fn behind_the_upstream_proxy_the_upgrade_opens_its_own_tunnel_by_name() {
-    use crate::network::upstream_proxy::{self as up, Dial};
-    use crate::network::upstream_proxy_testkit::{self as kit, Rules};
     let h = ws_upstream().await;
-    let proxy = kit::start(Rules {
-        map: std::collections::HashMap::from([(format!("{HOST}:443"), h.addr)]),
-        ..Rules::default()
-    })
-    .await;
-    let p = std::sync::Arc::new(
-        up::resolve(Some(&format!("http://{}", proxy.addr)), Some(&[]), |_| None)
-            .unwrap()
-            .unwrap(),
-    );
-    // What the stack hands over: a tunnel to the name, and the route for more (an address the
-    // host cannot reach: only the proxy's name works).
-    let first = p
-        .tunnel(p.connect_proxy().await.unwrap(), HOST, 443)
-        .await
-        .unwrap();
-    let dial = Dial::route("192.0.2.50:443".parse().unwrap(), Some(HOST), Some(&p));
-    assert!(dial.via_proxy());
-    let (tls, _task) = super::tests::guest_tls_over(&h, &[b"http/1.1"], first, dial)
-        .await
-        .unwrap();
+    let (proxy, tls, _task) = super::tests::guest_tls_behind_proxy(&h, &[b"http/1.1"]).await;
     let (mut io, headers) = upgrade_on(tls).await;
     assert_eq!(headers["x-echo-auth"], format!("Bearer {PH}").as_str());
     io.write_all(&frame(1, true, b"hello", true)).await.unwrap();
