@@ -83,7 +83,9 @@ fn free_bytes(p: &Path) -> u64 {
     s.blocks_available() as u64 * s.fragment_size() as u64
 }
 
-/// Fill the filesystem of `root` until `LEAVE_MIB` are free; the ballast's path.
+/// Fill the filesystem of `root` until `LEAVE_MIB` are free; the ballast's path. The ballast is
+/// topped up until the target holds, because a running guest can free space between the
+/// measurement and the fallocate (its discards punch holes in its disk layer).
 fn fill(root: &Path) -> PathBuf {
     let ballast = root.join("ballast");
     let free = free_bytes(root);
@@ -92,16 +94,24 @@ fn fill(root: &Path) -> PathBuf {
         "only {free} bytes free before the ballast"
     );
     let f = std::fs::File::create(&ballast).unwrap();
-    nix::fcntl::fallocate(
-        &f,
-        nix::fcntl::FallocateFlags::empty(),
-        0,
-        (free - LEAVE_MIB * MIB) as i64,
-    )
-    .expect("fallocate the ballast");
-    let left = free_bytes(root);
-    assert!(left <= (LEAVE_MIB + 1) * MIB, "{left} bytes still free");
-    ballast
+    let mut len = 0u64;
+    let mut left = free;
+    for _ in 0..20 {
+        if left <= (LEAVE_MIB + 1) * MIB {
+            return ballast;
+        }
+        let more = left - LEAVE_MIB * MIB;
+        nix::fcntl::fallocate(
+            &f,
+            nix::fcntl::FallocateFlags::empty(),
+            len as i64,
+            more as i64,
+        )
+        .expect("fallocate the ballast");
+        len += more;
+        left = free_bytes(root);
+    }
+    panic!("{left} bytes still free after 20 top-ups of the ballast");
 }
 
 /// Sizes of everything in a sandbox's directory (for the failure messages).
