@@ -158,7 +158,10 @@ pub struct CreateSandboxRequest {
 /// Lifecycle of a sandbox. `creating -> ready -> (removing) -> removed`; `ready <-> paused`
 /// (pause to disk: no QEMU runs, memory and state are files; an exec, sync, diff or resume
 /// brings it back); any state may go to `failed` (VM died, boot failed); `failed` sandboxes
-/// can only be removed or restored. See docs/ARCHITECTURE.md, "Sandbox state machine".
+/// can only be removed or restored. `retired`: ended by the E2B face while other sandboxes
+/// still use its files or it still has snapshots to create sandboxes from: no VM runs, its
+/// directory stays until the last of those goes (then it is removed on its own). See
+/// docs/ARCHITECTURE.md, "Sandbox state machine".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SandboxState {
@@ -167,6 +170,7 @@ pub enum SandboxState {
     Failed,
     Removing,
     Paused,
+    Retired,
 }
 
 impl std::fmt::Display for SandboxState {
@@ -177,6 +181,7 @@ impl std::fmt::Display for SandboxState {
             SandboxState::Failed => "failed",
             SandboxState::Removing => "removing",
             SandboxState::Paused => "paused",
+            SandboxState::Retired => "retired",
         })
     }
 }
@@ -379,12 +384,16 @@ pub struct SnapshotList {
 
 /// `POST /v1/sandboxes/{id}/fork`: `count` new sandboxes (default 1, at most 32) that start
 /// from the current state of the sandbox (memory pages shared copy-on-write, disk through
-/// backing files).
+/// backing files), or, with `snapshot`, from that snapshot of it (the sandbox itself may be
+/// paused or retired then, and is left as it is).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ForkRequest {
     #[serde(default)]
     pub count: Option<u32>,
+    /// A snapshot of the sandbox (id or name) to start the children from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -254,6 +254,11 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/auto_pause/paged_all", json!(true));
     check("/snapshot/has_id", json!(true));
     check("/snapshot/after", json!("still here\n"));
+    // Sandbox.create(snapshot_id): the files of the snapshot's instant, in a new sandbox.
+    check("/snapshot/listed", json!(true));
+    check("/snapshot/child_new", json!(true));
+    check("/snapshot/child_sees", json!("before\n"));
+    check("/snapshot/source_sees", json!("after\n"));
     // E2B's network options as our policy (read from the sandboxes the step left running).
     let policy = |step: &str| {
         let id = at(&format!("/network/{step}"));
@@ -280,6 +285,20 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     );
     check("/kill_twice/first", json!(true));
     check("/kill_twice/second", json!(false));
+    // The snapshot outlives its killed source (retired, not removed), and once the snapshot
+    // and the sandboxes made from it are gone, so is the source's directory.
+    check("/snapshot_outlives_kill/seen", json!("before\n"));
+    check("/snapshot_outlives_kill/first_child", json!("alive\n"));
+    check("/snapshot_outlives_kill/listed", json!(true));
+    check("/snapshot_outlives_kill/killed", json!([true, true]));
+    check("/snapshot_outlives_kill/deleted", json!(true));
+    check("/snapshot_outlives_kill/deleted_again", json!(false));
+    assert!(
+        obs["left_behind"]
+            .as_array()
+            .is_some_and(|l| !l.iter().any(|x| *x == obs["sandbox_id"])),
+        "the killed source of the deleted snapshot was not reaped:\n{show}"
+    );
     // The timeout left its event (already stored: read from the start, bounded).
     let events = common::follow_events(d, "?since=0");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);

@@ -82,10 +82,44 @@ fn fork_children_share_the_past_not_the_future() {
         "no\n"
     );
 
+    // Children from a snapshot: the snapshot's instant, not the parent's now; the parent
+    // may be paused meanwhile and stays so.
+    let o = d.cli(&["snapshot", "create", &parent, "--name", "at-later"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(sh_out(&d, &parent, "echo latest > /root/pf").0, Some(0));
+    assert!(d.cli(&["pause", &parent]).status.success());
+    let o = d.cli(&["fork", &parent, "--from", "at-later"]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_text()
+    );
+    let from_snap = String::from_utf8_lossy(&o.stdout).trim().to_owned();
+    assert!(from_snap.starts_with("sbx_"), "{from_snap}");
+    assert_eq!(state(&d, &parent), "paused");
+    assert_eq!(sh_out(&d, &from_snap, "cat /root/pf").1, "later\n");
+    assert_eq!(
+        sh_out(&d, &from_snap, "hostname").1,
+        format!("{from_snap}\n")
+    );
+    // Deleting the snapshot leaves the sandbox made from it running.
+    let o = d.cli(&["snapshot", "rm", &parent, "at-later"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = d.request("GET", &format!("/v1/sandboxes/{parent}/snapshots"), None);
+    assert_eq!(r.json()["snapshots"], serde_json::json!([]), "{}", r.text());
+    assert_eq!(sh_out(&d, &from_snap, "echo ok").1, "ok\n");
+    let r = d.request(
+        "DELETE",
+        &format!("/v1/sandboxes/{parent}/snapshots/at-later"),
+        None,
+    );
+    assert_eq!(r.status, 404, "{}", r.text());
+
     // The parent holds the children's files: removing it first is refused.
     let r = d.request("DELETE", &format!("/v1/sandboxes/{parent}"), None);
     assert_eq!(r.status, 409, "{}", r.text());
-    for k in &kids {
+    for k in kids.iter().chain([&from_snap]) {
         assert!(d.cli(&["rm", k]).status.success());
     }
     assert!(d.cli(&["rm", &parent]).status.success());

@@ -1,14 +1,17 @@
-//! `tryboxi fork ID [--count N]`: prints one child id per line.
+//! `tryboxi fork ID [--count N] [--from SNAPSHOT]`: prints one child id per line.
 
 use crate::api;
 use crate::error::TopError;
 
-pub async fn run(id: String, count: u32) -> Result<(), TopError> {
+pub async fn run(id: String, count: u32, snapshot: Option<String>) -> Result<(), TopError> {
     let r: api::ForkResult = super::client()?
         .send(
             hyper::Method::POST,
             &format!("/v1/sandboxes/{id}/fork"),
-            Some(&api::ForkRequest { count: Some(count) }),
+            Some(&api::ForkRequest {
+                count: Some(count),
+                snapshot,
+            }),
         )
         .await?;
     for s in &r.sandboxes {

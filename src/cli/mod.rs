@@ -132,13 +132,18 @@ pub enum Command {
     /// Checkpoint a sandbox, or list its snapshots.
     #[command(subcommand)]
     Snapshot(snapshot::Cmd),
-    /// New sandboxes that start from the current state of a sandbox (prints their ids).
+    /// New sandboxes that start from the current state of a sandbox, or from one of its
+    /// snapshots (prints their ids).
     Fork {
         /// Sandbox id.
         id: String,
         /// How many children.
         #[arg(long, default_value_t = 1)]
         count: u32,
+        /// Start the children from this snapshot (id or name) of the sandbox instead of its
+        /// current state (the sandbox may be paused or retired).
+        #[arg(long, value_name = "SNAPSHOT")]
+        from: Option<String>,
     },
     /// Pause a sandbox to disk (any use resumes it).
     Pause {
@@ -309,7 +314,7 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Trace(a) => runtime()?.block_on(trace::run(a)),
         Command::Snapshot(c) => runtime()?.block_on(snapshot::run(c)),
         Command::Restore { id, snapshot } => runtime()?.block_on(snapshot::restore(id, snapshot)),
-        Command::Fork { id, count } => runtime()?.block_on(fork::run(id, count)),
+        Command::Fork { id, count, from } => runtime()?.block_on(fork::run(id, count, from)),
         Command::Pause { id } => runtime()?.block_on(pause::run(id, true)),
         Command::Resume { id } => runtime()?.block_on(pause::run(id, false)),
         Command::Port(a) => runtime()?.block_on(port::run(a)),

@@ -1,4 +1,4 @@
-//! `tryboxi snapshot create|ls` and `tryboxi restore`.
+//! `tryboxi snapshot create|ls|rm` and `tryboxi restore`.
 
 use crate::api;
 use crate::error::TopError;
@@ -16,6 +16,13 @@ pub enum Cmd {
     Ls {
         /// Sandbox id.
         id: String,
+    },
+    /// Delete a snapshot (sandboxes started from it keep running).
+    Rm {
+        /// Sandbox id.
+        id: String,
+        /// Snapshot id or name.
+        snapshot: String,
     },
 }
 
@@ -37,6 +44,10 @@ pub async fn run(cmd: Cmd) -> Result<(), TopError> {
                 s.duration_ms,
                 s.state_bytes
             );
+        }
+        Cmd::Rm { id, snapshot } => {
+            let s = client.delete_snapshot(&id, &snapshot).await?;
+            println!("{} deleted", s.id);
         }
         Cmd::Ls { id } => {
             let l: api::SnapshotList = client.get(&format!("/v1/sandboxes/{id}/snapshots")).await?;

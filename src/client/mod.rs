@@ -281,6 +281,17 @@ impl Client {
             .await
     }
 
+    /// `DELETE /v1/sandboxes/{id}/snapshots/{snapshot}` (id or name); sandboxes started from it
+    /// keep running.
+    pub async fn delete_snapshot(
+        &self,
+        id: &str,
+        snapshot: &str,
+    ) -> Result<api::Snapshot, ClientError> {
+        let path = format!("/v1/sandboxes/{}/snapshots/{}", seg(id), seg(snapshot));
+        self.send::<(), _>(Method::DELETE, &path, None).await
+    }
+
     /// `POST /v1/sandboxes/{id}/restore`: `snapshot` is an id or a name.
     pub async fn restore(&self, id: &str, snapshot: &str) -> Result<api::Sandbox, ClientError> {
         let path = format!("/v1/sandboxes/{}/restore", seg(id));

@@ -19,6 +19,8 @@ pub enum Action {
     Exec(String, api::ExecRequest, StreamFormat),
     CreateSnapshot(String, api::SnapshotRequest),
     ListSnapshots(String),
+    /// `DELETE /v1/sandboxes/{id}/snapshots/{snapshot}` (snapshot id or name, percent-decoded).
+    DeleteSnapshot(String, String),
     Restore(String, api::RestoreRequest),
     Fork(String, api::ForkRequest),
     Pause(String),
@@ -175,6 +177,7 @@ pub const ROUTES: &[(&str, &str)] = &[
         "POST",
         "/v1/sandboxes/{id}/network/requests/{req_id}/reject",
     ),
+    ("DELETE", "/v1/sandboxes/{id}/snapshots/{snapshot}"),
 ];
 
 /// Turn a full request (path with query, headers, body) into an action.
@@ -381,6 +384,10 @@ pub fn parse(
         (&Method::GET, ["v1", "sandboxes", id, "snapshots"]) => {
             Ok(Action::ListSnapshots(sandbox_id(id)?))
         }
+        (&Method::DELETE, ["v1", "sandboxes", id, "snapshots", snap]) => {
+            Ok(Action::DeleteSnapshot(sandbox_id(id)?, snapshot_ref(snap)?))
+        }
+        (_, ["v1", "sandboxes", _, "snapshots", _]) => Err(ApiError::method_not_allowed(method)),
         (&Method::POST, ["v1", "sandboxes", id, "restore"]) => {
             Ok(Action::Restore(sandbox_id(id)?, json(body)?))
         }
@@ -515,6 +522,19 @@ fn secret_json(body: &[u8]) -> Result<api::SetSecretRequest, ApiError> {
             e.column()
         ))
     })
+}
+
+/// A snapshot's id or name in a path, percent-decoded: 1-64 bytes of UTF-8 (400 otherwise).
+fn snapshot_ref(seg: &str) -> Result<String, ApiError> {
+    let s = percent_encoding::percent_decode_str(seg)
+        .decode_utf8()
+        .map_err(|_| ApiError::bad_request("the snapshot in the path is not UTF-8"))?;
+    if s.is_empty() || s.len() > 64 || s.contains(['/', '\0']) {
+        return Err(ApiError::bad_request(
+            "a snapshot id or name is 1-64 bytes, without `/` or NUL",
+        ));
+    }
+    Ok(s.into_owned())
 }
 
 /// A secret's name in a path: `[A-Z_][A-Z0-9_]{0,63}` (400 otherwise).

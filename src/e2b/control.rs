@@ -68,12 +68,6 @@ struct TimeoutBody {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-struct SnapshotBody {
-    name: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
 struct ForkBody {
     timeout: Option<u64>,
     count: Option<u32>,
@@ -133,7 +127,8 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Result<Response<Body
         }
         (&Method::DELETE, ["sandboxes", id]) => {
             own(face, id)?;
-            face.svc.remove_sandbox(id).await?;
+            // Retired rather than removed while its snapshots or forks need its files.
+            face.svc.retire_sandbox(id).await?;
             face.svc.e2b_forget(id)?;
             Ok(super::empty(StatusCode::NO_CONTENT))
         }
@@ -176,17 +171,10 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Result<Response<Body
         }
         (&Method::POST, ["sandboxes", id, "snapshots"]) => {
             own(face, id)?;
-            let b: SnapshotBody = parse(&body)?;
-            let snap = face
-                .svc
-                .create_snapshot(id, api::SnapshotRequest { name: b.name })
-                .await?;
-            let names: Vec<String> = snap.name.iter().cloned().collect();
-            Ok(super::json(
-                StatusCode::CREATED,
-                &json!({ "snapshotID": snap.id, "names": names }),
-            ))
+            super::snapshots::create(face, id, parse(&body)?).await
         }
+        (&Method::GET, ["snapshots"]) => super::snapshots::list(face, &query),
+        (&Method::DELETE, ["templates", id]) => super::snapshots::delete(face, id).await,
         (&Method::POST, ["sandboxes", id, "fork"]) => {
             let (rec, _) = own(face, id)?;
             let b: ForkBody = parse(&body)?;
@@ -281,7 +269,7 @@ fn template_for(face: &Face, id: &str) -> Result<String, E2bError> {
         return Ok(want.to_owned());
     }
     Err(bad(format!(
-        "template `{id}` is not available here; this machine has: {}",
+        "template `{id}` is not available here (nor a snapshot); this machine has: {}",
         ours.join(", ")
     )))
 }
@@ -469,17 +457,33 @@ async fn create(face: &Face, n: NewSandbox) -> Result<E2bSandbox, E2bError> {
     check_map("metadata", &metadata, MAX_METADATA, MAX_META_VALUE)?;
     let env_vars = n.env_vars.clone().unwrap_or_default();
     check_map("envVars", &env_vars, MAX_ENV_VARS, MAX_ENV_VALUE)?;
-    let template = template_for(face, &template_id)?;
-    let network = policy_for(&face.svc.config.network.default_policy, &n)?;
-    let req = api::CreateSandboxRequest {
-        workspace: Default::default(),
-        template: Some(template),
-        vcpus: None,
-        memory_mib: None,
-        network,
-        secrets: Vec::new(),
+    let sbx = match template_for(face, &template_id) {
+        Ok(template) => {
+            let network = policy_for(&face.svc.config.network.default_policy, &n)?;
+            let req = api::CreateSandboxRequest {
+                workspace: Default::default(),
+                template: Some(template),
+                vcpus: None,
+                memory_mib: None,
+                network,
+                secrets: Vec::new(),
+            };
+            face.svc.create_sandbox(req, None).await?
+        }
+        Err(not_a_template) => {
+            let Some(snap) = super::snapshots::resolve(face, &template_id)? else {
+                return Err(not_a_template);
+            };
+            // The new sandbox is the snapshot's sandbox as it was: its egress policy too.
+            if n.network.is_some() || n.allow_internet_access.is_some() {
+                return Err(bad(
+                    "a sandbox created from a snapshot keeps the snapshot's network policy; \
+                     leave out network and allow_internet_access",
+                ));
+            }
+            super::snapshots::start_from(face, &snap).await?
+        }
     };
-    let sbx = face.svc.create_sandbox(req, None).await?;
     let rec = E2bSandbox {
         sandbox_id: sbx.id.clone(),
         template_id,
@@ -514,6 +518,7 @@ async fn fork(face: &Face, parent: &E2bSandbox, b: ForkBody) -> Result<Response<
             &parent.sandbox_id,
             api::ForkRequest {
                 count: Some(b.count.unwrap_or(1)),
+                snapshot: None,
             },
         )
         .await?;

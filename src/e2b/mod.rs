@@ -27,6 +27,7 @@ mod metrics;
 mod ports;
 mod process;
 mod proto;
+mod snapshots;
 pub(crate) mod upload;
 mod watch;
 

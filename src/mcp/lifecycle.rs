@@ -95,7 +95,10 @@ impl SandboxServer {
             });
         }
         let id = self.target(a.sandbox_id).await?;
-        let req = api::ForkRequest { count: Some(count) };
+        let req = api::ForkRequest {
+            count: Some(count),
+            snapshot: None,
+        };
         let r = (self.inner.client.fork(&id, &req).await).map_err(|e| {
             ToolError::from_client(e, "fork", "POST /v1/sandboxes/{id}/fork", Some(&id))
         })?;

@@ -114,7 +114,8 @@ impl Service {
                 // (an SDK that saw `is_running() == false` and then connects gets a 404, as
                 // from E2B). A removal that fails puts the record back for the next tick.
                 let _ = self.e2b_forget(&id);
-                let r = self.remove_sandbox(&id).await.map(|_| ());
+                // Retired rather than removed while its snapshots or forks need its files.
+                let r = self.retire_sandbox(&id).await.map(|_| ());
                 if let Err(e) = &r
                     && !matches!(e, ServiceError::NotFound(_))
                 {

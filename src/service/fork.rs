@@ -65,58 +65,38 @@ impl Service {
         // The parent's lock is held until every child has its record (and lineage): a remove
         // of the parent waits, then sees the children that depend on its files. Each child's
         // own lock is taken under it (parent before child, never the reverse).
-        let (_life, parent, vm) = self.hold_ready(id).await?;
-        // All children together must be able to fit next to the parent; otherwise refuse now
-        // (before the checkpoint) rather than queue children that can never start.
-        self.ledger
-            .group_ever_fits(
-                super::scheduler::Resources::new(parent.api.vcpus, parent.api.memory_mib as u64),
-                count,
-                &[id],
-            )
-            .map_err(|e| ServiceError::Unavailable(format!("a fork of {count} children: {e}")))?;
-        let driver = self.driver()?;
-        let base_id = ids::new_id("fork_");
-        let base_dir = parent.dir.join("forks").join(&base_id);
-        let next = parent.dir.join(format!("disk-{base_id}.qcow2"));
-        // The fork base copies the parent's RAM, like a snapshot; refused up front when it
-        // cannot fit (the parent runs on untouched).
-        let what = format!("a fork of {id}");
-        self.ensure_room_for(
-            &parent.dir,
-            &what,
-            super::diskroom::checkpoint_bytes(&parent, true),
-        )?;
-        let cp = driver
-            .checkpoint(&vm.info, &base_dir, &next)
-            .await
-            .map_err(|e| {
-                ServiceError::of_write(
-                    &parent.dir,
-                    &what,
-                    &format!("cannot checkpoint `{id}`"),
-                    &e.to_string(),
-                )
-            })?;
-        let checkpoint_ms = t0.elapsed().as_millis() as u64;
-        // The parent's sync base goes with the fork base (the children's /workspace is the
-        // parent's at this instant).
-        let saved_base = base_dir.join("workspace");
-        if let Ok(m) = Base::new(parent.dir.join("workspace")).load() {
-            Base::new(saved_base.clone()).save(&m).map_err(|e| {
-                // No child uses the fork base yet: it goes.
-                if let Err(rm) = crate::safefs::remove_under(&parent.dir, &base_dir) {
-                    tracing::warn!(sandbox = %id, error = %rm, "cannot remove a failed fork base");
+        let (_life, parent, cp, saved_base, checkpoint_ms) = match &req.snapshot {
+            // From a snapshot: the parent may be paused or retired (no VM is needed).
+            Some(snap) => {
+                let (life, parent) = self.hold(id).await?;
+                if matches!(
+                    parent.api.state,
+                    SandboxState::Creating | SandboxState::Removing
+                ) {
+                    return Err(ServiceError::Conflict(format!(
+                        "sandbox `{id}` is {}",
+                        parent.api.state
+                    )));
                 }
-                ServiceError::of_write(
-                    &parent.dir,
-                    &what,
-                    "cannot save the sync base with the fork",
-                    &e.to_string(),
-                )
-            })?;
-        }
-        let kids = (0..count).map(|_| self.start_child(&parent, &cp, &saved_base));
+                let s = self.find_snapshot(id, snap)?;
+                self.children_fit(&parent, count)?;
+                let dir = s
+                    .checkpoint
+                    .state_file
+                    .parent()
+                    .map(Path::to_path_buf)
+                    .unwrap_or_default();
+                (life, parent, s.checkpoint, dir.join("workspace"), 0)
+            }
+            None => {
+                let (life, parent, vm) = self.hold_ready(id).await?;
+                let (cp, saved_base) = self.fork_base(id, &parent, &vm, count).await?;
+                let ms = t0.elapsed().as_millis() as u64;
+                (life, parent, cp, saved_base, ms)
+            }
+        };
+        let from = req.snapshot.as_deref();
+        let kids = (0..count).map(|_| self.start_child(&parent, &cp, &saved_base, from));
         let results = futures_util::future::join_all(kids).await;
         let mut sandboxes = Vec::new();
         let mut errors = Vec::new();
@@ -152,12 +132,79 @@ impl Service {
         })
     }
 
+    /// All `count` children together must be able to fit next to the parent; otherwise refuse
+    /// now rather than queue children that can never start.
+    fn children_fit(&self, parent: &SandboxRecord, count: u32) -> Result<(), ServiceError> {
+        self.ledger
+            .group_ever_fits(
+                super::scheduler::Resources::new(parent.api.vcpus, parent.api.memory_mib as u64),
+                count,
+                &[parent.api.id.as_str()],
+            )
+            .map_err(|e| ServiceError::Unavailable(format!("a fork of {count} children: {e}")))
+    }
+
+    /// Checkpoint the running parent into a new fork base (see the module doc): the
+    /// checkpoint and the sync base saved with it.
+    async fn fork_base(
+        &self,
+        id: &str,
+        parent: &SandboxRecord,
+        vm: &LiveVm,
+        count: u32,
+    ) -> Result<(Checkpoint, PathBuf), ServiceError> {
+        // Refused before the checkpoint when the children can never fit.
+        self.children_fit(parent, count)?;
+        let driver = self.driver()?;
+        let base_id = ids::new_id("fork_");
+        let base_dir = parent.dir.join("forks").join(&base_id);
+        let next = parent.dir.join(format!("disk-{base_id}.qcow2"));
+        // The fork base copies the parent's RAM, like a snapshot; refused up front when it
+        // cannot fit (the parent runs on untouched).
+        let what = format!("a fork of {id}");
+        self.ensure_room_for(
+            &parent.dir,
+            &what,
+            super::diskroom::checkpoint_bytes(parent, true),
+        )?;
+        let cp = driver
+            .checkpoint(&vm.info, &base_dir, &next)
+            .await
+            .map_err(|e| {
+                ServiceError::of_write(
+                    &parent.dir,
+                    &what,
+                    &format!("cannot checkpoint `{id}`"),
+                    &e.to_string(),
+                )
+            })?;
+        // The parent's sync base goes with the fork base (the children's /workspace is the
+        // parent's at this instant).
+        let saved_base = base_dir.join("workspace");
+        if let Ok(m) = Base::new(parent.dir.join("workspace")).load() {
+            Base::new(saved_base.clone()).save(&m).map_err(|e| {
+                // No child uses the fork base yet: it goes.
+                if let Err(rm) = crate::safefs::remove_under(&parent.dir, &base_dir) {
+                    tracing::warn!(sandbox = %id, error = %rm, "cannot remove a failed fork base");
+                }
+                ServiceError::of_write(
+                    &parent.dir,
+                    &what,
+                    "cannot save the sync base with the fork",
+                    &e.to_string(),
+                )
+            })?;
+        }
+        Ok((cp, saved_base))
+    }
+
     /// One child of a fork: record, clone, identity, sync base, ready.
     async fn start_child(
         self: &Arc<Self>,
         parent: &SandboxRecord,
         cp: &Checkpoint,
         saved_base: &Path,
+        snapshot: Option<&str>,
     ) -> Result<api::Sandbox, ServiceError> {
         let started = Instant::now();
         let id = ids::new_id(ids::SANDBOX);
@@ -222,7 +269,7 @@ impl Service {
                     "sandbox.forked",
                     &id,
                     None,
-                    serde_json::json!({"parent": parent.api.id}),
+                    serde_json::json!({"parent": parent.api.id, "snapshot": snapshot}),
                 );
                 Ok(rec.api)
             }
@@ -280,13 +327,7 @@ impl Service {
 
     /// Refuse to remove a sandbox whose directory other sandboxes' files depend on.
     pub(super) fn check_no_dependents(&self, rec: &SandboxRecord) -> Result<(), ServiceError> {
-        let recs: Vec<SandboxRecord> = self.store.list(SANDBOXES)?;
-        let deps: Vec<String> = recs
-            .iter()
-            .filter(|r| r.api.id != rec.api.id && r.api.state != SandboxState::Removing)
-            .filter(|r| read_lineage(&r.dir).depends_on.contains(&rec.dir))
-            .map(|r| r.api.id.clone())
-            .collect();
+        let deps = self.dependents(rec)?;
         if deps.is_empty() {
             Ok(())
         } else {
@@ -296,6 +337,17 @@ impl Service {
                 deps.join(", ")
             )))
         }
+    }
+
+    /// The sandboxes (retired ones included) whose files depend on `rec`'s directory.
+    pub(super) fn dependents(&self, rec: &SandboxRecord) -> Result<Vec<String>, ServiceError> {
+        let recs: Vec<SandboxRecord> = self.store.list(SANDBOXES)?;
+        Ok(recs
+            .iter()
+            .filter(|r| r.api.id != rec.api.id && r.api.state != SandboxState::Removing)
+            .filter(|r| read_lineage(&r.dir).depends_on.contains(&rec.dir))
+            .map(|r| r.api.id.clone())
+            .collect())
     }
 }
 

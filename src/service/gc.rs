@@ -390,6 +390,10 @@ impl Service {
             }
             report.items.push(item);
         }
+        // A retired sandbox whose last snapshot went is removed now.
+        if !req.dry_run {
+            self.reap_retired().await;
+        }
         // Cgroups of QEMUs that are gone (a VM that ended while no daemon ran). Not a file
         // under the data root, so not an item: an empty cgroup holds nothing.
         if !req.dry_run

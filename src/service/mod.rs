@@ -24,6 +24,7 @@ mod pause;
 mod pool;
 mod ports;
 pub mod pressure;
+mod retire;
 mod sandboxes;
 pub mod scheduler;
 mod secrets;

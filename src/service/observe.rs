@@ -58,6 +58,7 @@ impl Service {
             SandboxState::Paused,
             SandboxState::Failed,
             SandboxState::Removing,
+            SandboxState::Retired,
         ];
         let mut snap = metrics::Snapshot {
             sandboxes_by_state: states
@@ -69,6 +70,7 @@ impl Service {
                         SandboxState::Failed => "failed",
                         SandboxState::Removing => "removing",
                         SandboxState::Paused => "paused",
+                        SandboxState::Retired => "retired",
                     };
                     (label, recs.iter().filter(|r| r.api.state == *s).count())
                 })

@@ -195,15 +195,7 @@ impl Service {
                 rec.api.state
             )));
         }
-        let snap = self
-            .snapshots_of(id)?
-            .into_iter()
-            .find(|s| {
-                s.api.id == req.snapshot || s.api.name.as_deref() == Some(req.snapshot.as_str())
-            })
-            .ok_or_else(|| {
-                ServiceError::NotFound(format!("sandbox `{id}` has no snapshot `{}`", req.snapshot))
-            })?;
+        let snap = self.find_snapshot(id, &req.snapshot)?;
         let images = self.images()?;
         let driver = self.driver()?;
         let rootfs = self.template_rootfs(&images, &rec.api.template)?;

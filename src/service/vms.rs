@@ -421,13 +421,18 @@ impl Service {
     /// Waits for the operation in flight on the sandbox (its lifecycle lock); callers queued
     /// behind the remove then find no sandbox.
     pub async fn remove_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
-        match self.life.service() {
+        let removed = match self.life.service() {
             Some(svc) => {
                 let id = id.to_owned();
                 super::locks::to_the_end(async move { svc.remove_held(&id).await }).await
             }
             None => self.remove_held(id).await,
+        };
+        if removed.is_ok() {
+            // It may have been the last user of a retired sandbox's files.
+            self.reap_soon();
         }
+        removed
     }
 
     async fn remove_held(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
@@ -491,9 +496,12 @@ impl Service {
                 }
                 // No QEMU: `start_lifecycle` resumes what a shutdown paused (and reserves).
                 SandboxState::Paused => {}
+                // No QEMU, nothing reserved: reaped below once nothing needs its files.
+                SandboxState::Retired => self.kill_leftover(&rec.dir).await,
             }
         }
         self.rebind_ports().await;
+        self.reap_retired().await;
         self.clean_incomplete_golden().await;
         // Cgroups of QEMUs that ended while no daemon ran (a running one is never removed).
         if let Ok(d) = &self.vms.driver {

@@ -409,11 +409,25 @@ def _():
             "paged_all": sorted(sum(pages, [])) == sorted([sbx.sandbox_id, s.sandbox_id])}
 
 
+SNAP = {}
+
+
 @step("snapshot")
 def _():
+    sbx.commands.run("echo before > /home/user/snap.txt")
     snap = sbx.create_snapshot()
-    r = sbx.commands.run("echo still here").stdout
-    return {"has_id": bool(snap.snapshot_id), "after": r}
+    SNAP["id"] = snap.snapshot_id
+    r = sbx.commands.run("echo after > /home/user/snap.txt; echo still here").stdout
+    listed = [s.snapshot_id for s in
+              Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()]
+    # E2B's snapshot workflow: a new sandbox from the snapshot has the files (and memory) of
+    # that instant, not what the source did afterwards.
+    child = Sandbox.create(snap.snapshot_id, timeout=600)
+    SNAP["child"] = child
+    seen = child.commands.run("cat /home/user/snap.txt").stdout
+    return {"has_id": bool(snap.snapshot_id), "after": r, "listed": listed == [snap.snapshot_id],
+            "child_new": child.sandbox_id not in (sbx.sandbox_id, ""), "child_sees": seen,
+            "source_sees": sbx.commands.run("cat /home/user/snap.txt").stdout}
 
 
 @step("network")
@@ -429,6 +443,20 @@ def _():
 @step("kill_twice")
 def _():
     return {"first": sbx.kill(), "second": sbx.kill()}
+
+
+@step("snapshot_outlives_kill")
+def _():
+    # The source is killed (above); its snapshot still makes sandboxes, its first child runs
+    # on, and deleting the snapshot once they are gone lets the source's files go.
+    again = Sandbox.create(SNAP["id"], timeout=600)
+    seen = again.commands.run("cat /home/user/snap.txt").stdout
+    first = SNAP["child"].commands.run("echo alive").stdout
+    listed = [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+    killed = [again.kill(), SNAP["child"].kill()]
+    return {"seen": seen, "first_child": first, "listed": SNAP["id"] in listed,
+            "killed": killed, "deleted": Sandbox.delete_snapshot(SNAP["id"]),
+            "deleted_again": Sandbox.delete_snapshot(SNAP["id"])}
 
 
 print(json.dumps(obs))

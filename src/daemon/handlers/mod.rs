@@ -46,6 +46,7 @@ pub async fn handle(
         Action::Exec(id, req, format) => exec::exec(svc, &id, req, format).await,
         Action::CreateSnapshot(id, req) => snapshots::create(svc, &id, req).await,
         Action::ListSnapshots(id) => snapshots::list(svc, &id),
+        Action::DeleteSnapshot(id, snap) => snapshots::delete(svc, &id, &snap).await,
         Action::Restore(id, req) => snapshots::restore(svc, &id, req).await,
         Action::Fork(id, req) => lifecycle::fork(svc, &id, req).await,
         Action::Pause(id) => lifecycle::pause(svc, &id).await,

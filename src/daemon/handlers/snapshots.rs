@@ -1,4 +1,4 @@
-//! `/v1/sandboxes/{id}/snapshots` and `/v1/sandboxes/{id}/restore`.
+//! `/v1/sandboxes/{id}/snapshots[/{snapshot}]` and `/v1/sandboxes/{id}/restore`.
 
 use std::sync::Arc;
 
@@ -21,6 +21,13 @@ pub async fn create(
 
 pub fn list(svc: &Service, id: &str) -> Result<Response<Body>, ApiError> {
     Ok(response::json(StatusCode::OK, &svc.list_snapshots(id)?))
+}
+
+pub async fn delete(svc: &Arc<Service>, id: &str, snap: &str) -> Result<Response<Body>, ApiError> {
+    Ok(response::json(
+        StatusCode::OK,
+        &svc.delete_snapshot(id, snap).await?,
+    ))
 }
 
 pub async fn restore(
