@@ -384,6 +384,11 @@ fn the_e2b_js_sdk_runs_unchanged_on_node() {
     check("/watch_dir/moved_created", json!(true));
     check("/watch_dir/rename_prompt", json!(true));
     check("/list/mine", json!([obs["sandbox_id"].clone()]));
+    check("/snapshot/seen", json!("js-before\n"));
+    check("/snapshot/listed", json!(true));
+    check("/snapshot/killed", json!(true));
+    check("/snapshot/deleted", json!(true));
+    check("/snapshot/deleted_again", json!(false));
     check("/kill/first", json!(true));
     check("/kill/second", json!(false));
 }

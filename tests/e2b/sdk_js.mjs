@@ -87,6 +87,22 @@ await step('list', async () => {
   return { mine: page.map((s) => s.sandboxId) }
 })
 
+await step('snapshot', async () => {
+  // Sandbox.create(snapshotId): the snapshot's files, not what the source did afterwards.
+  await sbx.commands.run('echo js-before > /home/user/s.txt')
+  const snap = await sbx.createSnapshot()
+  await sbx.commands.run('echo js-after > /home/user/s.txt')
+  const child = await Sandbox.create(snap.snapshotId, { timeoutMs: 600_000 })
+  const seen = (await child.commands.run('cat /home/user/s.txt')).stdout
+  const listed = (await Sandbox.listSnapshots({ sandboxId: sbx.sandboxId }).nextItems())
+    .map((s) => s.snapshotId)
+  const killed = await child.kill()
+  const deleted = await Sandbox.deleteSnapshot(snap.snapshotId)
+  const deletedAgain = await Sandbox.deleteSnapshot(snap.snapshotId)
+  return { seen, listed: listed.length === 1 && listed[0] === snap.snapshotId, killed, deleted,
+    deleted_again: deletedAgain }
+})
+
 await step('kill', async () => ({ first: await sbx.kill(), second: await Sandbox.kill(sbx.sandboxId) }))
 
 console.log(JSON.stringify(obs))
