@@ -319,8 +319,8 @@ pub fn section(r: &DensityRows, date: &str) -> Result<String> {
     writeln!(
         md,
         "Measured on {date}, accel **{}**, the daemon's default config (1024 MiB, 2 vCPUs, \
-         warm pool of 1); host load average at the start {}, at the end {} (a shared, loaded \
-         machine: other builds and VMs ran alongside). Asked for {} forks of one sandbox and \
+         warm pool of 1); host load average at the start {}, at the end {} (the end's \
+         includes the run's own VMs). Asked for {} forks of one sandbox and \
          {} independent creates; alive when measured: {} forks + {} creates + the parent, \
          {} QEMUs in all (the warm pool's included). Idle window {:.0} s after {} s of quiet; \
          then one warm-up `true` in each sandbox and {RANDOM_EXECS} `true` on random ones. \
