@@ -197,7 +197,10 @@ fn a_full_data_root_refuses_snapshot_pause_and_create_up_front_and_loses_nothing
         free_bytes(&root) / MIB,
         listing(&dir)
     );
-
+    // The guest's free page reports punch its RAM file and shrink its data (what a snapshot
+    // copies) until the daemon reserves the space again: the ballast goes in once that has
+    // settled, or a snapshot refused now fits a moment later (ci11).
+    wait_reserve_settled(&dir.join("mem.ram"), &dir);
     let ballast = fill(&root);
 
     // Snapshot: refused before writing anything; the sandbox runs on.
@@ -275,6 +278,7 @@ fn a_snapshot_that_runs_out_of_space_removes_its_partial_files() {
     let id = create(&d, ws.path());
     let dir = root.join("sandboxes").join(&id);
     assert_eq!(sh_out(&d, &id, "echo before > /root/f; echo ok").1, "ok\n");
+    wait_reserve_settled(&dir.join("mem.ram"), &dir);
     let ram = common_ram(&dir);
     assert!(
         ram > LEAVE_MIB * MIB,
@@ -456,6 +460,7 @@ fn a_full_data_root_refuses_sync_fork_and_apply_and_loses_nothing() {
     assert_eq!(code, Some(0));
     // A new host file for the next sync.
     std::fs::write(ws.path().join("new.txt"), vec![b'n'; BIG]).unwrap();
+    wait_reserve_settled(&dir.join("mem.ram"), &dir);
     let ballast = fill(&root);
 
     // Sync: refused before sending; the VM has not got the file; the sandbox runs on.
