@@ -63,7 +63,8 @@ def _():
 
 @step("state")
 def _():
-    first = sbx.run_code("x = 1")
+    # The first call waits for the kernel to start (slow under TCG on a loaded machine).
+    first = sbx.run_code("x = 1", timeout=300, request_timeout=300)
     # The first call waits for the kernel: how long from create is worth seeing.
     obs["first_run_s"] = round(time.monotonic() - t0, 1)
     second = sbx.run_code("x + 1")

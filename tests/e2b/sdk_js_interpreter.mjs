@@ -19,7 +19,9 @@ const sbx = await Sandbox.create({ envs: { FROM_CREATE: 'j1' }, timeoutMs: 600_0
 obs.sandbox_id = sbx.sandboxId
 
 await step('state', async () => {
-  const first = await sbx.runCode('x = 41')
+  // The first call waits for the kernel to start in the guest: under TCG on a loaded machine
+  // that can take longer than the SDK's default 60 s request timeout (ci12).
+  const first = await sbx.runCode('x = 41', { timeoutMs: 300_000, requestTimeoutMs: 300_000 })
   const out = []
   const r = await sbx.runCode('import os\nprint("hi", os.environ.get("FROM_CREATE"))\nx + 1', {
     onStdout: (m) => out.push(m.line),
