@@ -148,8 +148,11 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     use serde_json::json;
     // commands.run: callbacks, env from create and from the run, user `user` in its home.
     check("/idempotent_create/same", json!(true));
-    // get_metrics: one sample read in the guest (SMALL_VMS: 1 vCPU).
-    check("/metrics/samples", json!(1));
+    // get_metrics: a sample at once, a history every 5 s, `start`/`end` (SMALL_VMS: 1 vCPU).
+    check("/metrics/first_call", json!(true));
+    check("/metrics/history", json!(true));
+    check("/metrics/range_one", json!(true));
+    check("/metrics/range_from", json!(true));
     check("/metrics/cpu_count", json!(1));
     check("/metrics/cpu_pct_ok", json!(true));
     check("/metrics/mem_ok", json!(true));

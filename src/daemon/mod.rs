@@ -213,12 +213,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
     tracing::info!(socket = %sock.display(), tcp = ?shared.svc.config.tcp_listen, tls = tls.is_some(), root = %paths.root.display(), "tryboxi daemon listening");
 
     if let Some((l, e2b_tls)) = e2b {
-        let face = Arc::new(crate::e2b::Face {
-            svc: svc.clone(),
-            token: shared.token.clone(),
-            watchers: Default::default(),
-            idempotency: Default::default(),
-        });
+        let face = crate::e2b::Face::start(svc.clone(), shared.token.clone());
         let (cfg, tx) = (shared.svc.config.http.clone(), shutdown_tx.clone());
         tokio::spawn(async move { crate::e2b::listen::run(l, e2b_tls, &cfg, face, tx).await });
     }

@@ -182,7 +182,7 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Result<Response<Body
         }
         (&Method::GET, ["sandboxes", id, "metrics"]) => {
             let (rec, sbx) = own(face, id)?;
-            let list = super::metrics::sample(face, &rec, &sbx).await?;
+            let list = super::metrics::list(face, &rec, &sbx, &query).await?;
             Ok(super::json(StatusCode::OK, &list))
         }
         _ => Err(E2bError::new(

@@ -21,6 +21,7 @@ mod files;
 mod filesystem;
 #[cfg(test)]
 mod fuzzing;
+pub mod history;
 pub mod idempotency;
 pub mod listen;
 mod metrics;
@@ -61,6 +62,23 @@ pub struct Face {
     pub watchers: watch::Watchers,
     /// `Idempotency-Key`s of creates (see [`idempotency`]).
     pub idempotency: idempotency::Keys,
+    /// Every sandbox's metrics samples (see [`history`]).
+    pub history: Arc<history::History>,
+}
+
+impl Face {
+    /// The face of `svc` with API key `token`, its metrics sampler started.
+    pub fn start(svc: Arc<Service>, token: String) -> Arc<Face> {
+        let face = Arc::new(Face {
+            svc,
+            token,
+            watchers: Default::default(),
+            idempotency: Default::default(),
+            history: Default::default(),
+        });
+        history::spawn(&face);
+        face
+    }
 }
 
 /// An error in E2B's control-plane shape: `{"code": <http status>, "message": "..."}`.

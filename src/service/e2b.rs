@@ -55,6 +55,20 @@ pub fn new_token() -> String {
 }
 
 impl Service {
+    /// The running VM of `id`, for the E2B face's metrics; `None` when it has none (paused,
+    /// starting, retired).
+    pub fn e2b_vm(&self, id: &str) -> Option<crate::e2b::history::VmRef> {
+        let rec = self.record(id).ok()?;
+        let live = self.vms.live.lock().ok()?;
+        let vm = live.get(id)?;
+        Some(crate::e2b::history::VmRef {
+            pid: vm.info.pid,
+            dir: vm.info.dir.clone(),
+            vcpus: rec.api.vcpus,
+            memory_mib: rec.api.memory_mib,
+        })
+    }
+
     pub fn e2b_put(&self, rec: &E2bSandbox) -> Result<(), ServiceError> {
         Ok(self.store.put(E2B_SANDBOXES, &rec.sandbox_id, rec)?)
     }

@@ -661,7 +661,7 @@ impl VmmDriver for QemuDriver {
 }
 
 mod args;
-mod budget;
+pub(crate) mod budget;
 mod clone;
 pub mod logs;
 pub mod ramfile;

@@ -62,10 +62,22 @@ def _():
     m = sbx.get_metrics()
     if not m:
         return {"samples": 0}
+    first = len(m)
+    # The history gains a sample every 5 s: wait (bounded) for a second one.
+    deadline = time.time() + 60
+    while len(m) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+        m = sbx.get_metrics()
     x = m[-1]
-    return {"samples": len(m), "cpu_count": x.cpu_count,
-            "cpu_pct_ok": 0.0 <= x.cpu_used_pct <= 100.0,
-            "mem_ok": 0 < x.mem_used < x.mem_total, "disk_ok": 0 < x.disk_used < x.disk_total}
+    t0 = m[0].timestamp
+    one = sbx.get_metrics(start=t0, end=t0)
+    later = sbx.get_metrics(start=m[-1].timestamp)
+    return {"first_call": first >= 1, "history": len(m) >= 2, "cpu_count": x.cpu_count,
+            "range_one": len(one) == 1 and one[0].timestamp == t0,
+            "range_from": len(later) >= 1 and all(s.timestamp >= m[-1].timestamp for s in later),
+            "cpu_pct_ok": all(0.0 <= s.cpu_used_pct <= 100.0 for s in m),
+            "mem_ok": all(0 < s.mem_used <= s.mem_total for s in m),
+            "disk_ok": all(0 < s.disk_used < s.disk_total for s in m)}
 
 
 @step("exit_code")
