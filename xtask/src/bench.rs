@@ -36,8 +36,8 @@ use crate::daemon::{Daemon, rss_kib};
 use crate::http;
 use crate::util;
 
-const MEM_MIB: u32 = 512;
-const VCPUS: u32 = 1;
+pub(crate) const MEM_MIB: u32 = 512;
+pub(crate) const VCPUS: u32 = 1;
 
 pub fn run(
     reps: usize,
@@ -530,7 +530,7 @@ pub fn run_density_only(args: crate::bench_density::DensityArgs) -> Result<()> {
 
 /// `old` with the section under `heading` (up to the next `## `) replaced by `sec`; without
 /// one, `sec` goes before the workspace section, else before the hand-measured one, else last.
-fn replace_section(old: &str, heading: &str, sec: &str) -> String {
+pub(crate) fn replace_section(old: &str, heading: &str, sec: &str) -> String {
     if let Some(start) = old.find(heading) {
         let rest = &old[start + heading.len()..];
         let end = rest

@@ -7,6 +7,7 @@
 //! install in `~/.cargo/bin`.
 
 mod bench;
+mod bench_against;
 mod bench_curves;
 mod bench_curves_plot;
 mod bench_density;
@@ -157,6 +158,14 @@ enum Cmd {
         /// Wall-clock budget of row (p), in seconds: it stops early and says so past it.
         #[arg(long, default_value_t = 1800)]
         density_budget_secs: u64,
+        /// Only the core rows, for REV (a commit, built in a worktree by its own xtask) and
+        /// for this checkout, interleaved in one run, with the ratios; replaces that section
+        /// of BENCHMARKS.md.
+        #[arg(long, value_name = "REV", conflicts_with_all = ["secrets_only", "workspace_only", "e2b_only", "load_only", "curves_only", "density_only"])]
+        against: Option<String>,
+        /// Rounds of `--against` (one daemon of each build per round, alternating order).
+        #[arg(long, default_value_t = 3)]
+        against_rounds: usize,
     },
 }
 
@@ -228,6 +237,12 @@ fn main() -> Result<()> {
             rss_limit_mb,
             malloc_limit_mb,
         }),
+        Cmd::Bench {
+            against: Some(rev),
+            against_rounds,
+            reps,
+            ..
+        } => bench_against::run(&rev, against_rounds, reps),
         Cmd::Bench {
             curves_only: true,
             curve_sizes,
