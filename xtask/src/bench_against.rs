@@ -209,8 +209,11 @@ fn measure(
     salt: u64,
     s: &mut Samples,
 ) -> Result<()> {
+    // A strict vCPU limit with room for the fork of 10 (the old scheduler's default is lower).
     let config = format!(
-        "default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n[pool]\ngolden = false\n"
+        "default_memory_mib = {MEM_MIB}\ndefault_vcpus = {VCPUS}\n[pool]\ngolden = false\n\
+         [limits]\nmax_vcpus = {}\n",
+        VCPUS * (FORKS as u32 + 4)
     );
     let d = Daemon::start(&b.bin, home, &b.artifacts, &config)?;
     let sock = d.socket();
