@@ -308,7 +308,15 @@ fn measure(
     }
     s[6].push(took);
     let rows = ws_rows(&sock, &id, &big, reps, salt, s);
-    // The tree goes back for the next daemon (with this one's changes: new content next time).
+    // The tree goes back for the next daemon (with this one's changes: new content next time),
+    // without the files the diff rows added.
+    for i in 0..reps {
+        let added = big.join(format!("d{:02}/f001.txt", i % crate::bench::WS_DIRS));
+        match std::fs::remove_file(&added) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+            _ => {}
+        }
+    }
     std::fs::rename(&big, tree)?;
     rows?;
     delete(&sock, &id)?;
