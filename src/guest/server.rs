@@ -432,13 +432,18 @@ async fn request(
                 lock(&rt).remove(&stream);
             });
         }
-        Request::WalkSince { path, skip, since } => {
+        Request::WalkSince {
+            path,
+            skip,
+            since,
+            stat_all,
+        } => {
             let sem = Arc::new(Semaphore::new(WINDOW));
             lock(routes).insert(stream, Route::Read(sem.clone()));
             let (ob, rt) = (outbox.clone(), routes.clone());
             let cache = agent.walks.clone();
             tokio::spawn(async move {
-                super::tree::walk_since(cache, path, skip, since, ob, stream, sem).await;
+                super::tree::walk_since(cache, path, skip, since, stat_all, ob, stream, sem).await;
                 lock(&rt).remove(&stream);
             });
         }

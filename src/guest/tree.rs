@@ -261,6 +261,7 @@ fn walk_into(
             mtime: md.mtime(),
             mtime_nsec: md.mtime_nsec() as u32,
             link,
+            base: false,
         });
         if kind == FileKind::Dir {
             walk_into(root, &p, skip, out, work)?;
@@ -276,6 +277,7 @@ pub async fn walk_since(
     path: String,
     skip: Vec<String>,
     since: Option<crate::rpc::msg::WalkCursor>,
+    stat_all: bool,
     outbox: Arc<Outbox>,
     stream: u32,
     credit: Arc<Semaphore>,
@@ -286,7 +288,7 @@ pub async fn walk_since(
     let res = tokio::task::spawn_blocking(move || {
         let root: PathBuf = check_path(&path)?;
         let mut slot = cache.lock().unwrap_or_else(|p| p.into_inner());
-        let d = super::watch::walk_since(&mut slot, &root, &skip, since)
+        let d = super::watch::walk_since(&mut slot, &root, &skip, since, stat_all)
             .map_err(|e| RemoteError::from_io(&format!("walk {}", root.display()), &e))?;
         let n = d.entries.len() + d.removed.len();
         crate::rpc::frame::encode_answer(&d).map_err(|e| too_many(n, e))

@@ -63,6 +63,14 @@ pub struct WalkCache {
     linked: HashSet<String>,
     epoch: u64,
     generation: u64,
+    /// While the first walk runs over the workspace overlay: its upper directory, so files
+    /// still taken from the base disk are listed without a stat (see [`Self::upper_names`]).
+    upper: Option<PathBuf>,
+    /// Directories of that walk whose entries are all stated (their lower directory is
+    /// elsewhere, or their upper one could not be read).
+    stat_under: HashSet<String>,
+    /// Whether this cache holds (or held) `base` entries.
+    has_base: bool,
 }
 
 /// Why the cache cannot be trusted any more (a full walk follows).
@@ -105,7 +113,33 @@ fn entry(rel: &str, abs: &Path, md: &std::fs::Metadata) -> WalkEntry {
         mtime: md.mtime(),
         mtime_nsec: md.mtime_nsec() as u32,
         link,
+        base: false,
     }
+}
+
+/// An entry for a file not stated (see [`WalkEntry::base`]).
+fn base_entry(rel: &str, kind: FileKind) -> WalkEntry {
+    WalkEntry {
+        path: rel.to_owned(),
+        kind,
+        size: 0,
+        mode: 0,
+        mtime: 0,
+        mtime_nsec: 0,
+        link: None,
+        base: true,
+    }
+}
+
+/// Whether `path` (not followed) has the extended attribute `name`.
+fn has_xattr(path: &Path, name: &std::ffi::CStr) -> bool {
+    let Ok(p) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: both pointers are valid NUL-terminated strings for the call; a zero size with a
+    // null buffer only asks for the value's length, nothing is written.
+    let n = unsafe { libc::lgetxattr(p.as_ptr(), name.as_ptr(), std::ptr::null_mut(), 0) };
+    n >= 0
 }
 
 /// Best effort: room for the watches and events of a big repo (the agent is PID 1 and root).
@@ -122,8 +156,23 @@ pub fn raise_limits() {
 }
 
 impl WalkCache {
-    /// Walk `root` whole, watching every directory.
-    pub fn build(root: &Path, skip: &[String]) -> std::io::Result<WalkCache> {
+    /// Walk `root` whole, watching every directory. Unless `stat_all`, when `root` is the
+    /// workspace overlay the files it still takes from the base disk are `base` entries.
+    pub fn build(root: &Path, skip: &[String], stat_all: bool) -> std::io::Result<WalkCache> {
+        let upper = if stat_all {
+            None
+        } else {
+            super::wsbase::overlay_upper(root)
+        };
+        Self::build_over(root, skip, upper)
+    }
+
+    /// [`Self::build`] of an overlay whose upper directory is `upper` (`None`: state all).
+    fn build_over(
+        root: &Path,
+        skip: &[String],
+        upper: Option<PathBuf>,
+    ) -> std::io::Result<WalkCache> {
         raise_limits();
         let ino = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
         let mut c = WalkCache {
@@ -136,12 +185,51 @@ impl WalkCache {
             linked: HashSet::new(),
             epoch: epoch(),
             generation: 1,
+            upper,
+            stat_under: HashSet::new(),
+            has_base: false,
         };
         c.scan_dir("", 1).map_err(|e| match e {
             ScanError::Io(e) => e,
             ScanError::Lost => std::io::Error::other("cannot watch the tree (watch limit?)"),
         })?;
+        c.upper = None;
+        c.stat_under = HashSet::new();
         Ok(c)
+    }
+
+    /// For the first walk over the workspace overlay: the names directory `rel` has in the
+    /// overlay's upper layer (every other name is a file still on the base disk, as the first
+    /// sync wrote it), or `None` when all its entries must be stated: no overlay, or the
+    /// directory's lower layer is not the base disk's directory of the same path (it or a
+    /// parent was renamed, `trusted.overlay.redirect`, or replaced, `trusted.overlay.opaque`),
+    /// or its upper directory cannot be read.
+    fn upper_names(&mut self, rel: &str) -> Option<HashSet<std::ffi::OsString>> {
+        let upper = self.upper.as_ref()?;
+        let parent = rel.rsplit_once('/').map_or("", |(p, _)| p);
+        if !rel.is_empty() && self.stat_under.contains(parent) {
+            self.stat_under.insert(rel.to_owned());
+            return None;
+        }
+        let dir = upper.join(rel);
+        let names = match std::fs::symlink_metadata(&dir) {
+            // Nothing of it was written in the VM.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(HashSet::new()),
+            Ok(md)
+                if md.is_dir()
+                    && !has_xattr(&dir, c"trusted.overlay.redirect")
+                    && !has_xattr(&dir, c"trusted.overlay.opaque") =>
+            {
+                std::fs::read_dir(&dir)
+                    .ok()
+                    .map(|rd| rd.flatten().map(|e| e.file_name()).collect())
+            }
+            _ => None,
+        };
+        if names.is_none() {
+            self.stat_under.insert(rel.to_owned());
+        }
+        names
     }
 
     pub fn same_root(&self, root: &Path, skip: &[String]) -> bool {
@@ -171,13 +259,30 @@ impl WalkCache {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && !rel.is_empty() => return Ok(()),
             Err(e) => return Err(ScanError::Io(e)),
         };
-        let mut names: Vec<_> = rd.flatten().map(|e| e.file_name()).collect();
-        names.sort();
-        for name in names {
-            let Some(name) = name.to_str().map(str::to_owned) else {
+        let upper = self.upper_names(rel);
+        let mut names: Vec<_> = rd
+            .flatten()
+            .map(|e| (e.file_name(), e.file_type().ok()))
+            .collect();
+        names.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, ft) in names {
+            let Some(s) = name.to_str().map(str::to_owned) else {
                 continue;
             };
-            let child = join(rel, &name);
+            let child = join(rel, &s);
+            // A file the overlay still takes from the base disk: as the first sync wrote it
+            // (its record is the host's); no stat, which is what a first walk of a big tree
+            // spent its time on (cold inodes read from the emulated disk).
+            let kind = ft.map(FileKind::of);
+            if let (Some(up), Some(kind @ (FileKind::File | FileKind::Symlink))) = (&upper, kind)
+                && !up.contains(&name)
+            {
+                SCANNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.has_base = true;
+                self.entries
+                    .insert(child.clone(), (base_entry(&child, kind), generation));
+                continue;
+            }
             self.restat(&child, generation)?;
         }
         Ok(())
@@ -376,8 +481,12 @@ pub fn walk_since(
     root: &Path,
     skip: &[String],
     since: Option<WalkCursor>,
+    stat_all: bool,
 ) -> std::io::Result<WalkDelta> {
-    if let Some(c) = slot.as_mut().filter(|c| c.same_root(root, skip)) {
+    if let Some(c) = slot
+        .as_mut()
+        .filter(|c| c.same_root(root, skip) && !(stat_all && c.has_base))
+    {
         match c.since(since) {
             Ok(d) => return Ok(d),
             Err(Lost) => tracing::warn!(root = %root.display(), "walk cache lost; walking again"),
@@ -395,7 +504,7 @@ pub fn walk_since(
             removed: Vec::new(),
         });
     }
-    let c = WalkCache::build(root, skip)?;
+    let c = WalkCache::build(root, skip, stat_all)?;
     let d = c.full();
     *slot = Some(c);
     Ok(d)
@@ -422,7 +531,7 @@ mod tests {
             }
         }
         fn sync(&mut self, slot: &mut Option<WalkCache>, root: &Path) {
-            let d = walk_since(slot, root, &[".git".into()], self.cursor).unwrap();
+            let d = walk_since(slot, root, &[".git".into()], self.cursor, false).unwrap();
             if d.full {
                 self.map.clear();
                 self.fulls += 1;
@@ -440,7 +549,7 @@ mod tests {
     /// What a plain full walk sees now.
     fn truth(root: &Path) -> BTreeMap<String, WalkEntry> {
         let mut slot = None;
-        let d = walk_since(&mut slot, root, &[".git".into()], None).unwrap();
+        let d = walk_since(&mut slot, root, &[".git".into()], None, false).unwrap();
         d.entries.into_iter().map(|e| (e.path.clone(), e)).collect()
     }
 
@@ -478,7 +587,7 @@ mod tests {
 
         // Nothing changed: an empty delta.
         let before = m.cursor;
-        let delta = walk_since(&mut slot, root, &[".git".into()], before).unwrap();
+        let delta = walk_since(&mut slot, root, &[".git".into()], before, false).unwrap();
         assert!(!delta.full && delta.entries.is_empty() && delta.removed.is_empty());
 
         write(root, "src/f1.rs", "edited, same dir");
@@ -541,14 +650,14 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         write(d.path(), "x", "1");
         let mut slot = None;
-        let first = walk_since(&mut slot, d.path(), &[], None).unwrap();
+        let first = walk_since(&mut slot, d.path(), &[], None, false).unwrap();
         let c = first.cursor;
         let future = WalkCursor {
             epoch: c.epoch,
             generation: c.generation + 5,
         };
         assert!(
-            walk_since(&mut slot, d.path(), &[], Some(future))
+            walk_since(&mut slot, d.path(), &[], Some(future), false)
                 .unwrap()
                 .full
         );
@@ -557,10 +666,125 @@ mod tests {
             generation: c.generation,
         };
         assert!(
-            walk_since(&mut slot, d.path(), &[], Some(other))
+            walk_since(&mut slot, d.path(), &[], Some(other), false)
                 .unwrap()
                 .full
         );
-        assert!(!walk_since(&mut slot, d.path(), &[], Some(c)).unwrap().full);
+        assert!(
+            !walk_since(&mut slot, d.path(), &[], Some(c), false)
+                .unwrap()
+                .full
+        );
+    }
+
+    /// A real overlayfs (needs root to mount): files untouched since the lower layer are
+    /// listed unstated, everything written, renamed or replaced through the overlay is stated,
+    /// and a later write to an unstated file is reported with its stat.
+    #[test]
+    fn the_first_walk_of_an_overlay_states_only_what_the_upper_layer_has() {
+        if !nix::unistd::geteuid().is_root() {
+            assert!(std::env::var_os("CI").is_none(), "needs root under CI");
+            println!("skipped: mounting an overlayfs needs root");
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let (lower, upper, work, merged) = (
+            t.path().join("lower"),
+            t.path().join("upper"),
+            t.path().join("work"),
+            t.path().join("merged"),
+        );
+        for d in [&upper, &work, &merged] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        for (p, c) in [
+            ("keep.txt", "k"),
+            ("edit.txt", "e"),
+            ("gone.txt", "g"),
+            ("d/in.txt", "i"),
+            ("moved/m.txt", "m"),
+            ("replaced/old.txt", "o"),
+            ("deep/x/y.txt", "y"),
+        ] {
+            let f = lower.join(p);
+            std::fs::create_dir_all(f.parent().unwrap()).unwrap();
+            std::fs::write(&f, c).unwrap();
+        }
+        std::os::unix::fs::symlink("keep.txt", lower.join("link")).unwrap();
+        let opts = format!(
+            "lowerdir={},upperdir={},workdir={},redirect_dir=on",
+            lower.display(),
+            upper.display(),
+            work.display()
+        );
+        nix::mount::mount(
+            Some("overlay"),
+            &merged,
+            Some("overlay"),
+            nix::mount::MsFlags::empty(),
+            Some(opts.as_str()),
+        )
+        .expect("mount overlay");
+        struct Unmount(PathBuf);
+        impl Drop for Unmount {
+            fn drop(&mut self) {
+                let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+        let _u = Unmount(merged.clone());
+        std::fs::write(merged.join("edit.txt"), "edited").unwrap();
+        std::fs::remove_file(merged.join("gone.txt")).unwrap();
+        std::fs::write(merged.join("new.txt"), "n").unwrap();
+        std::fs::rename(merged.join("moved"), merged.join("renamed")).unwrap();
+        std::fs::remove_dir_all(merged.join("replaced")).unwrap();
+        std::fs::create_dir(merged.join("replaced")).unwrap();
+        std::fs::write(merged.join("replaced/fresh.txt"), "f").unwrap();
+        // A directory written under, its other file untouched.
+        std::fs::write(merged.join("deep/x/z.txt"), "z").unwrap();
+
+        let mut c = WalkCache::build_over(&merged, &[], Some(upper.clone())).unwrap();
+        let d = c.full();
+        let got: BTreeMap<&str, bool> = d
+            .entries
+            .iter()
+            .filter(|e| e.kind != FileKind::Dir)
+            .map(|e| (e.path.as_str(), e.base))
+            .collect();
+        let want: BTreeMap<&str, bool> = [
+            ("keep.txt", true),
+            ("link", true),
+            ("d/in.txt", true),
+            ("deep/x/y.txt", true),
+            ("deep/x/z.txt", false),
+            ("edit.txt", false),
+            ("new.txt", false),
+            // Under a renamed directory the lower path differs: stated.
+            ("renamed/m.txt", false),
+            ("replaced/fresh.txt", false),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(got, want);
+        for e in d.entries.iter().filter(|e| e.base) {
+            assert_eq!(
+                (e.size, e.mode, e.mtime, &e.link),
+                (0, 0, 0, &None),
+                "{e:?}"
+            );
+        }
+        let edit = d.entries.iter().find(|e| e.path == "edit.txt").unwrap();
+        assert_eq!(edit.size, 6);
+        // Later: a write to an unstated file comes back stated.
+        std::fs::write(merged.join("keep.txt"), "kept no more").unwrap();
+        let later = c.since(Some(d.cursor)).ok().unwrap();
+        let k = later.entries.iter().find(|e| e.path == "keep.txt").unwrap();
+        assert!(!k.base && k.size == 12, "{k:?}");
+        // Asked to state all: the cache is rebuilt without unstated entries.
+        let cursor = later.cursor;
+        let mut slot = Some(c);
+        let all = walk_since(&mut slot, &merged, &[], Some(cursor), true).unwrap();
+        assert!(all.full && all.entries.iter().all(|e| !e.base), "{all:?}");
+        let keep = all.entries.iter().find(|e| e.path == "keep.txt").unwrap();
+        assert_eq!(keep.size, 12);
     }
 }

@@ -21,6 +21,17 @@ pub const LOWER: &str = "/run/tryboxi/wsbase";
 /// The overlay's upper and work directories live under this directory of the root disk.
 pub const STATE: &str = "/var/lib/tryboxi/workspace";
 
+/// The directory `mount_base` put the workspace overlay on, in this agent's life (a snapshot,
+/// fork or pause keeps it with the agent's memory and the overlay with the disk).
+static MOUNTED: std::sync::Mutex<Option<std::path::PathBuf>> = std::sync::Mutex::new(None);
+
+/// The overlay's upper directory when `root` is the workspace overlay `mount_base` made: a
+/// file under `root` with no entry there is still the base disk's, as the host wrote it.
+pub fn overlay_upper(root: &Path) -> Option<std::path::PathBuf> {
+    let m = MOUNTED.lock().unwrap_or_else(|p| p.into_inner());
+    (m.as_deref() == Some(root)).then(|| Path::new(STATE).join("upper"))
+}
+
 fn refused(msg: String) -> RemoteError {
     RemoteError::new(ErrorKind::InvalidRequest, msg)
 }
@@ -103,5 +114,6 @@ pub fn mount_base(dir: &str, serial: &str) -> Result<(), RemoteError> {
         let _ = umount2(LOWER, MntFlags::MNT_DETACH);
         return Err(sys(&format!("mount overlay on {}", root.display()), e));
     }
+    *MOUNTED.lock().unwrap_or_else(|p| p.into_inner()) = Some(root);
     Ok(())
 }

@@ -313,6 +313,7 @@ mod tests {
             mtime: 0,
             mtime_nsec: 0,
             link: None,
+            base: false,
         };
         let d = WalkDelta {
             cursor: WalkCursor {

@@ -108,6 +108,7 @@ mod tests {
             mtime: 1_700_000_000,
             mtime_nsec: 5,
             link: None,
+            base: false,
         }
     }
 
@@ -190,6 +191,7 @@ mod tests {
                 path: "/workspace".into(),
                 skip: vec![],
                 since: Some(delta.cursor),
+                stat_all: true,
             },
             Request::UntarDisk {
                 dir: "/workspace".into(),

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this file.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// Stream 0 carries connection-level frames (the handshake); every request opens a new stream.
 pub const CONTROL_STREAM: u32 = 0;
@@ -120,6 +120,8 @@ pub enum Request {
         path: String,
         skip: Vec<String>,
         since: Option<WalkCursor>,
+        /// State every entry: no `base` entries (a walk that had some is done again).
+        stat_all: bool,
     },
     /// Workspace sync through the transfer disk: remove each of `delete` (as `Untar`), then
     /// unpack the tar archive the host wrote at the start of the virtio-blk disk whose serial is
@@ -247,6 +249,10 @@ pub struct WalkEntry {
     pub mtime_nsec: u32,
     /// Target of a symlink.
     pub link: Option<String>,
+    /// Not stated: a file the workspace overlay still takes from its base disk, as the first
+    /// sync wrote it (only in the first walk of a `WalkSince`; `size`, `mode`, the mtime and
+    /// `link` are zero). The host takes its stat from the sync base's record.
+    pub base: bool,
 }
 
 /// A command to run in the guest. Stdin is a pipe fed by `Data` frames on the exec's stream

@@ -388,8 +388,39 @@ impl Service {
     }
 
     /// The VM's workspace tree (without `.git`), as `Walk` gives it, from the agent's
-    /// inotify-kept walk: only what changed since the last call crosses the channel.
-    async fn vm_walk(&self, sandbox: &str, vm: &LiveVm) -> Result<Vec<WalkEntry>, ServiceError> {
+    /// inotify-kept walk: only what changed since the last call crosses the channel. The
+    /// files the agent did not state (still the base disk's) get their stat from `manifest`;
+    /// one it has no record of (never expected) has the agent walk again, stating everything.
+    async fn vm_walk(
+        &self,
+        sandbox: &str,
+        vm: &LiveVm,
+        manifest: &Manifest,
+    ) -> Result<Vec<WalkEntry>, ServiceError> {
+        let mut walk = self.vm_walk_once(sandbox, vm, false).await?;
+        if let Err(path) = diff::fill_base(&mut walk, manifest) {
+            tracing::warn!(
+                sandbox,
+                path,
+                "an unstated base-disk file has no record: walking again, stating everything"
+            );
+            self.forget_walk(sandbox);
+            walk = self.vm_walk_once(sandbox, vm, true).await?;
+            diff::fill_base(&mut walk, manifest).map_err(|p| {
+                ServiceError::Internal(format!(
+                    "the agent sent `{p}` unstated in a walk that states everything"
+                ))
+            })?;
+        }
+        Ok(walk)
+    }
+
+    async fn vm_walk_once(
+        &self,
+        sandbox: &str,
+        vm: &LiveVm,
+        stat_all: bool,
+    ) -> Result<Vec<WalkEntry>, ServiceError> {
         let skip = [".git".to_owned()];
         let since = {
             let m = self.walks.0.lock().unwrap_or_else(|p| p.into_inner());
@@ -399,7 +430,7 @@ impl Service {
         };
         let d = vm
             .agent
-            .walk_since(GUEST_ROOT, &skip, since)
+            .walk_since(GUEST_ROOT, &skip, since, stat_all)
             .await
             .map_err(agent_err)?;
         let mut m = self.walks.0.lock().unwrap_or_else(|p| p.into_inner());
@@ -571,7 +602,7 @@ impl Service {
             })
         };
         if paths.len() > 32 {
-            let walk = self.vm_walk(sandbox, vm).await?;
+            let walk = self.vm_walk(sandbox, vm, manifest).await?;
             let want: HashSet<&String> = paths.iter().collect();
             for w in walk {
                 if want.contains(&w.path)
@@ -629,7 +660,7 @@ impl Service {
         let (b2, cache) = (base.clone(), self.manifests.clone());
         let manifest = blocking(move || cache.load(&b2)).await?;
         let t0 = Instant::now();
-        let walk = self.vm_walk(&rec.api.id, vm).await?;
+        let walk = self.vm_walk(&rec.api.id, vm, &manifest).await?;
         let t_walk = t0.elapsed().as_millis() as u64;
         let (m2, b2, paths) = (manifest.clone(), base.clone(), paths.to_vec());
         let mut s = blocking(move || {

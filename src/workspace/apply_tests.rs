@@ -145,6 +145,7 @@ fn vm_item(path: &str, kind: Kind, mode: u32, content: &[u8], link: Option<&str>
             mtime: 2,
             mtime_nsec: 0,
             link: link.map(str::to_owned),
+            base: false,
         },
     }
 }

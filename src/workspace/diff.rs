@@ -53,6 +53,26 @@ pub fn kind_of(k: FileKind) -> Option<Kind> {
     }
 }
 
+/// Give each `base` entry of `walk` (a file the agent did not state: still the base disk's, as
+/// the first sync wrote it) the VM stat `base` recorded for it. `Err(path)` for one it has no
+/// record of, or a record of another kind: then the walk cannot be trusted without stats.
+pub fn fill_base(walk: &mut [WalkEntry], base: &Manifest) -> Result<(), String> {
+    for w in walk.iter_mut().filter(|w| w.base) {
+        let e = base
+            .entries
+            .get(&w.path)
+            .filter(|e| kind_of(w.kind) == Some(e.kind) && e.kind != Kind::Dir)
+            .ok_or_else(|| w.path.clone())?;
+        w.size = e.guest_size;
+        w.mode = e.mode;
+        w.mtime = e.guest_mtime;
+        w.mtime_nsec = e.guest_nsec;
+        w.link = e.link.clone();
+        w.base = false;
+    }
+    Ok(())
+}
+
 /// Compare the VM's tree with the base by stat only.
 pub fn suspects(
     base: &Manifest,
@@ -400,6 +420,7 @@ mod tests {
             mtime,
             mtime_nsec: nsec,
             link: None,
+            base: false,
         }
     }
 
@@ -420,6 +441,34 @@ mod tests {
             );
         }
         (d, base, m)
+    }
+
+    #[test]
+    fn unstated_base_files_take_their_recorded_stat_and_unknown_ones_are_refused() {
+        let (_d, _base, m) = setup();
+        let unstated = |p: &str, kind| WalkEntry {
+            mode: 0,
+            base: true,
+            ..we(p, kind, 0, 0, 0)
+        };
+        let mut walk = vec![
+            unstated("b.txt", FileKind::File),
+            we("a.txt", FileKind::File, 12, 200, 5),
+        ];
+        fill_base(&mut walk, &m).unwrap();
+        let b = &walk[0];
+        assert!(!b.base);
+        assert_eq!((b.size, b.mode, b.mtime, b.mtime_nsec), (5, 0o644, 100, 0));
+        // Filled in, an untouched base file is no change.
+        let rules = Rules::new(&SyncConfig::default()).unwrap();
+        let s = suspects(&m, &walk, &rules, &Ignores::default(), &[]);
+        let names: Vec<&str> = s.changed.iter().map(|w| w.path.as_str()).collect();
+        assert_eq!(names, ["a.txt"]);
+        // No record, or a record of another kind: the walk must be done with stats.
+        let mut walk = vec![unstated("nope.txt", FileKind::File)];
+        assert_eq!(fill_base(&mut walk, &m), Err("nope.txt".into()));
+        let mut walk = vec![unstated("b.txt", FileKind::Symlink)];
+        assert_eq!(fill_base(&mut walk, &m), Err("b.txt".into()));
     }
 
     #[test]

@@ -226,6 +226,7 @@ mod diff_tests {
             mtime: 200,
             mtime_nsec: 0,
             link: None,
+            base: false,
         }
     }
 

@@ -43,7 +43,7 @@ async fn walk_bomb_child() {
     }
     let (c, g) = fake_guest().await;
     tokio::spawn(answer_with(g, walk_bomb()));
-    let r = tokio::time::timeout(T, c.walk_since("/workspace", &[], None))
+    let r = tokio::time::timeout(T, c.walk_since("/workspace", &[], None, false))
         .await
         .expect("walk hung");
     let e = r.expect_err("a 2^50-byte path decoded");
@@ -350,7 +350,7 @@ async fn a_silent_agent_fails_every_request_by_its_deadline() {
     times_out("ping", |c| async move { c.ping().await }).await;
     times_out("stat", |c| async move { c.stat("/x").await }).await;
     times_out("walk_since", |c| async move {
-        c.walk_since("/workspace", &[], None).await
+        c.walk_since("/workspace", &[], None, false).await
     })
     .await;
     times_out(

@@ -265,12 +265,14 @@ impl AgentClient {
         path: &str,
         skip: &[String],
         since: Option<WalkCursor>,
+        stat_all: bool,
     ) -> Result<WalkDelta, RpcError> {
         let mut bytes = Vec::new();
         let req = Request::WalkSince {
             path: path.into(),
             skip: skip.to_vec(),
             since,
+            stat_all,
         };
         self.read_stream(req, MAX_ANSWER as u64, &mut bytes).await?;
         decode_walk(&bytes)
