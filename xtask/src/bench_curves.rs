@@ -555,9 +555,8 @@ pub fn section(c: &Curves, when: &str) -> Result<String> {
     writeln!(md, "{HEADING} (issue 19)\n")?;
     writeln!(
         md,
-        "Measured on {when}, accel **{}**; host load average at the start {}, at the end {} \
-         (**machine loaded**: other helpers built and ran TCG VMs at the same time). Trees of \
-         10 KiB files (incompressible), 100 per directory; `rsync -a` copies the tree into a \
+        "Measured on {when}, accel **{}**; host load average at the start {}, at the end {}. \
+         Trees of 10 KiB files (incompressible), 100 per directory; `rsync -a` copies the tree into a \
          fresh local directory on the same file system (the baseline, same run, in turns with the \
          first syncs, warm page cache like them; before each rsync and each first sync every dirty page is \
          written back, untimed). Sync, diff and apply times are the API call's wall clock as \

@@ -72,7 +72,7 @@ pub fn write_svg(c: &Curves, path: &Path) -> Result<()> {
     let mut chart = ChartBuilder::on(&root)
         .caption(
             format!(
-                "Workspace cost curves: time vs files (log-log, {}, machine loaded)",
+                "Workspace cost curves: time vs files (log-log, {})",
                 c.accel
             ),
             ("sans-serif", 26),
