@@ -46,6 +46,12 @@ pub const CA_ENV: [&str; 6] = [
     "GIT_SSL_CAINFO",
     "CARGO_HTTP_CAINFO",
 ];
+/// What the last bundle tryboxi wrote holds: `<sha256 of the additions> <bundle bytes>`. A VM
+/// started from a snapshot or a fork base (a new QEMU) whose bundle is still that one is not
+/// written again: reading 200 KiB and writing it back was most of the first exec after a
+/// restore under TCG (BENCHMARKS.md, "Before and after"). A guest that fakes it only denies
+/// itself the additions.
+pub const GUEST_BUNDLE_STAMP: &str = "/etc/ssl/certs/ca-certificates.crt.tryboxi";
 /// Starts the comment line before each certificate tryboxi adds; a bundle is cut at the first
 /// such line when kept as the distribution's, so additions are never kept twice.
 const MARK: &str = "# tryboxi-added:";
@@ -203,7 +209,30 @@ impl Service {
     }
 }
 
+/// The stamp of a bundle of `len` bytes ending with `added`.
+fn stamp(added: &str, len: usize) -> String {
+    format!("{} {len}\n", crate::workspace::sha256(added.as_bytes()))
+}
+
+/// Whether the guest's bundle is still the one tryboxi wrote with `added` (its stamp matches
+/// and its size is the stamped one).
+async fn bundle_is_current(agent: &AgentClient, added: &str) -> bool {
+    let Ok(st) = agent.read_file(GUEST_BUNDLE_STAMP, 256).await else {
+        return false;
+    };
+    let Ok(meta) = agent.stat(GUEST_BUNDLE).await else {
+        return false;
+    };
+    let Ok(len) = usize::try_from(meta.size) else {
+        return false;
+    };
+    st == stamp(added, len).as_bytes()
+}
+
 async fn write_guest_bundle(agent: &AgentClient, added: &str) -> Result<(), String> {
+    if bundle_is_current(agent, added).await {
+        return Ok(());
+    }
     // The guest's original bundle is kept once, before the first overwrite (cut at any
     // addition of ours, should the guest have lost the copy); an image without one gets an
     // empty copy, so that our own bundle is never taken for the distribution's.
@@ -227,8 +256,14 @@ async fn write_guest_bundle(agent: &AgentClient, added: &str) -> Result<(), Stri
             .map_err(|e| format!("reading {GUEST_BUNDLE_DISTRO}: {e}"))?;
         distro_part(&b).to_vec()
     };
+    let b = bundle(&base, added);
+    // The stamp goes first: a bundle write cut short then leaves a size that does not match.
     agent
-        .write_file(GUEST_BUNDLE, &bundle(&base, added), 0o644)
+        .write_file(GUEST_BUNDLE_STAMP, stamp(added, b.len()).as_bytes(), 0o644)
+        .await
+        .map_err(|e| format!("writing {GUEST_BUNDLE_STAMP}: {e}"))?;
+    agent
+        .write_file(GUEST_BUNDLE, &b, 0o644)
         .await
         .map_err(|e| format!("writing {GUEST_BUNDLE}: {e}"))
 }
@@ -236,6 +271,14 @@ async fn write_guest_bundle(agent: &AgentClient, added: &str) -> Result<(), Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stamp_names_the_additions_and_the_bundle_size() {
+        let s = stamp("CA\n", 1234);
+        assert_eq!(s, format!("{} 1234\n", crate::workspace::sha256(b"CA\n")));
+        assert_ne!(s, stamp("CA2\n", 1234));
+        assert_ne!(s, stamp("CA\n", 1235));
+    }
 
     #[test]
     fn bundle_keeps_the_base_and_appends_the_additions_on_their_own_line() {
