@@ -11,7 +11,8 @@
 //! to the guest's trust store and named by the usual CA environment variables ([`CA_ENV`]) in
 //! every exec. The bundle is written again before an exec whenever the VM or the added
 //! certificates changed since the last write, which covers create, pool claim, restore, fork
-//! and a secret added for a new host.
+//! and a secret added for a new host; a new VM whose bundle still carries the stamp of that
+//! write ([`GUEST_BUNDLE_STAMP`]: a restore, a fork) is checked with two small reads instead.
 //!
 //! Why the distribution bundle and not the host's whole system bundle (as the secrets path
 //! once used): the guest verifies only two kinds of server. Intercepted hosts present a leaf
