@@ -397,30 +397,36 @@ impl Service {
         vm: &LiveVm,
         manifest: &Manifest,
     ) -> Result<Vec<WalkEntry>, ServiceError> {
-        let mut walk = self.vm_walk_once(sandbox, vm, false).await?;
-        if let Err(path) = diff::fill_base(&mut walk, manifest) {
-            tracing::warn!(
-                sandbox,
-                path,
-                "an unstated base-disk file has no record: walking again, stating everything"
-            );
-            self.forget_walk(sandbox);
-            walk = self.vm_walk_once(sandbox, vm, true).await?;
-            diff::fill_base(&mut walk, manifest).map_err(|p| {
-                ServiceError::Internal(format!(
-                    "the agent sent `{p}` unstated in a walk that states everything"
-                ))
-            })?;
+        match self.vm_walk_once(sandbox, vm, manifest, false).await? {
+            Ok(walk) => Ok(walk),
+            Err(path) => {
+                tracing::warn!(
+                    sandbox,
+                    path,
+                    "an unstated base-disk file has no record: walking again, stating everything"
+                );
+                self.forget_walk(sandbox);
+                self.vm_walk_once(sandbox, vm, manifest, true)
+                    .await?
+                    .map_err(|p| {
+                        ServiceError::Internal(format!(
+                            "the agent sent `{p}` unstated in a walk that states everything"
+                        ))
+                    })
+            }
         }
-        Ok(walk)
     }
 
+    /// One `WalkSince`, merged into the sandbox's mirror with the unstated entries filled in
+    /// from `manifest` as they arrive (so a later diff pays nothing for them); `Ok(Err(path))`
+    /// when one has no record (the mirror is left as it was).
     async fn vm_walk_once(
         &self,
         sandbox: &str,
         vm: &LiveVm,
+        manifest: &Manifest,
         stat_all: bool,
-    ) -> Result<Vec<WalkEntry>, ServiceError> {
+    ) -> Result<Result<Vec<WalkEntry>, String>, ServiceError> {
         let skip = [".git".to_owned()];
         let since = {
             let m = self.walks.0.lock().unwrap_or_else(|p| p.into_inner());
@@ -428,11 +434,14 @@ impl Service {
                 .filter(|w| w.vm_pid == vm.info.pid)
                 .map(|w| w.cursor)
         };
-        let d = vm
+        let mut d = vm
             .agent
             .walk_since(GUEST_ROOT, &skip, since, stat_all)
             .await
             .map_err(agent_err)?;
+        if let Err(path) = diff::fill_base(&mut d.entries, manifest) {
+            return Ok(Err(path));
+        }
         let mut m = self.walks.0.lock().unwrap_or_else(|p| p.into_inner());
         let w = m.entry(sandbox.to_owned()).or_insert_with(|| WalkMirror {
             vm_pid: vm.info.pid,
@@ -458,7 +467,7 @@ impl Service {
             removed = d.removed.len(),
             "workspace walk"
         );
-        Ok(w.entries.values().cloned().collect())
+        Ok(Ok(w.entries.values().cloned().collect()))
     }
 
     /// Forget the walk copy of a sandbox (removed, restored).
