@@ -443,7 +443,13 @@ async fn request(
             let (ob, rt) = (outbox.clone(), routes.clone());
             let cache = agent.walks.clone();
             tokio::spawn(async move {
-                super::tree::walk_since(cache, path, skip, since, stat_all, ob, stream, sem).await;
+                let args = super::tree::WalkSinceArgs {
+                    path,
+                    skip,
+                    since,
+                    stat_all,
+                };
+                super::tree::walk_since(cache, args, ob, stream, sem).await;
                 lock(&rt).remove(&stream);
             });
         }

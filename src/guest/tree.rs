@@ -272,12 +272,17 @@ fn walk_into(
 
 /// Answers `WalkSince` from the agent's walk cache (see [`super::watch`]) and streams the
 /// encoded [`crate::rpc::msg::WalkDelta`] within the stream's credit.
+/// The fields of a `WalkSince` request.
+pub struct WalkSinceArgs {
+    pub path: String,
+    pub skip: Vec<String>,
+    pub since: Option<crate::rpc::msg::WalkCursor>,
+    pub stat_all: bool,
+}
+
 pub async fn walk_since(
     cache: Arc<std::sync::Mutex<Option<super::watch::WalkCache>>>,
-    path: String,
-    skip: Vec<String>,
-    since: Option<crate::rpc::msg::WalkCursor>,
-    stat_all: bool,
+    args: WalkSinceArgs,
     outbox: Arc<Outbox>,
     stream: u32,
     credit: Arc<Semaphore>,
@@ -286,6 +291,12 @@ pub async fn walk_since(
         super::watch::SCANNED.load(Ordering::Relaxed)
     });
     let res = tokio::task::spawn_blocking(move || {
+        let WalkSinceArgs {
+            path,
+            skip,
+            since,
+            stat_all,
+        } = args;
         let root: PathBuf = check_path(&path)?;
         let mut slot = cache.lock().unwrap_or_else(|p| p.into_inner());
         let d = super::watch::walk_since(&mut slot, &root, &skip, since, stat_all)
