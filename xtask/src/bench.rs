@@ -46,13 +46,7 @@ pub fn run(
     density: crate::bench_density::DensityArgs,
 ) -> Result<()> {
     let reps = reps.max(5);
-    let bin = crate::dist::run()?;
-    crate::images::run(
-        &bin,
-        crate::images::Rebuild::default(),
-        &Default::default(),
-        Default::default(),
-    )?;
+    let bin = crate::images::dist_and_defaults()?;
     let out = util::out_dir();
     let images = out.join("images");
     let home = out.join("bench-home");
@@ -140,30 +134,9 @@ pub fn run(
     let mut restore = Vec::new();
     let (mut after_restore_1, mut after_restore_2) = (Vec::new(), Vec::new());
     for i in 0..reps {
-        let body = format!(r#"{{"name":"b{i}"}}"#);
-        let t = Instant::now();
-        let (st, out) = http::request(
-            &sock,
-            "POST",
-            &format!("/v1/sandboxes/{keep}/snapshots"),
-            Some(&body),
-        )?;
-        snap.push(t.elapsed());
-        if st != 201 {
-            bail!("snapshot failed: HTTP {st}: {out}");
-        }
-        let t = Instant::now();
-        let body = format!(r#"{{"snapshot":"b{i}"}}"#);
-        let (st, out) = http::request(
-            &sock,
-            "POST",
-            &format!("/v1/sandboxes/{keep}/restore"),
-            Some(&body),
-        )?;
-        restore.push(t.elapsed());
-        if st != 200 {
-            bail!("restore failed: HTTP {st}: {out}");
-        }
+        let (s, r) = snapshot_then_restore(&sock, &keep, &format!("b{i}"))?;
+        snap.push(s);
+        restore.push(r);
         // The restored VM is a new QEMU process: under TCG its translation cache starts empty,
         // so the first exec pays for translating the guest's fork/exec paths again.
         for v in [&mut after_restore_1, &mut after_restore_2] {
@@ -395,13 +368,7 @@ pub fn run(
 /// BENCHMARKS.md (everything from its heading on) and leaves the other rows as they were.
 pub fn run_workspace_only(reps: usize) -> Result<()> {
     let reps = reps.max(5);
-    let bin = crate::dist::run()?;
-    crate::images::run(
-        &bin,
-        crate::images::Rebuild::default(),
-        &Default::default(),
-        Default::default(),
-    )?;
+    let bin = crate::images::dist_and_defaults()?;
     let out = util::out_dir();
     let home = out.join("bench-home");
     if home.exists() {
@@ -454,13 +421,7 @@ pub(crate) fn run_only(
     heading: &str,
     rows: impl FnOnce(&Path, &Path, &Path, &str) -> Result<String>,
 ) -> Result<()> {
-    let bin = crate::dist::run()?;
-    crate::images::run(
-        &bin,
-        crate::images::Rebuild::default(),
-        &Default::default(),
-        Default::default(),
-    )?;
+    let bin = crate::images::dist_and_defaults()?;
     let out = util::out_dir();
     let home = out.join("bench-home");
     if home.exists() {
@@ -785,6 +746,37 @@ fn bare_boot(qemu: &str, images: &Path, scratch: &Path) -> Result<Duration> {
         bail!("the baseline guest did not reach init (QEMU {st}): {log}");
     }
     Ok(el)
+}
+
+/// Snapshot `id` as `name`, then restore it: how long each API call took.
+pub(crate) fn snapshot_then_restore(
+    sock: &Path,
+    id: &str,
+    name: &str,
+) -> Result<(Duration, Duration)> {
+    let t = Instant::now();
+    let (st, out) = http::request(
+        sock,
+        "POST",
+        &format!("/v1/sandboxes/{id}/snapshots"),
+        Some(&format!(r#"{{"name":"{name}"}}"#)),
+    )?;
+    let snap = t.elapsed();
+    if st != 201 {
+        bail!("snapshot failed: HTTP {st}: {out}");
+    }
+    let t = Instant::now();
+    let (st, out) = http::request(
+        sock,
+        "POST",
+        &format!("/v1/sandboxes/{id}/restore"),
+        Some(&format!(r#"{{"snapshot":"{name}"}}"#)),
+    )?;
+    let restore = t.elapsed();
+    if st != 200 {
+        bail!("restore failed: HTTP {st}: {out}");
+    }
+    Ok((snap, restore))
 }
 
 pub(crate) fn loadavg() -> String {

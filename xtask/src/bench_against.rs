@@ -65,13 +65,7 @@ pub fn run(rev: &str, rounds: usize, reps: usize) -> Result<()> {
     .trim()
     .to_owned();
     let old = build_rev(&root, &sha)?;
-    let bin = crate::dist::run()?;
-    crate::images::run(
-        &bin,
-        crate::images::Rebuild::default(),
-        &Default::default(),
-        Default::default(),
-    )?;
+    let bin = crate::images::dist_and_defaults()?;
     let head = util::output(
         Command::new("git")
             .current_dir(&root)
@@ -231,29 +225,10 @@ fn measure(
         s[1].push(exec_true(&sock, &keep)?);
     }
     for i in 0..reps {
-        let name = format!(r#"{{"name":"r{i}"}}"#);
-        let t = Instant::now();
-        let (st, out) = http::request(
-            &sock,
-            "POST",
-            &format!("/v1/sandboxes/{keep}/snapshots"),
-            Some(&name),
-        )?;
-        s[2].push(t.elapsed());
-        if st != 201 {
-            bail!("{}: snapshot: HTTP {st}: {out}", b.label);
-        }
-        let t = Instant::now();
-        let (st, out) = http::request(
-            &sock,
-            "POST",
-            &format!("/v1/sandboxes/{keep}/restore"),
-            Some(&format!(r#"{{"snapshot":"r{i}"}}"#)),
-        )?;
-        s[3].push(t.elapsed());
-        if st != 200 {
-            bail!("{}: restore: HTTP {st}: {out}", b.label);
-        }
+        let (snap, restore) = crate::bench::snapshot_then_restore(&sock, &keep, &format!("r{i}"))
+            .with_context(|| b.label.clone())?;
+        s[2].push(snap);
+        s[3].push(restore);
         s[4].push(exec_true(&sock, &keep)?);
     }
     for _ in 0..2 {

@@ -11,13 +11,7 @@ use crate::util;
 
 pub fn run(repo: Option<std::path::PathBuf>) -> Result<()> {
     crate::deps::run()?;
-    let bin = crate::dist::run()?;
-    crate::images::run(
-        &bin,
-        crate::images::Rebuild::default(),
-        &Default::default(),
-        Default::default(),
-    )?;
+    let bin = crate::images::dist_and_defaults()?;
     let out = util::out_dir();
     let repo = repo.unwrap_or_else(util::repo_root);
     let home = out.join("demo-home");

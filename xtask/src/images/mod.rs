@@ -64,6 +64,19 @@ pub struct Choice {
     pub kernel: kernel::Flavor,
 }
 
+/// The static binary and every image with the defaults (nothing forced, no extra templates):
+/// what demo and bench need before they start; the binary's path.
+pub fn dist_and_defaults() -> Result<std::path::PathBuf> {
+    let bin = crate::dist::run()?;
+    run(
+        &bin,
+        Rebuild::default(),
+        &Default::default(),
+        Default::default(),
+    )?;
+    Ok(bin)
+}
+
 /// Builds or reuses all three artifacts; returns `_out/images/`.
 pub fn run(
     binary: &Path,
