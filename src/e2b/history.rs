@@ -213,7 +213,7 @@ pub fn spawn(face: &Arc<Face>) {
             face.history.retain(&keep);
             let running: Vec<(String, VmRef)> = all
                 .iter()
-                .filter_map(|(r, _)| Some((r.sandbox_id.clone(), face.svc.e2b_vm(&r.sandbox_id)?)))
+                .filter_map(|(r, sbx)| Some((r.sandbox_id.clone(), face.svc.e2b_vm(sbx)?)))
                 .collect();
             let f = face.clone();
             let _ = tokio::task::spawn_blocking(move || {

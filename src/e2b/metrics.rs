@@ -76,7 +76,7 @@ pub async fn list(
     if got.is_empty()
         && sbx.state == api::SandboxState::Ready
         && face.history.range(id, None, None).is_empty()
-        && let Some(vm) = face.svc.e2b_vm(id)
+        && let Some(vm) = face.svc.e2b_vm(sbx)
     {
         let f = face.history.clone();
         let id2 = id.clone();

@@ -57,15 +57,15 @@ pub fn new_token() -> String {
 impl Service {
     /// The running VM of `id`, for the E2B face's metrics; `None` when it has none (paused,
     /// starting, retired).
-    pub fn e2b_vm(&self, id: &str) -> Option<crate::e2b::history::VmRef> {
-        let rec = self.record(id).ok()?;
+    /// `sbx` is the sandbox as the caller already read it (its size).
+    pub fn e2b_vm(&self, sbx: &crate::api::Sandbox) -> Option<crate::e2b::history::VmRef> {
         let live = self.vms.live.lock().ok()?;
-        let vm = live.get(id)?;
+        let vm = live.get(&sbx.id)?;
         Some(crate::e2b::history::VmRef {
             pid: vm.info.pid,
             dir: vm.info.dir.clone(),
-            vcpus: rec.api.vcpus,
-            memory_mib: rec.api.memory_mib,
+            vcpus: sbx.vcpus,
+            memory_mib: sbx.memory_mib,
         })
     }
 
