@@ -43,6 +43,7 @@
 //! Everything else (the daemon, the VMM driver, the guest agent) is internal: it is reached
 //! through [`run`], which `main` calls.
 
+mod accounts;
 pub mod api;
 mod cli;
 pub mod client;

@@ -125,9 +125,7 @@ impl Layout {
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from)
         };
-        let user = nix::unistd::User::from_uid(uid)
-            .ok()
-            .flatten()
+        let user = crate::accounts::by_uid(uid.as_raw())
             .map(|u| u.name)
             .or_else(|| std::env::var("USER").ok());
         let abs = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);

@@ -11,26 +11,27 @@
 //! `authorized_keys` or an executable on `PATH`; the daemon's data root, anything inside it
 //! and any folder containing it (syncing it would copy every sandbox's data, disks and the
 //! API token, and build an archive of the whole tree). Paths are compared after symlinks are
-//! resolved. [`forbidden_homes`] reads the password database (which may ask LDAP/NSS) and
-//! resolves symlinks: call it off the async runtime.
+//! resolved. [`forbidden_homes`] reads the password file (and may run `getent`, which may ask
+//! LDAP; see `accounts`) and resolves symlinks: call it off the async runtime.
 
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 /// Home folders no workspace may be or contain, nor reach into through a dot-directory: every
-/// user's from the password database, plus (for a request from `caller_uid`: the unix-socket
+/// user's from the password file, plus (for a request from `caller_uid`: the unix-socket
 /// peer or loopback TCP client's uid; `None`: a remote TLS client with the token) that user's, the daemon user's and the
 /// daemon's `$HOME`, symlinks resolved. Homes that do not exist are left out. Blocking.
 pub fn forbidden_homes(caller_uid: Option<u32>) -> Vec<PathBuf> {
-    let own = nix::unistd::geteuid();
-    let uids = [caller_uid.map(nix::unistd::Uid::from_raw), Some(own)];
-    let mut homes: Vec<PathBuf> = uids
+    // Every user's home from the password file (read as a file: see `accounts`); the caller's
+    // and the daemon's own through `accounts::by_uid`, which also asks a directory service.
+    let own = nix::unistd::geteuid().as_raw();
+    let mut homes: Vec<PathBuf> = [caller_uid, Some(own)]
         .into_iter()
         .flatten()
-        .filter_map(|u| nix::unistd::User::from_uid(u).ok().flatten())
-        .map(|u| u.dir)
+        .filter_map(crate::accounts::by_uid)
+        .map(|a| a.home)
         .collect();
-    homes.extend(all_homes());
+    homes.extend(crate::accounts::all().into_iter().map(|a| a.home));
     if let Some(h) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
         homes.push(PathBuf::from(h));
     }
@@ -42,38 +43,6 @@ pub fn forbidden_homes(caller_uid: Option<u32>) -> Vec<PathBuf> {
     out.sort();
     out.dedup();
     out
-}
-
-/// Most entries read from the password file.
-const MAX_USERS: usize = 100_000;
-/// Largest password file read (bigger ones are read up to here).
-const MAX_PASSWD_BYTES: u64 = 16 << 20;
-
-/// The home folder of every user in `/etc/passwd`.
-///
-/// Read as a file, not through `getpwent`: the release binary is statically linked, and a
-/// static glibc that enumerates the password database loads every NSS module `nsswitch.conf`
-/// names; `libnss_systemd` (Debian's default `passwd: files systemd`) crashes the daemon there.
-/// Users only a directory service knows are still covered when they call (their own home is
-/// added by uid, which `files` answers first) or through `$HOME`.
-fn all_homes() -> Vec<PathBuf> {
-    use std::io::Read as _;
-    let mut text = Vec::new();
-    if let Ok(f) = std::fs::File::open("/etc/passwd") {
-        let _ = f.take(MAX_PASSWD_BYTES).read_to_end(&mut text);
-    }
-    passwd_homes(&text)
-}
-
-/// The home field (the 6th) of each `name:pw:uid:gid:gecos:home:shell` line.
-fn passwd_homes(text: &[u8]) -> Vec<PathBuf> {
-    text.split(|&b| b == b'\n')
-        .filter(|l| !l.starts_with(b"#"))
-        .filter_map(|l| l.split(|&b| b == b':').nth(5))
-        .filter(|home| home.starts_with(b"/"))
-        .take(MAX_USERS)
-        .map(|home| PathBuf::from(std::ffi::OsStr::from_bytes(home)))
-        .collect()
 }
 
 /// Why `ws` (absolute, symlinks resolved) may not be a workspace, if it may not. `homes`:
@@ -219,27 +188,8 @@ mod tests {
     #[test]
     fn the_callers_and_the_daemons_homes_are_found() {
         let homes = forbidden_homes(Some(0));
-        let root_home = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(0))
-            .unwrap()
-            .unwrap()
-            .dir;
+        let root_home = crate::accounts::by_uid(0).unwrap().home;
         let root_home = root_home.canonicalize().unwrap_or(root_home);
         assert!(homes.contains(&root_home), "{homes:?}");
-    }
-
-    #[test]
-    fn homes_come_from_the_password_file_lines() {
-        let text = b"root:x:0:0:root:/root:/bin/bash\n# a comment:x:1:1::/nope:\n\
-                     me:x:1000:1000:Me,,,:/home/me:/bin/sh\nbroken\nodd:x:2:2::relative:\n\
-                     nologin:x:65534:65534::/nonexistent:/usr/sbin/nologin";
-        assert_eq!(
-            passwd_homes(text),
-            [
-                PathBuf::from("/root"),
-                PathBuf::from("/home/me"),
-                PathBuf::from("/nonexistent")
-            ]
-        );
-        assert!(passwd_homes(b"").is_empty());
     }
 }

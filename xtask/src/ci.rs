@@ -1,6 +1,7 @@
 //! `cargo xtask ci`: the whole pipeline `.ci/run` calls, fail-fast, one header per step.
 //! Runs on a fresh machine as root with no stdin and `CI=true`. Never skips a failing step.
-//! Steps: deps, fmt, clippy, fuzz-build (the fuzz crate compiles), dist, images, test.
+//! Steps: deps, fmt, clippy, fuzz-build (the fuzz crate compiles), dist, images, demo (the
+//! README's first command on this checkout), test.
 
 use crate::util::{Step, fmt_dur, out_dir, repo_root, run_inherit};
 use crate::{deps, dist, images};
@@ -18,13 +19,14 @@ pub fn run() -> Result<()> {
         c
     };
     let mut binary = out_dir().join("bin").join("tryboxi");
-    let steps: [&str; 7] = [
+    let steps: [&str; 8] = [
         "deps",
         "fmt",
         "clippy",
         "fuzz-build",
         "dist",
         "images",
+        "demo",
         "test",
     ];
     for (i, name) in steps.iter().enumerate() {
@@ -76,6 +78,7 @@ pub fn run() -> Result<()> {
                 )
                 .map(|_| ())
             }
+            "demo" => crate::demo::with_built(&binary, &root),
             "test" => run_inherit(
                 cargo_cmd(&["test", "--workspace"]).env("TRYBOXI_ARTIFACTS", out_dir()),
                 "cargo test",

@@ -1,6 +1,7 @@
 //! `cargo xtask demo`: the main job on a fresh machine. Installs what is needed, builds the
-//! binary and images (cached), starts the daemon on a scratch data root, creates a sandbox for a
-//! repo, runs commands in it, removes it and stops the daemon.
+//! binary and images (cached), starts the daemon on a scratch data root (outside the repo),
+//! creates a sandbox for a repo, runs commands in it, removes it and stops the daemon. CI runs
+//! it too (step `demo`), so the README's first command cannot break unseen.
 
 use std::process::Command;
 
@@ -12,16 +13,21 @@ use crate::util;
 pub fn run(repo: Option<std::path::PathBuf>) -> Result<()> {
     crate::deps::run()?;
     let bin = crate::images::dist_and_defaults()?;
+    with_built(&bin, &repo.unwrap_or_else(util::repo_root))
+}
+
+/// The demo with the binary `bin` and the images in `_out` already built (CI's step `demo`).
+pub fn with_built(bin: &std::path::Path, repo: &std::path::Path) -> Result<()> {
     let out = util::out_dir();
-    let repo = repo.unwrap_or_else(util::repo_root);
-    let home = out.join("demo-home");
+    let repo = repo.to_path_buf();
+    let home = demo_home(&repo);
     println!(
         "\n==> installing the guest images into the data root {}",
         home.display()
     );
     // A scratch install: the images go into the demo's data root, the programs below
     // `_out/demo-root` (not the host's /usr/local) and no service is started.
-    let st = Command::new(&bin)
+    let st = Command::new(bin)
         .args(["install", "--no-service", "--artifacts"])
         .arg(&out)
         .arg("--destdir")
@@ -32,11 +38,22 @@ pub fn run(repo: Option<std::path::PathBuf>) -> Result<()> {
         bail!("tryboxi install failed");
     }
     println!("\n==> starting the daemon");
-    let d = Daemon::start(&bin, &home, &home.join("artifacts"), "")?;
-    let res = session(&bin, &d, &repo);
+    let d = Daemon::start(bin, &home, &home.join("artifacts"), "")?;
+    let res = session(bin, &d, &repo);
     println!("\n==> stopping the daemon");
     d.stop()?;
     res
+}
+
+/// The demo's scratch data root: outside the repo, because a folder that holds the data root
+/// is never a workspace (the daemon refuses it: a sync would copy the VMs' own files into a VM).
+/// On disk under /var/tmp (VM RAM files live there; /tmp may be RAM), one per user and checkout.
+fn demo_home(repo: &std::path::Path) -> std::path::PathBuf {
+    use sha2::Digest;
+    let key = hex::encode(sha2::Sha256::digest(repo.as_os_str().as_encoded_bytes()));
+    // SAFETY: `getuid` has no preconditions and cannot fail.
+    let uid = unsafe { libc::getuid() };
+    std::path::PathBuf::from("/var/tmp").join(format!("tryboxi-demo-{uid}-{}", &key[..12]))
 }
 
 fn session(bin: &std::path::Path, d: &Daemon, repo: &std::path::Path) -> Result<()> {

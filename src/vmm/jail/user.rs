@@ -83,10 +83,12 @@ pub struct VmUser {
 
 /// Look the user up (no side effects).
 pub fn lookup() -> Option<VmUser> {
-    let u = nix::unistd::User::from_name(VM_USER).ok()??;
+    // From the file, never NSS: see `accounts` (this lookup of a missing user crashed the
+    // static binary in `libnss_systemd`). `useradd` writes the file.
+    let u = crate::accounts::by_name(VM_USER)?;
     Some(VmUser {
-        uid: u.uid.as_raw(),
-        gid: u.gid.as_raw(),
+        uid: u.uid,
+        gid: u.gid,
     })
 }
 
