@@ -315,7 +315,7 @@ impl Service {
             super::snapshots::agent_or_kill(&driver, started, "clone", self.agent_deadlines())
                 .await?;
         drop(span);
-        super::guest_trust::sync_clock(&agent, &spec.id).await;
+        super::guest_trust::sync_clock(&agent, &spec.id);
         let span = self.telemetry.traces.span(&spec.id, "guest.identity");
         if let Err(e) = set_identity(&agent, &spec.id).await {
             let _ = driver.kill(&info).await;

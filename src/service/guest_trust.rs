@@ -114,13 +114,24 @@ pub fn host_cas(cfg: &crate::config::NetworkConfig) -> Option<HostCas> {
 }
 
 /// Set the guest's wall clock to the host's (best effort: a failure is logged, the VM stays up).
-pub(super) async fn sync_clock(agent: &AgentClient, vm: &str) {
+/// Returns once the request is queued, not answered: every request the caller sends after it
+/// runs on the new time (see [`AgentClient::set_clock_queued`]), and the answer is awaited in
+/// the background.
+pub(super) fn sync_clock(agent: &AgentClient, vm: &str) {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0);
-    if let Err(e) = agent.set_clock(now).await {
-        tracing::warn!(vm = %vm, error = %e, "cannot set the guest clock");
+    let vm = vm.to_owned();
+    match agent.set_clock_queued(now) {
+        Ok(answer) => {
+            tokio::spawn(async move {
+                if let Err(e) = answer.await {
+                    tracing::warn!(vm = %vm, error = %e, "cannot set the guest clock");
+                }
+            });
+        }
+        Err(e) => tracing::warn!(vm = %vm, error = %e, "cannot set the guest clock"),
     }
 }
 
@@ -218,10 +229,12 @@ fn stamp(added: &str, len: usize) -> String {
 /// Whether the guest's bundle is still the one tryboxi wrote with `added` (its stamp matches
 /// and its size is the stamped one).
 async fn bundle_is_current(agent: &AgentClient, added: &str) -> bool {
-    let Ok(st) = agent.read_file(GUEST_BUNDLE_STAMP, 256).await else {
-        return false;
-    };
-    let Ok(meta) = agent.stat(GUEST_BUNDLE).await else {
+    // Both requests at once: one round trip on the first exec of every new VM.
+    let (st, meta) = tokio::join!(
+        agent.read_file(GUEST_BUNDLE_STAMP, 256),
+        agent.stat(GUEST_BUNDLE)
+    );
+    let (Ok(st), Ok(meta)) = (st, meta) else {
         return false;
     };
     let Ok(len) = usize::try_from(meta.size) else {

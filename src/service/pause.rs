@@ -344,7 +344,7 @@ impl Service {
         let (info, agent) =
             super::snapshots::agent_or_kill(&driver, started, "resumed", self.agent_deadlines())
                 .await?;
-        super::guest_trust::sync_clock(&agent, &info.id).await;
+        super::guest_trust::sync_clock(&agent, &info.id);
         let vm = Arc::new(LiveVm { info, agent });
         self.vms.insert(id, vm.clone());
         match self.life.service() {

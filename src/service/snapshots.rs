@@ -268,7 +268,7 @@ impl Service {
             let (info, agent) =
                 agent_or_kill(&driver, started, "restored", self.agent_deadlines()).await?;
             // The VM runs on the checkpoint's time until told the host's.
-            super::guest_trust::sync_clock(&agent, &info.id).await;
+            super::guest_trust::sync_clock(&agent, &info.id);
             Ok::<_, ServiceError>((
                 LiveVm { info, agent },
                 vm_ms,

@@ -280,7 +280,7 @@ impl Service {
         match agent {
             Ok(agent) => {
                 agent.set_deadlines(self.agent_deadlines());
-                super::guest_trust::sync_clock(&agent, &info.id).await;
+                super::guest_trust::sync_clock(&agent, &info.id);
                 Ok(LiveVm { info, agent })
             }
             Err(e) => {

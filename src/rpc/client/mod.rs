@@ -323,9 +323,25 @@ impl AgentClient {
         .await
     }
 
-    /// Sets the guest's wall clock to `unix_ms` (see [`Request::SetClock`]).
-    pub async fn set_clock(&self, unix_ms: u64) -> Result<(), RpcError> {
-        self.call_done(Request::SetClock { unix_ms }).await
+    /// Sets the guest's wall clock to `unix_ms` (see [`Request::SetClock`]): queues the request
+    /// now and returns the wait for its answer, which the caller need not await before its
+    /// next request. The outbox writes streams' first frames in the order they were queued,
+    /// and the agent sets the clock before it reads the next frame, so every request queued
+    /// after this call runs on the new time (saves a round trip on restore, resume and fork).
+    pub fn set_clock_queued(
+        &self,
+        unix_ms: u64,
+    ) -> Result<impl Future<Output = Result<(), RpcError>> + Send + 'static, RpcError> {
+        let after = self.deadlines().reply;
+        let mut s = self.open(true)?;
+        s.send(Body::Request(Request::SetClock { unix_ms }))?;
+        Ok(async move {
+            match s.recv_for("set_clock", after).await? {
+                Body::Reply(Reply::Done) => Ok(()),
+                Body::Error(e) => Err(RpcError::Remote(e)),
+                other => Err(unexpected(&other)),
+            }
+        })
     }
 
     /// Removes `delete` (relative to `dir`), then unpacks the tar archive `tar` into `dir`.
@@ -484,5 +500,35 @@ impl AgentClient {
             Ok(()) | Err(RpcError::Disconnected) => Ok(()),
             Err(e) => Err(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod order_tests {
+    use crate::rpc::hostile::{fake_guest, next_request, send};
+    use crate::rpc::msg::{Body, Reply, Request};
+    use std::time::Duration;
+
+    /// A queued clock request reaches the agent before any request sent after it, although
+    /// its answer is not awaited first (restore, resume and fork rely on it).
+    #[tokio::test]
+    async fn a_queued_clock_request_goes_out_before_later_requests() {
+        let (c, mut g) = fake_guest().await;
+        let answer = c.set_clock_queued(1_234).unwrap();
+        let ping = tokio::spawn(async move { c.ping().await });
+        let (s1, r1) = next_request(&mut g).await.unwrap();
+        assert!(matches!(r1, Request::SetClock { unix_ms: 1_234 }), "{r1:?}");
+        let (s2, r2) = next_request(&mut g).await.unwrap();
+        assert!(matches!(r2, Request::Ping), "{r2:?}");
+        // Answered out of order: each waiter still gets its own answer.
+        send(&mut g, s2, Body::Reply(Reply::Pong)).await;
+        send(&mut g, s1, Body::Reply(Reply::Done)).await;
+        let t = Duration::from_secs(20);
+        tokio::time::timeout(t, ping)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        tokio::time::timeout(t, answer).await.unwrap().unwrap();
     }
 }
