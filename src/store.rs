@@ -200,6 +200,14 @@ impl Store {
         })
     }
 
+    /// Bytes the store's page cache holds now (at most its configured size; `None` while the
+    /// database is closed after an I/O error).
+    pub fn cache_bytes(&self) -> Option<u64> {
+        self.guard()
+            .as_ref()
+            .map(|db| db.cache_stats().used_bytes() as u64)
+    }
+
     fn guard(&self) -> RwLockReadGuard<'_, Option<Database>> {
         self.db.read().unwrap_or_else(|e| e.into_inner())
     }

@@ -86,6 +86,7 @@ impl Service {
                 Some((v.used.vcpus, p.vcpus, v.used.memory_mib, mem_cap, v.queued))
             },
             pool_ready: self.pool_ready(),
+            store_cache_bytes: self.store.cache_bytes(),
             ..Default::default()
         };
         for r in recs.iter().filter(|r| r.api.state == SandboxState::Ready) {

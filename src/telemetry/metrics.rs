@@ -26,6 +26,11 @@ pub const EXEC_OUTPUT_BYTES: &str = "tryboxi_exec_output_bytes_total";
 pub const VM_MEMORY: &str = "tryboxi_vm_memory_bytes";
 /// The daemon's own resident set size. Gauge.
 pub const DAEMON_RSS: &str = "tryboxi_daemon_resident_memory_bytes";
+/// The daemon's heap by `kind`: `in_use` (allocated) and `free` (held by the allocator, not
+/// yet given back to the system): what of [`DAEMON_RSS`] is live data and what is slack. Gauge.
+pub const DAEMON_HEAP: &str = "tryboxi_daemon_heap_bytes";
+/// Bytes in the store's page cache (bounded by its configured size). Gauge.
+pub const STORE_CACHE: &str = "tryboxi_store_cache_bytes";
 /// Errors by `kind` (every [`ErrorKind`], exported at 0 from the start). Counter.
 pub const ERRORS: &str = "tryboxi_errors_total";
 /// Events recorded by `type`. Counter.
@@ -140,6 +145,12 @@ fn describe() {
     describe_gauge!(SANDBOXES, "Sandboxes by lifecycle state");
     describe_counter!(CREATES, "Sandbox creates by outcome");
     describe_histogram!(BOOT_SECONDS, Unit::Seconds, "Sandbox create to agent ready");
+    describe_gauge!(
+        DAEMON_HEAP,
+        Unit::Bytes,
+        "The daemon's heap by kind: in use, or free but still held"
+    );
+    describe_gauge!(STORE_CACHE, Unit::Bytes, "Bytes in the store's page cache");
     describe_counter!(EXECS, "Execs by outcome");
     describe_histogram!(EXEC_SECONDS, Unit::Seconds, "Exec wall time, start to exit");
     describe_counter!(
@@ -193,6 +204,8 @@ pub struct Snapshot {
     pub ledger: Option<(u32, u32, u64, u64, usize)>,
     /// Warm-pool VMs waiting, all templates and shapes together.
     pub pool_ready: usize,
+    /// Bytes in the store's page cache.
+    pub store_cache_bytes: Option<u64>,
 }
 
 /// Set the scrape-time gauges, then render the text exposition.
@@ -223,6 +236,12 @@ pub fn render(snap: &Snapshot) -> Option<String> {
     if let Some(own) = rss_bytes("self") {
         metrics::gauge!(DAEMON_RSS).set(own as f64);
     }
+    let (in_use, free) = heap_bytes();
+    metrics::gauge!(DAEMON_HEAP, "kind" => "in_use").set(in_use as f64);
+    metrics::gauge!(DAEMON_HEAP, "kind" => "free").set(free as f64);
+    if let Some(b) = snap.store_cache_bytes {
+        metrics::gauge!(STORE_CACHE).set(b as f64);
+    }
     handle.run_upkeep();
     Some(handle.render())
 }
@@ -240,6 +259,15 @@ pub fn record_sync(bytes: u64, files: u64) {
 }
 
 /// Resident set size of `/proc/<pid>` in bytes (from `VmRSS`), if readable.
+/// The allocator's (in use, free but held) bytes: the main heap and every arena, plus the
+/// large blocks it maps on their own.
+fn heap_bytes() -> (u64, u64) {
+    // SAFETY: `mallinfo2` takes no arguments, only reads glibc's allocator counters (under its
+    // own locks) and returns them by value.
+    let m = unsafe { libc::mallinfo2() };
+    ((m.uordblks + m.hblkhd) as u64, m.fordblks as u64)
+}
+
 fn rss_bytes(pid: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     parse_vm_rss(&status)
@@ -273,6 +301,7 @@ mod tests {
             vm_pids: vec![std::process::id()],
             ledger: Some((2, 8, 1024, 4096, 1)),
             pool_ready: 3,
+            store_cache_bytes: Some(12_345),
         };
         install().expect("recorder installed");
         error(ErrorKind::OtlpExport);
@@ -293,6 +322,18 @@ mod tests {
         );
         assert!(
             text.contains("tryboxi_vm_memory_bytes{kind=\"configured\"} 536870912"),
+            "{text}"
+        );
+        assert!(text.contains("tryboxi_store_cache_bytes 12345"), "{text}");
+        // This test process has allocated: the allocator's counters are read.
+        let in_use = text
+            .lines()
+            .find_map(|l| l.strip_prefix("tryboxi_daemon_heap_bytes{kind=\"in_use\"} "))
+            .and_then(|v| v.parse::<f64>().ok())
+            .expect("heap in use exported");
+        assert!(in_use > 0.0, "{text}");
+        assert!(
+            text.contains("tryboxi_daemon_heap_bytes{kind=\"free\"}"),
             "{text}"
         );
     }

@@ -81,6 +81,9 @@ pub struct LoadRows {
     pub rss_before_kib: u64,
     pub rss_peak_kib: u64,
     pub rss_after_kib: u64,
+    /// [`MEMORY_SERIES`] at "RSS before" and at the end.
+    pub mem_before: Vec<Option<f64>>,
+    pub mem_after: Vec<Option<f64>>,
     pub accel: String,
     pub load_before: String,
     pub load_after: String,
@@ -96,6 +99,14 @@ pub fn quantile(v: &[Duration], p: f64) -> Duration {
     let rank = (p * s.len() as f64).ceil() as usize;
     s[rank.clamp(1, s.len()) - 1]
 }
+
+/// What the daemon says of its memory (`GET /metrics`), read beside its RSS: the heap in use,
+/// the heap the allocator holds free, the store's page cache.
+pub const MEMORY_SERIES: [&str; 3] = [
+    "tryboxi_daemon_heap_bytes{kind=\"in_use\"}",
+    "tryboxi_daemon_heap_bytes{kind=\"free\"}",
+    "tryboxi_store_cache_bytes",
+];
 
 /// The concurrent warm-up before "RSS before" is read.
 const WARM_UP: Duration = Duration::from_secs(10);
@@ -177,6 +188,7 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, config: &str, secs: u64) -
     }
     std::thread::sleep(Duration::from_secs(2));
     let rss_before_kib = rss_kib(pid).context("the daemon's RSS")?;
+    let mem_before = http::metrics(&sock, &MEMORY_SERIES)?;
 
     let stop = Arc::new(AtomicBool::new(false));
     let peak = Arc::new(AtomicU64::new(rss_before_kib));
@@ -199,6 +211,7 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, config: &str, secs: u64) -
     // What the daemon holds once the load is over (its runtime's threads parked again).
     std::thread::sleep(Duration::from_secs(2));
     let rss_after_kib = rss_kib(pid).context("the daemon's RSS")?;
+    let mem_after = http::metrics(&sock, &MEMORY_SERIES)?;
     let (_, health) = http::request(&sock, "GET", "/v1/health", None)?;
     let accel = http::json_str(&health, "accel").unwrap_or_else(|| "?".into());
     for id in &ids {
@@ -226,6 +239,8 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, config: &str, secs: u64) -
         rss_before_kib,
         rss_peak_kib: peak.load(Ordering::Relaxed),
         rss_after_kib,
+        mem_before,
+        mem_after,
         accel,
         load_before,
         load_after: crate::bench::loadavg(),
@@ -294,6 +309,26 @@ pub fn section(r: &LoadRows, date: &str) -> Result<String> {
         r.rss_peak_kib as f64 / 1024.0,
         growth * 100.0
     )?;
+    for (i, what) in [
+        "(n) of which heap in use",
+        "(n) heap free but held by the allocator",
+        "(n) store page cache (bounded by its size)",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mib = |v: Option<f64>| match v {
+            Some(b) => format!("{:.1} MiB", b / 1048576.0),
+            None => "?".into(),
+        };
+        let (b, a) = (r.mem_before[i], r.mem_after[i]);
+        writeln!(
+            md,
+            "| {what}: before -> after | {} -> {} | |",
+            mib(b),
+            mib(a)
+        )?;
+    }
     if let Some(e) = r.errors.first() {
         writeln!(md, "\nFirst error: `{}`", e.replace('`', "'"))?;
     }

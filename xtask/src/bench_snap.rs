@@ -212,15 +212,8 @@ fn wait_golden(home: &Path) -> Result<()> {
 
 /// `tryboxi_pool_ready` from `GET /metrics`.
 fn pool_ready(sock: &Path) -> Result<u64> {
-    let (st, text) = http::request(sock, "GET", "/metrics", None)?;
-    if st != 200 {
-        bail!("GET /metrics: HTTP {st}");
-    }
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix("tryboxi_pool_ready "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(0.0) as u64)
+    let v = http::metrics(sock, &["tryboxi_pool_ready"])?;
+    Ok(v[0].unwrap_or(0.0) as u64)
 }
 
 /// (g) with a warm pool of one: every create takes the pool VM (restored from the golden

@@ -168,3 +168,22 @@ pub fn json_str(text: &str, key: &str) -> Option<String> {
     let v: serde_json::Value = serde_json::from_str(text).ok()?;
     v.get(key)?.as_str().map(str::to_owned)
 }
+
+/// The value of each of `series` (a metric name with its labels exactly as the exposition
+/// writes them, e.g. `tryboxi_daemon_heap_bytes{kind="free"}`) in one `GET /metrics`; `None`
+/// for a series not exported.
+pub fn metrics(sock: &Path, series: &[&str]) -> Result<Vec<Option<f64>>> {
+    let (st, text) = request(sock, "GET", "/metrics", None)?;
+    if st != 200 {
+        bail!("GET /metrics: HTTP {st}");
+    }
+    Ok(series
+        .iter()
+        .map(|s| {
+            text.lines().find_map(|l| {
+                let v = l.strip_prefix(s)?.strip_prefix(' ')?;
+                v.trim().parse::<f64>().ok()
+            })
+        })
+        .collect())
+}
