@@ -33,6 +33,8 @@ pub mod templates;
 pub mod usage;
 pub mod vmfs;
 mod vms;
+#[cfg(test)]
+mod walk_hostile_tests;
 mod workspace;
 mod workspace_apply;
 mod workspace_fetch;
