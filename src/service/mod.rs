@@ -187,6 +187,9 @@ pub struct Service {
     pub walks: workspace::WalkMirrors,
     /// The sync bases (manifests) last read or written, so big ones are not parsed each sync.
     pub manifests: Arc<crate::workspace::manifest::ManifestCache>,
+    /// The sync rules of `[sync]`, compiled once (every exec, sync and diff uses them; the
+    /// case-insensitive secret globs cost milliseconds to compile).
+    pub sync_rules: std::sync::OnceLock<crate::workspace::rules::Rules>,
     /// Each sandbox's userspace network stack (`network.rs`).
     pub nets: network::Nets,
     /// Host listeners of exposed ports.
@@ -254,6 +257,7 @@ impl Service {
             life: Default::default(),
             walks: Default::default(),
             manifests: Default::default(),
+            sync_rules: Default::default(),
             nets: Default::default(),
             ports: Default::default(),
             execs: Default::default(),

@@ -126,7 +126,14 @@ impl Service {
             .workspace
             .as_ref()
             .map_or(&[][..], |w| &w.exclude[..]);
-        Ok(Rules::new(&self.config.sync)?.with_exclude(exclude)?)
+        let base = match self.sync_rules.get() {
+            Some(r) => r,
+            None => {
+                let r = Rules::new(&self.config.sync)?;
+                self.sync_rules.get_or_init(|| r)
+            }
+        };
+        Ok(base.with_exclude(exclude)?)
     }
 
     /// The host workspace of a sandbox; 409 `no_workspace` for one created without.

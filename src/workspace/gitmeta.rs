@@ -34,6 +34,12 @@ fn hfs_ignorable(c: char) -> bool {
 
 /// Whether one path component names a `.git` on some host file system.
 pub fn is_dotgit_name(name: &str) -> bool {
+    // Every such name folds to `.git` or `git~1`, so it holds an ASCII `g` or `G` (no other
+    // code point lowercases to `g`): most names are ruled out here without allocating (a diff
+    // asks this of every component of every path in the tree).
+    if !name.bytes().any(|b| b.eq_ignore_ascii_case(&b'g')) {
+        return false;
+    }
     let folded: String = name
         .chars()
         .filter(|c| !hfs_ignorable(*c))
@@ -59,13 +65,10 @@ pub fn dotgit_prefix(rel: &str) -> Option<&str> {
 
 /// Names that make a directory a git directory, as bits.
 fn layout_bit(name: &str) -> u8 {
-    match name.to_ascii_lowercase().as_str() {
-        "head" => 1,
-        "objects" => 2,
-        "refs" => 4,
-        "commondir" => 8,
-        _ => 0,
-    }
+    [("head", 1), ("objects", 2), ("refs", 4), ("commondir", 8)]
+        .into_iter()
+        .find(|(n, _)| name.eq_ignore_ascii_case(n))
+        .map_or(0, |(_, b)| b)
 }
 
 fn is_layout(bits: u8) -> bool {
@@ -165,6 +168,11 @@ mod tests {
             "x.git",
             "git~2",
             ".git-x",
+            // No `g` at all: ruled out before any folding.
+            "main.rs",
+            ".it",
+            "it~1",
+            "\u{200c}.\u{feff}it",
         ] {
             assert!(!is_dotgit_name(name), "{name:?}");
         }
