@@ -10,6 +10,9 @@
 //! Also tells who sent a SIGKILL tryboxi did not send ([`sigkill_cause`]): the kernel's OOM
 //! killer when `/proc/vmstat`'s `oom_kill` counter moved while the QEMU ran, another process
 //! otherwise.
+//! Also gives the daemon's free heap pages back to the system once a minute
+//! ([`spawn_heap_trim`]): glibc keeps freed memory in its per-thread arenas, and under
+//! sustained load that slack was a third of the daemon's RSS growth (BENCHMARKS.md, row (n)).
 //! Never: changes the score of any other process.
 //!
 //! Why -900 and not -1000: -1000 exempts the daemon from the OOM killer entirely, so a daemon
@@ -45,6 +48,31 @@ fn set(v: i32) -> std::io::Result<()> {
 }
 
 /// Protect the daemon from the OOM killer: -900 when allowed (root, `CAP_SYS_RESOURCE`),
+/// How often [`spawn_heap_trim`] trims.
+pub const HEAP_TRIM_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Every [`HEAP_TRIM_EVERY`], `malloc_trim(0)` on a blocking thread: the allocator returns the
+/// whole free pages of every arena to the system (what it still uses stays). Runs until the
+/// runtime stops.
+pub fn spawn_heap_trim() {
+    tokio::spawn(async {
+        let mut tick = tokio::time::interval(HEAP_TRIM_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let _ = tokio::task::spawn_blocking(trim_heap).await;
+        }
+    });
+}
+
+/// Return the allocator's free pages to the system; whether it released any.
+pub fn trim_heap() -> bool {
+    // SAFETY: `malloc_trim` takes a byte count to keep at the top of the main heap and only
+    // works on the allocator's own free lists, under its own locks.
+    unsafe { libc::malloc_trim(0) == 1 }
+}
+
 /// otherwise the lowest value the kernel accepts from this user (it refuses going below the
 /// lowest value a privileged process set for us). Returns the value now in force; failures
 /// are logged, never fatal.
@@ -200,6 +228,23 @@ impl ResetOomScore for tokio::process::Command {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn trimming_returns_free_pages_between_live_blocks() {
+        // Freed blocks between live ones stay in the arena (free() only shrinks its top);
+        // the trim gives their pages back and leaves the live blocks intact.
+        let mut keep = Vec::new();
+        let mut gone = Vec::new();
+        for i in 0..512u32 {
+            gone.push(vec![1u8; 64 << 10]);
+            keep.push(vec![(i % 251) as u8; 64]);
+        }
+        drop(gone);
+        assert!(trim_heap(), "nothing released");
+        for (i, v) in keep.iter().enumerate() {
+            assert!(v.iter().all(|&b| b == (i % 251) as u8));
+        }
+    }
 
     #[test]
     fn the_oom_counter_is_read_from_vmstat() {

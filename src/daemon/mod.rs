@@ -111,6 +111,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), DaemonError> {
     let _lock = acquire_lock(&paths)?;
     // The OOM killer takes a sandbox's QEMU before the daemon (see `oom.rs`).
     crate::oom::protect_daemon();
+    crate::oom::spawn_heap_trim();
     let config = Config::load(&paths)?;
     check_tcp_listen(&config)?;
     // Checked when the config was parsed.
