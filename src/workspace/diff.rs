@@ -87,9 +87,11 @@ pub fn suspects(
     let mut dropped_dirs: HashSet<&str> = HashSet::new();
     for w in walk {
         let is_dir = w.kind == FileKind::Dir;
-        if w.path
-            .match_indices('/')
-            .any(|(i, _)| dropped_dirs.contains(&w.path[..i]))
+        // Most trees have no dropped directory: no lookup per path then.
+        if !dropped_dirs.is_empty()
+            && w.path
+                .match_indices('/')
+                .any(|(i, _)| dropped_dirs.contains(&w.path[..i]))
         {
             continue;
         }
