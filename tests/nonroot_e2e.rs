@@ -39,8 +39,25 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// The system user `name` (made with `useradd` if missing): (uid, gid, home).
+/// Held while a user is made: the tests of this binary run in parallel, and two `useradd`
+/// at once on a fresh machine left one user's home filled with the other's files (seen in
+/// CI: the daemon then could not `chmod` its own data root).
+static USERADD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `path` and everything below it (symlinks not followed) owned by `uid:gid`.
+fn chown_tree(path: &Path, uid: u32, gid: u32) {
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid)).unwrap();
+    if std::fs::symlink_metadata(path).unwrap().is_dir() {
+        for e in std::fs::read_dir(path).unwrap() {
+            chown_tree(&e.unwrap().path(), uid, gid);
+        }
+    }
+}
+
+/// The system user `name` (made with `useradd` if missing): (uid, gid, home). Its home and
+/// everything in it are its own.
 fn ensure_user(name: &str) -> (u32, u32, PathBuf) {
+    let _one_at_a_time = USERADD.lock().unwrap_or_else(|p| p.into_inner());
     if nix::unistd::User::from_name(name).unwrap().is_none() {
         let o = Command::new("useradd")
             .args([
@@ -62,7 +79,7 @@ fn ensure_user(name: &str) -> (u32, u32, PathBuf) {
     }
     let u = nix::unistd::User::from_name(name).unwrap().expect("user");
     std::fs::create_dir_all(&u.dir).unwrap();
-    std::os::unix::fs::chown(&u.dir, Some(u.uid.as_raw()), Some(u.gid.as_raw())).unwrap();
+    chown_tree(&u.dir, u.uid.as_raw(), u.gid.as_raw());
     (u.uid.as_raw(), u.gid.as_raw(), u.dir)
 }
 
