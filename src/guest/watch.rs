@@ -119,16 +119,7 @@ fn entry(rel: &str, abs: &Path, md: &std::fs::Metadata) -> WalkEntry {
 
 /// An entry for a file not stated (see [`WalkEntry::base`]).
 fn base_entry(rel: &str, kind: FileKind) -> WalkEntry {
-    WalkEntry {
-        path: rel.to_owned(),
-        kind,
-        size: 0,
-        mode: 0,
-        mtime: 0,
-        mtime_nsec: 0,
-        link: None,
-        base: true,
-    }
+    WalkEntry::unstated(rel.to_owned(), kind)
 }
 
 /// Whether `path` (not followed) has the extended attribute `name`.

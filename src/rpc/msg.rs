@@ -255,6 +255,22 @@ pub struct WalkEntry {
     pub base: bool,
 }
 
+impl WalkEntry {
+    /// An entry the agent did not state (see [`WalkEntry::base`]).
+    pub fn unstated(path: String, kind: FileKind) -> WalkEntry {
+        WalkEntry {
+            path,
+            kind,
+            size: 0,
+            mode: 0,
+            mtime: 0,
+            mtime_nsec: 0,
+            link: None,
+            base: true,
+        }
+    }
+}
+
 /// A command to run in the guest. Stdin is a pipe fed by `Data` frames on the exec's stream
 /// and closed by `DataEnd` (in pty mode `Data` goes to the terminal and `DataEnd` is ignored).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]

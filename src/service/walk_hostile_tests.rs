@@ -62,16 +62,7 @@ fn stated(path: &str, kind: FileKind, size: u64, mode: u32, link: Option<&str>) 
 
 /// An entry the agent did not state: the host is to take its stat from the base.
 fn unstated(path: &str, kind: FileKind) -> WalkEntry {
-    WalkEntry {
-        path: path.into(),
-        kind,
-        size: 0,
-        mode: 0,
-        mtime: 0,
-        mtime_nsec: 0,
-        link: None,
-        base: true,
-    }
+    WalkEntry::unstated(path.into(), kind)
 }
 
 /// The base's tree, stated as it is: nothing changed in the VM.
