@@ -47,9 +47,14 @@ pub fn by_name(name: &str) -> Option<Account> {
 
 /// The first entry with uid `uid`: from the file, else from `getent passwd` (see [`getent`]).
 pub fn by_uid(uid: u32) -> Option<Account> {
-    all()
-        .into_iter()
+    find_uid(&all(), uid)
+}
+
+/// The first entry of `file` (what [`all`] read) with uid `uid`, else `getent passwd`'s.
+pub fn find_uid(file: &[Account], uid: u32) -> Option<Account> {
+    file.iter()
         .find(|a| a.uid == uid)
+        .cloned()
         .or_else(|| getent(&uid.to_string()).filter(|a| a.uid == uid))
 }
 

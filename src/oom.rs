@@ -48,31 +48,6 @@ fn set(v: i32) -> std::io::Result<()> {
 }
 
 /// Protect the daemon from the OOM killer: -900 when allowed (root, `CAP_SYS_RESOURCE`),
-/// How often [`spawn_heap_trim`] trims.
-pub const HEAP_TRIM_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// Every [`HEAP_TRIM_EVERY`], `malloc_trim(0)` on a blocking thread: the allocator returns the
-/// whole free pages of every arena to the system (what it still uses stays). Runs until the
-/// runtime stops.
-pub fn spawn_heap_trim() {
-    tokio::spawn(async {
-        let mut tick = tokio::time::interval(HEAP_TRIM_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            let _ = tokio::task::spawn_blocking(trim_heap).await;
-        }
-    });
-}
-
-/// Return the allocator's free pages to the system; whether it released any.
-pub fn trim_heap() -> bool {
-    // SAFETY: `malloc_trim` takes a byte count to keep at the top of the main heap and only
-    // works on the allocator's own free lists, under its own locks.
-    unsafe { libc::malloc_trim(0) == 1 }
-}
-
 /// otherwise the lowest value the kernel accepts from this user (it refuses going below the
 /// lowest value a privileged process set for us). Returns the value now in force; failures
 /// are logged, never fatal.
@@ -223,6 +198,31 @@ impl ResetOomScore for tokio::process::Command {
             })
         }
     }
+}
+
+/// How often [`spawn_heap_trim`] trims.
+pub const HEAP_TRIM_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Every [`HEAP_TRIM_EVERY`], `malloc_trim(0)` on a blocking thread: the allocator returns the
+/// whole free pages of every arena to the system (what it still uses stays). Runs until the
+/// runtime stops.
+pub fn spawn_heap_trim() {
+    tokio::spawn(async {
+        let mut tick = tokio::time::interval(HEAP_TRIM_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let _ = tokio::task::spawn_blocking(trim_heap).await;
+        }
+    });
+}
+
+/// Return the allocator's free pages to the system; whether it released any.
+pub fn trim_heap() -> bool {
+    // SAFETY: `malloc_trim` takes a byte count to keep at the top of the main heap and only
+    // works on the allocator's own free lists, under its own locks.
+    unsafe { libc::malloc_trim(0) == 1 }
 }
 
 #[cfg(test)]

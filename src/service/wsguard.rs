@@ -25,13 +25,14 @@ pub fn forbidden_homes(caller_uid: Option<u32>) -> Vec<PathBuf> {
     // Every user's home from the password file (read as a file: see `accounts`); the caller's
     // and the daemon's own through `accounts::by_uid`, which also asks a directory service.
     let own = nix::unistd::geteuid().as_raw();
+    let file = crate::accounts::all();
     let mut homes: Vec<PathBuf> = [caller_uid, Some(own)]
         .into_iter()
         .flatten()
-        .filter_map(crate::accounts::by_uid)
+        .filter_map(|u| crate::accounts::find_uid(&file, u))
         .map(|a| a.home)
         .collect();
-    homes.extend(crate::accounts::all().into_iter().map(|a| a.home));
+    homes.extend(file.into_iter().map(|a| a.home));
     if let Some(h) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
         homes.push(PathBuf::from(h));
     }
