@@ -129,10 +129,16 @@ pub struct ApiConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct HttpConfig {
     /// A client must send a request's complete header within this many seconds of the
-    /// connection opening (or of the previous response ending); else the connection is closed
-    /// (slowloris, idle keep-alive). Streams already answering (`GET /v1/events`, exec NDJSON)
-    /// are not cut. Default: 10; at least 1.
+    /// connection opening, or of the request's first byte on a kept-alive connection; else the
+    /// connection is closed (slowloris). Streams already answering (`GET /v1/events`, exec
+    /// NDJSON) are not cut. Default: 10; at least 1.
     pub header_timeout_s: u64,
+    /// A kept-alive connection on which no request has begun within this many seconds of the
+    /// previous response ending is closed. Longer than the pools of common HTTP clients
+    /// (reqwest and Go keep idle connections 90 s), so they drop a connection before the
+    /// daemon does: a request written as the daemon closes it would be reset. Default: 120;
+    /// at least 1.
+    pub idle_timeout_s: u64,
     /// A request's whole body (at most 16 MiB) must arrive within this many seconds of its
     /// header, else the answer is 408 and the connection is closed (slow uploads that hold a
     /// connection). Default: 60; at least 1.
@@ -150,6 +156,7 @@ impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             header_timeout_s: 10,
+            idle_timeout_s: 120,
             body_timeout_s: 60,
             max_connections: 1024,
             max_connections_per_peer: 256,
@@ -702,6 +709,7 @@ mod tests {
         assert!(c.otlp_endpoint.is_none());
         assert!(!c.tcp_tls);
         assert_eq!(c.http.header_timeout_s, 10);
+        assert_eq!(c.http.idle_timeout_s, 120);
         assert_eq!(c.http.body_timeout_s, 60);
         assert_eq!(c.http.max_connections, 1024);
         assert_eq!(c.http.max_connections_per_peer, 256);

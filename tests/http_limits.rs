@@ -188,6 +188,64 @@ fn slowloris_is_cut_at_the_header_timeout_and_streams_are_not() {
     assert_eq!(d.request("GET", "/v1/health", None).status, 200);
 }
 
+/// One answer read off a kept-alive connection (by its Content-Length): its status.
+fn keep_alive_get(s: &mut UnixStream, path: &str) -> std::io::Result<u16> {
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())?;
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = s.read(&mut buf)?;
+        if n == 0 {
+            return Err(std::io::Error::new(ErrorKind::UnexpectedEof, "closed"));
+        }
+        raw.extend_from_slice(&buf[..n]);
+        let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("an answer with a length");
+        if raw.len() >= end + 4 + len {
+            return Ok(head.split_whitespace().nth(1).unwrap().parse().unwrap());
+        }
+    }
+}
+
+/// Client pools keep idle connections longer than a slowloris bound (reqwest and Go: 90 s). The
+/// daemon used to close them at the header timeout, so a request written on one as the daemon
+/// closed it was reset (the E2B SDK's `run_code` after a timed-out one did exactly that).
+#[test]
+fn a_kept_alive_connection_waits_past_the_header_timeout_until_the_idle_timeout() {
+    let d = Daemon::start(
+        Some("[http]\nheader_timeout_s = 1\nidle_timeout_s = 4\n"),
+        &[],
+    );
+    let mut c = UnixStream::connect(d.socket()).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    assert_eq!(keep_alive_get(&mut c, "/v1/health").unwrap(), 200);
+    // Idle for twice the header timeout: still served.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        keep_alive_get(&mut c, "/v1/health").expect("the idle connection was closed"),
+        200
+    );
+    // Then closed at the idle timeout, counted from that answer.
+    let t = Instant::now();
+    c.set_nonblocking(true).unwrap();
+    while look(&mut c, &mut Vec::new()) == Seen::Open {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "an idle connection was still open after 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let at = t.elapsed();
+    assert!(at >= Duration::from_millis(3500), "closed early: {at:?}");
+}
+
 #[test]
 fn a_body_that_trickles_in_gets_408_at_the_body_timeout() {
     let d = Daemon::start(Some("[http]\nbody_timeout_s = 1\n"), &[]);

@@ -2,11 +2,11 @@
 //!
 //! Owns: accepting on the unix socket and `tcp_listen`, each listener's connection budget
 //! ([`limits::ConnLimiter`]; a refused connection gets a 503 and is closed), the TLS handshake
-//! (bounded by the header timeout), hyper's header-read timeout (a connection that has not sent
-//! a complete request header within `header_timeout_s` of opening, or of its previous response
-//! ending, is closed; a response already streaming, such as `GET /v1/events` or exec NDJSON,
-//! is never cut by it), backing off when accept fails (out of descriptors), and draining
-//! connections at shutdown.
+//! (bounded by the header timeout), the header and idle deadlines ([`keepalive`]: a request
+//! header must be complete within `header_timeout_s` of opening or of its first byte, the next
+//! request must begin within `idle_timeout_s` of a response ending; a response already
+//! streaming, such as `GET /v1/events` or exec NDJSON, is never cut), backing off when accept
+//! fails (out of descriptors), and draining connections at shutdown.
 //! Never: what a request does (`dispatch`).
 
 use std::sync::Arc;
@@ -20,6 +20,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::broadcast;
 use tokio::task::JoinSet;
 
+use super::keepalive::{self, Deadlines};
 use super::limits::{self, ConnLimiter, ConnPermit, LimitHit, PeerKey};
 use super::{Shared, Via, middleware};
 use crate::config::HttpConfig;
@@ -36,11 +37,6 @@ pub struct Listeners {
     pub tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
-#[derive(Clone, Copy)]
-struct Timeouts {
-    header: Duration,
-}
-
 /// Serve both listeners until `shutdown` fires, then drain (5 s grace).
 pub async fn run(
     l: Listeners,
@@ -52,9 +48,7 @@ pub async fn run(
     let max_total = cap_by_nofile(cfg.max_connections, listeners);
     let unix_budget = ConnLimiter::new(max_total, cfg.max_connections_per_peer);
     let tcp_budget = ConnLimiter::new(max_total, cfg.max_connections_per_peer);
-    let t = Timeouts {
-        header: Duration::from_secs(cfg.header_timeout_s.max(1)),
-    };
+    let t = Deadlines::from_config(cfg);
     let tcp_local = l.tcp.as_ref().and_then(|t| t.local_addr().ok());
     let mut conns = JoinSet::new();
     let mut shutdown = shutdown_tx.subscribe();
@@ -184,9 +178,10 @@ fn cap_by_nofile(wanted: usize, listeners: usize) -> usize {
     wanted
 }
 
-fn http1(t: Timeouts) -> hyper::server::conn::http1::Builder {
+/// hyper's own header timer is off: [`keepalive`] bounds the header and the idle wait apart.
+fn http1() -> hyper::server::conn::http1::Builder {
     let mut b = hyper::server::conn::http1::Builder::new();
-    b.timer(TokioTimer::new()).header_read_timeout(t.header);
+    b.timer(TokioTimer::new()).header_read_timeout(None);
     b
 }
 
@@ -195,14 +190,15 @@ async fn refuse(
     stream: tokio::net::UnixStream,
     gate: Arc<middleware::PeerGate>,
     uid: u32,
-    t: Timeouts,
+    t: Deadlines,
     _permit: ConnPermit,
 ) {
+    let (stream, _phase) = keepalive::timed(stream, t);
     let svc = hyper::service::service_fn(move |_req: Request<Incoming>| {
         let resp = gate.refusal(uid).into_response();
         async move { Ok::<_, std::convert::Infallible>(resp) }
     });
-    let _ = http1(t)
+    let _ = http1()
         .keep_alive(false)
         .serve_connection(TokioIo::new(stream), svc)
         .await;
@@ -211,18 +207,24 @@ async fn refuse(
 async fn connection<S>(
     stream: S,
     via: Via,
-    t: Timeouts,
+    t: Deadlines,
     shared: Arc<Shared>,
     mut shutdown: broadcast::Receiver<()>,
     _permit: ConnPermit,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let (stream, phase) = keepalive::timed(stream, t);
     let svc = hyper::service::service_fn(move |req| {
         let shared = shared.clone();
-        async move { Ok::<_, std::convert::Infallible>(super::dispatch(req, via, &shared).await) }
+        let phase = phase.clone();
+        async move {
+            phase.request_started();
+            let resp = super::dispatch(req, via, &shared).await;
+            Ok::<_, std::convert::Infallible>(phase.response(resp))
+        }
     });
-    let conn = http1(t).serve_connection(TokioIo::new(stream), svc);
+    let conn = http1().serve_connection(TokioIo::new(stream), svc);
     tokio::pin!(conn);
     tokio::select! {
         res = conn.as_mut() => {

@@ -9,6 +9,7 @@
 //! Never: business logic (that is `service`).
 
 mod handlers;
+pub(crate) mod keepalive;
 pub(crate) mod limits;
 mod listen;
 mod middleware;

@@ -3,7 +3,8 @@
 //! Owns: binding (a non-loopback address only with `tcp_tls` on, reusing the daemon's TLS
 //! identity: the API key never crosses the network in plain text), the `Host` check on loopback
 //! (a web page cannot reach it through DNS rebinding), its own connection budget (the
-//! `[http]` caps, per peer uid/IP) and header-read timeout, and draining at shutdown.
+//! `[http]` caps, per peer uid/IP), the header and idle deadlines (`daemon::keepalive`), and
+//! draining at shutdown.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,6 +20,7 @@ use tokio::task::JoinSet;
 
 use super::Face;
 use crate::config::HttpConfig;
+use crate::daemon::keepalive::{self, Deadlines};
 use crate::daemon::limits::{self, ConnLimiter};
 
 /// Refuse an address that would put the API key on the network in plain text.
@@ -53,7 +55,7 @@ pub async fn run(
     shutdown_tx: broadcast::Sender<()>,
 ) {
     let budget = ConnLimiter::new(cfg.max_connections, cfg.max_connections_per_peer);
-    let header = Duration::from_secs(cfg.header_timeout_s.max(1));
+    let t = Deadlines::from_config(cfg);
     let Ok(local) = listener.local_addr() else {
         return;
     };
@@ -76,9 +78,9 @@ pub async fn run(
                     conns.spawn(async move {
                         let _permit = permit;
                         match tls {
-                            None => connection(stream, header, check_host, face, rx).await,
-                            Some(acceptor) => match tokio::time::timeout(header, acceptor.accept(stream)).await {
-                                Ok(Ok(s)) => connection(s, header, false, face, rx).await,
+                            None => connection(stream, t, check_host, face, rx).await,
+                            Some(acceptor) => match tokio::time::timeout(t.header, acceptor.accept(stream)).await {
+                                Ok(Ok(s)) => connection(s, t, false, face, rx).await,
                                 _ => tracing::debug!(%peer, "E2B TLS handshake failed or timed out"),
                             },
                         }
@@ -104,34 +106,40 @@ pub async fn run(
 
 async fn connection<S>(
     stream: S,
-    header: Duration,
+    t: Deadlines,
     check_host: bool,
     face: Arc<Face>,
     mut shutdown: broadcast::Receiver<()>,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let (stream, phase) = keepalive::timed(stream, t);
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let face = face.clone();
+        let phase = phase.clone();
         async move {
+            phase.request_started();
             let host = req
                 .headers()
                 .get(hyper::header::HOST)
                 .and_then(|v| v.to_str().ok());
             if check_host && !loopback_host(host) {
                 return Ok::<_, std::convert::Infallible>(
-                    super::E2bError::new(
-                        hyper::StatusCode::FORBIDDEN,
-                        "the E2B API answers only requests addressed to localhost",
-                    )
-                    .into_response(),
+                    phase.response(
+                        super::E2bError::new(
+                            hyper::StatusCode::FORBIDDEN,
+                            "the E2B API answers only requests addressed to localhost",
+                        )
+                        .into_response(),
+                    ),
                 );
             }
-            Ok(super::handle(req, &face).await)
+            Ok(phase.response(super::handle(req, &face).await))
         }
     });
     let mut b = hyper::server::conn::http1::Builder::new();
-    b.timer(TokioTimer::new()).header_read_timeout(header);
+    // hyper's header timer is off: `keepalive` bounds the header and the idle wait apart.
+    b.timer(TokioTimer::new()).header_read_timeout(None);
     let conn = b.serve_connection(TokioIo::new(stream), svc);
     tokio::pin!(conn);
     tokio::select! {
