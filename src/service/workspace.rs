@@ -24,6 +24,9 @@ use crate::workspace::{GUEST_ROOT, WorkspaceError, basedisk, sync};
 
 /// Archives from this size on go through the VM's transfer disk instead of the RPC channel.
 const DISK_TRANSFER_MIN: u64 = 1 << 20;
+/// Suspects (changed + deleted) a diff classifies on the async task (pure memory work, tens
+/// of microseconds); more go to a blocking thread.
+const INLINE_CLASSIFY: usize = 256;
 
 impl From<WorkspaceError> for ServiceError {
     fn from(e: WorkspaceError) -> Self {
@@ -679,13 +682,17 @@ impl Service {
         let walk = self.vm_walk(&rec.api.id, vm, &manifest).await?;
         let t_walk = t0.elapsed().as_millis() as u64;
         let (m2, b2, paths) = (manifest.clone(), base.clone(), paths.to_vec());
-        let mut s = blocking(move || {
+        let (dir, budget) = (rec.dir.clone(), self.max_diff_bytes());
+        // One trip to a blocking thread for the CPU work and the spill's setup (file IO).
+        let (mut s, spill) = blocking(move || {
             let ignores = Ignores::from_base(&m2, |p| {
                 m2.entries.get(p).and_then(|e| b2.blob(&e.sha256).ok())
             });
-            Ok(diff::suspects(&m2, &walk, &rules, &ignores, &paths))
+            let s = diff::suspects(&m2, &walk, &rules, &ignores, &paths);
+            Ok((s, Spill::new(&dir, budget)?))
         })
         .await?;
+        let spill = Arc::new(spill);
         let max = self.max_file_bytes();
         let too_big = diff::take_too_big(&mut s, max);
         let wanted: Vec<(String, u64)> = s
@@ -694,16 +701,20 @@ impl Service {
             .filter(|w| w.kind == FileKind::File && w.size <= max)
             .map(|w| (w.path.clone(), w.size))
             .collect();
-        let (dir, budget) = (rec.dir.clone(), self.max_diff_bytes());
-        let spill = Arc::new(blocking(move || Spill::new(&dir, budget)).await?);
         let announced = wanted.iter().fold(0u64, |t, w| t.saturating_add(w.1));
         spill.check_announced(announced)?;
         let contents = fetch::into_spill(&vm.agent, &spill, wanted, max).await?;
         tracing::debug!(sandbox = %rec.api.id, files = contents.len(), bytes = spill.used(), walk_ms = t_walk, ms = t0.elapsed().as_millis() as u64, "fetched the VM's changed files");
         let special = s.special.clone();
         let refused = s.refused.clone();
-        let m2 = manifest.clone();
-        let changes = blocking(move || Ok(diff::classify(&m2, s, contents))).await?;
+        // Classifying is hashing-map work over the suspects: a few are done here, many (a
+        // rename of thousands of files) on a blocking thread.
+        let changes = if s.changed.len() + s.deleted.len() <= INLINE_CLASSIFY {
+            diff::classify(&manifest, s, contents)
+        } else {
+            let m2 = manifest.clone();
+            blocking(move || Ok(diff::classify(&m2, s, contents))).await?
+        };
         Ok(Changes {
             base,
             manifest,

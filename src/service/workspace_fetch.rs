@@ -1,6 +1,8 @@
 //! Fetching the VM's changed files for a diff, apply or pull: each file goes chunk by chunk
-//! from the agent into a spill file of the operation ([`crate::workspace::spill`]), hashed as
-//! it arrives, never whole in memory. A few files at once; the first error (a file past
+//! from the agent into the operation's spill ([`crate::workspace::spill`]), hashed as it
+//! arrives: a small file in memory, received on the async task itself (no thread, no file),
+//! a bigger one (or any once the daemon's in-memory budget is spent) through a blocking
+//! thread into a spill file, never whole in memory. A few files at once; the first error (a file past
 //! `sync.max_file_mib`, the operation past `sync.max_diff_mib`, the agent refusing) ends the
 //! fetch and drops the other reads.
 //!
@@ -43,28 +45,37 @@ pub(super) async fn into_spill(
 /// Chunks queued between the agent and a file's writer thread (32 KiB each).
 const QUEUED_CHUNKS: usize = 16;
 
-/// One file: chunks from the agent are queued to a blocking thread that writes and hashes
-/// them, so receiving goes on while the previous chunks are written.
+/// One file: chunks from the agent go to memory while the file is small; past that, they are
+/// queued to a blocking thread that writes and hashes them, so receiving goes on while the
+/// previous chunks are written.
 async fn one(
     agent: &AgentClient,
     spill: &Arc<Spill>,
     rel: String,
     max_file: u64,
 ) -> Result<(String, Spilled), ServiceError> {
-    let (s2, r2) = (spill.clone(), rel.clone());
+    let mut w = spill.writer(&rel, max_file);
+    let mut chunks = agent
+        .read_file_chunks(&guest_path(&rel))
+        .await
+        .map_err(agent_err)?;
+    // In memory: only memory work here, on the async task.
+    let first_on_disk = loop {
+        match chunks.next().await.map_err(agent_err)? {
+            None => return Ok((rel, w.finish()?)),
+            Some(c) if w.write_in_memory(&c)? => {}
+            Some(c) => break c,
+        }
+    };
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(QUEUED_CHUNKS);
     let writer = tokio::task::spawn_blocking(move || {
-        let mut w = s2.writer(&r2, max_file)?;
+        w.write(&first_on_disk)?;
         while let Some(c) = rx.blocking_recv() {
             w.write(&c)?;
         }
         w.finish()
     });
     let read = async {
-        let mut chunks = agent
-            .read_file_chunks(&guest_path(&rel))
-            .await
-            .map_err(agent_err)?;
         while let Some(c) = chunks.next().await.map_err(agent_err)? {
             if tx.send(c).await.is_err() {
                 // The writer stopped (a limit, a full disk): its error says why.
@@ -199,10 +210,12 @@ mod tests {
             .to_string();
         assert!(e.contains("sync.max_diff_mib"), "{e}");
         assert!(spill.used() <= 2 << 20, "{} bytes kept", spill.used());
-        let on_disk: u64 = std::fs::read_dir(spill.path())
-            .unwrap()
-            .map(|e| e.unwrap().metadata().unwrap().len())
-            .sum();
+        let on_disk: u64 = spill.dir().map_or(0, |dir| {
+            std::fs::read_dir(dir)
+                .unwrap()
+                .map(|e| e.unwrap().metadata().unwrap().len())
+                .sum()
+        });
         assert!(on_disk <= 2 << 20, "{on_disk} bytes on disk");
         // What the guest got to send is bounded by the limits plus one window per stream.
         let n = sent.load(std::sync::atomic::Ordering::Relaxed);

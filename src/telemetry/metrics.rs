@@ -31,6 +31,9 @@ pub const DAEMON_RSS: &str = "tryboxi_daemon_resident_memory_bytes";
 pub const DAEMON_HEAP: &str = "tryboxi_daemon_heap_bytes";
 /// Bytes in the store's page cache (bounded by its configured size). Gauge.
 pub const STORE_CACHE: &str = "tryboxi_store_cache_bytes";
+/// Bytes of VM files that diffs, applies and pulls hold in memory (small files; bounded by
+/// `workspace::spill::MEM_TOTAL`, the rest goes to spill files). Gauge.
+pub const DIFF_MEMORY: &str = "tryboxi_diff_memory_bytes";
 /// Errors by `kind` (every [`ErrorKind`], exported at 0 from the start). Counter.
 pub const ERRORS: &str = "tryboxi_errors_total";
 /// Events recorded by `type`. Counter.
@@ -151,6 +154,11 @@ fn describe() {
         "The daemon's heap by kind: in use, or free but still held"
     );
     describe_gauge!(STORE_CACHE, Unit::Bytes, "Bytes in the store's page cache");
+    describe_gauge!(
+        DIFF_MEMORY,
+        Unit::Bytes,
+        "Bytes of VM files diffs, applies and pulls hold in memory"
+    );
     describe_counter!(EXECS, "Execs by outcome");
     describe_histogram!(EXEC_SECONDS, Unit::Seconds, "Exec wall time, start to exit");
     describe_counter!(
@@ -242,6 +250,7 @@ pub fn render(snap: &Snapshot) -> Option<String> {
     if let Some(b) = snap.store_cache_bytes {
         metrics::gauge!(STORE_CACHE).set(b as f64);
     }
+    metrics::gauge!(DIFF_MEMORY).set(crate::workspace::spill::memory_used() as f64);
     handle.run_upkeep();
     Some(handle.render())
 }
@@ -325,6 +334,7 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("tryboxi_store_cache_bytes 12345"), "{text}");
+        assert!(text.contains("tryboxi_diff_memory_bytes "), "{text}");
         // This test process has allocated: the allocator's counters are read.
         let in_use = text
             .lines()

@@ -567,7 +567,7 @@ mod tests {
         let (n, mut m) = (5_000, Manifest::default());
         let (mut walk, mut contents) = (Vec::new(), HashMap::new());
         let mut put = |rel: String, content: String, walk: &mut Vec<WalkEntry>| {
-            let mut w = spill.writer(&rel, u64::MAX).unwrap();
+            let mut w = spill.writer(&rel, u64::MAX);
             w.write(content.as_bytes()).unwrap();
             walk.push(we(&rel, FileKind::File, content.len() as u64, 300, 0));
             contents.insert(rel, w.finish().unwrap());
@@ -628,7 +628,8 @@ mod tests {
         };
         let ch = classify(&m, s, contents);
         // Its spill file is gone: a report that read it would fail.
-        std::fs::remove_file(&ch[0].vm.as_ref().unwrap().spill.as_ref().unwrap().path).unwrap();
+        let file = ch[0].vm.as_ref().unwrap().spill.as_ref().unwrap().file();
+        std::fs::remove_file(file.expect("over 256 KiB: on disk")).unwrap();
         let r = report(&base, &ch, false).unwrap();
         assert!(r[0].binary && r[0].patch.is_none(), "{:?}", r[0]);
     }

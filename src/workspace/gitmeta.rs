@@ -63,12 +63,21 @@ pub fn dotgit_prefix(rel: &str) -> Option<&str> {
     None
 }
 
-/// Names that make a directory a git directory, as bits.
+/// Names that make a directory a git directory, as bits. By length first: a diff asks this
+/// of every path of the VM's tree and of the base.
 fn layout_bit(name: &str) -> u8 {
-    [("head", 1), ("objects", 2), ("refs", 4), ("commondir", 8)]
-        .into_iter()
-        .find(|(n, _)| name.eq_ignore_ascii_case(n))
-        .map_or(0, |(_, b)| b)
+    let (want, bit) = match name.len() {
+        4 if name.as_bytes()[0].eq_ignore_ascii_case(&b'h') => ("head", 1),
+        4 => ("refs", 4),
+        7 => ("objects", 2),
+        9 => ("commondir", 8),
+        _ => return 0,
+    };
+    if name.eq_ignore_ascii_case(want) {
+        bit
+    } else {
+        0
+    }
 }
 
 fn is_layout(bits: u8) -> bool {
@@ -130,6 +139,28 @@ pub fn refuse(s: &mut Suspects, base: &Manifest, walk: &[WalkEntry]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn layout_names_match_in_any_case_and_nothing_else_does() {
+        for (name, bit) in [
+            ("HEAD", 1),
+            ("head", 1),
+            ("Head", 1),
+            ("objects", 2),
+            ("OBJECTS", 2),
+            ("refs", 4),
+            ("Refs", 4),
+            ("commondir", 8),
+            ("CommonDir", 8),
+        ] {
+            assert_eq!(layout_bit(name), bit, "{name}");
+        }
+        for name in [
+            "", "HEADS", "hea", "ref", "refz", "hexd", "object", "objectsx", "commondi", "é€ab",
+        ] {
+            assert_eq!(layout_bit(name), 0, "{name}");
+        }
+    }
 
     #[test]
     fn every_spelling_of_dotgit_is_caught_at_any_depth() {
