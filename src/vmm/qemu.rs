@@ -394,9 +394,12 @@ impl QemuDriver {
         let mut args = args.to_vec();
         let ram_ro = jail::borrowed_ram_read_only(&mut args, paths, self.version);
         args::page_reporting_where_safe(&mut args, self.version);
+        let t0 = std::time::Instant::now();
         let fence = std::sync::Arc::new(self.jail.prepare(spec, paths, incoming, ram_ro)?);
+        let prepared_us = t0.elapsed().as_micros() as u64;
         let res = self.spawn_fenced(&args, &paths.dir, &paths.qemu_log, fence.clone());
         fence.launched();
+        tracing::debug!(vm = %spec.id, prepared_us, spawned_us = t0.elapsed().as_micros() as u64, "QEMU process started in its fences");
         if res.is_err() {
             jail::cgroup::remove_dirs(&fence.cgroup_dirs());
         }

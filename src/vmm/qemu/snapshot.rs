@@ -269,18 +269,21 @@ impl QemuDriver {
             self.reserve_owned_ram(&spec, paths)?;
         }
         let (pid, exited) = self.spawn_detached(&spec, paths, Some(state), &args)?;
+        let spawned_ms = t0.elapsed().as_millis() as u64;
         let info = paths.info(&spec, pid);
         let res = async {
             let qmp = connect_until(&paths.qmp, &exited, paths).await?;
             let launched_ms = t0.elapsed().as_millis() as u64;
             if let Some(f) = filling {
                 let bytes = f.wait().await?;
-                tracing::debug!(vm = %spec.id, launched_ms, ram_ready_ms = t0.elapsed().as_millis() as u64, ram_copied_mib = bytes >> 20, "restore: QEMU up, RAM in place");
+                tracing::debug!(vm = %spec.id, spawned_ms, launched_ms, ram_ready_ms = t0.elapsed().as_millis() as u64, ram_copied_mib = bytes >> 20, "restore: QEMU up, RAM in place");
             }
             if let Some(gone) = old_gone {
                 // Err only says the sender is dropped: the old VM is gone either way.
                 let _ = gone.await;
+                let gone_ms = t0.elapsed().as_millis() as u64;
                 self.reserve_owned_ram(&spec, paths)?;
+                tracing::debug!(vm = %spec.id, gone_ms, reserved_ms = t0.elapsed().as_millis() as u64, "restore: old VM gone, RAM reserved");
             }
             if ignore_shared {
                 qmp.migrate_set_capabilities(&[("x-ignore-shared", true)])
