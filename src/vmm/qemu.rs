@@ -666,6 +666,7 @@ impl VmmDriver for QemuDriver {
 mod args;
 pub(crate) mod budget;
 mod clone;
+mod fiemap;
 pub mod logs;
 pub mod ramfile;
 mod snapshot;
