@@ -2,9 +2,9 @@
 //! from the agent into the operation's spill ([`crate::workspace::spill`]), hashed as it
 //! arrives: a small file in memory, received on the async task itself (no thread, no file),
 //! a bigger one (or any once the daemon's in-memory budget is spent) through a blocking
-//! thread into a spill file, never whole in memory. A few files at once; the first error (a file past
-//! `sync.max_file_mib`, the operation past `sync.max_diff_mib`, the agent refusing) ends the
-//! fetch and drops the other reads.
+//! thread into a spill file, never whole in memory. A few files at once; the first error (a
+//! file past `sync.max_file_mib`, the operation past `sync.max_diff_mib`, the agent refusing)
+//! ends the fetch and drops the other reads.
 //!
 //! The limits hold whatever the agent sends: an agent that follows a symlink swapped in after
 //! the walk (`/dev/zero`), or a file that grows, is cut off at the limit.

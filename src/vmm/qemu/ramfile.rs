@@ -153,6 +153,7 @@ fn copy_reserved(src: &File, dst: &File, off: u64, len: u64) -> std::io::Result<
     let end = off + len;
     let mut written = 0u64;
     let mut at = off;
+    let mut buf = Vec::new();
     while at < end {
         let n = (PIECE - at % PIECE).min(end - at);
         match cache_state(src, at, n) {
@@ -165,7 +166,7 @@ fn copy_reserved(src: &File, dst: &File, off: u64, len: u64) -> std::io::Result<
             Ok(c)
                 if c.busy_pages == 0
                     && super::fiemap::all_unwritten(src, at, n).unwrap_or(false) => {}
-            _ => written += copy_nonzero(src, dst, at, n)?,
+            _ => written += copy_nonzero(src, dst, at, n, &mut buf)?,
         }
         at += n;
     }
@@ -225,11 +226,18 @@ fn cache_state(f: &File, off: u64, len: u64) -> std::io::Result<CacheState> {
 }
 
 /// Copy the non-zero 4 KiB pages of `len` bytes at `off` from `src` to the same offsets of
-/// `dst` (zero pages stay holes there). Returns the bytes written.
-fn copy_nonzero(src: &File, dst: &File, off: u64, len: u64) -> std::io::Result<u64> {
+/// `dst` (zero pages stay holes there), through `buf` (made 256 KiB on first use, reused by
+/// the caller's next call). Returns the bytes written.
+fn copy_nonzero(
+    src: &File,
+    dst: &File,
+    off: u64,
+    len: u64,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<u64> {
     use std::os::unix::fs::FileExt;
     const PAGE: usize = 4096;
-    let mut buf = vec![0u8; 256 * 1024];
+    buf.resize(256 * 1024, 0);
     let mut written = 0u64;
     let mut done = 0u64;
     while done < len {
@@ -527,15 +535,7 @@ mod tests {
 
     #[test]
     fn cachestat_sees_dirty_pages_until_they_are_written_back() {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("f");
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&p)
-            .unwrap();
+        let mut f = tempfile::tempfile().unwrap();
         f.write_all(&[1u8; 8192]).unwrap();
         assert!(cache_busy(&f, 0, 8192).expect("cachestat (Linux 6.5)"));
         assert!(!cache_busy(&f, 8192, 8192).unwrap());
