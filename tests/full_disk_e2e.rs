@@ -673,6 +673,35 @@ fn a_guest_writing_past_its_disk_budget_gets_io_errors_and_the_layer_stays_withi
     let (code, out) = sh_out(&d, &id, "ls /root; echo ok");
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("half") && !out.contains("big"), "{out}");
+
+    // A snapshot keeps the layer it froze after a restore moves the VM off it: 40 MiB more
+    // (it fits what is left), a second snapshot, a restore of the first. The second
+    // snapshot's layer is off the chain the VM writes but still the sandbox's, so the new
+    // layer gets what both frozen layers leave, and 32 MiB no longer fit.
+    let (code, out) = sh_out(
+        &d,
+        &id,
+        "dd if=/dev/zero of=/root/more bs=1M count=40 conv=fsync 2>&1 | tail -1; sync",
+    );
+    assert_eq!(code, Some(0), "{out}");
+    let r = d.request("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some("{}"));
+    assert!(r.status < 300, "{}\n{}", r.text(), d.log_tail(40));
+    let o = d.cli(&["restore", &id, &snap]);
+    assert!(o.status.success(), "{o:?}\n{}", d.log_tail(40));
+    let pid: i32 = std::fs::read_to_string(dir.join("qemu.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let script = "dd if=/dev/zero of=/root/late bs=1M count=32 conv=fsync 2>/dev/null; \
+                  echo dd=$?; echo alive";
+    guest_write_fails_and_vm_lives(&d, &id, pid, script);
+    let total = held(&dir);
+    assert!(
+        total <= budget + 2 * MIB,
+        "layers hold {total} of a {budget} budget after a restore off the chain:\n{}",
+        listing(&dir)
+    );
     let r = d.request("DELETE", &format!("/v1/sandboxes/{id}"), None);
     assert!(r.status < 300, "{}", r.text());
 }

@@ -12,12 +12,21 @@
 //! as its cap: a budget never truncates a layer.
 //!
 //! The budget is the sandbox's, not each layer's: a new layer (after a checkpoint, a pause, a
-//! restore) gets what the frozen layers below it in the sandbox's own directory leave of the
-//! budget (their allocated blocks, found by walking the qcow2 backing chain), and at least
-//! [`MIN_LAYER`]. So snapshots, pauses and restores never multiply it: the root disk chain a
-//! sandbox writes through holds at most the budget (plus [`MIN_LAYER`] per checkpoint taken at
-//! the budget). Layers of the chain in other directories (a fork child's parent) are the
-//! parent's, counted there.
+//! restore) gets what the sandbox's frozen layers leave of the budget (their allocated
+//! blocks), and at least [`MIN_LAYER`]. Its frozen layers are those in its own directory that
+//! something still needs: the ones below the new layer (found by walking the qcow2 backing
+//! chain) and the ones its snapshots and fork bases keep with their chains, even when they are
+//! off the chain the VM writes through (after a restore of an older snapshot). Each checkpoint
+//! directory names the layer it froze in a [`FROZEN_LAYER_FILE`]; a pause's does not count (a
+//! resume or restore replaces it). So snapshots, pauses and restores never multiply the
+//! budget: all the root disk layers a sandbox holds come to at most the budget (plus
+//! [`MIN_LAYER`] per layer started at the budget). A layer nothing needs any more (the one a
+//! restore abandons, deleted after it) is not counted. Layers in other directories (a fork
+//! child's parent) are the parent's, counted there.
+//!
+//! The guest is what the budget holds back; QEMU enforces it (the `raw` node's size), so a
+//! QEMU taken over by its guest is not bound by it, and may as well rewrite the names in its
+//! checkpoint directories.
 //!
 //! Owns: sizing a layer file for its budget, the sandbox's share of it, the `-drive` and
 //! `blockdev-add` options of a budgeted layer, reading a layer's backing file name from its
@@ -74,32 +83,94 @@ pub(crate) fn backing_of(layer: &Path) -> Option<PathBuf> {
     })
 }
 
-/// Bytes the layers below `layer` in its backing chain hold on the host (allocated blocks),
-/// counting only those in `vm_dir` itself: the walk ends at the first layer elsewhere (the
-/// base image, a parent's layers), after which none is the sandbox's.
+/// File in a checkpoint directory naming (by file name, in the VM's directory) the root layer
+/// the checkpoint froze: what keeps it counted after the VM's chain moved elsewhere.
+pub(crate) const FROZEN_LAYER_FILE: &str = "layer";
+/// Directories of a VM's directory whose checkpoints keep their frozen layers (a pause's
+/// `paused/` is not one: its layer is below the layer that replaces it, or abandoned).
+const KEEPING_DIRS: [&str; 2] = ["snapshots", "forks"];
+/// Most checkpoint directories read per keeping directory.
+const MAX_CHECKPOINTS: usize = 4096;
+/// Longest file name read from a [`FROZEN_LAYER_FILE`].
+const MAX_LAYER_NAME: u64 = 255;
+
+/// Record in the checkpoint directory `dest` that it freezes `layer` (when the layer is in the
+/// VM's directory `vm_dir`; a layer elsewhere is not the sandbox's to count).
+pub(crate) fn mark_frozen_layer(dest: &Path, layer: &Path, vm_dir: &Path) -> Result<(), VmmError> {
+    let (Ok(home), Ok(real)) = (std::fs::canonicalize(vm_dir), std::fs::canonicalize(layer)) else {
+        return Ok(());
+    };
+    let Some(name) = real
+        .file_name()
+        .filter(|_| real.parent() == Some(home.as_path()))
+    else {
+        return Ok(());
+    };
+    let file = dest.join(FROZEN_LAYER_FILE);
+    std::fs::write(&file, name.as_encoded_bytes()).map_err(super::io_err(&file))
+}
+
+/// The layer a checkpoint directory names (see [`mark_frozen_layer`]): a plain file name
+/// (bounded read), resolved in `home`.
+fn frozen_layer_of(checkpoint: &Path, home: &Path) -> Option<PathBuf> {
+    use std::io::Read;
+    use std::os::unix::ffi::OsStrExt;
+    let f = std::fs::File::open(checkpoint.join(FROZEN_LAYER_FILE)).ok()?;
+    let mut name = Vec::new();
+    f.take(MAX_LAYER_NAME + 1).read_to_end(&mut name).ok()?;
+    let name = std::ffi::OsStr::from_bytes(&name);
+    let plain = Path::new(name)
+        .file_name()
+        .is_some_and(|n| n == name && name.len() as u64 <= MAX_LAYER_NAME);
+    plain.then(|| home.join(name))
+}
+
+/// Bytes the sandbox's frozen root layers hold on the host (allocated blocks) once `layer` is
+/// its new active one: the layers below `layer` in its backing chain and those the
+/// checkpoints in `vm_dir`'s [`KEEPING_DIRS`] keep, with their chains, each once. Only layers
+/// in `vm_dir` itself count: a walk ends at the first layer elsewhere (the base image, a
+/// parent's layers), after which none is the sandbox's; `layer` itself never counts.
 pub(crate) fn held_below(layer: &Path, vm_dir: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     let Ok(home) = std::fs::canonicalize(vm_dir) else {
         return 0;
     };
+    let mut seen = std::collections::HashSet::new();
+    if let Ok(me) = std::fs::canonicalize(layer) {
+        seen.insert(me);
+    }
     let mut held = 0u64;
-    let mut next = backing_of(layer);
-    for _ in 0..MAX_CHAIN {
-        let Some(p) = next else { break };
-        let Ok(real) = std::fs::canonicalize(&p) else {
-            break;
-        };
-        if real.parent() != Some(home.as_path()) {
-            break;
+    let mut walk = |mut next: Option<PathBuf>| {
+        for _ in 0..MAX_CHAIN {
+            let Some(p) = next else { break };
+            let Ok(real) = std::fs::canonicalize(&p) else {
+                break;
+            };
+            // Elsewhere, or counted already with the rest of its chain.
+            if real.parent() != Some(home.as_path()) || seen.contains(&real) {
+                break;
+            }
+            let Ok(md) = std::fs::metadata(&real) else {
+                break;
+            };
+            if !md.is_file() {
+                break;
+            }
+            held = held.saturating_add(md.blocks().saturating_mul(512));
+            next = backing_of(&real);
+            seen.insert(real);
         }
-        let Ok(md) = std::fs::metadata(&real) else {
-            break;
+    };
+    walk(backing_of(layer));
+    for keeping in KEEPING_DIRS {
+        let Ok(rd) = std::fs::read_dir(home.join(keeping)) else {
+            continue;
         };
-        if !md.is_file() {
-            break;
+        for e in rd.flatten().take(MAX_CHECKPOINTS) {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                walk(frozen_layer_of(&e.path(), &home));
+            }
         }
-        held = held.saturating_add(md.blocks().saturating_mul(512));
-        next = backing_of(&real);
     }
     held
 }
@@ -281,6 +352,75 @@ mod tests {
         assert_eq!(backing_of(&rel), Some(l1.clone()));
     }
 
+    #[test]
+    fn layers_kept_by_snapshots_off_the_chain_count_and_an_abandoned_one_does_not() {
+        let root = tempfile::tempdir().unwrap();
+        let vm = root.path().join("vm");
+        std::fs::create_dir_all(&vm).unwrap();
+        let base = root.path().join("rootfs.ext4");
+        std::fs::write(&base, vec![0u8; 1 << 20]).unwrap();
+        let budget = 64 << 20;
+        // snap_1 froze disk.qcow2 (20 MiB); the VM wrote disk-snap_1 (16 MiB) and snap_2
+        // froze it; then the VM wrote disk-snap_2 (8 MiB) and was restored to snap_1: the new
+        // layer disk-r1 is over disk.qcow2, disk-snap_1 is off its chain but snap_2 keeps it,
+        // and disk-snap_2 is abandoned (nothing needs it; the restore deletes it next).
+        let l0 = vm.join("disk.qcow2");
+        crate::vmm::qcow2::create_overlay(&base, "raw", &l0).unwrap();
+        grow(&l0, 20 << 20);
+        let l1 = vm.join("disk-snap_1.qcow2");
+        crate::vmm::qcow2::create_overlay(&l0, "qcow2", &l1).unwrap();
+        grow(&l1, 16 << 20);
+        let l2 = vm.join("disk-snap_2.qcow2");
+        crate::vmm::qcow2::create_overlay(&l1, "qcow2", &l2).unwrap();
+        grow(&l2, 8 << 20);
+        for (snap, layer) in [("snap_1", &l0), ("snap_2", &l1)] {
+            let cp = vm.join("snapshots").join(snap);
+            std::fs::create_dir_all(&cp).unwrap();
+            mark_frozen_layer(&cp, layer, &vm).unwrap();
+        }
+        let r1 = vm.join("disk-r1.qcow2");
+        crate::vmm::qcow2::create_overlay(&l0, "qcow2", &r1).unwrap();
+        let size = |p: &Path| std::fs::metadata(p).unwrap().blocks() * 512;
+        let (s0, s1) = (size(&l0), size(&l1));
+        assert_eq!(
+            held_below(&r1, &vm),
+            s0 + s1,
+            "the abandoned layer counted, or snap_2's not"
+        );
+        assert_eq!(layer_share(&r1, &vm, Some(budget)), Some(budget - s0 - s1));
+        // A fork base keeps its layer the same way; a pause's checkpoint does not (its layer
+        // is below the one that replaces it, or abandoned).
+        for (dir, layer) in [("forks/f_1", &l2), ("paused", &l2)] {
+            let cp = vm.join(dir);
+            std::fs::create_dir_all(&cp).unwrap();
+            mark_frozen_layer(&cp, layer, &vm).unwrap();
+            if dir == "paused" {
+                std::fs::remove_dir_all(vm.join("forks")).unwrap();
+            }
+            let held = held_below(&r1, &vm);
+            match dir {
+                "paused" => assert_eq!(held, s0 + s1),
+                _ => assert_eq!(held, s0 + s1 + size(&l2)),
+            }
+        }
+        // Each layer once, whoever keeps it; the new layer never counts itself.
+        let cp = vm.join("snapshots").join("snap_3");
+        std::fs::create_dir_all(&cp).unwrap();
+        mark_frozen_layer(&cp, &r1, &vm).unwrap();
+        assert_eq!(held_below(&r1, &vm), s0 + s1);
+        // A name that is not a plain file name in the directory is not followed; a layer in
+        // another directory is not marked.
+        for name in ["../vm/disk-snap_2.qcow2", "/etc/passwd", "", "a/b"] {
+            std::fs::write(cp.join(FROZEN_LAYER_FILE), name).unwrap();
+            assert_eq!(held_below(&r1, &vm), s0 + s1, "{name:?}");
+        }
+        std::fs::write(cp.join(FROZEN_LAYER_FILE), vec![b'x'; 4096]).unwrap();
+        assert_eq!(held_below(&r1, &vm), s0 + s1);
+        std::fs::remove_file(cp.join(FROZEN_LAYER_FILE)).unwrap();
+        mark_frozen_layer(&cp, &base, &vm).unwrap();
+        assert!(!cp.join(FROZEN_LAYER_FILE).exists());
+    }
+
     /// A qcow2 v3 header whose backing file name (at offset 512) is `name`.
     fn header_naming(name: &[u8]) -> Vec<u8> {
         header(512, name.len() as u32, name)
@@ -311,13 +451,18 @@ mod tests {
             std::fs::write(&f, header(off, len, b"x")).unwrap();
             assert_eq!(backing_of(&f), None, "offset {off} length {len}");
         }
-        // A layer naming itself: the walk ends (bounded) and counts it at most MAX_CHAIN times.
+        // A layer naming itself: the walk ends at once (the new layer never counts itself).
         std::fs::write(&f, header_naming(b"disk.qcow2")).unwrap();
         assert_eq!(backing_of(&f), Some(f.clone()));
+        assert_eq!(held_below(&f, d.path()), 0);
+        // A cycle below it: each layer of it once.
+        let (a, b) = (d.path().join("disk-a.qcow2"), d.path().join("disk-b.qcow2"));
+        std::fs::write(&f, header_naming(b"disk-a.qcow2")).unwrap();
+        std::fs::write(&a, header_naming(b"disk-b.qcow2")).unwrap();
+        std::fs::write(&b, header_naming(b"disk-a.qcow2")).unwrap();
         use std::os::unix::fs::MetadataExt;
-        let one = std::fs::metadata(&f).unwrap().blocks() * 512;
-        let held = held_below(&f, d.path());
-        assert!(held >= one && held <= one * MAX_CHAIN as u64, "{held}");
+        let blocks = |p: &Path| std::fs::metadata(p).unwrap().blocks() * 512;
+        assert_eq!(held_below(&f, d.path()), blocks(&a) + blocks(&b));
     }
 
     #[test]

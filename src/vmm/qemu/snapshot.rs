@@ -88,6 +88,11 @@ impl QemuDriver {
         let state = dest.join("state.bin");
         let qmp = QmpClient::connect(&vm.qmp_socket, QMP_TIMEOUT).await?;
         let (layer, node) = active_disk(&qmp).await?;
+        // The frozen layer stays the sandbox's to count while the checkpoint keeps it.
+        if let Err(e) = budget::mark_frozen_layer(&dest, &layer, &vm.dir) {
+            discard_failed_checkpoint(&dest, None);
+            return Err(e);
+        }
         // The next layer is made here (QEMU writes it from the switch on): a qcow2 header over
         // the active layer, sized for what the layers below leave of the disk budget, and the
         // VM's to write.
