@@ -53,6 +53,7 @@ pub async fn run(artifacts: Option<std::path::PathBuf>) -> Result<(), TopError> 
         disk(&paths.root, &config.limits),
         e2fsprogs(),
         fence(&config.qemu_binary),
+        ram_reserve(&paths.root, config.limits.reserve_ram_on_disk),
         guest_cas(&config.network),
         upstream_proxy(&config.network, |v| std::env::var(v).ok()),
     ];
@@ -102,6 +103,27 @@ fn fence(binary: &str) -> Check {
     };
     parts.extend(missing);
     Check::new("fence", status, parts.join("; "))
+}
+
+/// Whether memory a guest frees keeps its RAM reserve on the data root (`vmm::qemu::discard`);
+/// without it the daemon reserves it again every 2 s, which a filling root can beat (warn).
+fn ram_reserve(root: &Path, reserve: bool) -> Check {
+    if !reserve {
+        return Check::new(
+            "reserve",
+            Status::Warn,
+            "limits.reserve_ram_on_disk is off: a VM's first touch of memory on a full data root stops it",
+        );
+    }
+    match crate::vmm::qemu::discard::probe(root) {
+        Ok(()) => Check::new(
+            "reserve",
+            Status::Ok,
+            "RAM files reserved on the data root; memory guests free is zeroed, not punched \
+             (seccomp user notification)",
+        ),
+        Err(why) => Check::new("reserve", Status::Warn, why),
+    }
 }
 
 fn qemu(config: &Config) -> Check {

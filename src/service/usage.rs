@@ -314,7 +314,9 @@ fn warn_due() -> bool {
 }
 
 /// Reserve again what free page reporting gave back of each running VM's own RAM file
-/// (`reserve_ram_on_disk`; see `ramfile::rereserve` and docs/VMM.md, "Free page reporting").
+/// (`reserve_ram_on_disk`; see `ramfile::rereserve` and docs/VMM.md, "Free page reporting"):
+/// the fallback where QEMU's discards could not be turned into zero ranges
+/// (`vmm::qemu::discard`: a tmpfs data root, a kernel without the filter).
 /// Skips a QEMU that has exited since the list was made: a VM paused to disk gives its reserve
 /// back on purpose. Costs an `fstat` per VM when nothing was discarded.
 pub fn rereserve_ram(rams: &[(u32, std::path::PathBuf)]) {

@@ -18,6 +18,12 @@ pub(crate) struct Pidfd {
     pid: u32,
 }
 
+impl AsRawFd for Pidfd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
 impl Pidfd {
     /// `Ok(None)` when no process has this pid.
     pub(crate) fn open(pid: u32) -> io::Result<Option<Pidfd>> {

@@ -397,7 +397,18 @@ impl QemuDriver {
         let t0 = std::time::Instant::now();
         let fence = std::sync::Arc::new(self.jail.prepare(spec, paths, incoming, ram_ro)?);
         let prepared_us = t0.elapsed().as_micros() as u64;
-        let res = self.spawn_fenced(&args, &paths.dir, &paths.qemu_log, fence.clone());
+        // A VM that owns its reserved RAM file keeps the reserve when it discards memory.
+        let trap = match &paths.ram {
+            RamBacking::Owned(ram) if self.reserve_ram => match discard::DiscardTrap::new() {
+                Ok(t) => Some((t, ram.clone())),
+                Err(e) => {
+                    tracing::warn!(vm = %spec.id, error = %e, "no discard trap: freed guest memory gives back its RAM reserve");
+                    None
+                }
+            },
+            _ => None,
+        };
+        let res = self.spawn_fenced(&args, &paths.dir, &paths.qemu_log, fence.clone(), trap);
         fence.launched();
         tracing::debug!(vm = %spec.id, prepared_us, spawned_us = t0.elapsed().as_micros() as u64, "QEMU process started in its fences");
         if res.is_err() {
@@ -412,6 +423,7 @@ impl QemuDriver {
         cwd: &Path,
         log: &Path,
         fence: std::sync::Arc<Prepared>,
+        trap: Option<(discard::DiscardTrap, PathBuf)>,
     ) -> Result<(u32, watch::Receiver<Option<std::process::ExitStatus>>), VmmError> {
         let out = std::fs::OpenOptions::new()
             .create(true)
@@ -427,10 +439,11 @@ impl QemuDriver {
             .stdout(out)
             .stderr(err);
         let child_fence = fence.clone();
+        let child_trap = trap.as_ref().map(|(t, _)| t.child_part());
         // SAFETY: the closure runs in the forked child before exec and only calls setsid(2),
-        // prctl(2), open/write/close(2) (in `apply_in_child`) and the system calls of
-        // `Prepared::enter` (async-signal-safe, on data made before the fork; nothing is
-        // allocated).
+        // prctl(2), open/write/close(2) (in `apply_in_child`), the system calls of
+        // `Prepared::enter` and of `ChildEnd::install` (async-signal-safe, on data made before
+        // the fork; nothing is allocated).
         unsafe {
             cmd.pre_exec(move || {
                 // QEMU goes before the host's other processes (and the daemon) when memory
@@ -448,7 +461,12 @@ impl QemuDriver {
                 if libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                child_fence.enter()
+                child_fence.enter()?;
+                // Last: the filter traps only fallocate, and none of the calls above.
+                if let Some(t) = child_trap {
+                    t.install();
+                }
+                Ok(())
             });
         }
         let oom_kills = crate::oom::kill_count();
@@ -457,6 +475,22 @@ impl QemuDriver {
             source,
         })?;
         let pid = child.id();
+        if let Some((trap, ram)) = trap {
+            match trap.listener() {
+                Ok(l) => {
+                    if let Err(e) = discard::serve(l, pid, ram) {
+                        tracing::warn!(pid, error = %e, "cannot serve the discard trap: the guest's discards fail and its memory stays");
+                    }
+                }
+                Err(why) => {
+                    tracing::debug!(
+                        pid,
+                        why,
+                        "no discard trap: freed guest memory gives back its RAM reserve"
+                    )
+                }
+            }
+        }
         let (tx, rx) = watch::channel(None);
         {
             let mut ex = exits();
@@ -666,6 +700,7 @@ impl VmmDriver for QemuDriver {
 mod args;
 pub(crate) mod budget;
 mod clone;
+pub(crate) mod discard;
 mod fiemap;
 pub mod logs;
 pub mod ramfile;

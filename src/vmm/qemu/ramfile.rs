@@ -177,9 +177,12 @@ fn copy_reserved(src: &File, dst: &File, off: u64, len: u64) -> std::io::Result<
 const SYS_CACHESTAT: libc::c_long = 451;
 
 /// What the page cache holds of a range.
-struct CacheState {
+pub(super) struct CacheState {
     /// Pages dirty or under writeback.
-    busy_pages: u64,
+    pub(super) busy_pages: u64,
+    /// Pages in the cache (read by tests).
+    #[cfg(test)]
+    pub(super) cached_pages: u64,
 }
 
 /// Whether any cached page of `[off, off + len)` of `f` is dirty or under writeback.
@@ -188,8 +191,8 @@ fn cache_busy(f: &File, off: u64, len: u64) -> std::io::Result<bool> {
     cache_state(f, off, len).map(|c| c.busy_pages > 0)
 }
 
-/// The dirty and writeback page counts of `[off, off + len)` of `f`.
-fn cache_state(f: &File, off: u64, len: u64) -> std::io::Result<CacheState> {
+/// The cached, dirty and writeback page counts of `[off, off + len)` of `f`.
+pub(super) fn cache_state(f: &File, off: u64, len: u64) -> std::io::Result<CacheState> {
     #[repr(C)]
     struct Range {
         off: u64,
@@ -222,6 +225,8 @@ fn cache_state(f: &File, off: u64, len: u64) -> std::io::Result<CacheState> {
     }
     Ok(CacheState {
         busy_pages: st.nr_dirty + st.nr_writeback,
+        #[cfg(test)]
+        cached_pages: st.nr_cache,
     })
 }
 
