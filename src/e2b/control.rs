@@ -251,9 +251,18 @@ fn check_map(
     Ok(())
 }
 
-/// Our template for an E2B `templateID`: `base` is ours; `code-interpreter-v1` is our
-/// `code-interpreter`; any of our template names works as is.
+/// The name in an E2B template or snapshot reference `[namespace/]name[:tag]`: E2B
+/// namespaces names by team and versions them by tag; this machine has one namespace and
+/// no tags, so both are accepted and ignored (`e2b/base:latest` is `base`).
+pub(super) fn bare_name(reference: &str) -> &str {
+    let untagged = reference.split(':').next().unwrap_or(reference);
+    untagged.rsplit('/').next().unwrap_or(untagged)
+}
+
+/// Our template for an E2B `templateID` (see [`bare_name`]): `base` is ours;
+/// `code-interpreter-v1` is our `code-interpreter`; any of our template names works as is.
 fn template_for(face: &Face, id: &str) -> Result<String, E2bError> {
+    let want = bare_name(id);
     let ours: Vec<String> = face
         .svc
         .list_templates()?
@@ -261,7 +270,7 @@ fn template_for(face: &Face, id: &str) -> Result<String, E2bError> {
         .into_iter()
         .map(|t| t.name)
         .collect();
-    let want = match id {
+    let want = match want {
         "code-interpreter-v1" | "code-interpreter" => "code-interpreter",
         other => other,
     };
@@ -277,7 +286,10 @@ fn template_for(face: &Face, id: &str) -> Result<String, E2bError> {
 /// An E2B template id that means our `code-interpreter` template (its sandboxes run the
 /// interpreter server on [`super::ports::INTERPRETER_PORT`]).
 pub fn is_interpreter(template_id: &str) -> bool {
-    matches!(template_id, "code-interpreter-v1" | "code-interpreter")
+    matches!(
+        bare_name(template_id),
+        "code-interpreter-v1" | "code-interpreter"
+    )
 }
 
 /// Starts the code interpreter server (`/opt/tryboxi/interpreter/server.py`, installed by the

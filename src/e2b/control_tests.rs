@@ -250,3 +250,22 @@ fn connect_extends_deadlines_and_a_resume_gets_a_fresh_one() {
     assert_eq!(end_after_connect(now + 30, now, false, Some(60)), now + 60);
     assert_eq!(end_after_connect(now + 30, now, false, None), now + 30);
 }
+
+#[test]
+fn references_are_read_without_their_namespace_and_tag() {
+    use super::{bare_name, is_interpreter};
+    for (r, name) in [
+        ("base", "base"),
+        ("base:latest", "base"),
+        ("e2b/base", "base"),
+        ("my-team/snap_1:default", "snap_1"),
+        ("a/b/c:d:e", "c"),
+        ("", ""),
+        ("team/", ""),
+    ] {
+        assert_eq!(bare_name(r), name, "{r}");
+    }
+    assert!(is_interpreter("e2b/code-interpreter-v1:latest"));
+    assert!(is_interpreter("code-interpreter"));
+    assert!(!is_interpreter("e2b/base"));
+}

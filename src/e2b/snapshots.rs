@@ -54,10 +54,11 @@ fn visible(face: &Face) -> Result<Vec<api::Snapshot>, E2bError> {
     Ok(out)
 }
 
-/// The snapshot an E2B `templateID` names, if any: a snapshot id (E2B's `:tag` suffix, as in
-/// `abc:default`, is ignored), or a name that exactly one visible snapshot has.
+/// The snapshot an E2B `templateID` names, if any: a snapshot id, or a name that exactly one
+/// visible snapshot has (E2B's `team/` prefix and `:tag` suffix, as in `team/abc:default`,
+/// are ignored: [`super::control::bare_name`]).
 pub(super) fn resolve(face: &Face, template_id: &str) -> Result<Option<api::Snapshot>, E2bError> {
-    let want = template_id.split(':').next().unwrap_or(template_id);
+    let want = super::control::bare_name(template_id);
     let all = visible(face)?;
     if let Some(s) = all.iter().find(|s| s.id == want) {
         return Ok(Some(s.clone()));

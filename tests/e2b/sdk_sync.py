@@ -461,7 +461,8 @@ def _():
 def _():
     # The source is killed (above); its snapshot still makes sandboxes, its first child runs
     # on, and deleting the snapshot once they are gone lets the source's files go.
-    again = Sandbox.create(SNAP["id"], timeout=600)
+    # Named as E2B names it (`team/name:tag`): the namespace and tag are read past.
+    again = Sandbox.create(f"my-team/{SNAP['id']}:default", timeout=600)
     seen = again.commands.run("cat /home/user/snap.txt").stdout
     first = SNAP["child"].commands.run("echo alive").stdout
     listed = [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
