@@ -156,6 +156,18 @@ fn the_guest_trusts_a_ca_that_only_the_configured_host_ca_dir_holds() {
             bad.push(format!("on: the trust store alone: {out}"));
         }
 
+        // A restore of a snapshot taken after the bundle was written: the snapshot carries
+        // the bundle's state, so the restored VM's first exec does not look at it again
+        // (`GuestTrust::carry_over`), and the CA is trusted there.
+        let o = d.cli(&["snapshot", "create", &id, "--name", "trusted"]);
+        assert!(o.status.success(), "snapshot: {}", text(&o));
+        let o = d.cli(&["restore", &id, "trusted"]);
+        assert!(o.status.success(), "restore: {}", text(&o));
+        let (_, out) = bash(&d, &id, CURL);
+        if !served(&out, "curl-rc") {
+            bad.push(format!("on: curl after a restore: {out}"));
+        }
+
         // A fork is a new VM: its first exec gets the bundle and the variables as well. The
         // parent's bundle is first put back to the distribution's (as `update-ca-certificates`
         // would): the child's bundle no longer matches the stamp of what tryboxi wrote, so it

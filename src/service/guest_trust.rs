@@ -12,7 +12,9 @@
 //! every exec. The bundle is written again before an exec whenever the VM or the added
 //! certificates changed since the last write, which covers create, pool claim, restore, fork
 //! and a secret added for a new host; a new VM whose bundle still carries the stamp of that
-//! write ([`GUEST_BUNDLE_STAMP`]: a restore, a fork) is checked with two small reads instead.
+//! write ([`GUEST_BUNDLE_STAMP`]: a restore, a fork) is checked with two small reads instead,
+//! and a restore of a snapshot taken after such a write or check, with the same additions
+//! now, skips even that (the snapshot keeps the digest: [`GuestTrust::carry_over`]).
 //!
 //! Why the distribution bundle and not the host's whole system bundle (as the secrets path
 //! once used): the guest verifies only two kinds of server. Intercepted hosts present a leaf
@@ -59,13 +61,18 @@ const MARK: &str = "# tryboxi-added:";
 /// Most bytes of a CA bundle read from the guest (Debian's is ~200 KiB).
 const MAX_BUNDLE: u64 = 8 << 20;
 
-/// The host's CAs every guest trusts, and per sandbox: the VM and the additions its bundle
-/// was last written for.
+/// The host's CAs every guest trusts, and per sandbox: the VM and the digest of the additions
+/// its bundle was last written (or found) with.
 #[derive(Default)]
 pub struct GuestTrust {
     /// The host's local CAs as one PEM block ("" when off or none).
     host_block: String,
     written: Mutex<HashMap<String, (Weak<LiveVm>, String)>>,
+}
+
+/// What identifies a set of additions: its SHA-256 (hex).
+fn digest(added: &str) -> String {
+    crate::workspace::sha256(added.as_bytes())
 }
 
 impl GuestTrust {
@@ -87,14 +94,28 @@ impl GuestTrust {
     }
 
     fn is_current(&self, id: &str, vm: &Arc<LiveVm>, added: &str) -> bool {
-        self.lock()
-            .get(id)
-            .is_some_and(|(w, p)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(vm)) && p == added)
+        self.written_for(id, vm).is_some_and(|d| d == digest(added))
     }
 
-    fn record(&self, id: &str, vm: &Arc<LiveVm>, added: String) {
+    fn record(&self, id: &str, vm: &Arc<LiveVm>, added: &str) {
+        self.carry_over(id, vm, digest(added));
+    }
+
+    /// The digest of the additions `vm`'s bundle holds, when this daemon wrote or found them
+    /// in that very VM (a snapshot keeps it: see [`Self::carry_over`]).
+    pub fn written_for(&self, id: &str, vm: &Arc<LiveVm>) -> Option<String> {
         self.lock()
-            .insert(id.to_owned(), (Arc::downgrade(vm), added));
+            .get(id)
+            .filter(|(w, _)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(vm)))
+            .map(|(_, d)| d.clone())
+    }
+
+    /// `vm` was started from a snapshot taken while the bundle held the additions of
+    /// `digest` ([`Self::written_for`] read before the checkpoint): its bundle is that one, so
+    /// its first exec needs no look at it (a running VM's is not looked at again either).
+    pub fn carry_over(&self, id: &str, vm: &Arc<LiveVm>, digest: String) {
+        self.lock()
+            .insert(id.to_owned(), (Arc::downgrade(vm), digest));
     }
 
     /// A removed sandbox.
@@ -201,7 +222,7 @@ impl Service {
         }
         if !self.guest_trust.is_current(id, vm, &added) {
             match write_guest_bundle(&vm.agent, &added).await {
-                Ok(()) => self.guest_trust.record(id, vm, added),
+                Ok(()) => self.guest_trust.record(id, vm, &added),
                 Err(e) => {
                     tracing::warn!(sandbox = %id, error = %e, "cannot write the guest CA bundle")
                 }
@@ -285,6 +306,46 @@ async fn write_guest_bundle(agent: &AgentClient, added: &str) -> Result<(), Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    async fn live_vm(id: &str) -> (Arc<LiveVm>, tokio::net::UnixStream) {
+        let (agent, guest) = crate::rpc::hostile::fake_guest().await;
+        let dir = std::path::PathBuf::from("/nonexistent").join(id);
+        let info = crate::vmm::VmInfo {
+            id: id.to_owned(),
+            dir: dir.clone(),
+            pid: 0,
+            accel: crate::vmm::Accel::Tcg,
+            agent_socket: dir.join("agent.sock"),
+            qmp_socket: dir.join("qmp.sock"),
+            console_log: dir.join("console.log"),
+        };
+        (Arc::new(LiveVm { info, agent }), guest)
+    }
+
+    #[tokio::test]
+    async fn a_vm_from_a_snapshot_carries_the_bundle_state_the_snapshot_had() {
+        let trust = GuestTrust::default();
+        let (old, _g1) = live_vm("sbx_1").await;
+        let (new, _g2) = live_vm("sbx_1").await;
+        let added = additions("# tryboxi-added: host CA X (f)\nH\n", None);
+        // Nothing written yet: nothing to carry (the snapshot records none).
+        assert_eq!(trust.written_for("sbx_1", &old), None);
+        trust.record("sbx_1", &old, &added);
+        assert!(trust.is_current("sbx_1", &old, &added));
+        // Another VM of the sandbox (a restore) is not current by itself...
+        assert!(!trust.is_current("sbx_1", &new, &added));
+        // ...but is once it carries the digest the snapshot read from the old one.
+        let d = trust.written_for("sbx_1", &old).expect("recorded");
+        trust.carry_over("sbx_1", &new, d);
+        assert!(trust.is_current("sbx_1", &new, &added));
+        assert!(!trust.is_current("sbx_1", &old, &added));
+        // Different additions since (a new secret host, other host CAs after a restart): the
+        // carried state does not count and the bundle is looked at.
+        let more = additions("# tryboxi-added: host CA X (f)\nH\n", Some("SBX\n"));
+        assert!(!trust.is_current("sbx_1", &new, &more));
+        trust.forget("sbx_1");
+        assert!(!trust.is_current("sbx_1", &new, &added));
+    }
 
     #[test]
     fn the_stamp_names_the_additions_and_the_bundle_size() {
@@ -385,7 +446,7 @@ mod tests {
         let (a, _ga) = vm("sbx_a").await;
         let (b, _gb) = vm("sbx_a").await;
         assert!(!t.is_current("sbx_a", &a, "CA1"), "never written");
-        t.record("sbx_a", &a, "CA1".into());
+        t.record("sbx_a", &a, "CA1");
         assert!(t.is_current("sbx_a", &a, "CA1"));
         assert!(!t.is_current("sbx_a", &a, "CA2"), "the CA was re-issued");
         assert!(

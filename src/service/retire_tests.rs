@@ -64,6 +64,7 @@ fn snapshot(svc: &Service, rec: &SandboxRecord, name: Option<&str>) -> String {
             ram_file: Some(d.join("mem.ram")),
             workspace_disk: None,
         },
+        trust_digest: None,
     };
     svc.store.put(SNAPSHOTS, &snap_id, &s).unwrap();
     snap_id

@@ -34,6 +34,11 @@ pub struct SnapshotRecord {
     #[serde(flatten)]
     pub api: api::Snapshot,
     pub checkpoint: Checkpoint,
+    /// Digest of the CA additions the guest's trust bundle held when the snapshot was taken
+    /// (`guest_trust`), when known: a restore with the same additions skips the first exec's
+    /// look at the bundle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trust_digest: Option<String>,
 }
 
 impl Service {
@@ -89,6 +94,8 @@ impl Service {
             &what,
             super::diskroom::checkpoint_bytes(&rec, true),
         )?;
+        // Read before the checkpoint: a bundle recorded by then is in the frozen guest.
+        let trust_digest = self.guest_trust.written_for(id, &vm);
         let t0 = Instant::now();
         let cp = driver
             .checkpoint(&vm.info, &dir, &next)
@@ -133,6 +140,7 @@ impl Service {
                 duration_ms: t0.elapsed().as_millis() as u64,
             },
             checkpoint: cp,
+            trust_digest,
         };
         self.store
             .put(SNAPSHOTS, &snap_id, &snap)
@@ -308,6 +316,9 @@ impl Service {
                     r.keep();
                 }
                 let vm = Arc::new(vm);
+                if let Some(d) = &snap.trust_digest {
+                    self.guest_trust.carry_over(id, &vm, d.clone());
+                }
                 self.vms.insert(id, vm.clone());
                 self.watch(id.to_owned(), vm);
                 Ok(rec.api)
