@@ -66,6 +66,13 @@ pub async fn run(a: Args) -> Result<(), TopError> {
         }
         None => None,
     };
+    // What `auto` would pick for this repo, to say so when that layer is not built.
+    let wanted = match (&workspace, a.template.as_str()) {
+        (Some(w), "auto") => Some(crate::service::templates::detect(std::path::Path::new(
+            &w.host_path,
+        ))),
+        _ => None,
+    };
     let req = api::CreateSandboxRequest {
         workspace,
         template: Some(a.template),
@@ -104,6 +111,11 @@ pub async fn run(a: Args) -> Result<(), TopError> {
             r.duration_ms,
             r.error.map(|e| format!(" ({e})")).unwrap_or_default()
         );
+    }
+    if let Some(note) =
+        wanted.and_then(|w| crate::service::templates::fallback_note(w, &sbx.template))
+    {
+        eprintln!("{note}");
     }
     if a.json {
         println!(

@@ -33,6 +33,18 @@ pub fn detect(repo: &Path) -> &'static str {
     }
 }
 
+/// What to tell the user when `auto` wanted `wanted` for a repo and the sandbox got `got`
+/// (the wanted layer is not in the installed images): how to build and install it.
+pub fn fallback_note(wanted: &str, got: &str) -> Option<String> {
+    (wanted != got).then(|| {
+        format!(
+            "note: this repo asks for the `{wanted}` template, which is not installed; the sandbox \
+             runs on `{got}`. Build it with `cargo xtask images --template {wanted}` and install \
+             it with `tryboxi install --artifacts _out` (new sandboxes get it)."
+        )
+    })
+}
+
 /// Template name -> disk image, from the manifest (`base` -> the rootfs, `template.<n>` -> a layer).
 pub fn available(images: &Images) -> Vec<(String, PathBuf)> {
     let mut out = vec![(BASE.to_owned(), images.rootfs.clone())];
@@ -197,7 +209,17 @@ mod tests {
         // auto for a Go repo: no go template built -> base.
         let g = tempfile::tempdir().unwrap();
         std::fs::write(g.path().join("go.mod"), "").unwrap();
-        assert_eq!(resolve(&imgs, None, Some(g.path())).unwrap().0, "base");
+        let got = resolve(&imgs, None, Some(g.path())).unwrap().0;
+        assert_eq!(got, "base");
+        // ... and the CLI says so, with the commands that build and install it.
+        let note = fallback_note(detect(g.path()), &got).expect("a note");
+        assert!(
+            note.contains("`go` template")
+                && note.contains("cargo xtask images --template go")
+                && note.contains("tryboxi install"),
+            "{note}"
+        );
+        assert_eq!(fallback_note("node", "node"), None);
         // No workspace at all (an E2B-style sandbox): auto is the base, even with a node
         // template built.
         let (n, p) = resolve(&imgs, Some("auto"), None).unwrap();

@@ -65,10 +65,11 @@ pub fn run() -> Result<()> {
             ),
             "dist" => dist::run().map(|b| binary = b),
             "images" => {
-                // Every on-demand template too (the code interpreter's test runs in CI).
-                let all = images::template::OnDemand {
-                    all: true,
-                    names: Vec::new(),
+                // Every template, the on-demand ones too (the code interpreter's test runs in
+                // CI, and the template tests boot each language's layer).
+                let all = images::template::Wanted {
+                    every: true,
+                    ..Default::default()
                 };
                 images::run(
                     &binary,
@@ -78,7 +79,9 @@ pub fn run() -> Result<()> {
                 )
                 .map(|_| ())
             }
-            "demo" => crate::demo::with_built(&binary, &root),
+            // The README's first command as a user runs it (its deps, dist and images steps
+            // find everything built by the steps above: seconds), on this checkout.
+            "demo" => crate::demo::run(Some(root.clone())),
             "test" => run_inherit(
                 cargo_cmd(&["test", "--workspace"]).env("TRYBOXI_ARTIFACTS", out_dir()),
                 "cargo test",

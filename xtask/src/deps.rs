@@ -5,7 +5,8 @@
 //! `tests/k8s_manifests.rs` checks `deploy/kubernetes/` with.
 //!
 //! Idempotent and quick: asks `dpkg-query` once and runs `apt-get` only when something is
-//! missing. Adds the `bookworm-backports` source (for QEMU 10) if absent. Never removes
+//! missing. Adds the `bookworm-backports` source (for QEMU 10) if absent, on the mirror the
+//! machine's own apt sources name for bookworm (`apt_sources`). Never removes
 //! packages, and upgrades one only: e2fsprogs, from backports, when it is older than
 //! [`E2FSPROGS_TAR`].
 
@@ -16,17 +17,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const BACKPORTS_SOURCES: &str = "/etc/apt/sources.list.d/tryboxi-backports.sources";
-const BACKPORTS_CONTENT: &str = "\
-# Added by `cargo xtask deps` (tryboxi): QEMU 10 lives in bookworm-backports.
-Types: deb
-URIs: http://deb.debian.org/debian
-Suites: bookworm-backports
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-";
-
-/// Installed from backports when reachable, else from bookworm.
+/// Installed from backports when reachable, else from bookworm, without the packages it
+/// only recommends (a GUI, audio, SPICE, OVMF: 367 packages with them, 43 without, measured
+/// in a fresh bookworm chroot) but with [`QEMU_UTILS`], the one recommendation we need.
 const QEMU: &str = "qemu-system-x86";
+/// `qemu-img` (overlays, snapshots): recommended by QEMU, so named explicitly.
+const QEMU_UTILS: &str = "qemu-utils";
 /// Installed from the default suite.
 const PACKAGES: &[&str] = &[
     "linux-source-6.1",
@@ -301,8 +297,11 @@ fn venv_moved(venv: &Path) -> bool {
 
 /// The Debian packages only (also what `cargo xtask images` needs on a fresh machine).
 pub fn debian() -> Result<()> {
-    let step = Step::start("deps: Debian packages");
-    let mut wanted: Vec<&str> = vec![QEMU];
+    let step = Step::start_expect(
+        "deps: Debian packages",
+        "~0.5 min when they are missing, a second when not",
+    );
+    let mut wanted: Vec<&str> = vec![QEMU, QEMU_UTILS];
     wanted.extend_from_slice(PACKAGES);
     let installed = installed_packages(&wanted)?;
     let missing: Vec<&str> = wanted
@@ -339,20 +338,38 @@ pub fn debian() -> Result<()> {
             "    warning: apt-get update reported errors (backports unreachable?); continuing"
         );
     }
-    if missing.contains(&QEMU) {
-        let from_backports = apt(&["install", "-y", "-t", "bookworm-backports", QEMU]);
-        if let Err(e) = from_backports {
-            println!(
-                "    warning: {QEMU} from bookworm-backports failed ({e:#}); using bookworm's"
-            );
-            apt(&["install", "-y", QEMU])?;
-        }
-    }
-    let rest: Vec<&str> = missing.iter().copied().filter(|p| *p != QEMU).collect();
+    // The default suite's packages first: QEMU from backports with `-t` takes its libraries
+    // (libbpf1, libelf1) from backports too when none is installed yet, and a backports
+    // libelf1 leaves bookworm's libelf-dev uninstallable (seen in a fresh minimal chroot).
+    // Installed first, bookworm's libelf1 satisfies backports' libbpf1 and stays.
+    let rest: Vec<&str> = missing
+        .iter()
+        .copied()
+        .filter(|p| *p != QEMU && *p != QEMU_UTILS)
+        .collect();
     if !rest.is_empty() {
         let mut args = vec!["install", "-y", "--no-install-recommends"];
         args.extend(rest.iter());
         apt(&args)?;
+    }
+    if missing.contains(&QEMU) || missing.contains(&QEMU_UTILS) {
+        let qemu = [QEMU, QEMU_UTILS];
+        let mut args = vec![
+            "install",
+            "-y",
+            "--no-install-recommends",
+            "-t",
+            "bookworm-backports",
+        ];
+        args.extend(qemu);
+        if let Err(e) = apt(&args) {
+            println!(
+                "    warning: {QEMU} from bookworm-backports failed ({e:#}); using bookworm's"
+            );
+            let mut args = vec!["install", "-y", "--no-install-recommends"];
+            args.extend(qemu);
+            apt(&args)?;
+        }
     }
     let still: Vec<&str> = {
         let now = installed_packages(&wanted)?;
@@ -431,10 +448,25 @@ fn backports_configured() -> bool {
 }
 
 fn write_sources() -> Result<()> {
-    std::fs::write(BACKPORTS_SOURCES, BACKPORTS_CONTENT)
+    let mirror = crate::apt_sources::debian_mirror("bookworm")?;
+    std::fs::write(BACKPORTS_SOURCES, backports_sources(&mirror))
         .with_context(|| format!("writing {BACKPORTS_SOURCES}"))?;
-    println!("    added apt source {BACKPORTS_SOURCES}");
+    println!("    added apt source {BACKPORTS_SOURCES} (bookworm-backports from {mirror})");
     Ok(())
+}
+
+/// The source file for bookworm-backports on `mirror`, the archive the machine's own apt
+/// sources use for bookworm.
+fn backports_sources(mirror: &str) -> String {
+    format!(
+        "# Added by `cargo xtask deps` (tryboxi): QEMU 10 lives in bookworm-backports.\n\
+         # The mirror is the one this machine's apt sources name for bookworm.\n\
+         Types: deb\n\
+         URIs: {mirror}\n\
+         Suites: bookworm-backports\n\
+         Components: main\n\
+         Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+    )
 }
 
 /// The subset of `pkgs` that dpkg reports as fully installed.
@@ -482,6 +514,17 @@ pub fn package_version(pkg: &str) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_backports_source_names_the_given_mirror() {
+        let text = backports_sources("http://mirror.example/debian");
+        assert!(
+            text.contains("\nURIs: http://mirror.example/debian\n"),
+            "{text}"
+        );
+        assert!(text.contains("\nSuites: bookworm-backports\n"), "{text}");
+        assert!(!text.contains("deb.debian.org"), "{text}");
+    }
 
     #[test]
     fn only_fully_installed_packages_count() {

@@ -6,6 +6,7 @@
 //! `$TRYBOXI_IMAGE_CACHE`), for `deps` apt's sources and packages, and for `fuzz` the cargo-fuzz
 //! install in `~/.cargo/bin`.
 
+mod apt_sources;
 mod bench;
 mod bench_against;
 mod bench_curves;
@@ -60,7 +61,8 @@ enum Cmd {
     Deps,
     /// Build the static release binary into _out/bin/ (plus its argv[0] symlinks).
     Dist,
-    /// Build (or reuse from the cache) the guest kernel, rootfs and initramfs into _out/images/.
+    /// Build (or reuse from the cache) the guest kernel, rootfs and initramfs into _out/images/,
+    /// with the template layers asked for (`--template`, `--all`).
     Images {
         /// Do not run `dist` first; use the existing _out/bin/tryboxi for the initramfs.
         #[arg(long)]
@@ -69,11 +71,15 @@ enum Cmd {
         /// Useful to pick up Debian updates, since the rootfs key does not change with them.
         #[arg(long, value_enum)]
         rebuild: Vec<Rebuildable>,
-        /// Also build this on-demand template (a recipe directory with an `on-demand` file,
-        /// e.g. `code-interpreter`; repeatable). Without it an on-demand template is shipped
-        /// only when the image cache already has it.
+        /// Also build this template layer (a recipe in guest-image/templates/: go, node,
+        /// python, rust, code-interpreter; repeatable). A layer not asked for is shipped only
+        /// when the image cache already has it.
         #[arg(long = "template")]
         templates: Vec<String>,
+        /// Build every template layer except the on-demand ones (go, node, python, rust;
+        /// ~20-40 s each the first time); `--template code-interpreter` adds that one.
+        #[arg(long)]
+        all: bool,
         /// Which guest kernel: our tuned build, or Debian's packaged cloud kernel (runs with
         /// `microvm,acpi=on`; see docs/VMM.md, "Kernel plan").
         #[arg(long, value_enum, default_value_t)]
@@ -197,6 +203,7 @@ fn main() -> Result<()> {
             no_dist,
             rebuild,
             templates,
+            all,
             kernel,
         } => {
             let binary = if no_dist {
@@ -208,8 +215,9 @@ fn main() -> Result<()> {
                 kernel: rebuild.contains(&Rebuildable::Kernel),
                 rootfs: rebuild.contains(&Rebuildable::Rootfs),
             };
-            let on_demand = images::template::OnDemand {
-                all: false,
+            let wanted = images::template::Wanted {
+                standard: all,
+                every: false,
                 names: templates,
             };
             let choice = images::Choice {
@@ -218,7 +226,7 @@ fn main() -> Result<()> {
                     KernelChoice::Packaged => images::kernel::Flavor::Packaged,
                 },
             };
-            images::run(&binary, rebuild, &on_demand, choice).map(|_| ())
+            images::run(&binary, rebuild, &wanted, choice).map(|_| ())
         }
         Cmd::Ci => ci::run(),
         Cmd::Demo { repo } => demo::run(repo),

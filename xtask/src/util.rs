@@ -46,6 +46,18 @@ impl Step {
         }
     }
 
+    /// A step with the time it is expected to take, shown at the start only (`expect` e.g.
+    /// "~6 min on 2 cores; seconds when cached").
+    pub fn start_expect(name: impl Into<String>, expect: &str) -> Step {
+        let name = name.into();
+        println!("==> {name} (expected: {expect})");
+        flush();
+        Step {
+            name,
+            start: Instant::now(),
+        }
+    }
+
     pub fn elapsed(&self) -> Duration {
         self.start.elapsed()
     }

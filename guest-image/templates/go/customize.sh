@@ -3,13 +3,16 @@
 # after its packages are in. Changing this file changes the template's cache key.
 #
 # Go comes from bookworm-backports: bookworm's own golang (1.19) is too old for most go.mod
-# files of today (`go 1.21` and later). The backports source is added for the install only.
+# files of today (`go 1.21` and later). The backports source is added for the install only,
+# on the mirror the base rootfs was built from (the build machine's own apt sources).
 set -eu
 root=${1:?usage: customize.sh ROOTDIR}
 GO=1.23
 in_root() { chroot "$root" env DEBIAN_FRONTEND=noninteractive LC_ALL=C HOME=/tmp "$@"; }
 list="$root/etc/apt/sources.list.d/tryboxi-backports.list"
-echo "deb http://deb.debian.org/debian bookworm-backports main" > "$list"
+mirror=$(awk '$1 == "deb" && $3 == "bookworm" { print $2; exit }' "$root/etc/apt/sources.list")
+[ -n "$mirror" ] || { echo "no bookworm source in the base rootfs's sources.list" >&2; exit 1; }
+echo "deb $mirror bookworm-backports main" > "$list"
 in_root apt-get -o Acquire::Retries=3 update
 in_root apt-get -o Acquire::Retries=3 \
     -o 'Dpkg::Options::=--path-exclude=/usr/share/man/*' \

@@ -228,9 +228,10 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
         return Ok(e);
     }
 
-    let step = Step::start(format!(
-        "kernel: building {SOURCE_PACKAGE} {src_version} (~5 min on 2 idle cores, longer on a busy machine)"
-    ));
+    let step = Step::start_expect(
+        format!("kernel: building {SOURCE_PACKAGE} {src_version}"),
+        "~6 min on 2 idle cores, longer on a busy machine; cached afterwards",
+    );
     let pending = match cache.begin("kernel", &key)? {
         Begin::Build(p) => p,
         Begin::Done(e) => return Ok(e),

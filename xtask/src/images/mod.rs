@@ -81,7 +81,7 @@ pub fn dist_and_defaults() -> Result<std::path::PathBuf> {
 pub fn run(
     binary: &Path,
     rebuild: Rebuild,
-    on_demand: &template::OnDemand,
+    templates: &template::Wanted,
     choice: Choice,
 ) -> Result<PathBuf> {
     // mmdebstrap, linux-source, e2fsprogs...: a fresh machine has none of them (a dpkg-query
@@ -92,7 +92,7 @@ pub fn run(
     let kernel = kernel::build_flavor(&cache, choice.kernel, rebuild.kernel)?;
     let initramfs = initramfs::build(&cache, binary, kernel::modules_of(&kernel).as_deref())?;
     let rootfs = rootfs::build(&cache, rebuild.rootfs)?;
-    let templates = template::build_all(&cache, &rootfs, on_demand)?;
+    let templates = template::build_all(&cache, &rootfs, templates)?;
 
     let step = Step::start("images: placing into _out/images");
     let dir = out_dir().join("images");

@@ -3,6 +3,8 @@
 //! `mkfs.ext4 -d` into a sparse image. No Docker, no loop mounts; needs root (mmdebstrap's root
 //! mode keeps file ownership right). Never touches anything outside its cache temp dir.
 //!
+//! The Debian mirror is the one the machine's apt sources name for the suite (`apt_sources`).
+//!
 //! Cache key = sha256(recipe version, suite, mirror, variant, headroom, package list,
 //! customize.sh). The Debian archive moves on: `--rebuild rootfs` refreshes the same key.
 
@@ -15,7 +17,6 @@ use std::process::Command;
 /// Bump when the build procedure below changes in a way that changes the output.
 const RECIPE_VERSION: &str = "rootfs-1";
 const SUITE: &str = "bookworm";
-const MIRROR: &str = "http://deb.debian.org/debian";
 const VARIANT: &str = "minbase";
 /// Free space left in the image on top of what the files use.
 const HEADROOM_BYTES: u64 = 1 << 30;
@@ -42,10 +43,13 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
     let customize = dir.join("customize.sh");
     let customize_text =
         std::fs::read(&customize).with_context(|| format!("reading {}", customize.display()))?;
+    // The machine's own Debian mirror (its apt sources), never one written here. It stays in
+    // the key as before (on a machine using deb.debian.org the key did not change).
+    let mirror = crate::apt_sources::debian_mirror(SUITE)?;
     let key = recipe_key(&[
         ("recipe", RECIPE_VERSION.as_bytes()),
         ("suite", SUITE.as_bytes()),
-        ("mirror", MIRROR.as_bytes()),
+        ("mirror", mirror.as_bytes()),
         ("variant", VARIANT.as_bytes()),
         ("headroom", &HEADROOM_BYTES.to_le_bytes()),
         ("packages", &packages_text),
@@ -59,10 +63,10 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
         bail!("building the rootfs needs root (mmdebstrap keeps file ownership): use sudo");
     }
     let packages = parse_packages(&String::from_utf8_lossy(&packages_text));
-    let step = Step::start(format!(
-        "rootfs: mmdebstrap {SUITE} ({} packages, takes ~1-2 min)",
-        packages.len()
-    ));
+    let step = Step::start_expect(
+        format!("rootfs: mmdebstrap {SUITE} ({} packages)", packages.len()),
+        "~1-2 min; cached afterwards",
+    );
     let pending = match cache.begin("rootfs", &key)? {
         Begin::Build(p) => p,
         Begin::Done(e) => return Ok(e),
@@ -82,7 +86,7 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
             .arg("--dpkgopt=path-include=/usr/share/doc/*/copyright")
             .arg(SUITE)
             .arg(&tree)
-            .arg(MIRROR),
+            .arg(&mirror),
         "mmdebstrap",
         &log,
     )?;

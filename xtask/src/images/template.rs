@@ -17,9 +17,11 @@
 //! interpreter's `server.py`). A template with no packages and no customize.sh (`base`) is the
 //! rootfs itself.
 //!
-//! A recipe directory holding a file `on-demand` (`code-interpreter`) is built only when asked
-//! (`cargo xtask images --template NAME`, and by `cargo xtask ci`, which builds them all); a
-//! run that does not ask still ships it when the cache has it for the current recipe.
+//! A run builds only the layers it is asked for ([`Wanted`]): `cargo xtask images` the base
+//! alone, `--template NAME` that one too, `--all` every recipe without an `on-demand` file
+//! (go, node, python, rust; `code-interpreter` has one), `cargo xtask demo` the one its repo
+//! picks, `cargo xtask ci` every recipe. A run that does not ask for a layer still ships it
+//! when the cache has it for the current recipe.
 
 use super::cache::{Begin, Cache, Entry};
 use super::rootfs::parse_packages;
@@ -122,40 +124,61 @@ pub fn recipes() -> Result<Vec<Recipe>> {
     Ok(out)
 }
 
-/// Which on-demand templates to build.
+/// Which template layers a run builds. The others are shipped only when the image cache
+/// already has them for the current recipe (a later `tryboxi install` picks them up).
 #[derive(Debug, Clone, Default)]
-pub struct OnDemand {
-    /// All of them (CI).
-    pub all: bool,
-    /// These, by name.
+pub struct Wanted {
+    /// Every template without an `on-demand` file: `cargo xtask images --all`.
+    pub standard: bool,
+    /// Every template, the on-demand ones too (CI).
+    pub every: bool,
+    /// These, by name (`--template NAME`; the demo's pick for its repo).
     pub names: Vec<String>,
 }
 
-/// Build (or find in the cache) every template layer over `base`; an on-demand one only when
-/// `want` asks for it (else it is shipped only if the cache has it). Returns (name, entry).
-pub fn build_all(cache: &Cache, base: &Entry, want: &OnDemand) -> Result<Vec<(String, Entry)>> {
+impl Wanted {
+    fn builds(&self, r: &Recipe) -> bool {
+        self.every || (self.standard && !r.on_demand) || self.names.contains(&r.name)
+    }
+}
+
+/// Build (or find in the cache) the template layers over `base` that `want` asks for; ship
+/// any other whose layer the cache has. Returns (name, entry).
+pub fn build_all(cache: &Cache, base: &Entry, want: &Wanted) -> Result<Vec<(String, Entry)>> {
     let all = recipes()?;
     for n in &want.names {
         if !all.iter().any(|r| &r.name == n) {
-            bail!("no template recipe `{n}` in {}", recipes_dir().display());
+            bail!(
+                "no template recipe `{n}` in {} (there are: {})",
+                recipes_dir().display(),
+                all.iter()
+                    .map(|r| r.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
         }
     }
     let mut out = Vec::new();
+    let mut skipped = Vec::new();
     for r in all {
         if r.is_base() {
             continue;
         }
-        if r.on_demand && !want.all && !want.names.contains(&r.name) {
+        if !want.builds(&r) {
             match cache.lookup(KIND, &key(base, &r)) {
                 Some(e) => out.push((r.name.clone(), e)),
-                None => println!(
-                    "==> template {}: on demand, not built (`cargo xtask images --template {}`)",
-                    r.name, r.name
-                ),
+                None => skipped.push(r.name.clone()),
             }
             continue;
         }
         out.push((r.name.clone(), build(cache, base, &r)?));
+    }
+    if !skipped.is_empty() {
+        println!(
+            "==> templates not built: {} (on first use: `cargo xtask images --template NAME`, or \
+             `--all`; ~20-40 s each)",
+            skipped.join(", ")
+        );
     }
     Ok(out)
 }
@@ -200,11 +223,14 @@ pub fn build(cache: &Cache, base: &Entry, r: &Recipe) -> Result<Entry> {
         bail!("building template layers needs root (loop mount + chroot): use sudo");
     }
     let packages = r.packages();
-    let step = Step::start(format!(
-        "template {}: {} packages over the base rootfs",
-        r.name,
-        packages.len()
-    ));
+    let step = Step::start_expect(
+        format!(
+            "template {}: {} packages over the base rootfs",
+            r.name,
+            packages.len()
+        ),
+        "~20-40 s; cached afterwards",
+    );
     let pending = match cache.begin(KIND, &key)? {
         Begin::Build(p) => p,
         Begin::Done(e) => return Ok(e),
