@@ -351,7 +351,7 @@ pub fn run(
     println!("\n{md}");
     let path = util::repo_root().join("BENCHMARKS.md");
     let old = std::fs::read_to_string(&path).unwrap_or_default();
-    md.push_str(hand_section(&old));
+    md.push_str(&kept_sections(&old));
     std::fs::write(&path, md)?;
     println!("wrote {}", path.display());
     println!(
@@ -399,16 +399,17 @@ pub fn run_workspace_only(reps: usize) -> Result<()> {
     println!("\n{sec}");
     let path = util::repo_root().join("BENCHMARKS.md");
     let old = std::fs::read_to_string(&path).unwrap_or_default();
-    let head = old
-        .find("## Workspace sync")
-        .map(|i| &old[..i])
-        .unwrap_or(&old);
-    let hand = if head.contains(HAND_HEADING) {
-        ""
-    } else {
-        hand_section(&old)
+    // The old workspace section is replaced; what follows it stays.
+    let (head, tail) = match old.find(WS_HEADING) {
+        Some(i) => {
+            let end = old[i + WS_HEADING.len()..]
+                .find("\n## ")
+                .map_or(old.len(), |j| i + WS_HEADING.len() + j + 1);
+            (&old[..i], &old[end..])
+        }
+        None => (old.as_str(), ""),
     };
-    std::fs::write(&path, format!("{head}{sec}{hand}"))?;
+    std::fs::write(&path, format!("{head}{sec}{tail}"))?;
     println!("wrote {}", path.display());
     Ok(())
 }
@@ -500,8 +501,8 @@ pub(crate) fn replace_section(old: &str, heading: &str, sec: &str) -> String {
         return format!("{}{sec}{}", &old[..start], &old[end..]);
     }
     let at = old
-        .find("## Workspace sync")
-        .or_else(|| old.find(HAND_HEADING))
+        .find(WS_HEADING)
+        .or_else(|| old.find("## Templates, scheduler, gc (measured by hand"))
         .unwrap_or(old.len());
     format!("{}{sec}{}", &old[..at], &old[at..])
 }
@@ -515,19 +516,41 @@ pub(crate) fn now_utc() -> Result<String> {
     .to_owned())
 }
 
-/// The section of BENCHMARKS.md measured by hand (templates, scheduler, gc): kept as it is
-/// when the bench rewrites the file.
-const HAND_HEADING: &str = "## Templates, scheduler, gc (measured by hand";
+const WS_HEADING: &str = "## Workspace sync";
 
-fn hand_section(old: &str) -> &str {
-    let Some(start) = old.find(HAND_HEADING) else {
-        return "";
-    };
-    let rest = &old[start..];
-    let end = rest[HAND_HEADING.len()..]
-        .find("\n## ")
-        .map_or(rest.len(), |i| HAND_HEADING.len() + i + 1);
-    &rest[..end]
+/// Whether `heading` starts a section a full `cargo xtask bench` writes.
+fn generated(heading: &str) -> bool {
+    [
+        "## Boot and exec",
+        "## Memory",
+        "## Network (",
+        crate::bench_secrets::HEADING,
+        crate::bench_e2b::HEADING,
+        crate::bench_load::HEADING,
+        crate::bench_curves::HEADING,
+        crate::bench_density::HEADING,
+        WS_HEADING,
+    ]
+    .iter()
+    .any(|h| heading.starts_with(h))
+}
+
+/// Every section of `old` that a full run does not write (those measured by hand, the
+/// `--against` comparison), in their order: kept when the bench rewrites the file.
+fn kept_sections(old: &str) -> String {
+    let mut starts: Vec<usize> = old.match_indices("\n## ").map(|(i, _)| i + 1).collect();
+    if old.starts_with("## ") {
+        starts.insert(0, 0);
+    }
+    let mut out = String::new();
+    for (k, &at) in starts.iter().enumerate() {
+        let end = starts.get(k + 1).copied().unwrap_or(old.len());
+        let sec = &old[at..end];
+        if !generated(sec) {
+            out.push_str(sec);
+        }
+    }
+    out
 }
 
 /// The workspace section of BENCHMARKS.md.
@@ -843,15 +866,18 @@ fn cpu_model() -> String {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn the_hand_measured_section_survives_a_rewrite() {
-        let old = "# B\n## Boot\nx\n## Templates, scheduler, gc (measured by hand, 2026)\n| a |\n\n## Later\ny\n";
+    fn sections_the_full_run_does_not_write_survive_a_rewrite() {
+        let old = "# B\n## Boot and exec\nx\n## Templates, scheduler, gc (measured by hand, 2026)\n\
+                   | a |\n\n## Before and after (issue 15)\nr\n## Workspace sync (10,000 files)\nw\n\
+                   ## Kernel plan (by hand)\nk\n";
         assert_eq!(
-            super::hand_section(old),
-            "## Templates, scheduler, gc (measured by hand, 2026)\n| a |\n\n"
+            super::kept_sections(old),
+            "## Templates, scheduler, gc (measured by hand, 2026)\n| a |\n\n\
+             ## Before and after (issue 15)\nr\n## Kernel plan (by hand)\nk\n"
         );
-        assert_eq!(super::hand_section("# B\n## Boot\n"), "");
-        let last = "## Templates, scheduler, gc (measured by hand)\n| a |\n";
-        assert_eq!(super::hand_section(last), last);
+        assert_eq!(super::kept_sections("# B\n## Boot and exec\n"), "");
+        let only = "## Fresh machine\n| a |\n";
+        assert_eq!(super::kept_sections(only), only);
     }
 
     #[test]

@@ -15,7 +15,7 @@ pub const ALIASES: &[&str] = &["sandboxd", "sandboxctl", "sandbox-mcp"];
 pub fn run() -> Result<PathBuf> {
     let step = Step::start_expect(
         "dist: static release build of tryboxi",
-        "~6 min from scratch on 2 cores, seconds when nothing changed",
+        "~4-6 min from scratch on 2 cores, seconds when nothing changed",
     );
     let root = repo_root();
     let target_dir = root.join("target").join("dist");

@@ -230,7 +230,7 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
 
     let step = Step::start_expect(
         format!("kernel: building {SOURCE_PACKAGE} {src_version}"),
-        "~6 min on 2 idle cores, longer on a busy machine; cached afterwards",
+        "~4-6 min on 2 idle cores, longer on a busy machine; cached afterwards",
     );
     let pending = match cache.begin("kernel", &key)? {
         Begin::Build(p) => p,
