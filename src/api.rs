@@ -396,6 +396,38 @@ pub struct ForkRequest {
     pub snapshot: Option<String>,
 }
 
+/// `POST /v1/sandboxes/{id}/pause` (body optional).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PauseRequest {
+    /// `false`: keep the disk alone (E2B's `mode="filesystem"`): the guest writes back its
+    /// files and powers off; the next start boots afresh on that disk (processes and memory
+    /// are gone). Default `true`: memory and device state are kept too.
+    #[serde(default = "keep")]
+    pub keep_memory: bool,
+}
+
+impl Default for PauseRequest {
+    fn default() -> Self {
+        PauseRequest { keep_memory: true }
+    }
+}
+
+fn keep() -> bool {
+    true
+}
+
+/// `POST /v1/sandboxes/{id}/resume` (body optional).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeRequest {
+    /// Boot afresh on the sandbox's disk, dropping its memory state (E2B's `memory: false` on
+    /// connect): files as they were, processes gone. The way back for a pause whose state
+    /// cannot be loaded any more (e.g. after a QEMU or image upgrade).
+    #[serde(default)]
+    pub reboot: bool,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ForkResult {
     pub parent: String,

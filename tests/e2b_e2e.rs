@@ -230,6 +230,14 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/pause_connect/kept", json!("kept across pause"));
     check("/pause_connect/after", json!("back\n"));
     check("/pause_connect/watch_raised", json!(true));
+    check("/pause_filesystem/paused", json!(true));
+    check("/pause_filesystem/state", json!(["paused"]));
+    check("/pause_filesystem/kept", json!("on disk"));
+    check("/pause_filesystem/sleeping_before", json!(true));
+    check("/pause_filesystem/sleeping_after_fs", json!(false));
+    check("/pause_filesystem/after", json!("rebooted\n"));
+    check("/pause_filesystem/sleeping_after_reboot", json!(false));
+    check("/pause_filesystem/kept_after_reboot", json!("on disk"));
     check("/wrong_key", json!("AuthenticationException"));
     check("/short_timeout/gone", json!(true));
     check("/short_timeout/connect_after", json!("NotFoundException"));

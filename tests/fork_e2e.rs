@@ -389,3 +389,144 @@ fn a_fork_child_applies_against_the_sync_base_it_inherited() {
         "{merged}"
     );
 }
+
+/// A filesystem-only pause (`pause --filesystem`, E2B's `mode="filesystem"`) keeps the disk
+/// alone: no state or RAM file; the next use boots afresh on that disk, so files written in
+/// the VM are there, the workspace overlay on the base disk is mounted again (a diff shows
+/// only what the VM changed, not every host file deleted), and processes are gone. A memory
+/// pause resumed with `--reboot` drops its memory state the same way.
+#[test]
+fn a_filesystem_pause_and_a_reboot_keep_the_files_not_the_processes() {
+    let cfg = format!("{LIGHT}[pool]\ngolden = false\nsize = 0\n");
+    let Some(d) = vm_daemon(&cfg) else { return };
+    let ws = tempfile::tempdir().unwrap();
+    std::fs::write(ws.path().join("a.txt"), "host\n").unwrap();
+    // Over 1 MiB: the first sync goes through the workspace base disk (an overlay in the VM).
+    let big: Vec<u8> = (0..(2u32 << 20)).map(|i| (i * 7 + i / 3) as u8).collect();
+    std::fs::write(ws.path().join("big.bin"), &big).unwrap();
+    let id = create(&d, ws.path());
+    let dir = d.root().join("sandboxes").join(&id);
+    let (code, out) = sh_out(
+        &d,
+        &id,
+        "mount | grep -c ' on /workspace type overlay'; echo vm > /workspace/b.txt; \
+         echo kept > /root/f; setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & \
+         echo $! > /root/pid",
+    );
+    assert_eq!(
+        (code, out.as_str()),
+        (Some(0), "1\n"),
+        "no base-disk overlay"
+    );
+
+    let o = d.cli(&["pause", "--filesystem", &id]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_text()
+    );
+    assert_eq!(state(&d, &id), "paused");
+    let pause = std::fs::read_to_string(dir.join("paused/pause.json")).unwrap();
+    assert!(
+        !pause.contains("checkpoint") && pause.contains("disk_layer"),
+        "{pause}"
+    );
+    assert!(!dir.join("paused/state.bin").exists());
+    assert!(
+        !dir.join("mem.ram").exists(),
+        "the RAM file outlived the VM"
+    );
+
+    // Any use boots it afresh on its disk.
+    let (code, out) = sh_out(
+        &d,
+        &id,
+        "cat /root/f /workspace/b.txt /workspace/a.txt; \
+         mount | grep -c ' on /workspace type overlay'; kill -0 $(cat /root/pid) 2>/dev/null && echo alive || echo gone",
+    );
+    assert_eq!(code, Some(0), "{out}\n{}", d.log_text());
+    assert_eq!(out, "kept\nvm\nhost\n1\ngone\n", "{}", d.log_text());
+    assert_eq!(state(&d, &id), "ready");
+    assert!(!dir.join("paused").exists());
+    assert_eq!(
+        sh_out(&d, &id, "md5sum < /workspace/big.bin").1,
+        format!("{}  -\n", md5_of(&big)),
+        "the base disk's file through the remounted overlay"
+    );
+    let diff = d
+        .request("GET", &format!("/v1/sandboxes/{id}/diff"), None)
+        .json();
+    let files: Vec<String> = diff["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            format!(
+                "{} {}",
+                f["kind"].as_str().unwrap(),
+                f["path"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(files, ["added b.txt"], "{diff}");
+
+    // A memory pause resumed with --reboot: files kept, the process and the state dropped.
+    let (code, _) = sh_out(
+        &d,
+        &id,
+        "echo again > /root/g; setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $! > /root/pid",
+    );
+    assert_eq!(code, Some(0));
+    assert!(d.cli(&["pause", &id]).status.success());
+    assert!(dir.join("paused/state.bin").exists());
+    let o = d.cli(&["resume", "--reboot", &id]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_text()
+    );
+    assert!(!dir.join("paused").exists());
+    assert_eq!(
+        sh_out(
+            &d,
+            &id,
+            "cat /root/g; kill -0 $(cat /root/pid) 2>/dev/null && echo alive || echo gone"
+        )
+        .1,
+        "again\ngone\n"
+    );
+    // Resumed with its memory (the default), a process lives on, as before.
+    assert_eq!(
+        sh_out(
+            &d,
+            &id,
+            "setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $! > /root/pid"
+        )
+        .0,
+        Some(0)
+    );
+    assert!(d.cli(&["pause", &id]).status.success());
+    assert!(d.cli(&["resume", &id]).status.success());
+    assert_eq!(
+        sh_out(&d, &id, "kill -0 $(cat /root/pid) && echo alive").1,
+        "alive\n"
+    );
+    assert!(d.cli(&["rm", &id]).status.success());
+}
+
+/// MD5 of `data` (the guest has `md5sum`; the test crate has no hash dependency for it).
+fn md5_of(data: &[u8]) -> String {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    std::io::Write::write_all(&mut f, data).unwrap();
+    let o = std::process::Command::new("md5sum")
+        .arg(f.path())
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned()
+}

@@ -149,11 +149,19 @@ pub enum Command {
     Pause {
         /// Sandbox id.
         id: String,
+        /// Keep the disk alone (E2B's mode "filesystem"): the guest writes back its files and
+        /// powers off; the next start boots afresh on that disk (processes are gone).
+        #[arg(long)]
+        filesystem: bool,
     },
     /// Resume a paused sandbox.
     Resume {
         /// Sandbox id.
         id: String,
+        /// Boot afresh on the sandbox's disk, dropping its memory state: files kept,
+        /// processes gone (the way back when a pause's state cannot be loaded any more).
+        #[arg(long)]
+        reboot: bool,
     },
     /// Put a sandbox back to a snapshot (memory, processes and disk).
     Restore {
@@ -315,8 +323,8 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Snapshot(c) => runtime()?.block_on(snapshot::run(c)),
         Command::Restore { id, snapshot } => runtime()?.block_on(snapshot::restore(id, snapshot)),
         Command::Fork { id, count, from } => runtime()?.block_on(fork::run(id, count, from)),
-        Command::Pause { id } => runtime()?.block_on(pause::run(id, true)),
-        Command::Resume { id } => runtime()?.block_on(pause::run(id, false)),
+        Command::Pause { id, filesystem } => runtime()?.block_on(pause::pause(id, !filesystem)),
+        Command::Resume { id, reboot } => runtime()?.block_on(pause::resume(id, reboot)),
         Command::Port(a) => runtime()?.block_on(port::run(a)),
         Command::Logs(a) => runtime()?.block_on(logs::run(a)),
         Command::Template(c) => runtime()?.block_on(template::run(c)),

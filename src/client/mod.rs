@@ -317,6 +317,27 @@ impl Client {
         self.send::<(), _>(Method::POST, &path, None).await
     }
 
+    /// `POST /v1/sandboxes/{id}/pause` with options (`keep_memory: false`: the disk alone;
+    /// the next start boots afresh on it).
+    pub async fn pause_with(
+        &self,
+        id: &str,
+        req: &api::PauseRequest,
+    ) -> Result<api::Sandbox, ClientError> {
+        let path = format!("/v1/sandboxes/{}/pause", seg(id));
+        self.send(Method::POST, &path, Some(req)).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/resume` (`reboot: true`: boot afresh on its disk).
+    pub async fn resume(
+        &self,
+        id: &str,
+        req: &api::ResumeRequest,
+    ) -> Result<api::Sandbox, ClientError> {
+        let path = format!("/v1/sandboxes/{}/resume", seg(id));
+        self.send(Method::POST, &path, Some(req)).await
+    }
+
     /// `GET /v1/execs/{id}`: an exec, running or ended.
     pub async fn exec_info(&self, exec_id: &str) -> Result<api::ExecInfo, ClientError> {
         self.get(&format!("/v1/execs/{}", seg(exec_id))).await

@@ -23,8 +23,8 @@ pub enum Action {
     DeleteSnapshot(String, String),
     Restore(String, api::RestoreRequest),
     Fork(String, api::ForkRequest),
-    Pause(String),
-    Resume(String),
+    Pause(String, api::PauseRequest),
+    Resume(String, api::ResumeRequest),
     /// `GET /v1/events`: server-sent events after a cursor, optionally for one sandbox.
     Events {
         /// After this event id; `None` (`?since=now`): only events from now on.
@@ -394,8 +394,12 @@ pub fn parse(
         (&Method::POST, ["v1", "sandboxes", id, "fork"]) => {
             Ok(Action::Fork(sandbox_id(id)?, json_or_default(body)?))
         }
-        (&Method::POST, ["v1", "sandboxes", id, "pause"]) => Ok(Action::Pause(sandbox_id(id)?)),
-        (&Method::POST, ["v1", "sandboxes", id, "resume"]) => Ok(Action::Resume(sandbox_id(id)?)),
+        (&Method::POST, ["v1", "sandboxes", id, "pause"]) => {
+            Ok(Action::Pause(sandbox_id(id)?, json_or_default(body)?))
+        }
+        (&Method::POST, ["v1", "sandboxes", id, "resume"]) => {
+            Ok(Action::Resume(sandbox_id(id)?, json_or_default(body)?))
+        }
         (&Method::POST, ["v1", "sandboxes", id, "sync"]) => {
             Ok(Action::Sync(sandbox_id(id)?, json_or_default(body)?))
         }

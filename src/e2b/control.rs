@@ -53,6 +53,8 @@ struct NewSandbox {
     metadata: Option<BTreeMap<String, String>>,
     env_vars: Option<BTreeMap<String, String>>,
     auto_pause: Option<bool>,
+    /// `false`: the timeout's pause keeps the disk alone (E2B's lifecycle `mode: filesystem`).
+    auto_pause_memory: Option<bool>,
     #[serde(alias = "allow_internet_access")]
     allow_internet_access: Option<bool>,
     network: Option<NetworkOpts>,
@@ -64,6 +66,24 @@ struct NewSandbox {
 #[serde(default)]
 struct TimeoutBody {
     timeout: Option<u64>,
+}
+
+/// `POST /sandboxes/{id}/connect` (and `resume`): `memory: false` reboots a paused sandbox
+/// on its disk (the SDK's `on_resume="reboot"`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ConnectBody {
+    timeout: Option<u64>,
+    memory: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/pause`: `memory: false` keeps the disk alone (`mode="filesystem"`);
+/// `requireHealthyGuest` (`strict=True`) refuses the pause when the agent does not answer.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+struct PauseBody {
+    memory: Option<bool>,
+    require_healthy_guest: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -148,14 +168,30 @@ pub async fn handle(req: Request<Incoming>, face: &Face) -> Result<Response<Body
                     format!("sandbox {id} is already paused"),
                 ));
             }
-            face.svc.pause_sandbox(id).await?;
+            let b: PauseBody = parse(&body)?;
+            let keep_memory = b.memory.unwrap_or(true);
+            if keep_memory
+                && b.require_healthy_guest == Some(true)
+                && !face.svc.guest_answers(id).await
+            {
+                return Err(E2bError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the guest agent of sandbox {id} does not answer: not paused"),
+                ));
+            }
+            face.svc.pause_sandbox_keeping(id, keep_memory).await?;
             Ok(super::empty(StatusCode::NO_CONTENT))
         }
         (&Method::POST, ["sandboxes", id, "connect" | "resume"]) => {
             let (mut rec, sbx) = own(face, id)?;
-            let t: TimeoutBody = parse(&body)?;
+            let t: ConnectBody = parse(&body)?;
             let status = if sbx.state == api::SandboxState::Paused {
-                face.svc.resume_sandbox(id).await?;
+                let how = if t.memory == Some(false) {
+                    crate::service::ResumeHow::Reboot
+                } else {
+                    crate::service::ResumeHow::Memory
+                };
+                face.svc.resume_sandbox_how(id, how).await?;
                 StatusCode::CREATED
             } else {
                 StatusCode::OK
@@ -506,6 +542,7 @@ async fn create(face: &Face, n: NewSandbox) -> Result<E2bSandbox, E2bError> {
         started_at: crate::service::now_rfc3339(),
         end_at: unix_now() + timeout,
         auto_pause: n.auto_pause.unwrap_or(false),
+        auto_pause_memory: n.auto_pause_memory.unwrap_or(true),
     };
     if let Err(e) = face.svc.e2b_put(&rec) {
         let _ = face.svc.remove_sandbox(&sbx.id).await;

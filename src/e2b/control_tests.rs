@@ -7,7 +7,7 @@ use crate::service::parse_rfc3339;
 fn create_bodies_parse_as_the_sdk_sends_them() {
     let n: NewSandbox = serde_json::from_str(
         r#"{"templateID":"base","timeout":60,"metadata":{"k":"v"},"envVars":{"A":"1"},
-            "autoPause":true,"allow_internet_access":false,"network":{"allowOut":["pypi.org"]},
+            "autoPause":true,"autoPauseMemory":false,"allow_internet_access":false,"network":{"allowOut":["pypi.org"]},
             "secure":true,"mcp":null,"volumeMounts":[]}"#,
     )
     .unwrap();
@@ -15,12 +15,30 @@ fn create_bodies_parse_as_the_sdk_sends_them() {
     assert_eq!(n.timeout, Some(60));
     assert_eq!(n.env_vars.unwrap()["A"], "1");
     assert_eq!(n.auto_pause, Some(true));
+    assert_eq!(n.auto_pause_memory, Some(false));
     assert_eq!(n.allow_internet_access, Some(false));
     assert_eq!(n.network.unwrap().allow_out.unwrap(), vec!["pypi.org"]);
     // An empty body is the all-defaults request.
     let e: NewSandbox = parse(b"").unwrap();
     assert!(e.template_id.is_none());
     assert!(parse::<NewSandbox>(b"{").is_err());
+}
+
+#[test]
+fn pause_and_connect_bodies_parse_as_the_sdk_sends_them() {
+    // pause(mode="filesystem", strict=True); pause() sends no memory field.
+    let p: PauseBody = parse(br#"{"memory":false,"requireHealthyGuest":true}"#).unwrap();
+    assert_eq!(
+        (p.memory, p.require_healthy_guest),
+        (Some(false), Some(true))
+    );
+    let p: PauseBody = parse(b"{}").unwrap();
+    assert_eq!((p.memory, p.require_healthy_guest), (None, None));
+    // connect(on_resume="reboot") sends memory: false; restore (the default) leaves it out.
+    let c: ConnectBody = parse(br#"{"timeout":300,"memory":false}"#).unwrap();
+    assert_eq!((c.timeout, c.memory), (Some(300), Some(false)));
+    let c: ConnectBody = parse(br#"{"timeout":300}"#).unwrap();
+    assert_eq!(c.memory, None);
 }
 
 #[test]
@@ -117,6 +135,7 @@ fn rec(id: &str, started: &str, meta: &[(&str, &str)]) -> E2bSandbox {
         started_at: started.into(),
         end_at: 0,
         auto_pause: false,
+        auto_pause_memory: true,
     }
 }
 

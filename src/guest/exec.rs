@@ -142,7 +142,7 @@ impl ExecTable {
             cfg,
             reaper,
             execs: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
+            next_id: AtomicU64::new(first_exec_id()),
         })
     }
 
@@ -679,4 +679,16 @@ async fn supervise(
         signal,
         timed_out,
     });
+}
+
+/// The first exec id of this agent's life: a random high half, so that ids from an earlier
+/// boot of the same disk (a sandbox booted afresh after a filesystem-only pause or a reboot)
+/// are never this agent's, and a host still holding one cannot re-attach to another command.
+/// Clones and restores keep the base with the rest of the agent's memory (their execs are the
+/// checkpoint's).
+fn first_exec_id() -> u64 {
+    let mut b = [0u8; 4];
+    // Without randomness (never seen) the ids still start at 1, as before.
+    let high = getrandom::fill(&mut b).map_or(0, |()| u64::from(u32::from_le_bytes(b)));
+    (high << 32) | 1
 }

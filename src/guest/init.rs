@@ -23,6 +23,8 @@ pub enum InitError {
     NoRoot(String),
     #[error("{0}: {1}")]
     Sys(&'static str, std::io::Error),
+    #[error("the workspace overlay of this disk cannot be mounted again: {0}")]
+    Workspace(String),
 }
 
 /// Options from the kernel command line.
@@ -208,6 +210,13 @@ pub fn boot(cmd: &Cmdline) -> Result<(), InitError> {
         console(&format!("tryboxi: network setup failed: {e}"));
     }
     std::fs::create_dir_all("/workspace").map_err(|e| InitError::Sys("mkdir /workspace", e))?;
+    // A boot on a disk whose workspace was an overlay on the base disk (a filesystem-only
+    // pause, a reboot): mounted again before the host can look, or no boot at all.
+    match super::wsbase::remount_after_boot() {
+        Ok(true) => console("tryboxi: workspace overlay mounted again"),
+        Ok(false) => {}
+        Err(e) => return Err(InitError::Workspace(e.to_string())),
+    }
     match std::fs::OpenOptions::new().write(true).open("/dev/urandom") {
         Ok(f) => {
             let _ = URANDOM.set(f);

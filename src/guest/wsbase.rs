@@ -75,16 +75,36 @@ pub fn mount_base(dir: &str, serial: &str) -> Result<(), RemoteError> {
             .map_err(|e| ctx(std::io::Error::from(e)))?;
     }
     let upper = Path::new(STATE).join("upper");
+    if std::fs::read_dir(&upper).is_ok_and(|mut r| r.next().is_some()) {
+        return Err(refused(format!("{} is not empty", upper.display())));
+    }
+    mount_overlay(&root, &dev)?;
+    // A cold boot on this disk (a filesystem-only pause, a reboot) mounts it again from here.
+    let marker = Marker {
+        dir: dir.to_owned(),
+        serial: serial.to_owned(),
+    };
+    if let Err(e) = marker.write() {
+        let _ = umount2(&root, MntFlags::MNT_DETACH);
+        let _ = umount2(LOWER, MntFlags::MNT_DETACH);
+        return Err(e);
+    }
+    *MOUNTED.lock().unwrap_or_else(|p| p.into_inner()) = Some(root);
+    Ok(())
+}
+
+/// The base disk (read-only on [`LOWER`]) and the overlay on `root` with the upper and work
+/// directories under [`STATE`] (made if missing; an upper directory with content is what a
+/// remount after a cold boot finds).
+fn mount_overlay(root: &Path, dev: &Path) -> Result<(), RemoteError> {
+    let upper = Path::new(STATE).join("upper");
     let work = Path::new(STATE).join("work");
     for d in [Path::new(LOWER), &upper, &work] {
         std::fs::create_dir_all(d)
             .map_err(|e| RemoteError::from_io(&format!("mkdir {}", d.display()), &e))?;
     }
-    if std::fs::read_dir(&upper).is_ok_and(|mut r| r.next().is_some()) {
-        return Err(refused(format!("{} is not empty", upper.display())));
-    }
     let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
-    mount(Some(&dev), LOWER, Some("ext4"), ro, None::<&str>)
+    mount(Some(dev), LOWER, Some("ext4"), ro, None::<&str>)
         .map_err(|e| sys(&format!("mount {} on {LOWER}", dev.display()), e))?;
     let opts = format!(
         "lowerdir={LOWER},upperdir={},workdir={}",
@@ -96,7 +116,7 @@ pub fn mount_base(dir: &str, serial: &str) -> Result<(), RemoteError> {
     let with_redirect = format!("{opts},redirect_dir=on");
     let r = mount(
         Some("overlay"),
-        &root,
+        root,
         Some("overlay"),
         MsFlags::empty(),
         Some(with_redirect.as_str()),
@@ -104,7 +124,7 @@ pub fn mount_base(dir: &str, serial: &str) -> Result<(), RemoteError> {
     .or_else(|_| {
         mount(
             Some("overlay"),
-            &root,
+            root,
             Some("overlay"),
             MsFlags::empty(),
             Some(opts.as_str()),
@@ -114,6 +134,99 @@ pub fn mount_base(dir: &str, serial: &str) -> Result<(), RemoteError> {
         let _ = umount2(LOWER, MntFlags::MNT_DETACH);
         return Err(sys(&format!("mount overlay on {}", root.display()), e));
     }
-    *MOUNTED.lock().unwrap_or_else(|p| p.into_inner()) = Some(root);
     Ok(())
+}
+
+/// Where [`mount_base`] notes what it mounted, on the root disk beside the overlay's state.
+const MARKER: &str = "/var/lib/tryboxi/workspace/mount";
+
+/// What [`mount_base`] mounted: the workspace directory and the base disk's serial, one per
+/// line (both checked again when read).
+#[derive(Debug, PartialEq, Eq)]
+struct Marker {
+    dir: String,
+    serial: String,
+}
+
+impl Marker {
+    fn write(&self) -> Result<(), RemoteError> {
+        use std::io::Write;
+        let tmp = format!("{MARKER}.tmp");
+        let ctx = |e: std::io::Error| RemoteError::from_io(&format!("write {MARKER}"), &e);
+        let mut f = std::fs::File::create(&tmp).map_err(ctx)?;
+        f.write_all(self.to_text().as_bytes()).map_err(ctx)?;
+        f.sync_all().map_err(ctx)?;
+        std::fs::rename(&tmp, MARKER).map_err(ctx)
+    }
+
+    fn to_text(&self) -> String {
+        format!("{}\n{}\n", self.dir, self.serial)
+    }
+
+    /// `None` for anything but two non-empty lines of at most 4 KiB each.
+    fn parse(text: &str) -> Option<Marker> {
+        let mut lines = text.lines();
+        let (dir, serial) = (lines.next()?, lines.next()?);
+        let ok = |s: &str| !s.is_empty() && s.len() <= 4096;
+        (ok(dir) && ok(serial) && lines.next().is_none()).then(|| Marker {
+            dir: dir.to_owned(),
+            serial: serial.to_owned(),
+        })
+    }
+}
+
+/// At boot (init, after the root disk is mounted): when this disk's workspace was an overlay
+/// on the base disk (a marker left by [`mount_base`]), mount it again, so that a VM booted
+/// afresh on a sandbox's disk (a filesystem-only pause, a reboot) sees its workspace as it
+/// left it. `Ok(false)`: there was nothing to mount. An error leaves the workspace unmounted
+/// and must stop the boot: the workspace would look empty, and a diff would report every
+/// file deleted.
+pub fn remount_after_boot() -> Result<bool, RemoteError> {
+    let text = match std::fs::read_to_string(MARKER) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(RemoteError::from_io(&format!("read {MARKER}"), &e)),
+    };
+    let m = Marker::parse(&text)
+        .ok_or_else(|| refused(format!("{MARKER} is not a workspace mount note")))?;
+    let root = check_path(&m.dir)?;
+    std::fs::create_dir_all(&root)
+        .map_err(|e| RemoteError::from_io(&format!("mkdir {}", root.display()), &e))?;
+    // The disks appear as the kernel probes them; the root disk is there, this one may lag.
+    let t0 = std::time::Instant::now();
+    let dev = loop {
+        match super::tree::disk_by_serial(&m.serial) {
+            Ok(d) => break d,
+            Err(e) if t0.elapsed() > std::time::Duration::from_secs(10) => return Err(e),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+    };
+    mount_overlay(&root, &dev)?;
+    *MOUNTED.lock().unwrap_or_else(|p| p.into_inner()) = Some(root);
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mount_note_reads_back_what_was_written_and_nothing_else() {
+        let m = Marker {
+            dir: "/workspace".into(),
+            serial: "tryboxi-wsbase".into(),
+        };
+        assert_eq!(Marker::parse(&m.to_text()), Some(m));
+        for bad in [
+            "",
+            "/workspace\n",
+            "/workspace\n\n",
+            "\nserial\n",
+            "/workspace\nserial\nextra\n",
+        ] {
+            assert_eq!(Marker::parse(bad), None, "{bad:?}");
+        }
+        let long = format!("/{}\nserial\n", "a".repeat(5000));
+        assert_eq!(Marker::parse(&long), None);
+    }
 }

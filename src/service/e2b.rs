@@ -38,6 +38,13 @@ pub struct E2bSandbox {
     pub end_at: u64,
     #[serde(default)]
     pub auto_pause: bool,
+    /// E2B's `autoPauseMemory`: `false` makes the timeout's pause keep the disk alone.
+    #[serde(default = "yes")]
+    pub auto_pause_memory: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 pub fn unix_now() -> u64 {
@@ -106,6 +113,22 @@ impl Service {
         Ok(())
     }
 
+    /// The timeout's pause: the disk alone when the client asked (`autoPauseMemory: false`),
+    /// else memory too; a guest whose agent does not answer (a disk-only pause needs it)
+    /// gets the pause that keeps its memory instead, which loses nothing.
+    async fn e2b_auto_pause(&self, rec: &E2bSandbox) -> Result<(), ServiceError> {
+        let id = &rec.sandbox_id;
+        if !rec.auto_pause_memory {
+            match self.pause_sandbox_keeping(id, false).await {
+                Err(ServiceError::Unavailable(why)) => {
+                    tracing::warn!(sandbox = %id, why, "a disk-only auto-pause was refused; keeping the memory too");
+                }
+                r => return r.map(|_| ()),
+            }
+        }
+        self.pause_sandbox(id).await.map(|_| ())
+    }
+
     /// Kill (or pause, with `auto_pause`) every E2B sandbox whose deadline passed.
     pub async fn e2b_enforce_deadlines(&self, now: u64) {
         let Ok(recs) = self.store.list::<E2bSandbox>(E2B_SANDBOXES) else {
@@ -121,7 +144,7 @@ impl Service {
                 continue;
             }
             let (action, result) = if rec.auto_pause {
-                ("paused", self.pause_sandbox(&id).await.map(|_| ()))
+                ("paused", self.e2b_auto_pause(&rec).await)
             } else {
                 // The record goes first: while the VM is being torn down (seconds under TCG)
                 // its envd no longer answers, so the E2B face must already say "not found"
@@ -197,6 +220,7 @@ mod tests {
             started_at: crate::service::now_rfc3339(),
             end_at: 0,
             auto_pause: false,
+            auto_pause_memory: true,
         };
         svc.e2b_put(&rec).unwrap();
         assert!(svc.e2b_get("sbx_gone").unwrap().is_none());

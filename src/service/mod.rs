@@ -24,6 +24,7 @@ mod pause;
 mod pool;
 mod ports;
 pub mod pressure;
+mod reboot;
 mod retire;
 mod sandboxes;
 pub mod scheduler;
@@ -52,7 +53,7 @@ use crate::telemetry::Telemetry;
 
 pub use gc::parse_rfc3339;
 pub use observe::OutputQuery;
-pub use pause::ServicePauser;
+pub use pause::{ResumeHow, ServicePauser};
 pub use sandboxes::{now_rfc3339, rfc3339};
 pub use vms::Vms;
 

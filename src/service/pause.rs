@@ -3,6 +3,13 @@
 //! ran on a borrowed mapping), its disk the overlay it was writing. `paused/pause.json` says
 //! which files and why it was paused.
 //!
+//! A filesystem-only pause (`keep_memory: false`, E2B's `mode="filesystem"`) keeps the disk
+//! alone: the guest syncs its file systems and powers off, and the next start boots afresh on
+//! that disk (processes and memory are gone, files are as they were). A reboot
+//! (`resume` with `reboot: true`, E2B's `memory: false` on connect) starts any paused sandbox
+//! that way, dropping its memory state: the way back for a pause whose state a newer QEMU or
+//! image set cannot load.
+//!
 //! Owns: the `ready <-> paused` transitions (user pause/resume, pause on daemon shutdown,
 //! automatic idle pause, transparent resume on use) and the last-use clock behind idle pause.
 //! Every transition runs under the sandbox's lifecycle lock (`locks.rs`); idle and pressure
@@ -40,10 +47,34 @@ pub enum PauseReason {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct PauseRecord {
-    checkpoint: Checkpoint,
-    reason: PauseReason,
-    paused_at: String,
+pub(super) struct PauseRecord {
+    /// The VM's device state and memory; `None` after a filesystem-only pause.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) checkpoint: Option<Checkpoint>,
+    /// The root layer a filesystem-only pause left (a memory pause's is its checkpoint's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) disk_layer: Option<std::path::PathBuf>,
+    pub(super) reason: PauseReason,
+    pub(super) paused_at: String,
+}
+
+impl PauseRecord {
+    /// The root layer the paused VM wrote last.
+    pub(super) fn layer(&self) -> Option<&std::path::Path> {
+        match &self.checkpoint {
+            Some(cp) => Some(&cp.disk_layer),
+            None => self.disk_layer.as_deref(),
+        }
+    }
+}
+
+/// How a paused sandbox starts again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeHow {
+    /// From its memory state when it has one (processes carry on), else a boot on its disk.
+    Memory,
+    /// A boot on its disk, its memory state (if any) dropped.
+    Reboot,
 }
 
 /// Per-sandbox lifecycle locks, last-use times, and a handle back to the service (for the
@@ -172,12 +203,30 @@ impl Service {
 
     /// `POST /v1/sandboxes/{id}/pause`.
     pub async fn pause_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
+        self.pause_sandbox_keeping(id, true).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/pause` with `keep_memory`: `false` keeps the disk alone.
+    pub async fn pause_sandbox_keeping(
+        &self,
+        id: &str,
+        keep_memory: bool,
+    ) -> Result<api::Sandbox, ServiceError> {
         match self.life.service() {
             Some(svc) => {
                 let id = id.to_owned();
-                to_the_end(async move { svc.pause_with(&id, PauseReason::User).await }).await
+                to_the_end(async move {
+                    let (g, rec) = svc.hold(&id).await?;
+                    svc.pause_locked(&g, rec, PauseReason::User, keep_memory)
+                        .await
+                })
+                .await
             }
-            None => self.pause_with(id, PauseReason::User).await,
+            None => {
+                let (g, rec) = self.hold(id).await?;
+                self.pause_locked(&g, rec, PauseReason::User, keep_memory)
+                    .await
+            }
         }
     }
 
@@ -187,7 +236,7 @@ impl Service {
         reason: PauseReason,
     ) -> Result<api::Sandbox, ServiceError> {
         let (g, rec) = self.hold(id).await?;
-        self.pause_locked(&g, rec, reason).await
+        self.pause_locked(&g, rec, reason, true).await
     }
 
     /// Idle and memory-pressure pauses: `None` (nothing done) when the sandbox's lifecycle
@@ -202,15 +251,17 @@ impl Service {
             return Ok(None);
         };
         let rec = self.record(id)?;
-        self.pause_locked(&g, rec, reason).await.map(Some)
+        self.pause_locked(&g, rec, reason, true).await.map(Some)
     }
 
-    /// Pause `rec` to disk; the caller holds its lifecycle lock.
+    /// Pause `rec` to disk (`keep_memory: false`: its disk alone); the caller holds its
+    /// lifecycle lock.
     async fn pause_locked(
         &self,
-        _held: &LifeGuard,
+        held: &LifeGuard,
         mut rec: SandboxRecord,
         reason: PauseReason,
+        keep_memory: bool,
     ) -> Result<api::Sandbox, ServiceError> {
         let id = rec.api.id.clone();
         let id = id.as_str();
@@ -223,6 +274,9 @@ impl Service {
                 )));
             }
         }
+        if !keep_memory {
+            return self.pause_disk_only(held, rec, reason).await;
+        }
         let driver = self.driver()?;
         // What it writes is known up front (a small state file, or the whole RAM for a VM on
         // a borrowed mapping): a pause that cannot fit is refused with the VM still running.
@@ -232,12 +286,17 @@ impl Service {
             &what,
             super::diskroom::checkpoint_bytes(&rec, false),
         )?;
+        // What the guest has not written back yet is on disk too: a later boot on the disk
+        // (`resume --reboot`, after an upgrade that cannot load the state) loses no file.
+        let t0 = Instant::now();
+        if let Some(vm) = self.vms.get(id) {
+            super::reboot::guest_sync(&vm.agent, id).await;
+        }
         // Out of the live map first, so its watcher takes the agent link closing as expected.
         let vm = self
             .vms
             .take(id)
             .ok_or_else(|| ServiceError::Conflict(format!("sandbox `{id}` has no running VM")))?;
-        let t0 = Instant::now();
         let dir = rec.dir.join(PAUSE_DIR);
         let cp = match driver.pause_to_disk(&vm.info, &dir).await {
             Ok(cp) => cp,
@@ -261,8 +320,10 @@ impl Service {
                 ));
             }
         };
+        let state_bytes = cp.state_bytes;
         let pr = PauseRecord {
-            checkpoint: cp,
+            checkpoint: Some(cp),
+            disk_layer: None,
             reason,
             paused_at: super::now_rfc3339(),
         };
@@ -275,37 +336,56 @@ impl Service {
             id,
             None,
             serde_json::json!({"reason": pr.reason, "ms": t0.elapsed().as_millis() as u64,
-                               "state_bytes": pr.checkpoint.state_bytes}),
+                               "state_bytes": state_bytes, "memory": true}),
         );
-        tracing::info!(sandbox = %id, ?reason, ms = t0.elapsed().as_millis() as u64, state_bytes = pr.checkpoint.state_bytes, "sandbox paused to disk");
+        tracing::info!(sandbox = %id, ?reason, ms = t0.elapsed().as_millis() as u64, state_bytes, "sandbox paused to disk");
         Ok(rec.api)
     }
 
     /// `POST /v1/sandboxes/{id}/resume`; also what using a paused sandbox does.
     pub async fn resume_sandbox(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
+        self.resume_sandbox_how(id, ResumeHow::Memory).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/resume` with `reboot`: see [`ResumeHow`].
+    pub async fn resume_sandbox_how(
+        &self,
+        id: &str,
+        how: ResumeHow,
+    ) -> Result<api::Sandbox, ServiceError> {
         match self.life.service() {
             Some(svc) => {
                 let id = id.to_owned();
-                to_the_end(async move { svc.resume_held(&id).await }).await
+                to_the_end(async move { svc.resume_held(&id, how).await }).await
             }
-            None => self.resume_held(id).await,
+            None => self.resume_held(id, how).await,
         }
     }
 
-    async fn resume_held(&self, id: &str) -> Result<api::Sandbox, ServiceError> {
+    async fn resume_held(&self, id: &str, how: ResumeHow) -> Result<api::Sandbox, ServiceError> {
         let (g, rec) = self.hold(id).await?;
         if rec.api.state == SandboxState::Ready && self.vms.get(id).is_some() {
             return Ok(rec.api);
         }
-        self.resume_locked(&g, rec).await.map(|r| r.api)
+        self.resume_how(&g, rec, how).await.map(|r| r.api)
     }
 
-    /// Resume the paused sandbox `rec`; the caller holds its lifecycle lock (a resume on use
-    /// runs inside the operation that needs the VM, under the lock that operation took).
+    /// Resume the paused sandbox `rec` (from its memory state when it has one); the caller
+    /// holds its lifecycle lock (a resume on use runs inside the operation that needs the
+    /// VM, under the lock that operation took).
     pub(super) async fn resume_locked(
+        &self,
+        held: &LifeGuard,
+        rec: SandboxRecord,
+    ) -> Result<SandboxRecord, ServiceError> {
+        self.resume_how(held, rec, ResumeHow::Memory).await
+    }
+
+    async fn resume_how(
         &self,
         _held: &LifeGuard,
         mut rec: SandboxRecord,
+        how: ResumeHow,
     ) -> Result<SandboxRecord, ServiceError> {
         let id = rec.api.id.clone();
         let id = id.as_str();
@@ -320,6 +400,7 @@ impl Service {
         let pr = read_pause(&rec)?;
         let driver = self.driver()?;
         let spec = self.spec_of(&rec)?;
+        let reboot = how == ResumeHow::Reboot || pr.checkpoint.is_none();
         // A paused sandbox holds nothing in the ledger: it waits for room like a create.
         let reservation = self
             .ledger
@@ -330,22 +411,37 @@ impl Service {
             .await?;
         self.ensure_network(id, &rec.dir)?;
         let t0 = Instant::now();
-        let started = driver
-            .resume_from_disk(&spec, &pr.checkpoint)
-            .await
-            .map_err(|e| {
-                ServiceError::of_write(
-                    &rec.dir,
-                    "the VM's RAM file",
-                    &format!("cannot resume sandbox `{id}`"),
-                    &e.to_string(),
+        let vm = match (&pr.checkpoint, reboot) {
+            (Some(cp), false) => {
+                let started = driver.resume_from_disk(&spec, cp).await.map_err(|e| {
+                    ServiceError::of_write(
+                        &rec.dir,
+                        "the VM's RAM file",
+                        &format!(
+                            "cannot resume sandbox `{id}` from its memory state (`tryboxi \
+                             resume --reboot {id}` boots it afresh on its disk: files kept, \
+                             processes lost)"
+                        ),
+                        &e.to_string(),
+                    )
+                })?;
+                let (info, agent) = super::snapshots::agent_or_kill(
+                    &driver,
+                    started,
+                    "resumed",
+                    self.agent_deadlines(),
                 )
-            })?;
-        let (info, agent) =
-            super::snapshots::agent_or_kill(&driver, started, "resumed", self.agent_deadlines())
                 .await?;
-        super::guest_trust::sync_clock(&agent, &info.id);
-        let vm = Arc::new(LiveVm { info, agent });
+                super::guest_trust::sync_clock(&agent, &info.id);
+                Arc::new(LiveVm { info, agent })
+            }
+            _ => {
+                let layer = pr.layer().ok_or_else(|| {
+                    ServiceError::Internal(format!("the pause state of `{id}` names no disk"))
+                })?;
+                Arc::new(self.boot_on_disk(&driver, &spec, layer).await?)
+            }
+        };
         self.vms.insert(id, vm.clone());
         match self.life.service() {
             Some(svc) => svc.watch(id.to_owned(), vm),
@@ -359,14 +455,18 @@ impl Service {
         self.store.put(SANDBOXES, id, &rec)?;
         reservation.keep();
         self.life.touch(id);
+        if reboot {
+            // What ran is gone: its execs are not listed as running once this returns.
+            self.wait_execs_gone(id).await;
+        }
         let ms = t0.elapsed().as_millis() as u64;
         self.telemetry.events.publish(
             "sandbox.resumed",
             id,
             None,
-            serde_json::json!({"ms": ms, "paused_for": pr.reason}),
+            serde_json::json!({"ms": ms, "paused_for": pr.reason, "rebooted": reboot}),
         );
-        tracing::info!(sandbox = %id, ms, "sandbox resumed");
+        tracing::info!(sandbox = %id, ms, rebooted = reboot, "sandbox resumed");
         Ok(rec)
     }
 
@@ -427,7 +527,7 @@ pub(super) fn keep_paused_ram_apart(rec: &SandboxRecord) -> Result<(), ServiceEr
         }
     };
     let dir = rec.dir.join(PAUSE_DIR);
-    let Some(ram) = pr.checkpoint.ram_file.clone() else {
+    let Some(ram) = pr.checkpoint.as_ref().and_then(|c| c.ram_file.clone()) else {
         return Ok(());
     };
     if ram.starts_with(&dir) {
@@ -443,16 +543,20 @@ pub(super) fn keep_paused_ram_apart(rec: &SandboxRecord) -> Result<(), ServiceEr
             ))
         })?;
     }
-    pr.checkpoint.ram_file = Some(kept);
+    if let Some(cp) = pr.checkpoint.as_mut() {
+        cp.ram_file = Some(kept);
+    }
     write_pause(rec, &pr)
 }
 
 /// The root layer a paused sandbox's VM wrote last (its pause checkpoint's frozen layer).
 pub(super) fn paused_layer(rec: &SandboxRecord) -> Option<std::path::PathBuf> {
-    read_pause(rec).ok().map(|p| p.checkpoint.disk_layer)
+    read_pause(rec)
+        .ok()
+        .and_then(|p| p.layer().map(|l| l.to_path_buf()))
 }
 
-fn read_pause(rec: &SandboxRecord) -> Result<PauseRecord, ServiceError> {
+pub(super) fn read_pause(rec: &SandboxRecord) -> Result<PauseRecord, ServiceError> {
     let path = rec.dir.join(PAUSE_DIR).join(PAUSE_FILE);
     let data = std::fs::read(&path)
         .map_err(|e| ServiceError::Internal(format!("cannot read {}: {e}", path.display())))?;
@@ -460,7 +564,7 @@ fn read_pause(rec: &SandboxRecord) -> Result<PauseRecord, ServiceError> {
         .map_err(|e| ServiceError::Internal(format!("{} is not valid: {e}", path.display())))
 }
 
-fn write_pause(rec: &SandboxRecord, pr: &PauseRecord) -> Result<(), ServiceError> {
+pub(super) fn write_pause(rec: &SandboxRecord, pr: &PauseRecord) -> Result<(), ServiceError> {
     let dir = rec.dir.join(PAUSE_DIR);
     let tmp = dir.join("pause.json.tmp");
     let data = serde_json::to_vec_pretty(pr)

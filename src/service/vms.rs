@@ -259,7 +259,17 @@ impl Service {
             )
         })?;
         drop(span);
-        let _span = self.telemetry.traces.span(&spec.id, "guest.connect");
+        self.connect_booted(driver, info).await
+    }
+
+    /// Wait for the agent of the freshly booted VM `info` (a QEMU that stops first, or an
+    /// agent that does not answer in `boot_timeout_s`, fails the boot and is killed).
+    pub(super) async fn connect_booted(
+        &self,
+        driver: &QemuDriver,
+        info: VmInfo,
+    ) -> Result<LiveVm, ServiceError> {
+        let _span = self.telemetry.traces.span(&info.id, "guest.connect");
         let timeout = Duration::from_secs(self.config.boot_timeout_s);
         let agent = tokio::select! {
             r = AgentClient::connect_unix(&info.agent_socket, timeout) => r,

@@ -586,6 +586,45 @@ impl QemuDriver {
             ))),
         }
     }
+
+    /// Launch a fresh VM (kernel, initramfs, empty RAM, no state file) on the disk `paths`
+    /// names and wait until QEMU runs it; a QEMU that does not get there is killed.
+    async fn launch_cold(&self, spec: &VmSpec, paths: &VmPaths) -> Result<VmInfo, VmmError> {
+        let paths = self.budgeted(paths)?;
+        let args = qemu_args(spec, &paths);
+        let t0 = Instant::now();
+        self.reserve_owned_ram(spec, &paths)?;
+        let (pid, mut exited) = self.spawn_detached(spec, &paths, None, &args)?;
+        let info = paths.info(spec, pid);
+        let ready = match self.wait_ready(&paths, &mut exited).await {
+            Ok(()) => write_vm_json(&paths, &info),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = ready {
+            // Never leave a half-booted QEMU behind.
+            if let Err(k) = Self::kill_and_wait(&info).await {
+                tracing::error!(vm = %info.id, pid, error = %k, "cannot kill a failed QEMU");
+            }
+            return Err(e);
+        }
+        tracing::info!(
+            vm = %info.id, pid, accel = %info.accel,
+            qmp_ready_ms = t0.elapsed().as_millis() as u64,
+            "QEMU running"
+        );
+        Ok(info)
+    }
+
+    /// Boot `spec`'s VM afresh (kernel, initramfs, empty RAM) on `disk`, the root layer a
+    /// stopped VM of the same sandbox last wrote (a filesystem-only pause, a reboot of a
+    /// paused sandbox): its files are as that guest left them (the guest synced them before it
+    /// stopped), its memory and processes are not. The VM keeps its workspace base disk.
+    pub async fn boot_on_disk(&self, spec: &VmSpec, disk: &Path) -> Result<VmInfo, VmmError> {
+        let spec = abs_spec(spec, abs(&spec.dir)?)?;
+        let paths = VmPaths::for_checkpoint_start(&spec, disk.to_path_buf(), None, None)?;
+        ramfile::remove(paths.ram.path())?;
+        self.launch_cold(&spec, &paths).await
+    }
 }
 
 #[async_trait::async_trait]
@@ -610,30 +649,7 @@ impl VmmDriver for QemuDriver {
         paths.ensure_transfer_disk()?;
         paths.ensure_workspace_disk(None)?;
         self.create_overlay(&spec.rootfs, &paths.disk).await?;
-        let paths = self.budgeted(&paths)?;
-
-        let args = qemu_args(&spec, &paths);
-        let t0 = Instant::now();
-        self.reserve_owned_ram(&spec, &paths)?;
-        let (pid, mut exited) = self.spawn_detached(&spec, &paths, None, &args)?;
-        let info = paths.info(&spec, pid);
-        let ready = match self.wait_ready(&paths, &mut exited).await {
-            Ok(()) => write_vm_json(&paths, &info),
-            Err(e) => Err(e),
-        };
-        if let Err(e) = ready {
-            // Never leave a half-booted QEMU behind.
-            if let Err(k) = Self::kill_and_wait(&info).await {
-                tracing::error!(vm = %info.id, pid, error = %k, "cannot kill a failed QEMU");
-            }
-            return Err(e);
-        }
-        tracing::info!(
-            vm = %info.id, pid, accel = %info.accel,
-            qmp_ready_ms = t0.elapsed().as_millis() as u64,
-            "QEMU running"
-        );
-        Ok(info)
+        self.launch_cold(&spec, &paths).await
     }
 
     async fn stop(&self, vm: &VmInfo, grace: Duration) -> Result<(), VmmError> {

@@ -339,6 +339,30 @@ def _():
             "watch_error": watch_error}
 
 
+@step("pause_filesystem")
+def _():
+    """mode="filesystem" keeps the disk alone: connect boots it afresh (files kept, processes
+    gone). A full pause then connect(on_resume="reboot") drops the memory the same way."""
+    sleeping = lambda s: any("sleep 600" in " ".join([p.cmd] + list(p.args))
+                             for p in s.commands.list())
+    sbx.files.write("/home/user/fs.txt", "on disk")
+    sbx.commands.run("sleep 600", background=True)
+    before = sleeping(sbx)
+    paused = sbx.pause(mode="filesystem")
+    state = [str(x.state) for x in Sandbox.list().next_items() if x.sandbox_id == sbx.sandbox_id]
+    again = Sandbox.connect(sbx.sandbox_id)
+    kept = again.files.read("/home/user/fs.txt")
+    after_fs = sleeping(again)
+    r = again.commands.run("echo rebooted")
+    again.commands.run("sleep 600", background=True)
+    sbx.pause()
+    third = Sandbox.connect(sbx.sandbox_id, on_resume="reboot")
+    return {"paused": paused, "state": state, "kept": kept, "sleeping_before": before,
+            "sleeping_after_fs": after_fs, "after": r.stdout,
+            "sleeping_after_reboot": sleeping(third),
+            "kept_after_reboot": third.files.read("/home/user/fs.txt")}
+
+
 @step("wrong_key")
 def _():
     try:

@@ -19,16 +19,29 @@ pub async fn fork(
     ))
 }
 
-pub async fn pause(svc: &Arc<Service>, id: &str) -> Result<Response<Body>, ApiError> {
+pub async fn pause(
+    svc: &Arc<Service>,
+    id: &str,
+    req: api::PauseRequest,
+) -> Result<Response<Body>, ApiError> {
     Ok(response::json(
         StatusCode::OK,
-        &svc.pause_sandbox(id).await?,
+        &svc.pause_sandbox_keeping(id, req.keep_memory).await?,
     ))
 }
 
-pub async fn resume(svc: &Arc<Service>, id: &str) -> Result<Response<Body>, ApiError> {
+pub async fn resume(
+    svc: &Arc<Service>,
+    id: &str,
+    req: api::ResumeRequest,
+) -> Result<Response<Body>, ApiError> {
+    let how = if req.reboot {
+        crate::service::ResumeHow::Reboot
+    } else {
+        crate::service::ResumeHow::Memory
+    };
     Ok(response::json(
         StatusCode::OK,
-        &svc.resume_sandbox(id).await?,
+        &svc.resume_sandbox_how(id, how).await?,
     ))
 }

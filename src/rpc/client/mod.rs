@@ -204,7 +204,6 @@ impl AgentClient {
     }
 
     /// Round trip time of a no-op request.
-    #[cfg(test)]
     pub async fn ping(&self) -> Result<Duration, RpcError> {
         let t = std::time::Instant::now();
         match self.call(Request::Ping).await? {
@@ -494,7 +493,6 @@ impl AgentClient {
 
     /// Asks the guest to sync its disks and power off. The guest answers before it powers off;
     /// a connection that drops right after the request counts as success.
-    #[cfg(test)]
     pub async fn shutdown(&self) -> Result<(), RpcError> {
         match self.call_done(Request::Shutdown).await {
             Ok(()) | Err(RpcError::Disconnected) => Ok(()),

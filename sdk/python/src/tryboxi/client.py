@@ -493,14 +493,21 @@ class Sandbox:
             duration_ms=int(j.get("duration_ms", 0)),
         )
 
-    def pause(self) -> "Sandbox":
-        """Pause to disk (no QEMU runs); any later call resumes it transparently."""
-        self.info = self.client.request("POST", f"{self._base}/pause")
+    def pause(self, keep_memory: bool = True) -> "Sandbox":
+        """Pause to disk (no QEMU runs); any later call resumes it transparently.
+
+        ``keep_memory=False`` keeps the disk alone: the guest writes back its files and powers
+        off, and the next start boots afresh on that disk (processes are gone)."""
+        body = None if keep_memory else {"keep_memory": False}
+        self.info = self.client.request("POST", f"{self._base}/pause", body)
         return self
 
-    def resume(self) -> "Sandbox":
-        """Resume a paused sandbox (files and processes as they were)."""
-        self.info = self.client.request("POST", f"{self._base}/resume")
+    def resume(self, reboot: bool = False) -> "Sandbox":
+        """Resume a paused sandbox (files and processes as they were).
+
+        ``reboot=True`` boots afresh on its disk instead, dropping its memory state."""
+        body = {"reboot": True} if reboot else None
+        self.info = self.client.request("POST", f"{self._base}/resume", body)
         return self
 
     def rm(self) -> None:
