@@ -356,11 +356,25 @@ mod tests {
 // ---- Snapshots: checkpoint and restore of one sandbox ----
 
 /// `POST /v1/sandboxes/{id}/snapshots`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SnapshotRequest {
     #[serde(default)]
     pub name: Option<String>,
+    /// `false`: the disk alone (E2B's `mode="filesystem"`): the guest writes back its files
+    /// first, and a restore or fork from it boots afresh on that disk (no processes). Default
+    /// `true`: memory, processes and disk.
+    #[serde(default = "keep")]
+    pub keep_memory: bool,
+}
+
+impl Default for SnapshotRequest {
+    fn default() -> Self {
+        SnapshotRequest {
+            name: None,
+            keep_memory: true,
+        }
+    }
 }
 
 /// A checkpoint of a sandbox: memory, device state and disk at one instant.
@@ -371,10 +385,14 @@ pub struct Snapshot {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     pub created_at: String,
-    /// Size of the memory + device state file.
+    /// Size of the memory + device state file (0 for a disk-only snapshot).
     pub state_bytes: u64,
     /// How long the sandbox was paused to take it.
     pub duration_ms: u64,
+    /// Whether it holds memory and processes; `false`: the disk alone (a restore or fork from
+    /// it boots afresh).
+    #[serde(default = "keep")]
+    pub memory: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -270,6 +270,10 @@ fn the_e2b_python_sdk_runs_unchanged_against_real_vms() {
     check("/snapshot/child_new", json!(true));
     check("/snapshot/child_sees", json!("before\n"));
     check("/snapshot/source_sees", json!("after\n"));
+    check("/snapshot_filesystem/seen", json!("disk\n"));
+    check("/snapshot_filesystem/child_sleeping", json!(false));
+    check("/snapshot_filesystem/killed", json!(true));
+    check("/snapshot_filesystem/deleted", json!(true));
     // E2B's network options as our policy (read from the sandboxes the step left running).
     let policy = |step: &str| {
         let id = at(&format!("/network/{step}"));

@@ -516,6 +516,85 @@ fn a_filesystem_pause_and_a_reboot_keep_the_files_not_the_processes() {
     assert!(d.cli(&["rm", &id]).status.success());
 }
 
+/// A filesystem-only snapshot (`snapshot create --filesystem`, E2B's
+/// `create_snapshot(mode="filesystem")`) has no state or RAM file; a restore or fork from it
+/// boots afresh on its disk: files (the workspace overlay on the base disk too) as at the
+/// snapshot, processes gone, a fork child its own machine.
+#[test]
+fn a_filesystem_snapshot_restores_and_forks_by_booting_afresh() {
+    let cfg = format!("{LIGHT}[pool]\ngolden = false\nsize = 0\n");
+    let Some(d) = vm_daemon(&cfg) else { return };
+    let ws = tempfile::tempdir().unwrap();
+    let big: Vec<u8> = (0..(2u32 << 20)).map(|i| (i * 5 + i / 7) as u8).collect();
+    std::fs::write(ws.path().join("big.bin"), &big).unwrap();
+    let id = create(&d, ws.path());
+    let (code, _) = sh_out(
+        &d,
+        &id,
+        "echo one > /root/f; echo vm > /workspace/b.txt; \
+         setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $! > /root/pid",
+    );
+    assert_eq!(code, Some(0));
+    let o = d.cli(&["snapshot", "create", &id, "--name", "disk", "--filesystem"]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success() && out.contains("the disk alone"),
+        "{out}{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_text()
+    );
+    let snap = out.split_whitespace().next().unwrap().to_owned();
+    let snap_dir = d
+        .root()
+        .join("sandboxes")
+        .join(&id)
+        .join("snapshots")
+        .join(&snap);
+    assert!(snap_dir.is_dir());
+    assert!(!snap_dir.join("state.bin").exists() && !snap_dir.join("mem.ram").exists());
+    let listed = d
+        .request("GET", &format!("/v1/sandboxes/{id}/snapshots"), None)
+        .json();
+    assert_eq!(listed["snapshots"][0]["memory"], false, "{listed}");
+    assert_eq!(listed["snapshots"][0]["state_bytes"], 0, "{listed}");
+
+    // Changed after the snapshot; the restore puts the disk back and boots it.
+    assert_eq!(
+        sh_out(&d, &id, "echo two > /root/f; rm /workspace/b.txt").0,
+        Some(0)
+    );
+    let o = d.cli(&["restore", &id, "disk"]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_text()
+    );
+    let check = "cat /root/f /workspace/b.txt; mount | grep -c ' on /workspace type overlay'; \
+                 md5sum < /workspace/big.bin; kill -0 $(cat /root/pid) 2>/dev/null && echo alive || echo gone";
+    let want = format!("one\nvm\n1\n{}  -\ngone\n", md5_of(&big));
+    assert_eq!(sh_out(&d, &id, check).1, want, "{}", d.log_text());
+    let diff = d
+        .request("GET", &format!("/v1/sandboxes/{id}/diff"), None)
+        .json();
+    assert_eq!(diff["files"].as_array().unwrap().len(), 1, "{diff}");
+
+    // A child from it: the same files, its own hostname, no processes.
+    let o = d.cli(&["fork", &id, "--from", "disk"]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        d.log_text()
+    );
+    let child = String::from_utf8_lossy(&o.stdout).trim().to_owned();
+    assert!(child.starts_with("sbx_"), "{child}");
+    assert_eq!(sh_out(&d, &child, check).1, want, "{}", d.log_text());
+    assert_eq!(sh_out(&d, &child, "hostname").1, format!("{child}\n"));
+    assert!(d.cli(&["rm", &child]).status.success());
+    assert!(d.cli(&["rm", &id]).status.success());
+}
+
 /// MD5 of `data` (the guest has `md5sum`; the test crate has no hash dependency for it).
 fn md5_of(data: &[u8]) -> String {
     let mut f = tempfile::NamedTempFile::new().unwrap();

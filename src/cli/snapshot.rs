@@ -11,6 +11,10 @@ pub enum Cmd {
         id: String,
         #[arg(long)]
         name: Option<String>,
+        /// The disk alone (E2B's mode "filesystem"): a restore or fork from it boots afresh
+        /// on that disk, without the processes.
+        #[arg(long)]
+        filesystem: bool,
     },
     /// List a sandbox's snapshots.
     Ls {
@@ -29,21 +33,37 @@ pub enum Cmd {
 pub async fn run(cmd: Cmd) -> Result<(), TopError> {
     let client = super::client()?;
     match cmd {
-        Cmd::Create { id, name } => {
+        Cmd::Create {
+            id,
+            name,
+            filesystem,
+        } => {
             let s: api::Snapshot = client
                 .send(
                     hyper::Method::POST,
                     &format!("/v1/sandboxes/{id}/snapshots"),
-                    Some(&api::SnapshotRequest { name }),
+                    Some(&api::SnapshotRequest {
+                        name,
+                        keep_memory: !filesystem,
+                    }),
                 )
                 .await?;
-            println!(
-                "{} {} ({} ms, {} bytes of state)",
-                s.id,
-                s.name.as_deref().unwrap_or("-"),
-                s.duration_ms,
-                s.state_bytes
-            );
+            if s.memory {
+                println!(
+                    "{} {} ({} ms, {} bytes of state)",
+                    s.id,
+                    s.name.as_deref().unwrap_or("-"),
+                    s.duration_ms,
+                    s.state_bytes
+                );
+            } else {
+                println!(
+                    "{} {} ({} ms, the disk alone)",
+                    s.id,
+                    s.name.as_deref().unwrap_or("-"),
+                    s.duration_ms
+                );
+            }
         }
         Cmd::Rm { id, snapshot } => {
             let s = client.delete_snapshot(&id, &snapshot).await?;

@@ -22,6 +22,8 @@ const MAX_PAGE: usize = 1000;
 #[serde(default)]
 pub(super) struct SnapshotBody {
     name: Option<String>,
+    /// `false`: `create_snapshot(mode="filesystem")`, the disk alone.
+    memory: Option<bool>,
 }
 
 /// `POST /sandboxes/{id}/snapshots` (the caller checked that the face owns `id`).
@@ -32,7 +34,13 @@ pub(super) async fn create(
 ) -> Result<Response<Body>, E2bError> {
     let snap = face
         .svc
-        .create_snapshot(id, api::SnapshotRequest { name: b.name })
+        .create_snapshot(
+            id,
+            api::SnapshotRequest {
+                name: b.name,
+                keep_memory: b.memory.unwrap_or(true),
+            },
+        )
         .await?;
     Ok(super::json(StatusCode::CREATED, &info(&snap)))
 }

@@ -24,7 +24,10 @@ impl SandboxServer {
     /// `checkpoint`: snapshot the sandbox (created first if this workspace has none).
     pub(super) async fn checkpoint(&self, a: CheckpointArgs) -> Result<CallToolResult, ToolError> {
         let id = self.target_or_create(a.sandbox_id).await?;
-        let req = api::SnapshotRequest { name: a.name };
+        let req = api::SnapshotRequest {
+            name: a.name,
+            ..Default::default()
+        };
         let s = (self.inner.client.snapshot(&id, &req).await).map_err(|e| {
             ToolError::from_client(
                 e,

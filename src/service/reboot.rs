@@ -128,6 +128,27 @@ impl Service {
     }
 }
 
+/// Make `cp` a disk-only checkpoint: delete its state and RAM files (the frozen layer and the
+/// workspace base disk it names stay); a start from it boots afresh on that layer.
+pub(super) fn drop_memory(cp: &mut crate::vmm::qemu::Checkpoint) -> Result<(), ServiceError> {
+    for f in std::iter::once(&cp.state_file).chain(cp.ram_file.iter()) {
+        match std::fs::remove_file(f) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(ServiceError::Internal(format!(
+                    "cannot delete {}: {e}",
+                    f.display()
+                )));
+            }
+        }
+    }
+    cp.ram_file = None;
+    cp.state_bytes = 0;
+    cp.disk_only = true;
+    Ok(())
+}
+
 /// How long a pause waits for the guest's `sync` before it goes on without it.
 const SYNC_WAIT: Duration = Duration::from_secs(10);
 

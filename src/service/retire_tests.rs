@@ -56,6 +56,7 @@ fn snapshot(svc: &Service, rec: &SandboxRecord, name: Option<&str>) -> String {
             created_at: super::super::now_rfc3339(),
             state_bytes: 5,
             duration_ms: 1,
+            memory: true,
         },
         checkpoint: Checkpoint {
             state_file: d.join("state.bin"),
@@ -63,6 +64,7 @@ fn snapshot(svc: &Service, rec: &SandboxRecord, name: Option<&str>) -> String {
             state_bytes: 5,
             ram_file: Some(d.join("mem.ram")),
             workspace_disk: None,
+            disk_only: false,
         },
         trust_digest: None,
     };

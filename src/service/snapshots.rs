@@ -97,7 +97,11 @@ impl Service {
         // Read before the checkpoint: a bundle recorded by then is in the frozen guest.
         let trust_digest = self.guest_trust.written_for(id, &vm);
         let t0 = Instant::now();
-        let cp = driver
+        if !req.keep_memory {
+            // The disk alone: what the guest has not written back must be on it.
+            super::reboot::guest_sync(&vm.agent, id).await;
+        }
+        let mut cp = driver
             .checkpoint(&vm.info, &dir, &next)
             .await
             .map_err(|e| {
@@ -130,6 +134,10 @@ impl Service {
                 ))
             })?;
         }
+        if !req.keep_memory {
+            // The frozen layer is the snapshot; its state and RAM are dropped at once.
+            super::reboot::drop_memory(&mut cp).map_err(&discard)?;
+        }
         let snap = SnapshotRecord {
             api: api::Snapshot {
                 id: snap_id.clone(),
@@ -138,6 +146,7 @@ impl Service {
                 created_at: super::now_rfc3339(),
                 state_bytes: cp.state_bytes,
                 duration_ms: t0.elapsed().as_millis() as u64,
+                memory: !cp.disk_only,
             },
             checkpoint: cp,
             trust_digest,

@@ -589,7 +589,11 @@ impl QemuDriver {
 
     /// Launch a fresh VM (kernel, initramfs, empty RAM, no state file) on the disk `paths`
     /// names and wait until QEMU runs it; a QEMU that does not get there is killed.
-    async fn launch_cold(&self, spec: &VmSpec, paths: &VmPaths) -> Result<VmInfo, VmmError> {
+    pub(super) async fn launch_cold(
+        &self,
+        spec: &VmSpec,
+        paths: &VmPaths,
+    ) -> Result<VmInfo, VmmError> {
         let paths = self.budgeted(paths)?;
         let args = qemu_args(spec, &paths);
         let t0 = Instant::now();

@@ -466,6 +466,22 @@ def _():
             "source_sees": sbx.commands.run("cat /home/user/snap.txt").stdout}
 
 
+@step("snapshot_filesystem")
+def _():
+    """create_snapshot(mode="filesystem"): the disk alone; a sandbox made from it boots afresh
+    on that disk (the files, not the processes)."""
+    sbx.commands.run("echo disk > /home/user/fs-snap.txt")
+    sbx.commands.run("sleep 600", background=True)
+    snap = sbx.create_snapshot(mode="filesystem")
+    child = Sandbox.create(snap.snapshot_id, timeout=600)
+    seen = child.commands.run("cat /home/user/fs-snap.txt").stdout
+    sleeping = any("sleep 600" in " ".join([p.cmd] + list(p.args))
+                   for p in child.commands.list())
+    killed = child.kill()
+    return {"seen": seen, "child_sleeping": sleeping, "killed": killed,
+            "deleted": Sandbox.delete_snapshot(snap.snapshot_id)}
+
+
 @step("network")
 def _():
     """E2B's network options, left running: the Rust side reads the policy each one got."""

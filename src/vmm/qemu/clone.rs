@@ -92,6 +92,7 @@ impl QemuDriver {
             state_bytes,
             ram_file: ram,
             workspace_disk: None,
+            disk_only: false,
         })
     }
 

@@ -46,6 +46,10 @@ pub struct Checkpoint {
     /// checkpoints (the VM resumes with its own) and golden snapshots (clones get an empty one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace_disk: Option<PathBuf>,
+    /// The disk alone (a filesystem-only snapshot): its state and RAM files were dropped, and a
+    /// VM started from it boots afresh on a new overlay over [`Checkpoint::disk_layer`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub disk_only: bool,
 }
 
 /// A VM started from a checkpoint (restore, clone, resume from disk).
@@ -162,6 +166,7 @@ impl QemuDriver {
             state_bytes,
             ram_file: ram.map(|_| frozen_ram),
             workspace_disk,
+            disk_only: false,
         })
     }
 
@@ -181,6 +186,9 @@ impl QemuDriver {
         overlay: &Path,
         replacing: Option<&VmInfo>,
     ) -> Result<Resumed, VmmError> {
+        if cp.disk_only {
+            return self.boot_over(spec, cp, overlay, replacing).await;
+        }
         let t0 = Instant::now();
         let overlay = absolute(overlay)?;
         let ram_path = VmPaths::new(&abs(&spec.dir)?).ram.path().to_owned();
@@ -241,6 +249,29 @@ impl QemuDriver {
             }
             (Err(_), Err(e)) => Err(e),
         }
+    }
+
+    /// Start `spec`'s VM afresh (kernel, initramfs, empty RAM) on a new overlay `overlay` over
+    /// the disk-only checkpoint `cp`'s frozen layer, with its workspace base disk; `replacing`
+    /// (the sandbox's running VM) is killed first. The agent connects as after any boot.
+    async fn boot_over(
+        &self,
+        spec: &VmSpec,
+        cp: &Checkpoint,
+        overlay: &Path,
+        replacing: Option<&VmInfo>,
+    ) -> Result<Resumed, VmmError> {
+        if let Some(old) = replacing {
+            Self::kill_and_wait(old).await?;
+        }
+        let spec = abs_spec(spec, abs(&spec.dir)?)?;
+        let overlay = absolute(overlay)?;
+        self.qcow2_over(&cp.disk_layer, "qcow2", &overlay).await?;
+        let paths =
+            VmPaths::for_checkpoint_start(&spec, overlay, None, cp.workspace_disk.as_deref())?;
+        ramfile::remove(paths.ram.path())?;
+        let info = self.launch_cold(&spec, &paths).await?;
+        Ok(Resumed { info, agent: None })
     }
 
     /// Launch `spec`'s VM with `paths` (disk in place; RAM in place or, with `filling`, being

@@ -467,9 +467,13 @@ class Sandbox:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def snapshot(self, name: Optional[str] = None) -> Snapshot:
-        """Checkpoint memory, devices and disk at one instant (the VM runs on)."""
+    def snapshot(self, name: Optional[str] = None, keep_memory: bool = True) -> Snapshot:
+        """Checkpoint memory, devices and disk at one instant (the VM runs on).
+
+        ``keep_memory=False`` keeps the disk alone: a restore or fork from it boots afresh."""
         body: Json = {"name": name} if name is not None else {}
+        if not keep_memory:
+            body["keep_memory"] = False
         return Snapshot.from_json(self.client.request("POST", f"{self._base}/snapshots", body))
 
     def snapshots(self) -> List[Snapshot]:

@@ -163,6 +163,8 @@ class Snapshot:
     created_at: str
     state_bytes: int
     duration_ms: int
+    #: False for a disk-only snapshot (a restore or fork from it boots afresh).
+    memory: bool = True
     raw: Json = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -174,5 +176,6 @@ class Snapshot:
             created_at=j.get("created_at", ""),
             state_bytes=int(j.get("state_bytes", 0)),
             duration_ms=int(j.get("duration_ms", 0)),
+            memory=bool(j.get("memory", True)),
             raw=j,
         )
