@@ -462,6 +462,11 @@ pub struct ForkResult {
 #[serde(deny_unknown_fields)]
 pub struct RestoreRequest {
     pub snapshot: String,
+    /// Boot afresh on the snapshot's disk instead of loading its memory: the way back from a
+    /// snapshot whose state a newer QEMU or image set cannot load. Its files are those the
+    /// guest had written back by the snapshot (a filesystem-only snapshot's are all of them).
+    #[serde(default)]
+    pub reboot: bool,
 }
 
 // ---- Workspace: sync, diff, apply, pull, undo ----

@@ -169,6 +169,10 @@ pub enum Command {
         id: String,
         /// Snapshot id or name.
         snapshot: String,
+        /// Boot afresh on the snapshot's disk instead of loading its memory (the way back
+        /// when its state cannot be loaded any more, e.g. after an upgrade).
+        #[arg(long)]
+        reboot: bool,
     },
     /// A sandbox's egress policy and the agent's access requests (show, allow, deny,
     /// requests, approve, reject, setup).
@@ -321,7 +325,11 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
         Command::Events(a) => runtime()?.block_on(events::run(a)),
         Command::Trace(a) => runtime()?.block_on(trace::run(a)),
         Command::Snapshot(c) => runtime()?.block_on(snapshot::run(c)),
-        Command::Restore { id, snapshot } => runtime()?.block_on(snapshot::restore(id, snapshot)),
+        Command::Restore {
+            id,
+            snapshot,
+            reboot,
+        } => runtime()?.block_on(snapshot::restore(id, snapshot, reboot)),
         Command::Fork { id, count, from } => runtime()?.block_on(fork::run(id, count, from)),
         Command::Pause { id, filesystem } => runtime()?.block_on(pause::pause(id, !filesystem)),
         Command::Resume { id, reboot } => runtime()?.block_on(pause::resume(id, reboot)),

@@ -90,12 +90,12 @@ pub async fn run(cmd: Cmd) -> Result<(), TopError> {
 }
 
 /// `tryboxi restore ID SNAPSHOT`.
-pub async fn restore(id: String, snapshot: String) -> Result<(), TopError> {
+pub async fn restore(id: String, snapshot: String, reboot: bool) -> Result<(), TopError> {
     let s: api::Sandbox = super::client()?
         .send(
             hyper::Method::POST,
             &format!("/v1/sandboxes/{id}/restore"),
-            Some(&api::RestoreRequest { snapshot }),
+            Some(&api::RestoreRequest { snapshot, reboot }),
         )
         .await?;
     println!("{} {}", s.id, s.state);

@@ -297,6 +297,7 @@ impl Client {
         let path = format!("/v1/sandboxes/{}/restore", seg(id));
         let req = api::RestoreRequest {
             snapshot: snapshot.to_owned(),
+            reboot: false,
         };
         self.send(Method::POST, &path, Some(&req)).await
     }

@@ -120,6 +120,7 @@ async fn restore_during_an_apply_waits_for_it() {
         async move {
             let req = api::RestoreRequest {
                 snapshot: "before".into(),
+                reboot: false,
             };
             svc.restore_snapshot(&id, req).await
         }

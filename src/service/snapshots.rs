@@ -264,20 +264,27 @@ impl Service {
             None => None,
         };
         let t0 = Instant::now();
+        // `reboot`: the snapshot's disk alone, booted afresh (its state files stay).
+        let mut cp = snap.checkpoint.clone();
+        cp.disk_only |= req.reboot;
         let restored = async {
             let started = driver
-                .restore(
-                    &spec,
-                    &snap.checkpoint,
-                    &overlay,
-                    old.as_ref().map(|vm| &vm.info),
-                )
+                .restore(&spec, &cp, &overlay, old.as_ref().map(|vm| &vm.info))
                 .await
                 .map_err(|e| {
+                    let how = if cp.disk_only {
+                        String::new()
+                    } else {
+                        format!(
+                            " (`tryboxi restore --reboot {id} {}` boots afresh on its disk \
+                             instead: files as the guest had written them back, no processes)",
+                            snap.api.id
+                        )
+                    };
                     ServiceError::of_write(
                         &rec.dir,
                         "the VM's RAM file",
-                        &format!("cannot restore `{}`", snap.api.id),
+                        &format!("cannot restore `{}`{how}", snap.api.id),
                         &e.to_string(),
                     )
                 })?;
