@@ -390,6 +390,13 @@ fn a_fork_child_applies_against_the_sync_base_it_inherited() {
     );
 }
 
+/// A background loop started from a script file, so that [`ALIVE`] finds it by name (its
+/// pattern does not match its own command line). Pids are not compared across a boot: a
+/// fresh boot hands out the same low numbers again.
+const LOOP: &str = "printf 'while :; do sleep 1; done\\n' > /root/loop.sh; setsid sh /root/loop.sh >/dev/null 2>&1 &";
+/// Prints `alive` while the [`LOOP`] runs, else `gone`.
+const ALIVE: &str = "pgrep -f '/root/[l]oop.sh' >/dev/null && echo alive || echo gone";
+
 /// A filesystem-only pause (`pause --filesystem`, E2B's `mode="filesystem"`) keeps the disk
 /// alone: no state or RAM file; the next use boots afresh on that disk, so files written in
 /// the VM are there, the workspace overlay on the base disk is mounted again (a diff shows
@@ -409,9 +416,10 @@ fn a_filesystem_pause_and_a_reboot_keep_the_files_not_the_processes() {
     let (code, out) = sh_out(
         &d,
         &id,
-        "mount | grep -c ' on /workspace type overlay'; echo vm > /workspace/b.txt; \
-         echo kept > /root/f; setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & \
-         echo $! > /root/pid",
+        &format!(
+            "mount | grep -c ' on /workspace type overlay'; echo vm > /workspace/b.txt; \
+         echo kept > /root/f; {LOOP}"
+        ),
     );
     assert_eq!(
         (code, out.as_str()),
@@ -442,8 +450,10 @@ fn a_filesystem_pause_and_a_reboot_keep_the_files_not_the_processes() {
     let (code, out) = sh_out(
         &d,
         &id,
-        "cat /root/f /workspace/b.txt /workspace/a.txt; \
-         mount | grep -c ' on /workspace type overlay'; kill -0 $(cat /root/pid) 2>/dev/null && echo alive || echo gone",
+        &format!(
+            "cat /root/f /workspace/b.txt /workspace/a.txt; \
+         mount | grep -c ' on /workspace type overlay'; {ALIVE}"
+        ),
     );
     assert_eq!(code, Some(0), "{out}\n{}", d.log_text());
     assert_eq!(out, "kept\nvm\nhost\n1\ngone\n", "{}", d.log_text());
@@ -472,11 +482,7 @@ fn a_filesystem_pause_and_a_reboot_keep_the_files_not_the_processes() {
     assert_eq!(files, ["added b.txt"], "{diff}");
 
     // A memory pause resumed with --reboot: files kept, the process and the state dropped.
-    let (code, _) = sh_out(
-        &d,
-        &id,
-        "echo again > /root/g; setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $! > /root/pid",
-    );
+    let (code, _) = sh_out(&d, &id, &format!("echo again > /root/g; {LOOP}"));
     assert_eq!(code, Some(0));
     assert!(d.cli(&["pause", &id]).status.success());
     assert!(dir.join("paused/state.bin").exists());
@@ -489,30 +495,14 @@ fn a_filesystem_pause_and_a_reboot_keep_the_files_not_the_processes() {
     );
     assert!(!dir.join("paused").exists());
     assert_eq!(
-        sh_out(
-            &d,
-            &id,
-            "cat /root/g; kill -0 $(cat /root/pid) 2>/dev/null && echo alive || echo gone"
-        )
-        .1,
+        sh_out(&d, &id, &format!("cat /root/g; {ALIVE}")).1,
         "again\ngone\n"
     );
     // Resumed with its memory (the default), a process lives on, as before.
-    assert_eq!(
-        sh_out(
-            &d,
-            &id,
-            "setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $! > /root/pid"
-        )
-        .0,
-        Some(0)
-    );
+    assert_eq!(sh_out(&d, &id, LOOP).0, Some(0));
     assert!(d.cli(&["pause", &id]).status.success());
     assert!(d.cli(&["resume", &id]).status.success());
-    assert_eq!(
-        sh_out(&d, &id, "kill -0 $(cat /root/pid) && echo alive").1,
-        "alive\n"
-    );
+    assert_eq!(sh_out(&d, &id, ALIVE).1, "alive\n");
     assert!(d.cli(&["rm", &id]).status.success());
 }
 
@@ -531,8 +521,10 @@ fn a_filesystem_snapshot_restores_and_forks_by_booting_afresh() {
     let (code, _) = sh_out(
         &d,
         &id,
-        "echo one > /root/f; echo vm > /workspace/b.txt; \
-         setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $! > /root/pid",
+        &format!(
+            "echo one > /root/f; echo vm > /workspace/b.txt; \
+         {LOOP}"
+        ),
     );
     assert_eq!(code, Some(0));
     let o = d.cli(&["snapshot", "create", &id, "--name", "disk", "--filesystem"]);
@@ -570,8 +562,10 @@ fn a_filesystem_snapshot_restores_and_forks_by_booting_afresh() {
         String::from_utf8_lossy(&o.stderr),
         d.log_text()
     );
-    let check = "cat /root/f /workspace/b.txt; mount | grep -c ' on /workspace type overlay'; \
-                 md5sum < /workspace/big.bin; kill -0 $(cat /root/pid) 2>/dev/null && echo alive || echo gone";
+    let check = &format!(
+        "cat /root/f /workspace/b.txt; mount | grep -c ' on /workspace type overlay'; \
+                 md5sum < /workspace/big.bin; {ALIVE}"
+    );
     let want = format!("one\nvm\n1\n{}  -\ngone\n", md5_of(&big));
     assert_eq!(sh_out(&d, &id, check).1, want, "{}", d.log_text());
     let diff = d
@@ -596,12 +590,7 @@ fn a_filesystem_snapshot_restores_and_forks_by_booting_afresh() {
     // A memory snapshot restored with --reboot (the way back when its state cannot be loaded):
     // its disk, booted afresh. (What the guest had not written back is only in the state: the
     // command syncs so that the test does not depend on the guest's writeback timing.)
-    let (code, _) = sh_out(
-        &d,
-        &id,
-        "echo mem > /root/m; sync; setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & \
-         echo $! > /root/pid",
-    );
+    let (code, _) = sh_out(&d, &id, &format!("echo mem > /root/m; sync; {LOOP}"));
     assert_eq!(code, Some(0));
     assert!(
         d.cli(&["snapshot", "create", &id, "--name", "mem"])
@@ -617,12 +606,7 @@ fn a_filesystem_snapshot_restores_and_forks_by_booting_afresh() {
         d.log_text()
     );
     assert_eq!(
-        sh_out(
-            &d,
-            &id,
-            "cat /root/m; kill -0 $(cat /root/pid) 2>/dev/null && echo alive || echo gone"
-        )
-        .1,
+        sh_out(&d, &id, &format!("cat /root/m; {ALIVE}")).1,
         "mem\ngone\n"
     );
     assert!(d.cli(&["rm", &id]).status.success());

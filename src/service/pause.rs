@@ -327,19 +327,35 @@ impl Service {
             reason,
             paused_at: super::now_rfc3339(),
         };
-        write_pause(&rec, &pr)?;
-        rec.api.state = SandboxState::Paused;
-        self.store.put(SANDBOXES, id, &rec)?;
-        self.ledger.release(id);
-        self.telemetry.events.publish(
-            "sandbox.paused",
-            id,
-            None,
-            serde_json::json!({"reason": pr.reason, "ms": t0.elapsed().as_millis() as u64,
-                               "state_bytes": state_bytes, "memory": true}),
-        );
-        tracing::info!(sandbox = %id, ?reason, ms = t0.elapsed().as_millis() as u64, state_bytes, "sandbox paused to disk");
+        let extra = serde_json::json!({"state_bytes": state_bytes, "memory": true});
+        let ms = self.record_paused(&mut rec, &pr, t0, extra)?;
+        tracing::info!(sandbox = %id, ?reason, ms, state_bytes, "sandbox paused to disk");
         Ok(rec.api)
+    }
+
+    /// `rec`'s VM is gone and `pr` says what it left: write the pause file, mark the record
+    /// paused, give its room back to the ledger, publish `sandbox.paused` (its details: the
+    /// reason, the time since `t0` and `extra`'s fields). Returns that time in ms.
+    pub(super) fn record_paused(
+        &self,
+        rec: &mut SandboxRecord,
+        pr: &PauseRecord,
+        t0: Instant,
+        extra: serde_json::Value,
+    ) -> Result<u64, ServiceError> {
+        write_pause(rec, pr)?;
+        rec.api.state = SandboxState::Paused;
+        self.store.put(SANDBOXES, &rec.api.id, rec)?;
+        self.ledger.release(&rec.api.id);
+        let ms = t0.elapsed().as_millis() as u64;
+        let mut details = serde_json::json!({"reason": pr.reason, "ms": ms});
+        if let (Some(d), serde_json::Value::Object(more)) = (details.as_object_mut(), extra) {
+            d.extend(more);
+        }
+        self.telemetry
+            .events
+            .publish("sandbox.paused", &rec.api.id, None, details);
+        Ok(ms)
     }
 
     /// `POST /v1/sandboxes/{id}/resume`; also what using a paused sandbox does.
@@ -564,7 +580,7 @@ pub(super) fn read_pause(rec: &SandboxRecord) -> Result<PauseRecord, ServiceErro
         .map_err(|e| ServiceError::Internal(format!("{} is not valid: {e}", path.display())))
 }
 
-pub(super) fn write_pause(rec: &SandboxRecord, pr: &PauseRecord) -> Result<(), ServiceError> {
+fn write_pause(rec: &SandboxRecord, pr: &PauseRecord) -> Result<(), ServiceError> {
     let dir = rec.dir.join(PAUSE_DIR);
     let tmp = dir.join("pause.json.tmp");
     let data = serde_json::to_vec_pretty(pr)

@@ -13,11 +13,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::locks::LifeGuard;
-use super::pause::{PAUSE_DIR, PauseReason, PauseRecord, write_pause};
+use super::pause::{PAUSE_DIR, PauseReason, PauseRecord};
 use super::vms::LiveVm;
 use super::{SandboxRecord, Service, ServiceError};
-use crate::api::{self, SandboxState};
-use crate::store::SANDBOXES;
+use crate::api;
 use crate::vmm::{QemuDriver, VmSpec, VmmDriver};
 
 /// How long a guest asked to power off is given before its QEMU is told to quit.
@@ -90,18 +89,9 @@ impl Service {
             reason,
             paused_at: super::now_rfc3339(),
         };
-        write_pause(&rec, &pr)?;
-        rec.api.state = SandboxState::Paused;
-        self.store.put(SANDBOXES, id, &rec)?;
-        self.ledger.release(id);
-        let ms = t0.elapsed().as_millis() as u64;
-        self.telemetry.events.publish(
-            "sandbox.paused",
-            id,
-            None,
-            serde_json::json!({"reason": reason, "ms": ms, "state_bytes": 0, "memory": false,
-                               "guest_powered_off": powered_off}),
-        );
+        let extra = serde_json::json!({"state_bytes": 0, "memory": false,
+                                       "guest_powered_off": powered_off});
+        let ms = self.record_paused(&mut rec, &pr, t0, extra)?;
         tracing::info!(sandbox = %id, ?reason, ms, powered_off, "sandbox paused, its disk alone");
         Ok(rec.api)
     }
