@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::bench::{MEM_MIB, VCPUS, fmt, median, ws_generate, ws_sync};
+use crate::bench::{MEM_MIB, VCPUS, fmt, median};
+use crate::bench_ws::{ws_generate, ws_sync};
 use crate::daemon::Daemon;
 use crate::{http, util};
 
@@ -276,7 +277,7 @@ fn measure(
             return Err(e);
         }
     };
-    let files = crate::bench::WS_DIRS * crate::bench::WS_FILES_PER_DIR;
+    let files = crate::bench_ws::WS_DIRS * crate::bench_ws::WS_FILES_PER_DIR;
     if !rep.contains(&format!("\"files_sent\":{files}")) {
         std::fs::rename(&big, tree)?;
         bail!("{}: the first sync did not send every file: {rep}", b.label);
@@ -286,7 +287,7 @@ fn measure(
     // The tree goes back for the next daemon (with this one's changes: new content next time),
     // without the files the diff rows added.
     for i in 0..reps {
-        let added = big.join(format!("d{:02}/f001.txt", i % crate::bench::WS_DIRS));
+        let added = big.join(format!("d{:02}/f001.txt", i % crate::bench_ws::WS_DIRS));
         match std::fs::remove_file(&added) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
             _ => {}
@@ -311,8 +312,8 @@ fn ws_rows(
     s: &mut Samples,
 ) -> Result<()> {
     for i in 0..reps * 2 {
-        let f = ws.join(format!("d{:02}/f000.bin", i % crate::bench::WS_DIRS));
-        std::fs::write(&f, crate::bench::ws_content(salt + i as u64))?;
+        let f = ws.join(format!("d{:02}/f000.bin", i % crate::bench_ws::WS_DIRS));
+        std::fs::write(&f, crate::bench_ws::ws_content(salt + i as u64))?;
         let (took, body) = ws_sync(sock, id)?;
         if !body.contains("\"files_sent\":1,") {
             bail!("the delta sync sent more than one file: {body}");
@@ -320,7 +321,7 @@ fn ws_rows(
         s[7].push(took);
     }
     for i in 0..reps {
-        let rel = format!("d{:02}/f001.txt", i % crate::bench::WS_DIRS);
+        let rel = format!("d{:02}/f001.txt", i % crate::bench_ws::WS_DIRS);
         let cmd = format!(r#"{{"cmd":"echo changed-{salt}-{i} > /workspace/{rel}"}}"#);
         http::exec(sock, id, &cmd)?;
         let t = Instant::now();

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::bench::{fmt, loadavg, median, progress, ws_content};
+use crate::bench::{fmt, loadavg, median, progress};
+use crate::bench_ws::ws_content;
 use crate::daemon::Daemon;
 use crate::http;
 
@@ -153,7 +154,7 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, config: &str, o: &Options)
     for &n in &o.sizes {
         println!(
             "==> cost curve: {n} files / {} MB vs rsync -a (row budget {} s)",
-            n * crate::bench::WS_FILE_BYTES / 1_000_000,
+            n * crate::bench_ws::WS_FILE_BYTES / 1_000_000,
             o.row_budget.as_secs()
         );
         let r = one_size(&sock, &scratch, home, n, o, &mut accel);
@@ -211,7 +212,7 @@ fn one_size(
     let t = Instant::now();
     generate(&gen_dir, n)?;
     println!("    generated in {}", fmt(t.elapsed()));
-    let bytes = (n * crate::bench::WS_FILE_BYTES) as u64;
+    let bytes = (n * crate::bench_ws::WS_FILE_BYTES) as u64;
 
     // rsync and first sync in turns, so both see the same load. First syncs: each a sandbox
     // created on an empty directory, then the tree moved in.

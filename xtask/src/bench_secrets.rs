@@ -372,7 +372,7 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, base_config: &str) -> Resu
 /// first.
 fn sync_rows(sock: &Path, scratch: &Path) -> Result<(Vec<Duration>, Vec<Duration>)> {
     let gen_dir = scratch.join("ws-gen");
-    crate::bench::ws_generate(&gen_dir)?;
+    crate::bench_ws::ws_generate(&gen_dir)?;
     let st = std::process::Command::new("sync")
         .status()
         .context("sync")?;
@@ -400,8 +400,8 @@ fn sync_rows(sock: &Path, scratch: &Path) -> Result<(Vec<Duration>, Vec<Duration
             let id = http::json_str(&created, "id").context("no id")?;
             std::fs::remove_dir(&ws)?;
             std::fs::rename(&gen_dir, &ws)?;
-            let (el, report) = crate::bench::ws_sync(sock, &id)?;
-            let files = crate::bench::WS_DIRS * crate::bench::WS_FILES_PER_DIR;
+            let (el, report) = crate::bench_ws::ws_sync(sock, &id)?;
+            let files = crate::bench_ws::WS_DIRS * crate::bench_ws::WS_FILES_PER_DIR;
             if !report.contains(&format!("\"files_sent\":{files}")) {
                 bail!("first sync did not send every file: {report}");
             }

@@ -17,6 +17,7 @@ mod bench_load;
 mod bench_net;
 mod bench_secrets;
 mod bench_snap;
+mod bench_ws;
 mod ci;
 mod daemon;
 mod demo;
