@@ -17,8 +17,8 @@ use crate::util;
 pub fn run(repo: Option<std::path::PathBuf>) -> Result<()> {
     let started = std::time::Instant::now();
     println!(
-        "==> demo: a fresh 2-core machine takes about 11 min, once: Debian packages (~0.5 min), \
-         the static build (~4-6 min), the guest kernel (~4-6 min), the rootfs (~1 min), one \
+        "==> demo: a fresh 2-core machine takes about 12 min, once: Debian packages (~0.5 min), \
+         the static build (~4-6 min), the guest kernel (~6 min), the rootfs (~1 min), one \
          template (~0.5 min), the demo itself (~0.5 min). Later runs reuse all of it (cached in \
          /var/cache/tryboxi and target/)."
     );

@@ -25,7 +25,8 @@ const QEMU: &str = "qemu-system-x86";
 const QEMU_UTILS: &str = "qemu-utils";
 /// Installed from the default suite.
 const PACKAGES: &[&str] = &[
-    "linux-source-6.1",
+    // The guest kernel's source (bookworm-security; the spec's guest runs 6.12).
+    "linux-source-6.12",
     "bc",
     "flex",
     "bison",

@@ -42,7 +42,7 @@ enum Rebuildable {
 /// `cargo xtask images --kernel`.
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
 enum KernelChoice {
-    /// Our tuned build from linux-source-6.1 (~11 min on 2 cores, cached).
+    /// Our tuned build from linux-source-6.12 (~6 min on 2 cores, cached).
     #[default]
     Built,
     /// Debian's packaged cloud kernel 6.12 + its modules in the initramfs (seconds).

@@ -1,7 +1,7 @@
 //! The guest kernel, one of two ([`Flavor`]):
 //!
 //! - `built` (default): `tinyconfig` + our fragment (`guest-image/kernel/config-fragment`),
-//!   built from Debian's `linux-source-6.1` tarball with our patches
+//!   built from Debian's `linux-source-6.12` tarball (bookworm-security) with our patches
 //!   (`guest-image/kernel/patches/*.patch`, applied in name order with `patch -p1`; each says
 //!   why it exists). Everything built in, no modules. Cache key = sha256(fragment, patches,
 //!   linux-source package version, recipe version). Fails the build if any option the
@@ -26,8 +26,8 @@ use std::process::Command;
 
 /// Bump when the build procedure below changes in a way that changes the output.
 const RECIPE_VERSION: &str = "kernel-1";
-const SOURCE_PACKAGE: &str = "linux-source-6.1";
-const SOURCE_TARBALL: &str = "/usr/src/linux-source-6.1.tar.xz";
+const SOURCE_PACKAGE: &str = "linux-source-6.12";
+const SOURCE_TARBALL: &str = "/usr/src/linux-source-6.12.tar.xz";
 pub const FILE: &str = "vmlinuz";
 const PACKAGED_RECIPE: &str = "kernel-packaged-1";
 /// The meta package whose one dependency is the current packaged cloud kernel (6.12, from
@@ -230,7 +230,7 @@ pub fn build(cache: &Cache, force: bool) -> Result<Entry> {
 
     let step = Step::start_expect(
         format!("kernel: building {SOURCE_PACKAGE} {src_version}"),
-        "~4-6 min on 2 idle cores, longer on a busy machine; cached afterwards",
+        "~6 min on 2 idle cores, longer on a busy machine; cached afterwards",
     );
     let pending = match cache.begin("kernel", &key)? {
         Begin::Build(p) => p,
