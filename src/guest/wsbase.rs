@@ -182,11 +182,18 @@ impl Marker {
 /// and must stop the boot: the workspace would look empty, and a diff would report every
 /// file deleted.
 pub fn remount_after_boot() -> Result<bool, RemoteError> {
-    let text = match std::fs::read_to_string(MARKER) {
-        Ok(t) => t,
+    // Two lines of at most 4 KiB each: read no more than that (and a byte to see it is over).
+    let mut text = String::new();
+    match std::fs::File::open(MARKER) {
+        Ok(f) => {
+            use std::io::Read;
+            f.take(2 * 4097 + 1)
+                .read_to_string(&mut text)
+                .map_err(|e| RemoteError::from_io(&format!("read {MARKER}"), &e))?;
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(RemoteError::from_io(&format!("read {MARKER}"), &e)),
-    };
+    }
     let m = Marker::parse(&text)
         .ok_or_else(|| refused(format!("{MARKER} is not a workspace mount note")))?;
     let root = check_path(&m.dir)?;

@@ -168,7 +168,7 @@ impl Service {
             super::diskroom::checkpoint_bytes(parent, true),
         )?;
         let cp = driver
-            .checkpoint(&vm.info, &base_dir, &next)
+            .checkpoint(&vm.info, &base_dir, &next, true)
             .await
             .map_err(|e| {
                 ServiceError::of_write(

@@ -215,18 +215,10 @@ impl Service {
         match self.life.service() {
             Some(svc) => {
                 let id = id.to_owned();
-                to_the_end(async move {
-                    let (g, rec) = svc.hold(&id).await?;
-                    svc.pause_locked(&g, rec, PauseReason::User, keep_memory)
-                        .await
-                })
-                .await
-            }
-            None => {
-                let (g, rec) = self.hold(id).await?;
-                self.pause_locked(&g, rec, PauseReason::User, keep_memory)
+                to_the_end(async move { svc.pause_with(&id, PauseReason::User, keep_memory).await })
                     .await
             }
+            None => self.pause_with(id, PauseReason::User, keep_memory).await,
         }
     }
 
@@ -234,9 +226,10 @@ impl Service {
         &self,
         id: &str,
         reason: PauseReason,
+        keep_memory: bool,
     ) -> Result<api::Sandbox, ServiceError> {
         let (g, rec) = self.hold(id).await?;
-        self.pause_locked(&g, rec, reason, true).await
+        self.pause_locked(&g, rec, reason, keep_memory).await
     }
 
     /// Idle and memory-pressure pauses: `None` (nothing done) when the sandbox's lifecycle
@@ -286,10 +279,15 @@ impl Service {
             &what,
             super::diskroom::checkpoint_bytes(&rec, false),
         )?;
-        // What the guest has not written back yet is on disk too: a later boot on the disk
-        // (`resume --reboot`, after an upgrade that cannot load the state) loses no file.
+        // A user's or the shutdown's pause (the one an upgrade resumes) writes back what the
+        // guest still holds, so that a later boot on the disk (`resume --reboot`, when an
+        // upgrade cannot load the state) loses no file. Idle and memory-pressure pauses skip
+        // it: the guest has been idle past its own writeback interval, and a pressure pause
+        // must free memory now, not after a sync of up to 10 s.
         let t0 = Instant::now();
-        if let Some(vm) = self.vms.get(id) {
+        if reason != PauseReason::Idle
+            && let Some(vm) = self.vms.get(id)
+        {
             super::reboot::guest_sync(&vm.agent, id).await;
         }
         // Out of the live map first, so its watcher takes the agent link closing as expected.
@@ -498,7 +496,7 @@ impl Service {
             .map(|m| m.keys().cloned().collect())
             .unwrap_or_default();
         for id in ids {
-            match self.pause_with(&id, PauseReason::Shutdown).await {
+            match self.pause_with(&id, PauseReason::Shutdown, true).await {
                 Ok(_) => {}
                 Err(e) => {
                     tracing::warn!(sandbox = %id, error = %e, "cannot pause on shutdown; leaving it running")

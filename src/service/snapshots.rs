@@ -102,7 +102,7 @@ impl Service {
             super::reboot::guest_sync(&vm.agent, id).await;
         }
         let mut cp = driver
-            .checkpoint(&vm.info, &dir, &next)
+            .checkpoint(&vm.info, &dir, &next, req.keep_memory)
             .await
             .map_err(|e| {
                 // The driver removed its partial files; the VM runs on.
@@ -135,7 +135,7 @@ impl Service {
             })?;
         }
         if !req.keep_memory {
-            // The frozen layer is the snapshot; its state and RAM are dropped at once.
+            // The frozen layer is the snapshot (its RAM was not copied); the state goes too.
             super::reboot::drop_memory(&mut cp).map_err(&discard)?;
         }
         let snap = SnapshotRecord {

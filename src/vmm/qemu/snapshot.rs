@@ -77,12 +77,15 @@ impl QemuDriver {
     }
 
     /// Checkpoint the running VM `vm` into `dest` (a new directory inside the VM's directory).
-    /// `next_overlay` is the file the VM continues to write to afterwards.
+    /// `next_overlay` is the file the VM continues to write to afterwards. `with_ram: false`
+    /// (a filesystem-only snapshot, whose memory is dropped at once) does not copy the RAM
+    /// file: the checkpoint then has no `ram_file`, and its state file is not for loading.
     pub async fn checkpoint(
         &self,
         vm: &VmInfo,
         dest: &Path,
         next_overlay: &Path,
+        with_ram: bool,
     ) -> Result<Checkpoint, VmmError> {
         std::fs::create_dir_all(dest).map_err(super::io_err(dest))?;
         let dest = abs(dest)?;
@@ -140,7 +143,7 @@ impl QemuDriver {
                 return Err(e.into());
             }
             switched = true;
-            if let Some(r) = &ram {
+            if let Some(r) = ram.as_ref().filter(|_| with_ram) {
                 let bytes = ramfile::copy_sparse_async(r, &frozen_ram).await?;
                 tracing::debug!(vm = %vm.id, bytes, "RAM file frozen");
             }
@@ -164,7 +167,7 @@ impl QemuDriver {
             state_file: state,
             disk_layer: layer,
             state_bytes,
-            ram_file: ram.map(|_| frozen_ram),
+            ram_file: ram.filter(|_| with_ram).map(|_| frozen_ram),
             workspace_disk,
             disk_only: false,
         })
