@@ -185,7 +185,12 @@ fn wait_state(d: &Daemon, id: &str, want: &str) {
 #[test]
 fn a_full_data_root_refuses_snapshot_pause_and_create_up_front_and_loses_nothing() {
     let Some(art) = can_run() else { return };
-    let (_fs, d) = daemon_on_tmpfs(&art, &[]);
+    // Once space is freed a snapshot must fit beside the running VM's RAM file, whose blocks
+    // are all reserved (256 MiB) and which the snapshot counts whole (+ 8 MiB), with 32 MiB
+    // kept free: 512 MiB fit only while the reserve was still incomplete (ci on fe04116:
+    // "needs about 260 MiB ... 238 MiB are free").
+    let tmpfs_mib = 1024;
+    let (_fs, d) = daemon_on_tmpfs_of(tmpfs_mib, &art, &[]);
     let root = d.root().to_owned();
     let ws = tempfile::tempdir().unwrap();
     std::fs::write(ws.path().join("a.txt"), "host\n").unwrap();
@@ -193,7 +198,7 @@ fn a_full_data_root_refuses_snapshot_pause_and_create_up_front_and_loses_nothing
     let dir = root.join("sandboxes").join(&id);
     assert_eq!(sh_out(&d, &id, "echo before > /root/f; echo ok").1, "ok\n");
     eprintln!(
-        "after boot: {} MiB free of {TMPFS_MIB}; sandbox dir:\n{}",
+        "after boot: {} MiB free of {tmpfs_mib}; sandbox dir:\n{}",
         free_bytes(&root) / MIB,
         listing(&dir)
     );
@@ -271,8 +276,12 @@ fn a_full_data_root_refuses_snapshot_pause_and_create_up_front_and_loses_nothing
 #[test]
 fn a_snapshot_that_runs_out_of_space_removes_its_partial_files() {
     let Some(art) = can_run() else { return };
-    // The free-space check is skipped, so the snapshot really runs into the full disk.
-    let (_fs, d) = daemon_on_tmpfs(&art, &[("TRYBOXI_TEST_SKIP_ROOM_CHECK", "1")]);
+    // The free-space check is skipped, so the snapshot really runs into the full disk. It is
+    // skipped for the restore at the end too, which needs the snapshot's RAM, the new RAM
+    // file's copy of it and the running VM's reserved RAM file at once, each at most the
+    // guest's 256 MiB: 1 GiB leaves room for that and the layers (512 MiB did not once the
+    // guest had written to most of its RAM, ci on fe04116).
+    let (_fs, d) = daemon_on_tmpfs_of(1024, &art, &[("TRYBOXI_TEST_SKIP_ROOM_CHECK", "1")]);
     let root = d.root().to_owned();
     let ws = tempfile::tempdir().unwrap();
     let id = create(&d, ws.path());
@@ -320,7 +329,14 @@ fn a_snapshot_that_runs_out_of_space_removes_its_partial_files() {
     // And it restores.
     assert_eq!(sh_out(&d, &id, "echo later > /root/f; echo ok").1, "ok\n");
     let o = d.cli(&["restore", &id, "after"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{}\nguest RAM data {} MiB, {} MiB free\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        ram / MIB,
+        free_bytes(&root) / MIB,
+        listing(&dir)
+    );
     assert_eq!(sh_out(&d, &id, "cat /root/f").1, "before\nx\n");
 }
 
