@@ -800,7 +800,7 @@ pub struct GcRequest {
 /// One thing gc deletes (or would delete).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct GcItem {
-    /// `orphan_vm_dir`, `snapshot`, `golden`, `backup`.
+    /// `orphan_vm_dir`, `snapshot`, `golden`, `backup`, `image_set`.
     pub kind: String,
     pub path: String,
     /// Allocated bytes on disk.

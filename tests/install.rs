@@ -143,6 +143,30 @@ impl Setup {
     }
 }
 
+/// The installed set of guest images the data root's pointer names.
+fn current_images(home: &Path) -> PathBuf {
+    let name = std::fs::read_to_string(home.join("artifacts/images.current")).unwrap();
+    home.join("artifacts").join(name.trim())
+}
+
+/// Replace the rootfs of the fake artifacts with `body` (manifest updated).
+fn new_rootfs(artifacts: &Path, body: &str) {
+    let images = artifacts.join("images");
+    let path = images.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for a in m["artifacts"].as_array_mut().unwrap() {
+        if a["name"] == "rootfs" {
+            a["size"] = body.len().into();
+            a["sha256"] = hex::encode(sha2::Sha256::digest(body.as_bytes())).into();
+        }
+    }
+    // A new file, as a build makes it (the installed set may hold a hard link to the old one).
+    std::fs::remove_file(images.join("rootfs.ext4")).unwrap();
+    std::fs::write(images.join("rootfs.ext4"), body).unwrap();
+    std::fs::write(&path, m.to_string()).unwrap();
+}
+
 fn ok(o: Output) -> String {
     let text = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(
@@ -204,7 +228,7 @@ fn install_is_idempotent_and_uninstall_removes_exactly_what_it_wrote() {
     ] {
         assert!(unit.lines().any(|l| l == line), "{line}:\n{unit}");
     }
-    assert!(s.home.join("artifacts/images/manifest.json").is_file());
+    assert!(current_images(&s.home).join("manifest.json").is_file());
     assert!(s.home.join("installed.json").is_file());
 
     // A second run changes nothing (not one mtime) and says so.
@@ -218,7 +242,7 @@ fn install_is_idempotent_and_uninstall_removes_exactly_what_it_wrote() {
     let out = ok(s.uninstall(&[]));
     assert!(out.contains("kept the data root"), "{out}");
     assert_eq!(s.tree(), before, "{out}");
-    assert!(s.home.join("artifacts/images/manifest.json").is_file());
+    assert!(current_images(&s.home).join("manifest.json").is_file());
     assert!(!s.home.join("installed.json").exists());
     let again = ok(s.uninstall(&[]));
     assert!(again.contains("nothing to remove"), "{again}");
@@ -403,7 +427,7 @@ fn purge_refuses_while_a_daemon_or_a_qemu_still_uses_the_data_root() {
         String::from_utf8_lossy(&out.stderr).contains("still uses"),
         "{out:?}"
     );
-    assert!(s.home.join("artifacts/images/manifest.json").exists());
+    assert!(current_images(&s.home).join("manifest.json").exists());
     drop(held);
     // A QEMU left running (`shutdown = "leave"`): a process that looks like ours for its dir.
     let vm = s.home.join("sandboxes/sbx_left");
@@ -550,4 +574,54 @@ fn a_failing_service_manager_is_reported_with_the_manual_way() {
     );
     assert!(err.contains("/opt/tb/bin/tryboxi serve"), "{err}");
     assert!(s.unit().exists() && s.staged("/opt/tb/bin/tryboxi").exists());
+}
+
+/// New images never replace files a disk layer is built on: the older set stays while a layer
+/// names its rootfs as backing file, and goes once nothing does.
+#[test]
+fn an_install_keeps_the_older_images_a_layer_uses_and_removes_them_after() {
+    let s = Setup::new();
+    s.install(&["--no-service"]);
+    let first = current_images(&s.home);
+    let old_rootfs = first.join("rootfs.ext4");
+    assert_eq!(
+        std::fs::read_to_string(&old_rootfs).unwrap(),
+        "not really a rootfs\n"
+    );
+    // A paused sandbox's disk: a qcow2 layer over the installed rootfs.
+    let sbx = s.home.join("sandboxes/sbx_0123456789abcdef");
+    std::fs::create_dir_all(&sbx).unwrap();
+    let layer = sbx.join("disk.qcow2");
+    let o = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b"])
+        .arg(&old_rootfs)
+        .arg(&layer)
+        .arg("1M")
+        .output()
+        .expect("qemu-img (cargo xtask deps installs it)");
+    assert!(o.status.success(), "{o:?}");
+
+    new_rootfs(&s.artifacts, "another rootfs\n");
+    let out = s.install(&["--no-service"]);
+    let second = current_images(&s.home);
+    assert_ne!(second, first, "{out}");
+    assert_eq!(
+        std::fs::read_to_string(second.join("rootfs.ext4")).unwrap(),
+        "another rootfs\n"
+    );
+    // The layer's base is what it was made on.
+    assert_eq!(
+        std::fs::read_to_string(&old_rootfs).unwrap(),
+        "not really a rootfs\n",
+        "{out}"
+    );
+    assert!(out.contains("keeping the older set"), "{out}");
+    assert!(out.contains(layer.to_str().unwrap()), "{out}");
+
+    // The sandbox gone, the next install (nothing else changed) removes the older set.
+    std::fs::remove_dir_all(&sbx).unwrap();
+    let out = s.install(&["--no-service"]);
+    assert!(out.contains("guest images: unchanged"), "{out}");
+    assert!(out.contains("removed older guest images"), "{out}");
+    assert!(!first.exists() && second.join("manifest.json").is_file());
 }

@@ -491,7 +491,8 @@ fn install_copies_verified_images_and_doctor_checks_the_host() {
     };
     let o = run(&["install", "--artifacts", art.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let installed = home.path().join("artifacts/images");
+    let current = std::fs::read_to_string(home.path().join("artifacts/images.current")).unwrap();
+    let installed = home.path().join("artifacts").join(current.trim());
     for f in [
         "manifest.json",
         "vmlinuz",

@@ -12,7 +12,7 @@ use crate::install::systemd::{self, Manager};
 use crate::install::{
     self, ALIASES, COMPLETION_SHELLS, InstallError, Layout, Record, Report, Scope, UNIT_NAME,
 };
-use crate::vmm::Images;
+use crate::vmm::{Images, image_sets};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -111,54 +111,89 @@ pub fn run(a: Args) -> Result<(), TopError> {
     Ok(())
 }
 
-/// The guest images into `<data root>/artifacts/images`, unless the same set (same manifest,
-/// every file of its size) is there already.
+/// The guest images into their own set directory `<data root>/artifacts/images-<hash>/`
+/// (`vmm::image_sets`), made current once complete, unless the same set is current already.
+/// An older set is removed unless a disk layer (a sandbox, paused or running, a snapshot, a
+/// golden snapshot) still uses it: a layer's base never changes under it.
 fn images(artifacts: &Path, paths: &Paths, report: &mut Report) -> Result<(), TopError> {
     let src = Images::load(artifacts)
         .map_err(|e| TopError::Usage(format!("{e} (build them with `cargo xtask images`)")))?;
     let dest_root = paths.artifacts_dir();
-    let dest = dest_root.join("images");
-    let same = std::fs::read(dest.join("manifest.json")).ok()
-        == std::fs::read(src.dir.join("manifest.json")).ok()
-        && Images::load(&dest_root).is_ok_and(|i| i.verify(false).is_ok());
-    if same {
-        println!("guest images: unchanged in {}", dest.display());
+    let manifest =
+        std::fs::read(src.dir.join("manifest.json")).map_err(|e| TopError::Other(e.into()))?;
+    let name = image_sets::set_name(&manifest);
+    let dest = dest_root.join(&name);
+    let intact = |dir: &Path| {
+        std::fs::read(dir.join("manifest.json")).ok().as_deref() == Some(&manifest[..])
+            && Images::load_dir(dir).is_ok_and(|i| i.verify(false).is_ok())
+    };
+    let current = image_sets::current_dir(&dest_root);
+    if intact(&current) {
+        println!("guest images: unchanged in {}", current.display());
         report.unchanged += 1;
-        return Ok(());
-    }
-    println!("verifying {} ...", src.dir.display());
-    src.verify(true).map_err(|e| TopError::Other(e.into()))?;
-    std::fs::create_dir_all(&dest_root).map_err(|e| TopError::Other(e.into()))?;
-    let staging = dest_root.join(format!(".images-{}", std::process::id()));
-    let _ = crate::safefs::remove_under(&paths.root, &staging);
-    std::fs::create_dir_all(&staging).map_err(|e| TopError::Other(e.into()))?;
-    let mut files: Vec<&str> = src
-        .manifest
-        .artifacts
-        .iter()
-        .map(|a| a.file.as_str())
-        .collect();
-    files.push("manifest.json");
-    for f in files {
-        let (from, to) = (src.dir.join(f), staging.join(f));
-        // A hard link costs nothing (images are immutable once built: never written in place);
-        // else copy. The small manifest is always copied, so it is the data root's own file.
-        if f == "manifest.json" || std::fs::hard_link(&from, &to).is_err() {
-            std::fs::copy(&from, &to)
-                .map_err(|e| TopError::Other(anyhow::anyhow!("copy {}: {e}", from.display())))?;
+    } else if intact(&dest) {
+        // Installed before (then replaced): current again.
+        image_sets::switch_to(&dest_root, &name).map_err(|e| TopError::Other(e.into()))?;
+        report.did(format!("guest images: {} is current again", dest.display()));
+    } else {
+        println!("verifying {} ...", src.dir.display());
+        src.verify(true).map_err(|e| TopError::Other(e.into()))?;
+        std::fs::create_dir_all(&dest_root).map_err(|e| TopError::Other(e.into()))?;
+        let staging = dest_root.join(format!(".images-{}", std::process::id()));
+        let _ = crate::safefs::remove_under(&paths.root, &staging);
+        std::fs::create_dir_all(&staging).map_err(|e| TopError::Other(e.into()))?;
+        let mut files: Vec<&str> = src
+            .manifest
+            .artifacts
+            .iter()
+            .map(|a| a.file.as_str())
+            .collect();
+        files.push("manifest.json");
+        for f in files {
+            let (from, to) = (src.dir.join(f), staging.join(f));
+            // A hard link costs nothing (images are immutable once built: never written in
+            // place); else copy. The small manifest is always copied, so it is the data
+            // root's own file.
+            if f == "manifest.json" || std::fs::hard_link(&from, &to).is_err() {
+                std::fs::copy(&from, &to).map_err(|e| {
+                    TopError::Other(anyhow::anyhow!("copy {}: {e}", from.display()))
+                })?;
+            }
+            println!("  {f}");
         }
-        println!("  {f}");
+        // A damaged copy of this same set (not current, so no layer was made over it since).
+        if dest.exists() {
+            crate::safefs::remove_under(&paths.root, &dest)
+                .map_err(|e| TopError::Other(e.into()))?;
+        }
+        std::fs::rename(&staging, &dest).map_err(|e| TopError::Other(e.into()))?;
+        Images::load_dir(&dest)
+            .and_then(|i| i.verify(false))
+            .map_err(|e| TopError::Other(e.into()))?;
+        image_sets::switch_to(&dest_root, &name).map_err(|e| TopError::Other(e.into()))?;
+        report.did(format!("installed guest images into {}", dest.display()));
     }
-    let old = dest_root.join(format!(".old-{}", std::process::id()));
-    if dest.exists() {
-        std::fs::rename(&dest, &old).map_err(|e| TopError::Other(e.into()))?;
+    for p in image_sets::prune(&paths.root, false, crate::service::disk_usage) {
+        match p {
+            image_sets::Pruned::Removed { set, bytes } => report.did(format!(
+                "removed older guest images {} ({} MiB)",
+                set.display(),
+                bytes >> 20
+            )),
+            image_sets::Pruned::Kept { set, user } => println!(
+                "guest images: keeping the older set {} while {} uses it (`tryboxi gc` removes \
+                 it once nothing does)",
+                set.display(),
+                user.display()
+            ),
+            image_sets::Pruned::Failed { set, error } => {
+                println!(
+                    "warning: cannot remove the older guest images {}: {error}",
+                    set.display()
+                )
+            }
+        }
     }
-    std::fs::rename(&staging, &dest).map_err(|e| TopError::Other(e.into()))?;
-    let _ = crate::safefs::remove_under(&paths.root, &old);
-    Images::load(&dest_root)
-        .and_then(|i| i.verify(false))
-        .map_err(|e| TopError::Other(e.into()))?;
-    report.did(format!("installed guest images into {}", dest.display()));
     Ok(())
 }
 

@@ -20,6 +20,7 @@ use super::{SandboxRecord, Service, ServiceError};
 use crate::api::{self, GcItem, GcReport};
 use crate::config::GcConfig;
 use crate::store::{ARTIFACTS, SANDBOXES, SNAPSHOTS};
+use crate::vmm::image_sets::{self, Pruned};
 use crate::workspace::backup::ArtifactRecord;
 
 /// Directories younger than this (seconds, by mtime) are never collected.
@@ -393,6 +394,32 @@ impl Service {
         // A retired sandbox whose last snapshot went is removed now.
         if !req.dry_run {
             self.reap_retired().await;
+        }
+        // Older installed image sets no layer uses any more (the data root's own images only,
+        // not a build's `--artifacts` directory).
+        if self.artifacts == self.paths.artifacts_dir() {
+            for p in image_sets::prune(&self.paths.root, req.dry_run, disk_usage) {
+                let (set, bytes, error) = match p {
+                    Pruned::Removed { set, bytes } => (set, bytes, None),
+                    Pruned::Failed { set, error } => (set, 0, Some(error)),
+                    Pruned::Kept { .. } => continue,
+                };
+                if error.is_none() {
+                    report.bytes += bytes;
+                    if !req.dry_run {
+                        tracing::info!(path = %set.display(), bytes, "gc deleted an older image set");
+                    }
+                }
+                report.items.push(GcItem {
+                    kind: "image_set".into(),
+                    path: set.display().to_string(),
+                    bytes,
+                    reason: "guest images replaced by a newer install that no sandbox, snapshot \
+                             or golden snapshot uses any more"
+                        .into(),
+                    error,
+                });
+            }
         }
         // Cgroups of QEMUs that are gone (a VM that ended while no daemon ran). Not a file
         // under the data root, so not an item: an empty cgroup holds nothing.

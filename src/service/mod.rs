@@ -11,6 +11,7 @@ mod exec;
 pub mod execs;
 mod fork;
 mod gc;
+pub use gc::disk_usage;
 mod git;
 mod golden;
 mod guest_trust;

@@ -100,14 +100,18 @@ pub struct Images {
 }
 
 impl Images {
-    /// Read `<artifacts_dir>/images/manifest.json` and resolve the kernel, initramfs and rootfs.
+    /// Read the current set's `manifest.json` (`<artifacts_dir>/images/`, or the set
+    /// `images.current` names: `image_sets`) and resolve the kernel, initramfs and rootfs.
     /// The files must exist; their contents are checked by [`Images::verify`].
     pub fn load(artifacts_dir: &Path) -> Result<Images, ImageError> {
-        let dir = std::path::absolute(artifacts_dir.join("images")).map_err(|source| {
-            ImageError::Read {
-                path: artifacts_dir.to_owned(),
-                source,
-            }
+        Images::load_dir(&super::image_sets::current_dir(artifacts_dir))
+    }
+
+    /// [`Images::load`] of one set's directory.
+    pub fn load_dir(set_dir: &Path) -> Result<Images, ImageError> {
+        let dir = std::path::absolute(set_dir).map_err(|source| ImageError::Read {
+            path: set_dir.to_owned(),
+            source,
         })?;
         let path = dir.join("manifest.json");
         let text = std::fs::read(&path).map_err(|source| ImageError::Read {

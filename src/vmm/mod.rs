@@ -9,6 +9,7 @@
 //! and the `accel` setting), `images.rs` (guest image manifest), `pidfd.rs` (pid-reuse-proof
 //! process handles), `jail.rs` (the fences around each QEMU). The design is written down in docs/VMM.md.
 
+pub mod image_sets;
 pub mod images;
 pub mod jail;
 mod pidfd;

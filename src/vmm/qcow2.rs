@@ -80,6 +80,34 @@ pub fn virtual_size(backing: &Path, fmt: &str) -> Result<u64, Qcow2Error> {
     }
 }
 
+/// The backing file name a qcow2 image records (as written: QEMU resolves a relative name
+/// against the image's directory), `None` for an image without one or a file that is not
+/// qcow2. Reads at most the header and [`MAX_BACKING_NAME`] bytes.
+pub fn backing_file(file: &Path) -> Result<Option<std::path::PathBuf>, Qcow2Error> {
+    use std::os::unix::ffi::OsStrExt as _;
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(file).map_err(io(file))?;
+    let mut h = [0u8; 20];
+    if f.read_exact_at(&mut h, 0).is_err()
+        || u32::from_be_bytes(h[0..4].try_into().expect("4 bytes")) != MAGIC
+    {
+        return Ok(None);
+    }
+    let offset = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
+    let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
+    if offset == 0 || len == 0 {
+        return Ok(None);
+    }
+    if len > MAX_BACKING_NAME {
+        return Err(Qcow2Error::NameTooLong(len));
+    }
+    let mut name = vec![0u8; len];
+    f.read_exact_at(&mut name, offset).map_err(io(file))?;
+    Ok(Some(std::path::PathBuf::from(std::ffi::OsStr::from_bytes(
+        &name,
+    ))))
+}
+
 /// The bytes of an empty overlay of `size` bytes over `backing` (format `fmt`).
 fn image(backing: &[u8], fmt: &str, size: u64) -> Result<Vec<u8>, Qcow2Error> {
     if !matches!(fmt, "raw" | "qcow2") {
@@ -246,6 +274,29 @@ mod tests {
         assert!(matches!(
             virtual_size(&not, "qcow2"),
             Err(Qcow2Error::NotQcow2(_))
+        ));
+    }
+
+    #[test]
+    fn backing_file_reads_what_was_written_and_ignores_other_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base.raw");
+        std::fs::write(&base, vec![0u8; 1 << 20]).unwrap();
+        let top = dir.path().join("top.qcow2");
+        create_overlay(&base, "raw", &top).unwrap();
+        assert_eq!(backing_file(&top).unwrap(), Some(base.clone()));
+        // Not qcow2, or too short for a header: no backing file.
+        assert_eq!(backing_file(&base).unwrap(), None);
+        std::fs::write(dir.path().join("short"), b"QFI").unwrap();
+        assert_eq!(backing_file(&dir.path().join("short")).unwrap(), None);
+        // A hostile length is refused before anything is allocated.
+        let mut img = std::fs::read(&top).unwrap();
+        img[16..20].copy_from_slice(&u32::MAX.to_be_bytes());
+        let bad = dir.path().join("bad.qcow2");
+        std::fs::write(&bad, &img).unwrap();
+        assert!(matches!(
+            backing_file(&bad),
+            Err(Qcow2Error::NameTooLong(_))
         ));
     }
 
