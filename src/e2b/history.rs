@@ -58,10 +58,18 @@ impl History {
         self.tracks.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Add a sample of `id` taken at `unix` seconds; the oldest goes past [`KEEP`].
+    /// Add a sample of `id` taken at `unix` seconds; the oldest goes past [`KEEP`]. One per
+    /// second: a sample in the second of the newest replaces it (the on-demand first reading
+    /// and the sampler's tick can meet; E2B's samples are keyed by their timestamp).
     pub fn record(&self, id: &str, unix: u64, s: Sample) {
         let mut t = self.lock();
         let track = t.entry(id.to_owned()).or_default();
+        if let Some(last) = track.samples.back_mut()
+            && last.0 == unix
+        {
+            last.1 = s;
+            return;
+        }
         if track.samples.len() >= KEEP {
             track.samples.pop_front();
         }
@@ -263,6 +271,18 @@ mod tests {
         assert!(h.range("other", None, None).is_empty());
         h.retain(&HashSet::from(["b".to_owned()]));
         assert!(h.range("a", None, None).is_empty());
+    }
+
+    #[test]
+    fn one_sample_per_second_the_newest_wins() {
+        let h = History::default();
+        h.record("a", 1000, s(1.0));
+        h.record("a", 1000, s(2.0));
+        h.record("a", 1001, s(3.0));
+        let all = h.range("a", Some(1000), Some(1000));
+        assert_eq!(all.len(), 1, "a range of one second has one sample");
+        assert_eq!(all[0].1.cpu_used_pct, 2.0);
+        assert_eq!(h.range("a", None, None).len(), 2);
     }
 
     #[test]
