@@ -359,7 +359,7 @@ fn go_and_rust_templates_by_auto() {
         Some("default_vcpus = 1\ndefault_memory_mib = 512\n[limits]\npressure_check_s = 0\n"),
         &["--artifacts", art.to_str().unwrap()],
     );
-    auto_template_runs(&d, ("go.mod", ""), "go", "go version", "go version go1.23");
+    auto_template_runs(&d, ("go.mod", ""), "go", "go version", "go version go1.24");
     auto_template_runs(
         &d,
         ("Cargo.toml", ""),

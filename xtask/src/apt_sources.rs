@@ -1,11 +1,12 @@
 //! The Debian archive this machine's own apt configuration names, so the build (the
-//! `bookworm-backports` source `deps` adds, the rootfs's `mmdebstrap`, the go template's
-//! backports) fetches from the mirror the machine's administrator chose and never from a host
-//! written into the project.
+//! `bookworm-backports` source `deps` adds, the rootfs's `mmdebstrap`) fetches from the mirror
+//! the machine's administrator chose and never from a host written into the project.
 //!
 //! Reads `/etc/apt/sources.list`, `/etc/apt/sources.list.d/*.list` (one-line style) and
 //! `/etc/apt/sources.list.d/*.sources` (deb822), and picks the first `deb` entry whose suite is
-//! the one asked for (exactly: `bookworm`, not `bookworm-security`) with the `main` component.
+//! the one asked for (exactly: `bookworm`, not `bookworm-security`) with the `main` component;
+//! for a release the host does not use (the trixie guest on a bookworm host), the host's own
+//! release archive.
 
 use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
@@ -18,33 +19,61 @@ struct Source {
 }
 
 /// The archive URI (e.g. `http://deb.debian.org/debian`, no trailing slash) the machine's apt
-/// sources use for `suite`'s `main` component.
+/// sources use for `suite`'s `main` component; when none names `suite` (a trixie guest built on
+/// a bookworm host), the archive they use for the host's own Debian release, which carries
+/// every release.
 pub fn debian_mirror(suite: &str) -> Result<String> {
     let files = source_files(Path::new("/etc/apt"));
     let mut read = Vec::new();
+    let mut sources = Vec::new();
     for f in &files {
         let Ok(text) = std::fs::read_to_string(f) else {
             continue;
         };
         read.push(f.display().to_string());
-        let sources = if f.extension().is_some_and(|e| e == "sources") {
+        sources.extend(if f.extension().is_some_and(|e| e == "sources") {
             parse_deb822(&text)
         } else {
             parse_one_line(&text)
-        };
-        if let Some(uri) = pick(&sources, suite) {
-            return Ok(uri);
-        }
+        });
+    }
+    if let Some(uri) = pick(&sources, suite).or_else(|| pick_release_archive(&sources)) {
+        return Ok(uri);
     }
     bail!(
-        "no apt source for Debian `{suite}` main in {} (the build takes its Debian mirror from \
-         the machine's apt configuration: add a `deb <mirror> {suite} main` source)",
+        "no apt source for Debian `{suite}` (or any Debian release) main in {} (the build takes \
+         its Debian mirror from the machine's apt configuration: add a `deb <mirror> {suite} \
+         main` source)",
         if read.is_empty() {
             "/etc/apt (no source files found)".to_owned()
         } else {
             read.join(", ")
         }
     )
+}
+
+/// Debian release names a main archive serves (not `-security`, `-updates`, `-backports`).
+const RELEASES: &[&str] = &[
+    "buster",
+    "bullseye",
+    "bookworm",
+    "trixie",
+    "forky",
+    "duke",
+    "sid",
+    "oldstable",
+    "stable",
+    "testing",
+    "unstable",
+];
+
+/// The first source whose suites include a Debian release: the main archive (a security
+/// archive serves only `-security` suites; third-party repositories use other names).
+fn pick_release_archive(sources: &[Source]) -> Option<String> {
+    sources
+        .iter()
+        .find(|s| s.suites.iter().any(|x| RELEASES.contains(&x.as_str())))
+        .map(|s| s.uri.trim_end_matches('/').to_owned())
 }
 
 /// `sources.list` first, then `sources.list.d/` by name (apt's own order).
@@ -161,6 +190,36 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
             Some("http://mirror.example/debian")
         );
         assert_eq!(pick(&s, "trixie"), None);
+    }
+
+    #[test]
+    fn another_release_falls_back_to_the_host_release_archive() {
+        let deb822 = "\
+Types: deb
+URIs: https://deb.nodesource.example/node_20.x
+Suites: nodistro
+Components: main
+
+Types: deb
+URIs: http://security.example/debian-security
+Suites: bookworm-security
+Components: main
+
+Types: deb
+URIs: http://mirror.example/debian/
+Suites: bookworm bookworm-updates
+Components: main
+";
+        let s = parse_deb822(deb822);
+        assert_eq!(pick(&s, "trixie"), None);
+        assert_eq!(
+            pick(&s, "trixie")
+                .or_else(|| pick_release_archive(&s))
+                .as_deref(),
+            Some("http://mirror.example/debian")
+        );
+        // Only a third-party or security source: no Debian archive to fall back on.
+        assert_eq!(pick_release_archive(&s[..2]), None);
     }
 
     #[test]

@@ -1,9 +1,10 @@
-//! The guest root filesystem: Debian bookworm (`mmdebstrap --variant=minbase` plus
+//! The guest root filesystem: Debian trixie (`mmdebstrap --variant=minbase` plus
 //! `guest-image/rootfs/packages`), customized by `guest-image/rootfs/customize.sh`, packed with
 //! `mkfs.ext4 -d` into a sparse image. No Docker, no loop mounts; needs root (mmdebstrap's root
 //! mode keeps file ownership right). Never touches anything outside its cache temp dir.
 //!
-//! The Debian mirror is the one the machine's apt sources name for the suite (`apt_sources`).
+//! The Debian mirror is the one the machine's apt sources name for the suite, or for the
+//! host's own release when they name no trixie source (`apt_sources`).
 //!
 //! Cache key = sha256(recipe version, suite, mirror, variant, headroom, package list,
 //! customize.sh). The Debian archive moves on: `--rebuild rootfs` refreshes the same key.
@@ -16,7 +17,8 @@ use std::process::Command;
 
 /// Bump when the build procedure below changes in a way that changes the output.
 const RECIPE_VERSION: &str = "rootfs-1";
-const SUITE: &str = "bookworm";
+/// Debian 13, as close to the spec's Ubuntu 24.04 guest as Debian gets (issue 18 item 10).
+const SUITE: &str = "trixie";
 const VARIANT: &str = "minbase";
 /// Free space left in the image on top of what the files use.
 const HEADROOM_BYTES: u64 = 1 << 30;
