@@ -93,5 +93,9 @@ pub fn run() -> ExitCode {
     if name == "init" || std::process::id() == 1 {
         return guest::run();
     }
+    // The daemon's helper that answers one QEMU's trapped discards, outliving the daemon.
+    if name == vmm::DISCARD_KEEPER {
+        return vmm::discard_keeper();
+    }
     cli::run(&name)
 }

@@ -203,3 +203,55 @@ fn memory_a_guest_frees_goes_back_to_the_host() {
     let (code, out) = sh_out(&d, &id, ALLOC);
     assert_eq!((code, out.trim()), (Some(0), "268435456"));
 }
+
+/// The discard trap's listener lives in a keeper process of its own, not in the daemon: a QEMU
+/// the next daemon adopts (the first one SIGKILLed) still gives freed memory back.
+#[test]
+fn memory_goes_back_after_a_daemon_restart_too() {
+    let Some(mut d) = vm_daemon(CFG) else { return };
+    let ws = tempfile::tempdir().unwrap();
+    let id = create(&d, ws.path());
+    let pid = qemu_pid(&d, &id);
+    let keeper = format!("tryboxi-discard-keeper {pid} ");
+    let keepers = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.starts_with(&keeper))
+            .count()
+    };
+    assert_eq!(keepers(), 1, "one keeper for QEMU {pid}");
+    d.kill();
+    d.respawn();
+    assert_eq!(sh_out(&d, &id, "echo adopted").1, "adopted\n");
+    assert_eq!(qemu_pid(&d, &id), pid, "the same QEMU, adopted");
+    let (before, peak) = alloc_and_free(&d, &id);
+    assert!(
+        peak >= before + (200 << 10),
+        "the allocation never showed in the QEMU's PSS: before {before} KiB, peak {peak} KiB"
+    );
+    let after = poll(Duration::from_secs(30), || {
+        let p = pss_kib(pid);
+        (p <= before + (64 << 10)).then_some(p)
+    });
+    println!(
+        "after a daemon restart, PSS of the QEMU: before {} MiB, peak {} MiB, after free {} MiB",
+        before >> 10,
+        peak >> 10,
+        pss_kib(pid) >> 10
+    );
+    assert!(
+        after.is_some(),
+        "PSS stayed at {} KiB after the guest freed 256 MiB (before {before}, peak {peak})",
+        pss_kib(pid)
+    );
+    // The keeper goes with its QEMU.
+    let o = d.cli(&["rm", &id]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        poll(Duration::from_secs(10), || (keepers() == 0).then_some(())).is_some(),
+        "the keeper outlived its QEMU"
+    );
+}

@@ -22,6 +22,7 @@ pub mod tsc;
 pub use images::Images;
 pub use probe::{AccelSetting, probe_accel, resolve_accel};
 pub use qemu::QemuDriver;
+pub use qemu::discard::{KEEPER_NAME as DISCARD_KEEPER, keeper_main as discard_keeper};
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -49,6 +49,11 @@ impl Pidfd {
         Ok(Some(Pidfd { fd, pid }))
     }
 
+    /// A pidfd handed over by another process (e.g. on a known descriptor number), for `pid`.
+    pub(crate) fn from_owned(fd: OwnedFd, pid: u32) -> Pidfd {
+        Pidfd { fd, pid }
+    }
+
     pub(crate) fn pid(&self) -> u32 {
         self.pid
     }

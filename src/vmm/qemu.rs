@@ -478,7 +478,7 @@ impl QemuDriver {
         if let Some((trap, ram)) = trap {
             match trap.listener() {
                 Ok(l) => {
-                    if let Err(e) = discard::serve(l, pid, ram) {
+                    if let Err(e) = discard::keep(l, pid, ram) {
                         tracing::warn!(pid, error = %e, "cannot serve the discard trap: the guest's discards fail and its memory stays");
                     }
                 }
@@ -720,7 +720,7 @@ impl VmmDriver for QemuDriver {
 mod args;
 pub(crate) mod budget;
 mod clone;
-pub(crate) mod discard;
+pub mod discard;
 mod fiemap;
 pub mod logs;
 pub mod ramfile;

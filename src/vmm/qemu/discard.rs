@@ -18,15 +18,18 @@
 //! (`SECCOMP_USER_NOTIF_FLAG_CONTINUE`), and so does the RAM file's where the filesystem has no
 //! zero range (tmpfs; the usage sampler's re-reserve covers it there, as before).
 //!
-//! The daemon holds the only listener. When it exits, the trapped call fails (ENOSYS) in the
-//! QEMUs that outlive it: their discards fail (QEMU logs them) and the reserve holds, but the
-//! memory those guests free is not given back until the VM's next start (resume, restore).
+//! The listener is held by a keeper process per QEMU ([`keep`]: this binary again, under the
+//! name [`KEEPER_NAME`], in a session of its own), not by the daemon, so it outlives a daemon
+//! restart: a QEMU the next daemon adopts keeps giving freed memory back. The keeper exits when
+//! its QEMU does; a keeper killed (or never started) leaves the trapped call failing (ENOSYS):
+//! QEMU's discards fail (it logs them) and the reserve holds, but the memory the guest frees is
+//! not given back until the VM's next start (resume, restore).
 //! Where the filter cannot be installed (a kernel before 5.9, no seccomp), QEMU punches as
 //! before. This is not a security fence: QEMU's own seccomp filter is that; a QEMU taken over
 //! by its guest can only make its own discards fail.
 //!
-//! Owns: the filter, its installation in the child, the listener's hand-over, and the thread
-//! that answers one QEMU's trapped calls.
+//! Owns: the filter, its installation in the child, the listener's hand-over, and the keeper
+//! process that answers one QEMU's trapped calls.
 //! Never: any other system call of QEMU's, or a file other than the one it is asked about.
 
 use std::io;
@@ -269,8 +272,121 @@ pub(crate) fn probe(dir: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
+/// argv[0] of the keeper process (`lib.rs` dispatches on it).
+pub const KEEPER_NAME: &str = "tryboxi-discard-keeper";
+/// The keeper gets the listener on its stdin and QEMU's pidfd on this descriptor.
+const KEEPER_PIDFD: RawFd = 3;
+
 /// Answer the trapped calls of the QEMU `pid` on `listener` (see the module doc) until it
-/// exits, on a thread of its own. `ram` is the VM's RAM file.
+/// exits, from a keeper process of its own (this binary again, as [`KEEPER_NAME`]) that
+/// outlives the daemon: a QEMU adopted by the next daemon keeps giving freed memory back.
+/// `ram` is the VM's RAM file.
+pub(crate) fn keep(listener: OwnedFd, pid: u32, ram: PathBuf) -> io::Result<()> {
+    use std::os::unix::process::CommandExt as _;
+    if !keeper_may_fetch() {
+        // A thread of the daemon (QEMU's parent may fetch its descriptors): QEMU's freed
+        // memory is given back while this daemon runs, not after a restart.
+        return serve(listener, pid, ram);
+    }
+    // Opened while QEMU is our unreaped child: the pid is QEMU's.
+    let Some(pidfd) = crate::vmm::pidfd::Pidfd::open(pid)? else {
+        return Ok(());
+    };
+    let raw = pidfd.as_raw_fd();
+    let mut cmd = std::process::Command::new("/proc/self/exe");
+    cmd.arg0(KEEPER_NAME)
+        .arg(pid.to_string())
+        .arg(&ram)
+        .stdin(std::process::Stdio::from(listener))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: the closure runs in the forked child before exec and only calls fcntl(2),
+    // dup2(2) and setsid(2) (async-signal-safe) on a descriptor number taken before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let r = if raw == KEEPER_PIDFD {
+                libc::fcntl(raw, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(raw, KEEPER_PIDFD)
+            };
+            // Its own session, as QEMU's: a signal to the daemon's group does not reach it.
+            if r < 0 || libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn()?;
+    drop(pidfd);
+    // The keeper forks at once and its first process exits: reaped here within milliseconds.
+    std::thread::Builder::new()
+        .name("discard-keeper-reap".into())
+        .stack_size(32 * 1024)
+        .spawn(move || {
+            let _ = child.wait();
+        })?;
+    tracing::debug!(pid, "discard keeper started");
+    Ok(())
+}
+
+/// The keeper process: `KEEPER_NAME PID RAM`, the listener on stdin and QEMU's pidfd on
+/// [`KEEPER_PIDFD`] (both checked to be what they claim). Detaches (fork; the first process
+/// exits) and answers QEMU's trapped calls until QEMU is gone.
+pub fn keeper_main() -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let pid = args
+        .get(1)
+        .and_then(|a| a.to_str())
+        .and_then(|a| a.parse::<u32>().ok());
+    let (Some(pid), Some(ram), 3) = (pid, args.get(2), args.len()) else {
+        eprintln!("usage: {KEEPER_NAME} PID RAM_FILE (started by the tryboxi daemon)");
+        return ExitCode::from(2);
+    };
+    let link = |fd: RawFd| {
+        std::fs::read_link(format!("/proc/self/fd/{fd}"))
+            .map(|l| l.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    };
+    if link(0) != "anon_inode:seccomp notify" || !link(KEEPER_PIDFD).contains("pidfd") {
+        eprintln!("{KEEPER_NAME}: descriptors 0 and 3 must be a seccomp listener and a pidfd");
+        return ExitCode::from(2);
+    }
+    // SAFETY: checked above to be open and of the kinds handed over; nothing else in this
+    // process owns them.
+    let (listener, pidfd) =
+        unsafe { (OwnedFd::from_raw_fd(0), OwnedFd::from_raw_fd(KEEPER_PIDFD)) };
+    // SAFETY: fork in a process with one thread (nothing was started yet).
+    match unsafe { libc::fork() } {
+        -1 => return ExitCode::FAILURE,
+        0 => {}
+        _ => return ExitCode::SUCCESS,
+    }
+    let mut s = Server {
+        listener,
+        pidfd: crate::vmm::pidfd::Pidfd::from_owned(pidfd, pid),
+        ram: PathBuf::from(ram),
+        ram_id: None,
+        zeroed: 0,
+    };
+    s.run();
+    ExitCode::SUCCESS
+}
+
+/// Whether a keeper (not an ancestor of QEMU) may `pidfd_getfd` from QEMU: always as root
+/// (`CAP_SYS_PTRACE`); as another user only where Yama does not restrict ptrace to
+/// descendants (`kernel.yama.ptrace_scope` absent or 0).
+fn keeper_may_fetch() -> bool {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .map_or(true, |s| s.trim() == "0")
+}
+
+/// [`keep`] on a thread of this process: where a keeper could not fetch QEMU's descriptors,
+/// and in the unit tests (whose binary is not tryboxi).
 pub(crate) fn serve(listener: OwnedFd, pid: u32, ram: PathBuf) -> io::Result<()> {
     let Some(pidfd) = crate::vmm::pidfd::Pidfd::open(pid)? else {
         return Ok(());
@@ -287,7 +403,6 @@ pub(crate) fn serve(listener: OwnedFd, pid: u32, ram: PathBuf) -> io::Result<()>
                 zeroed: 0,
             };
             s.run();
-            tracing::debug!(pid, zeroed_bytes = s.zeroed, "discard trap closed");
         })?;
     Ok(())
 }
