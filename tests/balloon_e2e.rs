@@ -60,6 +60,34 @@ fn alloc_and_free(d: &Daemon, id: &str) -> (u64, u64) {
     (before, peak.load(Ordering::Relaxed))
 }
 
+/// [`alloc_and_free`] in `id`, then wait (bounded) until its QEMU's PSS is back near where it
+/// was: the guest reported the freed pages (it waits ~2 s before a report) and QEMU discarded
+/// them. The PSS before, in KiB.
+fn assert_memory_goes_back(d: &Daemon, id: &str, when: &str) -> u64 {
+    let pid = qemu_pid(d, id);
+    let (before, peak) = alloc_and_free(d, id);
+    assert!(
+        peak >= before + (200 << 10),
+        "the allocation never showed in the QEMU's PSS: before {before} KiB, peak {peak} KiB"
+    );
+    let after = poll(Duration::from_secs(30), || {
+        let p = pss_kib(pid);
+        (p <= before + (64 << 10)).then_some(p)
+    });
+    println!(
+        "{when}PSS of the QEMU: before {} MiB, peak {} MiB, after free {} MiB (TCG)",
+        before >> 10,
+        peak >> 10,
+        pss_kib(pid) >> 10
+    );
+    assert!(
+        after.is_some(),
+        "{when}PSS stayed at {} KiB after the guest freed 256 MiB (before {before}, peak {peak})",
+        pss_kib(pid)
+    );
+    before
+}
+
 /// Poll `f` every 250 ms until it returns `Some` or `limit` passes.
 fn poll<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let end = Instant::now() + limit;
@@ -128,27 +156,7 @@ fn memory_a_guest_frees_goes_back_to_the_host() {
             }
         })
     };
-    let (before, peak) = alloc_and_free(&d, &id);
-    assert!(
-        peak >= before + (200 << 10),
-        "the allocation never showed in the QEMU's PSS: before {before} KiB, peak {peak} KiB"
-    );
-    // Freed in the guest, reported (the guest waits ~2 s before a report), discarded by QEMU.
-    let after = poll(Duration::from_secs(30), || {
-        let p = pss_kib(pid);
-        (p <= before + (64 << 10)).then_some(p)
-    });
-    println!(
-        "PSS of the QEMU: before {} MiB, peak {} MiB, after free {} MiB (TCG)",
-        before >> 10,
-        peak >> 10,
-        pss_kib(pid) >> 10
-    );
-    assert!(
-        after.is_some(),
-        "PSS stayed at {} KiB after the guest freed 256 MiB (before {before}, peak {peak})",
-        pss_kib(pid)
-    );
+    let before = assert_memory_goes_back(&d, &id, "");
     std::thread::sleep(Duration::from_secs(3));
     stop.store(true, Ordering::Relaxed);
     reserve_sampler.join().unwrap();
@@ -227,26 +235,7 @@ fn memory_goes_back_after_a_daemon_restart_too() {
     d.respawn();
     assert_eq!(sh_out(&d, &id, "echo adopted").1, "adopted\n");
     assert_eq!(qemu_pid(&d, &id), pid, "the same QEMU, adopted");
-    let (before, peak) = alloc_and_free(&d, &id);
-    assert!(
-        peak >= before + (200 << 10),
-        "the allocation never showed in the QEMU's PSS: before {before} KiB, peak {peak} KiB"
-    );
-    let after = poll(Duration::from_secs(30), || {
-        let p = pss_kib(pid);
-        (p <= before + (64 << 10)).then_some(p)
-    });
-    println!(
-        "after a daemon restart, PSS of the QEMU: before {} MiB, peak {} MiB, after free {} MiB",
-        before >> 10,
-        peak >> 10,
-        pss_kib(pid) >> 10
-    );
-    assert!(
-        after.is_some(),
-        "PSS stayed at {} KiB after the guest freed 256 MiB (before {before}, peak {peak})",
-        pss_kib(pid)
-    );
+    assert_memory_goes_back(&d, &id, "after a daemon restart, ");
     // The keeper goes with its QEMU.
     let o = d.cli(&["rm", &id]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

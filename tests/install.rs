@@ -14,7 +14,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use common::BIN;
+use common::{BIN, ok};
 use sha2::Digest;
 
 /// An artifacts dir with three tiny "images" and their manifest (install checks sizes and
@@ -165,17 +165,6 @@ fn new_rootfs(artifacts: &Path, body: &str) {
     std::fs::remove_file(images.join("rootfs.ext4")).unwrap();
     std::fs::write(images.join("rootfs.ext4"), body).unwrap();
     std::fs::write(&path, m.to_string()).unwrap();
-}
-
-fn ok(o: Output) -> String {
-    let text = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(
-        o.status.success(),
-        "{}: {text}\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stderr)
-    );
-    text
 }
 
 #[test]

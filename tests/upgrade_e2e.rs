@@ -4,20 +4,9 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-use common::{BIN, Daemon, artifacts, first_word, new_home, sh_out};
-
-fn ok(o: Output) -> String {
-    let text = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(
-        o.status.success(),
-        "{}: {text}\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stderr)
-    );
-    text
-}
+use common::{BIN, Daemon, artifacts, first_word, new_home, ok, sh_out};
 
 fn install(home: &Path, dest: &Path, art: &Path) -> String {
     ok(Command::new(BIN)

@@ -235,6 +235,19 @@ impl Drop for Daemon {
     }
 }
 
+/// The stdout of a command that must have succeeded (else a panic with its status, stdout and
+/// stderr).
+pub fn ok(o: Output) -> String {
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{}: {text}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+    text
+}
+
 /// A new empty directory for a data root.
 pub fn new_home() -> tempfile::TempDir {
     tempfile::Builder::new()

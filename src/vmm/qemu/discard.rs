@@ -381,8 +381,7 @@ fn keeper_may_fetch() -> bool {
     if unsafe { libc::geteuid() } == 0 {
         return true;
     }
-    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
-        .map_or(true, |s| s.trim() == "0")
+    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").map_or(true, |s| s.trim() == "0")
 }
 
 /// [`keep`] on a thread of this process: where a keeper could not fetch QEMU's descriptors,
