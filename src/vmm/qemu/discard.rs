@@ -282,7 +282,6 @@ const KEEPER_PIDFD: RawFd = 3;
 /// outlives the daemon: a QEMU adopted by the next daemon keeps giving freed memory back.
 /// `ram` is the VM's RAM file.
 pub(crate) fn keep(listener: OwnedFd, pid: u32, ram: PathBuf) -> io::Result<()> {
-    use std::os::unix::process::CommandExt as _;
     if !keeper_may_fetch() {
         // A thread of the daemon (QEMU's parent may fetch its descriptors): QEMU's freed
         // memory is given back while this daemon runs, not after a restart.
@@ -292,12 +291,47 @@ pub(crate) fn keep(listener: OwnedFd, pid: u32, ram: PathBuf) -> io::Result<()> 
     let Some(pidfd) = crate::vmm::pidfd::Pidfd::open(pid)? else {
         return Ok(());
     };
+    // Started off the launch path (a restore does not wait for an exec): QEMU's trapped calls
+    // wait in the listener's queue meanwhile. The keeper forks at once and its first process
+    // exits, so this thread ends within milliseconds.
+    std::thread::Builder::new()
+        .name(format!("discard-keeper-{pid}"))
+        .stack_size(64 * 1024)
+        .spawn(move || match spawn_keeper(&listener, &pidfd, &ram) {
+            Ok(mut child) => {
+                drop((listener, pidfd));
+                let _ = child.wait();
+                tracing::debug!(pid, "discard keeper started");
+            }
+            Err(e) => {
+                tracing::warn!(pid, error = %e, "cannot start the discard keeper: a daemon thread answers (until a restart)");
+                Server {
+                    listener,
+                    pidfd,
+                    ram,
+                    ram_id: None,
+                    zeroed: 0,
+                }
+                .run();
+            }
+        })?;
+    Ok(())
+}
+
+/// `/proc/self/exe` as [`KEEPER_NAME`] `PID RAM`, with a copy of `listener` on its stdin and
+/// of `pidfd` on [`KEEPER_PIDFD`], in a session of its own.
+fn spawn_keeper(
+    listener: &OwnedFd,
+    pidfd: &crate::vmm::pidfd::Pidfd,
+    ram: &std::path::Path,
+) -> io::Result<std::process::Child> {
+    use std::os::unix::process::CommandExt as _;
     let raw = pidfd.as_raw_fd();
     let mut cmd = std::process::Command::new("/proc/self/exe");
     cmd.arg0(KEEPER_NAME)
-        .arg(pid.to_string())
-        .arg(&ram)
-        .stdin(std::process::Stdio::from(listener))
+        .arg(pidfd.pid().to_string())
+        .arg(ram)
+        .stdin(std::process::Stdio::from(listener.try_clone()?))
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     // SAFETY: the closure runs in the forked child before exec and only calls fcntl(2),
@@ -316,17 +350,7 @@ pub(crate) fn keep(listener: OwnedFd, pid: u32, ram: PathBuf) -> io::Result<()> 
             Ok(())
         });
     }
-    let mut child = cmd.spawn()?;
-    drop(pidfd);
-    // The keeper forks at once and its first process exits: reaped here within milliseconds.
-    std::thread::Builder::new()
-        .name("discard-keeper-reap".into())
-        .stack_size(32 * 1024)
-        .spawn(move || {
-            let _ = child.wait();
-        })?;
-    tracing::debug!(pid, "discard keeper started");
-    Ok(())
+    cmd.spawn()
 }
 
 /// The keeper process: `KEEPER_NAME PID RAM`, the listener on stdin and QEMU's pidfd on
