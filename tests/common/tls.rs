@@ -8,7 +8,10 @@ use std::path::Path;
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
 
 /// A new CA (common name `ca_cn`, if any) written to `ca_pem_path`, and a server config (ALPN
 /// `http/1.1`) whose certificate for `hosts` that CA signed.
@@ -23,14 +26,19 @@ pub fn ca_signed_server(
         p.distinguished_name.push(DnType::CommonName, cn);
     }
     p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    // What a strict verifier (Python 3.13's default `VERIFY_X509_STRICT`, as in the trixie
+    // guest) asks of a CA and its leaf: key usages, and the leaf's authority key identifier.
+    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
     let ca_cert = p.self_signed(&ca_key).unwrap();
     std::fs::write(ca_pem_path, ca_cert.pem()).unwrap();
     let issuer = Issuer::new(p, ca_key);
     let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(hosts.iter().map(|h| h.to_string()).collect::<Vec<_>>())
-        .unwrap()
-        .signed_by(&key, &issuer)
-        .unwrap();
+    let mut leaf =
+        CertificateParams::new(hosts.iter().map(|h| h.to_string()).collect::<Vec<_>>()).unwrap();
+    leaf.use_authority_key_identifier_extension = true;
+    leaf.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = leaf.signed_by(&key, &issuer).unwrap();
     let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
