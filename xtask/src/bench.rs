@@ -479,6 +479,19 @@ pub fn run_load_only(secs: u64) -> Result<()> {
     )
 }
 
+/// `--net-peer-only`: only the native-peer network rows on their own daemon; replaces that
+/// section.
+pub fn run_net_peer_only() -> Result<()> {
+    run_only(
+        "--net-peer-only",
+        crate::bench_peer::HEADING,
+        |bin, home, out, config| {
+            let rows = crate::bench_peer::run(bin, &home.join("peer"), out, config)?;
+            crate::bench_peer::section(&rows, &now_utc()?)
+        },
+    )
+}
+
 /// `--density-only`: only row (o) on its own daemon; replaces the density section.
 pub fn run_density_only(args: crate::bench_density::DensityArgs) -> Result<()> {
     run_only(

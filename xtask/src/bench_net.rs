@@ -34,7 +34,7 @@ pub struct NetRows {
 }
 
 /// A server that reads each connection to EOF and reports (bytes, accept -> EOF).
-fn sink() -> Result<(u16, mpsc::Receiver<(u64, Duration)>)> {
+pub(crate) fn sink() -> Result<(u16, mpsc::Receiver<(u64, Duration)>)> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     let port = l.local_addr()?.port();
     let (tx, rx) = mpsc::channel();
@@ -59,7 +59,7 @@ fn sink() -> Result<(u16, mpsc::Receiver<(u64, Duration)>)> {
 }
 
 /// A server that accepts and closes, reporting the time of each accept.
-fn acceptor() -> Result<(u16, mpsc::Receiver<Instant>)> {
+pub(crate) fn acceptor() -> Result<(u16, mpsc::Receiver<Instant>)> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     let port = l.local_addr()?.port();
     let (tx, rx) = mpsc::channel();
@@ -95,8 +95,13 @@ fn mbps(r: (u64, Duration)) -> Result<f64> {
 /// SYN retransmission (1 s; seen host-local when a client port met a server-side TIME_WAIT)
 /// would otherwise decide the whole row (measured: 197/s instead of ~100,000/s).
 fn cps(rx: &mpsc::Receiver<Instant>) -> Result<f64> {
+    cps_of(rx, CONNECTS as usize)
+}
+
+/// [`cps`] of `n` connections.
+pub(crate) fn cps_of(rx: &mpsc::Receiver<Instant>, n: usize) -> Result<f64> {
     let mut times = Vec::new();
-    for _ in 0..CONNECTS {
+    for _ in 0..n {
         times.push(rx.recv_timeout(Duration::from_secs(60))?);
     }
     let mut gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();

@@ -15,6 +15,7 @@ mod bench_density;
 mod bench_e2b;
 mod bench_load;
 mod bench_net;
+mod bench_peer;
 mod bench_secrets;
 mod bench_snap;
 mod bench_ws;
@@ -173,6 +174,10 @@ enum Cmd {
         /// Rounds of `--against` (one daemon of each build per round, alternating order).
         #[arg(long, default_value_t = 3)]
         against_rounds: usize,
+        /// Run only the native-peer network rows (the stack at native speed) and replace that
+        /// section of BENCHMARKS.md.
+        #[arg(long, conflicts_with_all = ["secrets_only", "workspace_only", "e2b_only", "load_only", "curves_only", "density_only", "against"])]
+        net_peer_only: bool,
     },
 }
 
@@ -280,6 +285,10 @@ fn main() -> Result<()> {
             load_secs,
             ..
         } => bench::run_load_only(load_secs),
+        Cmd::Bench {
+            net_peer_only: true,
+            ..
+        } => bench::run_net_peer_only(),
         Cmd::Bench {
             reps,
             e2b_only: true,
