@@ -21,6 +21,12 @@ const CFG: &str = "default_memory_mib = 768\ndefault_vcpus = 1\nboot_timeout_s =
 const ALLOC: &str =
     "python3 -c 'import time; b = b\"\\x01\" * (256 << 20); time.sleep(4); print(len(b))'";
 
+/// How far above its PSS before the allocation a QEMU may stay once the guest freed the
+/// 256 MiB: free page reporting hands back whole free blocks (2-4 MiB), and what the guest
+/// keeps of the run (page cache, slabs, fragmented blocks) measured 42-65 MiB on trixie
+/// guests. A QEMU whose discards fail stays ~270 MiB above.
+const SLACK_KIB: u64 = 96 << 10;
+
 fn pss_kib(pid: u32) -> u64 {
     let t = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
     t.lines()
@@ -41,6 +47,10 @@ fn qemu_pid(d: &Daemon, id: &str) -> u32 {
 /// Run [`ALLOC`] in `id` while a thread samples its QEMU's PSS: (PSS before, peak).
 fn alloc_and_free(d: &Daemon, id: &str) -> (u64, u64) {
     let pid = qemu_pid(d, id);
+    // The interpreter's own files in the guest's page cache first (trixie's Python 3.13 adds
+    // ~30 MiB that stay cached): `before` is then the guest with python warm, and the check
+    // is about the 256 MiB the script allocates and frees.
+    assert_eq!(sh_out(d, id, "python3 -c pass").0, Some(0));
     let before = pss_kib(pid);
     let stop = Arc::new(AtomicBool::new(false));
     let peak = Arc::new(AtomicU64::new(before));
@@ -72,7 +82,7 @@ fn assert_memory_goes_back(d: &Daemon, id: &str, when: &str) -> u64 {
     );
     let after = poll(Duration::from_secs(30), || {
         let p = pss_kib(pid);
-        (p <= before + (64 << 10)).then_some(p)
+        (p <= before + SLACK_KIB).then_some(p)
     });
     println!(
         "{when}PSS of the QEMU: before {} MiB, peak {} MiB, after free {} MiB (TCG)",
@@ -167,7 +177,7 @@ fn memory_a_guest_frees_goes_back_to_the_host() {
         MEMORY_MIB << 20
     );
     // ...and the reserve brings no page back into memory.
-    assert!(pss_kib(pid) <= before + (64 << 10), "{}", pss_kib(pid));
+    assert!(pss_kib(pid) <= before + SLACK_KIB, "{}", pss_kib(pid));
 
     // Fork: the child loads a migration stream that has the balloon device in it.
     let o = d.cli(&["fork", &id, "--count", "1"]);
