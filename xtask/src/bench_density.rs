@@ -47,6 +47,9 @@ pub struct DensityRows {
     pub create_time: Duration,
     pub qemus: usize,
     pub pss_kib: u64,
+    /// The discard keepers of those QEMUs (one per VM that owns its RAM file) and their PSS.
+    pub keepers: usize,
+    pub keepers_pss_kib: u64,
     pub daemon_rss_kib: u64,
     /// CPU seconds all QEMUs used over `idle_window`.
     pub idle_cpu: Duration,
@@ -108,6 +111,24 @@ fn qemus_under(home: &Path) -> Vec<u32> {
             std::fs::read(format!("/proc/{pid}/cmdline"))
                 .map(|c| c.windows(needle.len()).any(|w| w == needle))
                 .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// The discard keepers (`tryboxi-discard-keeper PID RAM`, one per QEMU that owns its RAM
+/// file) of the VMs under `home`.
+fn keepers_under(home: &Path) -> Vec<u32> {
+    let needle = home.as_os_str().as_encoded_bytes();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                c.starts_with(b"tryboxi-discard-keeper\0")
+                    && c.windows(needle.len()).any(|w| w == needle)
+            })
         })
         .collect()
 }
@@ -246,6 +267,8 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, a: DensityArgs) -> Result<
         .sum();
     let idle_cpu = Duration::from_secs_f64(ticks as f64 / clock_ticks_per_sec() as f64);
     let pss: u64 = pids.iter().map(|p| pss_kib(*p)).sum();
+    let keepers = keepers_under(home);
+    let keepers_pss_kib: u64 = keepers.iter().map(|p| pss_kib(*p)).sum();
     let daemon_rss_kib = rss_kib(d.pid()).unwrap_or(0);
     println!(
         "  (p) {} QEMUs: PSS {} MiB, idle CPU {:.1} % of a core, daemon RSS {} MiB",
@@ -299,6 +322,8 @@ pub fn run(bin: &Path, home: &Path, artifacts: &Path, a: DensityArgs) -> Result<
         create_time,
         qemus: pids.len(),
         pss_kib: pss,
+        keepers: keepers.len(),
+        keepers_pss_kib,
         daemon_rss_kib,
         idle_cpu,
         idle_window,
@@ -368,6 +393,13 @@ pub fn section(r: &DensityRows, date: &str) -> Result<String> {
         r.qemus,
         r.pss_kib as f64 / 1024.0,
         r.pss_kib as f64 / 1024.0 / r.qemus.max(1) as f64
+    )?;
+    writeln!(
+        md,
+        "| (p) total PSS of their {} discard keepers (per keeper) | {:.1} MiB ({:.2} MiB) | |",
+        r.keepers,
+        r.keepers_pss_kib as f64 / 1024.0,
+        r.keepers_pss_kib as f64 / 1024.0 / r.keepers.max(1) as f64
     )?;
     writeln!(
         md,
