@@ -93,8 +93,8 @@ fn state(sock: &Path, id: &str) -> String {
         .unwrap_or_default()
 }
 
-/// Pids of every QEMU whose command line names `home` (sandboxes and warm-pool VMs).
-fn qemus_under(home: &Path) -> Vec<u32> {
+/// Pids of the processes whose command line names `home` and passes `is`.
+fn procs_under(home: &Path, is: impl Fn(&[u8]) -> bool) -> Vec<u32> {
     let needle = home.as_os_str().as_encoded_bytes();
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -102,35 +102,23 @@ fn qemus_under(home: &Path) -> Vec<u32> {
     rd.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
-            let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-                return false;
-            };
-            cmd.starts_with(b"qemu-system") || cmd.windows(12).any(|w| w == b"qemu-system-")
-        })
-        .filter(|pid| {
             std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| c.windows(needle.len()).any(|w| w == needle))
-                .unwrap_or(false)
+                .is_ok_and(|c| is(&c) && c.windows(needle.len()).any(|w| w == needle))
         })
         .collect()
+}
+
+/// Pids of every QEMU whose command line names `home` (sandboxes and warm-pool VMs).
+fn qemus_under(home: &Path) -> Vec<u32> {
+    procs_under(home, |c| {
+        c.starts_with(b"qemu-system") || c.windows(12).any(|w| w == b"qemu-system-")
+    })
 }
 
 /// The discard keepers (`tryboxi-discard-keeper PID RAM`, one per QEMU that owns its RAM
 /// file) of the VMs under `home`.
 fn keepers_under(home: &Path) -> Vec<u32> {
-    let needle = home.as_os_str().as_encoded_bytes();
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    rd.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
-                c.starts_with(b"tryboxi-discard-keeper\0")
-                    && c.windows(needle.len()).any(|w| w == needle)
-            })
-        })
-        .collect()
+    procs_under(home, |c| c.starts_with(b"tryboxi-discard-keeper\0"))
 }
 
 fn pss_kib(pid: u32) -> u64 {

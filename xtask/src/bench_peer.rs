@@ -43,6 +43,8 @@ const STREAM_BYTES: u64 = 512 << 20;
 const CONNECTS: usize = 2000;
 const DNS_QUERIES: usize = 20_000;
 const DNS_INFLIGHT: usize = 32;
+/// Largest frame accepted from the stack (its own `MAX_FRAME`).
+const MAX_FRAME: usize = 65_535;
 /// Bytes of encoded frames the peer holds for the socket before smoltcp is told to wait.
 const TX_CAP: usize = 512 * 1024;
 /// The peer's TCP buffers (each direction): the stack's own window decides the pace.
@@ -178,6 +180,10 @@ impl Peer {
         let mut at = 0;
         while self.inbuf.len() >= at + 4 {
             let len = u32::from_be_bytes(self.inbuf[at..at + 4].try_into()?) as usize;
+            // Never buffer toward a length no Ethernet frame has (the stack's own bound).
+            if len > MAX_FRAME {
+                bail!("the stack sent a frame of {len} bytes (over {MAX_FRAME})");
+            }
             if self.inbuf.len() < at + 4 + len {
                 break;
             }
@@ -566,6 +572,26 @@ mod tests {
         assert_eq!(&q[..4], &[0x12, 0x34, 0x01, 0x00], "id, recursion desired");
         assert_eq!(&q[4..6], &[0, 1], "one question");
         assert_eq!(&q[12..], b"\x07allowed\x04test\x00\x00\x01\x00\x01");
+    }
+
+    #[test]
+    fn an_oversize_frame_length_is_refused_before_buffering_toward_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("net.sock");
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let mut peer = Peer::connect(&path).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        s.write_all(&(16u32 << 20).to_be_bytes()).unwrap();
+        s.write_all(&[0u8; 64]).unwrap();
+        let mut last = Ok(());
+        for _ in 0..50 {
+            last = peer.step();
+            if last.is_err() {
+                break;
+            }
+        }
+        let e = last.expect_err("a 16 MiB frame length must be refused");
+        assert!(e.to_string().contains("over 65535"), "{e}");
     }
 
     #[test]
