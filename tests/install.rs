@@ -614,3 +614,45 @@ fn an_install_keeps_the_older_images_a_layer_uses_and_removes_them_after() {
     assert!(out.contains("removed older guest images"), "{out}");
     assert!(!first.exists() && second.join("manifest.json").is_file());
 }
+
+/// An installed set that no longer matches its manifest is not replaced while a layer is built
+/// on it: install refuses, names the layer, and leaves the set as it is.
+#[test]
+fn a_damaged_set_a_layer_uses_is_not_replaced_under_it() {
+    let s = Setup::new();
+    s.install(&["--no-service"]);
+    let set = current_images(&s.home);
+    let sbx = s.home.join("sandboxes/sbx_0123456789abcdef");
+    std::fs::create_dir_all(&sbx).unwrap();
+    let layer = sbx.join("disk.qcow2");
+    let o = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b"])
+        .arg(set.join("rootfs.ext4"))
+        .arg(&layer)
+        .arg("1M")
+        .output()
+        .expect("qemu-img (cargo xtask deps installs it)");
+    assert!(o.status.success(), "{o:?}");
+    // Damaged: its initramfs is gone (the sources are intact).
+    std::fs::remove_file(set.join("initramfs.cpio.gz")).unwrap();
+    let a = s.artifacts.to_str().unwrap().to_owned();
+    let d = s.destdir.to_str().unwrap().to_owned();
+    let out = s.run(&[
+        "install",
+        "--artifacts",
+        &a,
+        "--prefix",
+        PREFIX,
+        "--destdir",
+        &d,
+        "--no-service",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(layer.to_str().unwrap()), "{err}");
+    assert!(set.join("rootfs.ext4").is_file() && set.join("manifest.json").is_file());
+    // The layer gone, the same install repairs the set.
+    std::fs::remove_dir_all(&sbx).unwrap();
+    s.install(&["--no-service"]);
+    assert!(current_images(&s.home).join("initramfs.cpio.gz").is_file());
+}

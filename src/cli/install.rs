@@ -161,8 +161,21 @@ fn images(artifacts: &Path, paths: &Paths, report: &mut Report) -> Result<(), To
             }
             println!("  {f}");
         }
-        // A damaged copy of this same set (not current, so no layer was made over it since).
+        // A damaged copy of this same set: replaced, unless a layer is built on it (then its
+        // files must not change under that layer; the user decides).
         if dest.exists() {
+            let layers = [paths.sandboxes_dir(), paths.golden_dir()];
+            let roots: Vec<&Path> = layers.iter().map(PathBuf::as_path).collect();
+            if let Some(user) = image_sets::user_of(&dest, &roots) {
+                let _ = crate::safefs::remove_under(&paths.root, &staging);
+                return Err(TopError::Usage(format!(
+                    "the installed guest images in {} differ from their manifest, and {} is \
+                     built on them: not replaced under it (remove that sandbox or snapshot, \
+                     or check the files with `tryboxi doctor`)",
+                    dest.display(),
+                    user.display()
+                )));
+            }
             crate::safefs::remove_under(&paths.root, &dest)
                 .map_err(|e| TopError::Other(e.into()))?;
         }
