@@ -149,6 +149,20 @@ fn current_images(home: &Path) -> PathBuf {
     home.join("artifacts").join(name.trim())
 }
 
+/// A sandbox's disk layer `dir/disk.qcow2` over `base` (as the daemon makes them); its path.
+fn layer_over(base: &Path, dir: &Path) -> PathBuf {
+    let layer = dir.join("disk.qcow2");
+    let o = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b"])
+        .arg(base)
+        .arg(&layer)
+        .arg("1M")
+        .output()
+        .expect("qemu-img (cargo xtask deps installs it)");
+    assert!(o.status.success(), "{o:?}");
+    layer
+}
+
 /// Replace the rootfs of the fake artifacts with `body` (manifest updated).
 fn new_rootfs(artifacts: &Path, body: &str) {
     let images = artifacts.join("images");
@@ -580,15 +594,7 @@ fn an_install_keeps_the_older_images_a_layer_uses_and_removes_them_after() {
     // A paused sandbox's disk: a qcow2 layer over the installed rootfs.
     let sbx = s.home.join("sandboxes/sbx_0123456789abcdef");
     std::fs::create_dir_all(&sbx).unwrap();
-    let layer = sbx.join("disk.qcow2");
-    let o = Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b"])
-        .arg(&old_rootfs)
-        .arg(&layer)
-        .arg("1M")
-        .output()
-        .expect("qemu-img (cargo xtask deps installs it)");
-    assert!(o.status.success(), "{o:?}");
+    let layer = layer_over(&old_rootfs, &sbx);
 
     new_rootfs(&s.artifacts, "another rootfs\n");
     let out = s.install(&["--no-service"]);
@@ -624,15 +630,7 @@ fn a_damaged_set_a_layer_uses_is_not_replaced_under_it() {
     let set = current_images(&s.home);
     let sbx = s.home.join("sandboxes/sbx_0123456789abcdef");
     std::fs::create_dir_all(&sbx).unwrap();
-    let layer = sbx.join("disk.qcow2");
-    let o = Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b"])
-        .arg(set.join("rootfs.ext4"))
-        .arg(&layer)
-        .arg("1M")
-        .output()
-        .expect("qemu-img (cargo xtask deps installs it)");
-    assert!(o.status.success(), "{o:?}");
+    let layer = layer_over(&set.join("rootfs.ext4"), &sbx);
     // Damaged: its initramfs is gone (the sources are intact).
     std::fs::remove_file(set.join("initramfs.cpio.gz")).unwrap();
     let a = s.artifacts.to_str().unwrap().to_owned();
