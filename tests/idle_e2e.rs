@@ -1,6 +1,7 @@
 //! An idle TCG guest does not tick (tickless idle with the TSC as clocksource, see
 //! `src/vmm/tsc.rs`, and the local APIC timer as every CPU's tick device, see
-//! `vmm::TCG_LAPIC_PARAMS`), and its clock keeps the host's time.
+//! `vmm::TCG_LAPIC_PARAMS`), sleeps for seconds between its few housekeeping wake-ups (the
+//! kernel's fair deadline server is off, docs/VMM.md), and its clock keeps the host's time.
 
 mod common;
 
@@ -14,13 +15,14 @@ fn an_idle_guest_does_not_wake_every_tick_and_keeps_time() {
     let Some(d) = vm_daemon(&cfg) else { return };
     let ws = tempfile::tempdir().unwrap();
     let id = create(&d, ws.path());
-    // Timer interrupts (the PIT's line 0 and the local APIC timer) over 5 s of `sleep`:
-    // a ticking guest takes CONFIG_HZ=250 a second, 1,250 here.
+    // Timer interrupts (the PIT's line 0 and the local APIC timer) over 20 s of `sleep`, after
+    // 3 s for the exec's own start to settle: a ticking guest takes CONFIG_HZ=250 a second
+    // per CPU.
     let script = "t() { awk '$1==\"0:\"||$1==\"LOC:\" {n+=$2} END {print n}' /proc/interrupts; }; \
-                  a=$(t); sleep 5; b=$(t); echo $((b-a)); \
+                  sleep 3; a=$(t); sleep 20; b=$(t); echo $((b-a)); \
                   cat /sys/devices/system/clocksource/clocksource0/current_clocksource; \
                   cat /sys/devices/system/clockevents/clockevent*/current_device | tr '\\n' ' '; echo; \
-                  sleep 20; date +%s";
+                  sleep 2; date +%s";
     let (code, out) = sh_out(&d, &id, script);
     let host_now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -30,7 +32,7 @@ fn an_idle_guest_does_not_wake_every_tick_and_keeps_time() {
     let lines: Vec<&str> = out.lines().collect();
     let wakes: u64 = lines[0].parse().unwrap();
     println!(
-        "timer interrupts in 5 s of idle: {wakes}; clocksource {}; tick devices {}",
+        "timer interrupts in 20 s of idle: {wakes}; clocksource {}; tick devices {}",
         lines[1], lines[2]
     );
     assert_eq!(lines[1], "tsc", "the guest keeps time with {}", lines[1]);
@@ -42,11 +44,14 @@ fn an_idle_guest_does_not_wake_every_tick_and_keeps_time() {
         devices.len() == 2 && devices.iter().all(|d| d.starts_with("lapic")),
         "tick devices per CPU: {devices:?}"
     );
+    // Not ticking, and not woken every second per CPU either: with Linux 6.12's fair deadline
+    // server on, the two CPUs took 346 in 60 s (~115 in 20 s); without it ~2.5 a second
+    // (vmstat and other deferrable housekeeping riding the few real timers).
     assert!(
-        wakes < 250,
-        "{wakes} timer interrupts in 5 s: the guest ticks"
+        wakes < 80,
+        "{wakes} timer interrupts in 20 s of idle: the guest wakes more than ~4 times a second"
     );
-    // 25 s on the guest's clock after boot: still the host's time (a wrong TSC rate drifts).
+    // 25 s on the guest's clock after its exec began: still the host's time (a wrong TSC rate drifts).
     let guest_now: u64 = lines[3].parse().unwrap();
     assert!(
         guest_now.abs_diff(host_now) <= 2,
