@@ -4,12 +4,18 @@
 //!
 //! REV is checked out as a git worktree under `_out/bench-against/`, and its own xtask builds
 //! its binary and guest images there (the image cache is shared, keyed by recipe, so an old
-//! kernel that is cached is not built again). Each build runs with its own images: the agent is
-//! the binary, so an old daemon needs its old agent. Every round starts one daemon of each
-//! build on a fresh data root, in alternating order (old first in even rounds), and measures
-//! the same rows with the same code: create to agent-ready, exec `true`, snapshot, restore,
-//! the first exec after a restore, fork 10 to ready, a first sync of 10,000 files, a one-file
-//! delta sync and a one-file diff. Only API calls both builds have are used.
+//! kernel that is cached is not built again). The agent is the binary, so an old daemon needs
+//! its old initramfs; by default both builds boot this checkout's kernel and rootfs (REV gets
+//! a set of its own initramfs with them), so the comparison is of the code, not of the guest's
+//! kernel or distribution; `--against-own-images` gives each build its own whole set.
+//!
+//! Each round starts one daemon of each build on a fresh data root, both alive together, and
+//! takes every sample in pairs: one from each daemon, back to back, the order alternating from
+//! pair to pair and from round to round, so what the machine does meanwhile falls on both
+//! alike. The rows: create to agent-ready, exec `true`, snapshot, restore, the first exec after
+//! a restore, fork 10 to ready, a first sync of 10,000 files, a one-file delta sync and a
+//! one-file diff. Only API calls both builds have are used. The verdict per row is in
+//! `bench_against_stats`: a bootstrap interval of the ratio of medians against the target.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -19,13 +25,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::bench::{MEM_MIB, VCPUS, fmt, median};
+use crate::bench_against_stats::{Verdict, ratio_ci};
 use crate::bench_ws::{ws_generate, ws_sync};
 use crate::daemon::Daemon;
 use crate::{http, util};
 
 pub const HEADING: &str = "## Before and after (issue 15)";
 
-/// Ratio (this checkout / REV) of a row's median above which the row is marked as slower.
+/// Ratio (this checkout / REV) of a row's median that the 5 % rule allows.
 const TARGET_RATIO: f64 = 1.05;
 const FORKS: usize = 10;
 
@@ -52,7 +59,7 @@ const ROWS: &[&str] = &[
 /// Samples per row, in `ROWS` order.
 type Samples = Vec<Vec<Duration>>;
 
-pub fn run(rev: &str, rounds: usize, reps: usize) -> Result<()> {
+pub fn run(rev: &str, rounds: usize, reps: usize, own_images: bool) -> Result<()> {
     let rounds = rounds.max(2);
     let reps = reps.max(5);
     let root = util::repo_root();
@@ -65,7 +72,7 @@ pub fn run(rev: &str, rounds: usize, reps: usize) -> Result<()> {
     )?
     .trim()
     .to_owned();
-    let old = build_rev(&root, &sha)?;
+    let mut old = build_rev(&root, &sha)?;
     let bin = crate::images::dist_and_defaults()?;
     let head = util::output(
         Command::new("git")
@@ -97,8 +104,20 @@ pub fn run(rev: &str, rounds: usize, reps: usize) -> Result<()> {
         std::fs::remove_dir_all(&scratch)?;
     }
     std::fs::create_dir_all(&scratch)?;
-    let tree = scratch.join("ws-gen");
-    ws_generate(&tree)?;
+    if !own_images {
+        let shared = scratch.join("old-artifacts");
+        shared_images(&old.artifacts, &new.artifacts, &shared)?;
+        println!(
+            "==> {}: its own initramfs (its agent) with this checkout's kernel and rootfs",
+            old.label
+        );
+        old.artifacts = shared;
+    }
+    // One tree per build: both daemons are alive at once, each with the tree in its workspace.
+    let trees = [scratch.join("tree-0"), scratch.join("tree-1")];
+    for t in &trees {
+        ws_generate(t)?;
+    }
     let st = Command::new("sync").status().context("sync")?;
     if !st.success() {
         bail!("sync failed");
@@ -109,19 +128,20 @@ pub fn run(rev: &str, rounds: usize, reps: usize) -> Result<()> {
     let mut samples: [Samples; 2] = [vec![Vec::new(); ROWS.len()], vec![Vec::new(); ROWS.len()]];
     let builds = [&old, &new];
     for round in 0..rounds {
-        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-        for which in order {
-            let b = builds[which];
-            println!("==> round {}/{rounds}: {}", round + 1, b.label);
-            let home = scratch.join(format!("home-{round}-{which}"));
-            let salt = 1_000_000 * (1 + 2 * round + which) as u64;
-            measure(b, &home, &tree, reps, salt, &mut samples[which])?;
-            std::fs::remove_dir_all(&home).ok();
-        }
+        println!(
+            "==> round {}/{rounds}: {} and {} side by side",
+            round + 1,
+            old.label,
+            new.label
+        );
+        measure_round(builds, &scratch, &trees, round, reps, &mut samples)?;
     }
     let sec = section(
-        &old.label,
-        &new.label,
+        &Labels {
+            old: &old.label,
+            new: &new.label,
+            own_images,
+        },
         rounds,
         reps,
         &samples,
@@ -134,6 +154,50 @@ pub fn run(rev: &str, rounds: usize, reps: usize) -> Result<()> {
     std::fs::write(&path, crate::bench::replace_section(&text, HEADING, &sec))?;
     println!("wrote {}", path.display());
     std::fs::remove_dir_all(&scratch).ok();
+    Ok(())
+}
+
+/// An artifacts directory for the old build: its own initramfs (its agent) with the new
+/// build's kernel and rootfs, hard-linked (copied across file systems), and a manifest in the
+/// old build's format naming them. Templates are left out: no row uses one.
+fn shared_images(old: &Path, new: &Path, dir: &Path) -> Result<()> {
+    let images = dir.join("images");
+    std::fs::create_dir_all(&images)?;
+    let read = |p: &Path| -> Result<serde_json::Value> {
+        let m = p.join("images").join("manifest.json");
+        serde_json::from_slice(&std::fs::read(&m).with_context(|| m.display().to_string())?)
+            .with_context(|| format!("parsing {}", m.display()))
+    };
+    let (mut om, nm) = (read(old)?, read(new)?);
+    let entry = |m: &serde_json::Value, name: &str| -> Result<serde_json::Value> {
+        m["artifacts"]
+            .as_array()
+            .and_then(|a| a.iter().find(|e| e["name"] == name))
+            .cloned()
+            .with_context(|| format!("no {name} in a manifest"))
+    };
+    let mut artifacts = Vec::new();
+    for (name, from) in [("kernel", &nm), ("rootfs", &nm), ("initramfs", &om)] {
+        let e = entry(from, name)?;
+        let file = e["file"].as_str().context("an artifact without a file")?;
+        let src = if std::ptr::eq(from, &nm) { new } else { old }
+            .join("images")
+            .join(file);
+        let dst = images.join(file);
+        if std::fs::hard_link(&src, &dst).is_err() {
+            std::fs::copy(&src, &dst).with_context(|| format!("copying {}", src.display()))?;
+        }
+        artifacts.push(e);
+    }
+    om["artifacts"] = serde_json::Value::Array(artifacts);
+    om["kernel_version"] = nm["kernel_version"].clone();
+    if let Some(r) = om["recipes"].as_object_mut() {
+        r.retain(|k, _| k == "initramfs");
+        for k in ["kernel", "rootfs"] {
+            r.insert(k.into(), nm["recipes"][k].clone());
+        }
+    }
+    std::fs::write(images.join("manifest.json"), serde_json::to_vec(&om)?)?;
     Ok(())
 }
 
@@ -194,15 +258,34 @@ fn build_rev(root: &Path, sha: &str) -> Result<Build> {
     })
 }
 
-/// One daemon of `b` on `home`: every row once per round (`reps` samples where the row is
-/// quick), appended to `s`.
-fn measure(
-    b: &Build,
-    home: &Path,
-    tree: &Path,
+/// One build's daemon in a round, with its long-lived sandbox and its workspace directory.
+struct Side<'a> {
+    b: &'a Build,
+    d: Daemon,
+    sock: PathBuf,
+    keep: String,
+    ws: PathBuf,
+}
+
+/// The order of the two builds for the `i`-th pair of a round: alternating from pair to pair,
+/// and starting with the other build in odd rounds.
+fn order(round: usize, i: usize) -> [usize; 2] {
+    if (round + i).is_multiple_of(2) {
+        [0, 1]
+    } else {
+        [1, 0]
+    }
+}
+
+/// One round: a daemon of each build, both alive, every row sampled in pairs (`reps` pairs
+/// where the row is quick), appended to `s[build][row]`.
+fn measure_round(
+    builds: [&Build; 2],
+    scratch: &Path,
+    trees: &[PathBuf; 2],
+    round: usize,
     reps: usize,
-    salt: u64,
-    s: &mut Samples,
+    s: &mut [Samples; 2],
 ) -> Result<()> {
     // A strict vCPU limit with room for the fork of 10 (the old scheduler's default is lower).
     let config = format!(
@@ -210,139 +293,173 @@ fn measure(
          [limits]\nmax_vcpus = {}\n",
         VCPUS * (FORKS as u32 + 4)
     );
-    let d = Daemon::start(&b.bin, home, &b.artifacts, &config)?;
-    let sock = d.socket();
-    let ws = util::beside(home, "ws")?;
-    let body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
-    // Not timed: the first create resolves the acceleration (a probe boot) and warms the cache.
-    let keep = create(&sock, &body)?.0;
-    for _ in 0..reps {
-        let (id, took) = create(&sock, &body)?;
-        s[0].push(took);
-        delete(&sock, &id)?;
+    let mut sides = Vec::new();
+    for (which, b) in builds.iter().enumerate() {
+        let home = scratch.join(format!("home-{round}-{which}"));
+        let d = Daemon::start(&b.bin, &home, &b.artifacts, &config)?;
+        let sock = d.socket();
+        let ws = util::beside(&home, "ws")?;
+        let body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, ws.display());
+        // Not timed: the first create resolves the acceleration (a probe boot) and warms the
+        // cache.
+        let keep = create(&sock, &body).with_context(|| b.label.clone())?.0;
+        sides.push(Side {
+            b,
+            d,
+            sock,
+            keep,
+            ws,
+        });
     }
-    exec_true(&sock, &keep)?;
-    for _ in 0..reps * 4 {
-        s[1].push(exec_true(&sock, &keep)?);
+    let pairs = |n: usize| (0..n).flat_map(move |i| order(round, i));
+    for w in pairs(reps) {
+        let x = &sides[w];
+        let body = format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, x.ws.display());
+        let (id, took) = create(&x.sock, &body).with_context(|| x.b.label.clone())?;
+        s[w][0].push(took);
+        delete(&x.sock, &id)?;
     }
-    for i in 0..reps {
-        let (snap, restore) = crate::bench::snapshot_then_restore(&sock, &keep, &format!("r{i}"))
-            .with_context(|| b.label.clone())?;
-        s[2].push(snap);
-        s[3].push(restore);
-        s[4].push(exec_true(&sock, &keep)?);
+    for x in &sides {
+        exec_true(&x.sock, &x.keep)?;
     }
-    for _ in 0..2 {
-        let t = Instant::now();
-        let (st, out) = http::request(
-            &sock,
-            "POST",
-            &format!("/v1/sandboxes/{keep}/fork"),
-            Some(&format!(r#"{{"count":{FORKS}}}"#)),
-        )?;
-        let took = t.elapsed();
-        if st != 201 {
-            bail!("{}: fork: HTTP {st}: {out}", b.label);
-        }
-        let v: serde_json::Value = serde_json::from_str(&out)?;
-        let kids: Vec<String> = v["sandboxes"]
-            .as_array()
-            .context("fork: no children")?
-            .iter()
-            .filter_map(|c| c["id"].as_str().map(str::to_owned))
-            .collect();
-        if kids.len() != FORKS {
-            bail!("{}: fork gave {} children: {out}", b.label, kids.len());
-        }
-        s[5].push(took);
-        for k in &kids {
-            delete(&sock, k)?;
-        }
+    for w in pairs(reps * 4) {
+        let x = &sides[w];
+        s[w][1].push(exec_true(&x.sock, &x.keep).with_context(|| x.b.label.clone())?);
     }
-    delete(&sock, &keep)?;
+    for (i, w) in pairs(reps).enumerate() {
+        let x = &sides[w];
+        let (snap, restore) =
+            crate::bench::snapshot_then_restore(&x.sock, &x.keep, &format!("r{i}"))
+                .with_context(|| x.b.label.clone())?;
+        s[w][2].push(snap);
+        s[w][3].push(restore);
+        s[w][4].push(exec_true(&x.sock, &x.keep)?);
+    }
+    for w in pairs(2) {
+        let x = &sides[w];
+        s[w][5].push(fork(x)?);
+    }
+    for x in &sides {
+        delete(&x.sock, &x.keep)?;
+    }
 
-    // The workspace rows: a sandbox on an empty directory, then the tree moved in and synced.
-    let big = util::beside(home, "ws-big")?;
-    let (id, _) = create(
-        &sock,
-        &format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, big.display()),
-    )?;
-    std::fs::remove_dir(&big)?;
-    std::fs::rename(tree, &big)?;
-    let synced = ws_sync(&sock, &id);
-    let (took, rep) = match synced {
-        Ok(r) => r,
-        Err(e) => {
-            std::fs::rename(&big, tree)?;
-            return Err(e);
-        }
-    };
+    // The workspace rows: a sandbox on an empty directory per build, then its tree moved in.
+    let mut ws_ids = Vec::new();
+    for (w, x) in sides.iter().enumerate() {
+        let big = util::beside(&x.d.home, "ws-big")?;
+        let (id, _) = create(
+            &x.sock,
+            &format!(r#"{{"workspace":{{"host_path":"{}"}}}}"#, big.display()),
+        )?;
+        std::fs::remove_dir(&big)?;
+        std::fs::rename(&trees[w], &big)?;
+        ws_ids.push((id, big));
+    }
     let files = crate::bench_ws::WS_DIRS * crate::bench_ws::WS_FILES_PER_DIR;
-    if !rep.contains(&format!("\"files_sent\":{files}")) {
-        std::fs::rename(&big, tree)?;
-        bail!("{}: the first sync did not send every file: {rep}", b.label);
-    }
-    s[6].push(took);
-    let rows = ws_rows(&sock, &id, &big, reps, salt, s);
-    // The tree goes back for the next daemon (with this one's changes: new content next time),
-    // without the files the diff rows added.
-    for i in 0..reps {
-        let added = big.join(format!("d{:02}/f001.txt", i % crate::bench_ws::WS_DIRS));
-        match std::fs::remove_file(&added) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
-            _ => {}
+    for w in order(round, 0) {
+        let (x, (id, _)) = (&sides[w], &ws_ids[w]);
+        let (took, rep) = ws_sync(&x.sock, id).with_context(|| x.b.label.clone())?;
+        if !rep.contains(&format!("\"files_sent\":{files}")) {
+            bail!(
+                "{}: the first sync did not send every file: {rep}",
+                x.b.label
+            );
         }
+        s[w][6].push(took);
     }
-    std::fs::rename(&big, tree)?;
-    rows?;
-    delete(&sock, &id)?;
-    d.stop()?;
-    std::fs::remove_dir_all(&ws).ok();
+    // Unique per build and round: every change is new content, since a tree is carried from
+    // one round to the next.
+    let salt = |w: usize| 1_000_000 * (1 + 2 * round + w) as u64;
+    for (i, w) in pairs(reps * 2).enumerate() {
+        let (x, (id, big)) = (&sides[w], &ws_ids[w]);
+        let f = big.join(format!("d{:02}/f000.bin", i / 2 % crate::bench_ws::WS_DIRS));
+        std::fs::write(&f, crate::bench_ws::ws_content(salt(w) + i as u64))?;
+        let (took, body) = ws_sync(&x.sock, id)?;
+        if !body.contains("\"files_sent\":1,") {
+            bail!(
+                "{}: the delta sync sent more than one file: {body}",
+                x.b.label
+            );
+        }
+        s[w][7].push(took);
+    }
+    for (i, w) in pairs(reps).enumerate() {
+        let (x, (id, _)) = (&sides[w], &ws_ids[w]);
+        s[w][8].push(diff_one(&x.sock, id, i / 2, salt(w))?);
+    }
+    // The trees go back for the next round (with this round's changes: new content next
+    // time), without the files the diff rows added.
+    for (w, (x, (id, big))) in sides.iter().zip(&ws_ids).enumerate() {
+        for i in 0..reps {
+            let added = big.join(format!("d{:02}/f001.txt", i % crate::bench_ws::WS_DIRS));
+            match std::fs::remove_file(&added) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+                _ => {}
+            }
+        }
+        std::fs::rename(big, &trees[w])?;
+        delete(&x.sock, id)?;
+    }
+    for x in sides {
+        x.d.stop()?;
+        std::fs::remove_dir_all(&x.ws).ok();
+    }
     Ok(())
 }
 
-/// Delta syncs and diffs on a synced tree. `salt` (unique per daemon) makes every change new
-/// content, since the tree is carried from one daemon to the next.
-fn ws_rows(
-    sock: &Path,
-    id: &str,
-    ws: &Path,
-    reps: usize,
-    salt: u64,
-    s: &mut Samples,
-) -> Result<()> {
-    for i in 0..reps * 2 {
-        let f = ws.join(format!("d{:02}/f000.bin", i % crate::bench_ws::WS_DIRS));
-        std::fs::write(&f, crate::bench_ws::ws_content(salt + i as u64))?;
-        let (took, body) = ws_sync(sock, id)?;
-        if !body.contains("\"files_sent\":1,") {
-            bail!("the delta sync sent more than one file: {body}");
-        }
-        s[7].push(took);
+/// A fork of `FORKS` children of the side's long-lived sandbox, timed to the API's answer
+/// (children ready); the children are then removed.
+fn fork(x: &Side) -> Result<Duration> {
+    let t = Instant::now();
+    let (st, out) = http::request(
+        &x.sock,
+        "POST",
+        &format!("/v1/sandboxes/{}/fork", x.keep),
+        Some(&format!(r#"{{"count":{FORKS}}}"#)),
+    )?;
+    let took = t.elapsed();
+    if st != 201 {
+        bail!("{}: fork: HTTP {st}: {out}", x.b.label);
     }
-    for i in 0..reps {
-        let rel = format!("d{:02}/f001.txt", i % crate::bench_ws::WS_DIRS);
-        let cmd = format!(r#"{{"cmd":"echo changed-{salt}-{i} > /workspace/{rel}"}}"#);
-        http::exec(sock, id, &cmd)?;
-        let t = Instant::now();
-        let (st, body) = http::request(sock, "GET", &format!("/v1/sandboxes/{id}/diff"), None)?;
-        s[8].push(t.elapsed());
-        if st != 200 || !body.contains(&rel) || body.matches("\"path\"").count() != 1 {
-            bail!("the diff did not show exactly {rel}: HTTP {st}: {body}");
-        }
-        // Taken to the host, so the next diff shows one change again.
-        let pull = format!(r#"{{"paths":["{rel}"],"force":true}}"#);
-        let (st, body) = http::request(
-            sock,
-            "POST",
-            &format!("/v1/sandboxes/{id}/pull"),
-            Some(&pull),
-        )?;
-        if st != 200 {
-            bail!("pull after a diff: HTTP {st}: {body}");
-        }
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    let kids: Vec<String> = v["sandboxes"]
+        .as_array()
+        .context("fork: no children")?
+        .iter()
+        .filter_map(|c| c["id"].as_str().map(str::to_owned))
+        .collect();
+    if kids.len() != FORKS {
+        bail!("{}: fork gave {} children: {out}", x.b.label, kids.len());
     }
-    Ok(())
+    for k in &kids {
+        delete(&x.sock, k)?;
+    }
+    Ok(took)
+}
+
+/// The `i`-th one-file diff: a file written in the VM, the diff timed, then the file pulled
+/// to the host so the next diff shows one change again.
+fn diff_one(sock: &Path, id: &str, i: usize, salt: u64) -> Result<Duration> {
+    let rel = format!("d{:02}/f001.txt", i % crate::bench_ws::WS_DIRS);
+    let cmd = format!(r#"{{"cmd":"echo changed-{salt}-{i} > /workspace/{rel}"}}"#);
+    http::exec(sock, id, &cmd)?;
+    let t = Instant::now();
+    let (st, body) = http::request(sock, "GET", &format!("/v1/sandboxes/{id}/diff"), None)?;
+    let took = t.elapsed();
+    if st != 200 || !body.contains(&rel) || body.matches("\"path\"").count() != 1 {
+        bail!("the diff did not show exactly {rel}: HTTP {st}: {body}");
+    }
+    let pull = format!(r#"{{"paths":["{rel}"],"force":true}}"#);
+    let (st, body) = http::request(
+        sock,
+        "POST",
+        &format!("/v1/sandboxes/{id}/pull"),
+        Some(&pull),
+    )?;
+    if st != 200 {
+        bail!("pull after a diff: HTTP {st}: {body}");
+    }
+    Ok(took)
 }
 
 fn create(sock: &Path, body: &str) -> Result<(String, Duration)> {
@@ -373,61 +490,95 @@ fn exec_true(sock: &Path, id: &str) -> Result<Duration> {
     Ok(took)
 }
 
+/// The two builds' labels and how their images were chosen, for the section's text.
+struct Labels<'a> {
+    old: &'a str,
+    new: &'a str,
+    own_images: bool,
+}
+
 fn section(
-    old: &str,
-    new: &str,
+    l: &Labels,
     rounds: usize,
     reps: usize,
     s: &[Samples; 2],
     started: &str,
     load_before: &str,
 ) -> Result<String> {
+    let (old, new) = (l.old, l.new);
+    let images = if l.own_images {
+        "each with the binary and the guest images its own xtask builds (`--against-own-images`)"
+    } else {
+        "each with its own binary and initramfs (its agent), both booting this checkout's \
+         kernel and rootfs, so that the guest's kernel and distribution are not compared"
+    };
     let mut md = String::new();
     writeln!(md, "{HEADING}\n")?;
     writeln!(
         md,
         "Measured on {started}, accel **tcg** (both builds); host load average at the start \
          {load_before}, at the end {}. `cargo xtask bench --against {old} --against-rounds \
-         {rounds}`: `{old}` (before the hardening) and `{new}` (this checkout), each with the \
-         binary and guest images its own xtask builds, measured by the same code in {rounds} \
-         rounds of one daemon each, in alternating order. Medians over all rounds; ratio = \
-         this checkout / `{old}`, target <= {TARGET_RATIO:.2} ({reps} reps per round where a row \
-         is quick).\n",
+         {rounds}`: `{old}` (before the hardening) and `{new}` (this checkout), {images}. \
+         Each of the {rounds} rounds starts a daemon of each build, both alive together, and \
+         takes the samples in pairs, one from each daemon back to back, the order alternating \
+         from pair to pair and from round to round ({reps} pairs per round where a row is \
+         quick). Ratio = median of this checkout / median of `{old}`, with a 95 % bootstrap \
+         interval (2,000 resamples). Target <= {TARGET_RATIO:.2}: a row is ok when its whole \
+         interval is at or under it, slower when its whole interval is over it, and not shown \
+         when the interval straddles it.\n",
         crate::bench::loadavg()
     )?;
     writeln!(
         md,
-        "| what | samples each | `{old}` | `{new}` | ratio | |\n|---|---|---|---|---|---|"
+        "| what | samples each | `{old}` | `{new}` | ratio | 95 % interval | |\n\
+         |---|---|---|---|---|---|---|"
     )?;
-    let mut worse = Vec::new();
+    let (mut slower, mut unshown) = (Vec::new(), Vec::new());
     for (i, what) in ROWS.iter().enumerate() {
-        let (a, b) = (median(&s[0][i]), median(&s[1][i]));
-        let r = b.as_secs_f64() / a.as_secs_f64().max(1e-9);
-        let mark = if r <= TARGET_RATIO {
-            "ok"
-        } else {
-            worse.push(format!("{what} ({r:.2})"));
-            "**slower**"
+        let Some(ci) = ratio_ci(&s[0][i], &s[1][i], 0x5EED + i as u64) else {
+            continue;
+        };
+        let mark = match ci.verdict(TARGET_RATIO) {
+            Verdict::Ok => "ok",
+            Verdict::Slower => {
+                slower.push(format!("{what} ({:.2})", ci.ratio));
+                "**slower**"
+            }
+            Verdict::NotShown => {
+                unshown.push(format!(
+                    "{what} ({:.2}, {:.2}-{:.2})",
+                    ci.ratio, ci.lo, ci.hi
+                ));
+                "not shown"
+            }
         };
         writeln!(
             md,
-            "| {what} | {} | {} | {} | {r:.2} | {mark} |",
+            "| {what} | {} | {} | {} | {:.3} | {:.3}-{:.3} | {mark} |",
             s[0][i].len().min(s[1][i].len()),
-            fmt(a),
-            fmt(b)
+            fmt(median(&s[0][i])),
+            fmt(median(&s[1][i])),
+            ci.ratio,
+            ci.lo,
+            ci.hi
         )?;
     }
-    if worse.is_empty() {
+    writeln!(md)?;
+    if slower.is_empty() && unshown.is_empty() {
         writeln!(
             md,
-            "\nNo row is more than {:.0} % slower than before.\n",
+            "Every row is shown to be within {:.0} % of before.\n",
             (TARGET_RATIO - 1.0) * 100.0
         )?;
-    } else {
+    }
+    if !slower.is_empty() {
+        writeln!(md, "Slower than the target: {}.\n", slower.join("; "))?;
+    }
+    if !unshown.is_empty() {
         writeln!(
             md,
-            "\nSlower than the target in this run: {}.\n",
-            worse.join("; ")
+            "Not shown either way (the interval straddles the target): {}.\n",
+            unshown.join("; ")
         )?;
     }
     Ok(md)

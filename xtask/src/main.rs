@@ -9,6 +9,7 @@
 mod apt_sources;
 mod bench;
 mod bench_against;
+mod bench_against_stats;
 mod bench_curves;
 mod bench_curves_plot;
 mod bench_density;
@@ -171,9 +172,14 @@ enum Cmd {
         /// of BENCHMARKS.md.
         #[arg(long, value_name = "REV", conflicts_with_all = ["secrets_only", "workspace_only", "e2b_only", "load_only", "curves_only", "density_only"])]
         against: Option<String>,
-        /// Rounds of `--against` (one daemon of each build per round, alternating order).
+        /// Rounds of `--against` (one daemon of each build per round, both alive, samples
+        /// taken in pairs).
         #[arg(long, default_value_t = 3)]
         against_rounds: usize,
+        /// With `--against`: give REV its own whole image set (kernel, rootfs, initramfs)
+        /// instead of its own initramfs with this checkout's kernel and rootfs.
+        #[arg(long, requires = "against")]
+        against_own_images: bool,
         /// Run only the native-peer network rows (the stack at native speed) and replace that
         /// section of BENCHMARKS.md.
         #[arg(long, conflicts_with_all = ["secrets_only", "workspace_only", "e2b_only", "load_only", "curves_only", "density_only", "against"])]
@@ -254,9 +260,10 @@ fn main() -> Result<()> {
         Cmd::Bench {
             against: Some(rev),
             against_rounds,
+            against_own_images,
             reps,
             ..
-        } => bench_against::run(&rev, against_rounds, reps),
+        } => bench_against::run(&rev, against_rounds, reps, against_own_images),
         Cmd::Bench {
             curves_only: true,
             curve_sizes,
