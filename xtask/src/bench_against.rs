@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::bench::{MEM_MIB, VCPUS, fmt, median};
-use crate::bench_against_stats::{Verdict, ratio_ci};
+use crate::bench_against_stats::{Verdict, paired_ci, ratio_ci};
 use crate::bench_ws::{ws_generate, ws_sync};
 use crate::daemon::Daemon;
 use crate::{http, util};
@@ -149,11 +149,38 @@ pub fn run(rev: &str, rounds: usize, reps: usize, own_images: bool) -> Result<()
         &load_before,
     )?;
     println!("\n{sec}");
+    save_samples(
+        &out.join("bench-against").join("samples.json"),
+        &old,
+        &new,
+        &samples,
+    )?;
     let path = root.join("BENCHMARKS.md");
     let text = std::fs::read_to_string(&path).unwrap_or_default();
     std::fs::write(&path, crate::bench::replace_section(&text, HEADING, &sec))?;
     println!("wrote {}", path.display());
     std::fs::remove_dir_all(&scratch).ok();
+    Ok(())
+}
+
+/// Every sample of the run in microseconds, by build and row, pairs at equal indices (kept
+/// after the run, for another look at the figures).
+fn save_samples(path: &Path, old: &Build, new: &Build, s: &[Samples; 2]) -> Result<()> {
+    let side = |b: &Build, rows: &Samples| {
+        let rows: serde_json::Map<String, serde_json::Value> = ROWS
+            .iter()
+            .zip(rows)
+            .map(|(what, v)| {
+                let us: Vec<u64> = v.iter().map(|d| d.as_micros() as u64).collect();
+                ((*what).to_owned(), us.into())
+            })
+            .collect();
+        serde_json::json!({ "build": b.label, "rows_us": rows })
+    };
+    let doc = serde_json::json!({ "old": side(old, &s[0]), "new": side(new, &s[1]) });
+    std::fs::create_dir_all(path.parent().context("samples path")?)?;
+    std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
+    println!("wrote {}", path.display());
     Ok(())
 }
 
@@ -522,20 +549,26 @@ fn section(
          Each of the {rounds} rounds starts a daemon of each build, both alive together, and \
          takes the samples in pairs, one from each daemon back to back, the order alternating \
          from pair to pair and from round to round ({reps} pairs per round where a row is \
-         quick). Ratio = median of this checkout / median of `{old}`, with a 95 % bootstrap \
-         interval (2,000 resamples). Target <= {TARGET_RATIO:.2}: a row is ok when its whole \
-         interval is at or under it, slower when its whole interval is over it, and not shown \
-         when the interval straddles it.\n",
+         quick). Two ratios of this checkout to `{old}`: of the medians, and of the pairs \
+         (the median of the per-pair ratios, which cancels what both samples of a pair \
+         share: the machine's load at that moment), each with a 95 % bootstrap interval \
+         (2,000 resamples; of each side apart, and of whole pairs). The verdict is the \
+         pairs': target <= {TARGET_RATIO:.2}, a row is ok when its whole interval is at or \
+         under it, slower when its whole interval is over it, and not shown when the \
+         interval straddles it. Raw samples: `_out/bench-against/samples.json`.\n",
         crate::bench::loadavg()
     )?;
     writeln!(
         md,
-        "| what | samples each | `{old}` | `{new}` | ratio | 95 % interval | |\n\
+        "| what | pairs | `{old}` | `{new}` | ratio of medians (95 %) | ratio of pairs (95 %) | |\n\
          |---|---|---|---|---|---|---|"
     )?;
     let (mut slower, mut unshown) = (Vec::new(), Vec::new());
     for (i, what) in ROWS.iter().enumerate() {
-        let Some(ci) = ratio_ci(&s[0][i], &s[1][i], 0x5EED + i as u64) else {
+        let (Some(m), Some(ci)) = (
+            ratio_ci(&s[0][i], &s[1][i], 0x5EED + i as u64),
+            paired_ci(&s[0][i], &s[1][i], 0xFA1B + i as u64),
+        ) else {
             continue;
         };
         let mark = match ci.verdict(TARGET_RATIO) {
@@ -554,10 +587,13 @@ fn section(
         };
         writeln!(
             md,
-            "| {what} | {} | {} | {} | {:.3} | {:.3}-{:.3} | {mark} |",
+            "| {what} | {} | {} | {} | {:.3} ({:.3}-{:.3}) | {:.3} ({:.3}-{:.3}) | {mark} |",
             s[0][i].len().min(s[1][i].len()),
             fmt(median(&s[0][i])),
             fmt(median(&s[1][i])),
+            m.ratio,
+            m.lo,
+            m.hi,
             ci.ratio,
             ci.lo,
             ci.hi

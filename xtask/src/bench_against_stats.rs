@@ -1,7 +1,13 @@
-//! The verdict of `cargo xtask bench --against`: each row's ratio of medians (this checkout /
-//! REV) with a bootstrap 95 % interval, judged against the 5 % rule. A row is "ok" only when the
-//! whole interval is at or under the target, "slower" only when the whole interval is over it,
-//! and "not shown" when the interval straddles it: the run did not measure finely enough to say.
+//! The verdict of `cargo xtask bench --against`: each row's ratio (this checkout / REV) with a
+//! bootstrap 95 % interval, judged against the 5 % rule. A row is "ok" only when the whole
+//! interval is at or under the target, "slower" only when the whole interval is over it, and
+//! "not shown" when the interval straddles it: the run did not measure finely enough to say.
+//!
+//! Two ratios: of the two medians ([`ratio_ci`], each side resampled on its own), and of the
+//! pairs ([`paired_ci`]): the samples are taken in pairs, one of each build back to back, so
+//! the k-th sample of each side belong together and what the machine did at that moment falls
+//! on both; the pairs' ratio is the median of the per-pair ratios, its interval from resampling
+//! whole pairs. The verdict is the paired one.
 
 use std::time::Duration;
 
@@ -65,6 +71,37 @@ pub fn ratio_ci(old: &[Duration], new: &[Duration], seed: u64) -> Option<RatioCi
     let at = |q: f64| ratios[((ratios.len() - 1) as f64 * q).round() as usize];
     Some(RatioCi {
         ratio,
+        lo: at(0.025),
+        hi: at(0.975),
+    })
+}
+
+/// exp(median over k of ln(new[k] / old[k])): the ratio of a typical pair, with the 2.5th and
+/// 97.5th percentiles of the same statistic over bootstrap resamples of whole pairs. `old[k]`
+/// and `new[k]` must be the two samples of one pair (a longer side's extra samples are left
+/// out). Deterministic in `seed`; `None` without a pair.
+pub fn paired_ci(old: &[Duration], new: &[Duration], seed: u64) -> Option<RatioCi> {
+    let d: Vec<f64> = old
+        .iter()
+        .zip(new)
+        .map(|(a, b)| (b.as_secs_f64().max(1e-12) / a.as_secs_f64().max(1e-12)).ln())
+        .collect();
+    if d.is_empty() {
+        return None;
+    }
+    let mut rng = XorShift(seed | 1);
+    let mut meds = Vec::with_capacity(RESAMPLES);
+    let mut r = vec![0.0; d.len()];
+    for _ in 0..RESAMPLES {
+        for x in r.iter_mut() {
+            *x = d[rng.below(d.len())];
+        }
+        meds.push(median(&r));
+    }
+    meds.sort_by(f64::total_cmp);
+    let at = |q: f64| meds[((meds.len() - 1) as f64 * q).round() as usize].exp();
+    Some(RatioCi {
+        ratio: median(&d).exp(),
         lo: at(0.025),
         hi: at(0.975),
     })
@@ -139,6 +176,32 @@ mod tests {
         let ci = ratio_ci(&a, &b, 1).unwrap();
         assert!(ci.lo < 1.0 && ci.hi > 1.05, "{ci:?}");
         assert_eq!(ci.verdict(1.05), Verdict::NotShown, "{ci:?}");
+    }
+
+    #[test]
+    fn pairs_cancel_what_both_sides_share() {
+        // Each pair shares a load factor of 1x-3x (the machine at that moment); the new build
+        // is 3 % faster within every pair. The medians' ratio cannot see it through the load;
+        // the pairs' ratio does.
+        let load = around(2.0, 50.0, 60, 13);
+        let old: Vec<Duration> = load.iter().map(|l| l.mul_f64(100.0)).collect();
+        let new: Vec<Duration> = load.iter().map(|l| l.mul_f64(97.0)).collect();
+        let by_medians = ratio_ci(&old, &new, 1).unwrap();
+        assert_eq!(
+            by_medians.verdict(1.05),
+            Verdict::NotShown,
+            "{by_medians:?}"
+        );
+        let paired = paired_ci(&old, &new, 1).unwrap();
+        assert!((paired.ratio - 0.97).abs() < 1e-9, "{paired:?}");
+        assert_eq!(paired.verdict(1.05), Verdict::Ok, "{paired:?}");
+        // A 10 % slower build within every pair is slower, however noisy the load.
+        let slow: Vec<Duration> = load.iter().map(|l| l.mul_f64(110.0)).collect();
+        assert_eq!(
+            paired_ci(&old, &slow, 1).unwrap().verdict(1.05),
+            Verdict::Slower
+        );
+        assert_eq!(paired_ci(&[], &slow, 1), None);
     }
 
     #[test]
