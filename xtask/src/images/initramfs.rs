@@ -5,6 +5,12 @@
 //! With a packaged kernel, its modules (`lib/modules/*.ko` and the load order the agent reads,
 //! see [`super::modules`]) come along.
 //!
+//! `/init` is the binary without its symbol table (`strip --strip-all` of a copy; the host's
+//! binary keeps its symbols, and an address from the guest resolves against it): an initramfs
+//! file lives in guest RAM for the VM's whole life, so every byte of it is in every sandbox's
+//! memory and is written by every snapshot and copied by every restore and fork. 27.3 ->
+//! 23.3 MB at the time of writing.
+//!
 //! Cache key = sha256(layout version, binary, modules). Deterministic: fixed inode numbers,
 //! mtime 0.
 
@@ -16,7 +22,7 @@ use std::io::Write;
 use std::path::Path;
 
 /// Bump when the layout below changes.
-const LAYOUT_VERSION: &str = "initramfs-1";
+const LAYOUT_VERSION: &str = "initramfs-2-stripped-init";
 pub const FILE: &str = "initramfs.cpio.gz";
 
 const S_IFDIR: u32 = 0o040000;
@@ -118,6 +124,7 @@ pub fn build(cache: &Cache, binary: &Path, modules: Option<&Path>) -> Result<Ent
         Begin::Build(p) => p,
         Begin::Done(e) => return Ok(e),
     };
+    let init = stripped(&init, &pending.dir)?;
     let path = pending.dir.join(FILE);
     let file = std::fs::File::create(&path)?;
     let file = write_archive(&init, &mods, std::io::BufWriter::new(file))?;
@@ -130,6 +137,27 @@ pub fn build(cache: &Cache, binary: &Path, modules: Option<&Path>) -> Result<Ent
     let entry = pending.commit(FILE, sha, elapsed, extra)?;
     step.done(&format!("{} bytes", entry.meta.size));
     Ok(entry)
+}
+
+/// `binary` without symbols or debug sections (`strip --strip-all`, binutils), by way of two
+/// scratch files in `dir`.
+fn stripped(binary: &[u8], dir: &Path) -> Result<Vec<u8>> {
+    let (full, out) = (dir.join("init.full"), dir.join("init.stripped"));
+    std::fs::write(&full, binary)?;
+    let st = std::process::Command::new("strip")
+        .arg("--strip-all")
+        .arg("-o")
+        .arg(&out)
+        .arg(&full)
+        .status()
+        .context("running strip (binutils)")?;
+    if !st.success() {
+        anyhow::bail!("strip --strip-all failed on the guest agent's binary ({st})");
+    }
+    let s = std::fs::read(&out)?;
+    std::fs::remove_file(&full)?;
+    std::fs::remove_file(&out)?;
+    Ok(s)
 }
 
 fn sha2_of(b: &[u8]) -> Vec<u8> {
