@@ -81,7 +81,8 @@ impl Setup {
         c.output().unwrap()
     }
 
-    fn install(&self, extra: &[&str]) -> String {
+    /// `tryboxi install` of the test's artifacts into its destdir, whatever its exit status.
+    fn install_output(&self, extra: &[&str]) -> Output {
         let a = self.artifacts.to_str().unwrap();
         let d = self.destdir.to_str().unwrap();
         let mut args = vec![
@@ -94,7 +95,11 @@ impl Setup {
             d,
         ];
         args.extend_from_slice(extra);
-        ok(self.run(&args))
+        self.run(&args)
+    }
+
+    fn install(&self, extra: &[&str]) -> String {
+        ok(self.install_output(extra))
     }
 
     fn uninstall(&self, extra: &[&str]) -> Output {
@@ -558,17 +563,7 @@ fn a_failing_service_manager_is_reported_with_the_manual_way() {
     std::fs::create_dir_all(s.staged("/var/lib/systemd/linger")).unwrap();
     std::fs::write(s.staged(&format!("/var/lib/systemd/linger/{user}")), "").unwrap();
     s.env.push(("TRYBOXI_SYSTEMCTL".into(), failing));
-    let a = s.artifacts.to_str().unwrap().to_owned();
-    let d = s.destdir.to_str().unwrap().to_owned();
-    let out = s.run(&[
-        "install",
-        "--artifacts",
-        &a,
-        "--prefix",
-        PREFIX,
-        "--destdir",
-        &d,
-    ]);
+    let out = s.install_output(&[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
@@ -633,18 +628,7 @@ fn a_damaged_set_a_layer_uses_is_not_replaced_under_it() {
     let layer = layer_over(&set.join("rootfs.ext4"), &sbx);
     // Damaged: its initramfs is gone (the sources are intact).
     std::fs::remove_file(set.join("initramfs.cpio.gz")).unwrap();
-    let a = s.artifacts.to_str().unwrap().to_owned();
-    let d = s.destdir.to_str().unwrap().to_owned();
-    let out = s.run(&[
-        "install",
-        "--artifacts",
-        &a,
-        "--prefix",
-        PREFIX,
-        "--destdir",
-        &d,
-        "--no-service",
-    ]);
+    let out = s.install_output(&["--no-service"]);
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(layer.to_str().unwrap()), "{err}");
