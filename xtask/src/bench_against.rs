@@ -204,12 +204,14 @@ fn shared_images(old: &Path, new: &Path, dir: &Path) -> Result<()> {
             .with_context(|| format!("no {name} in a manifest"))
     };
     let mut artifacts = Vec::new();
-    for (name, from) in [("kernel", &nm), ("rootfs", &nm), ("initramfs", &om)] {
-        let e = entry(from, name)?;
+    for (name, manifest, dir) in [
+        ("kernel", &nm, new),
+        ("rootfs", &nm, new),
+        ("initramfs", &om, old),
+    ] {
+        let e = entry(manifest, name)?;
         let file = e["file"].as_str().context("an artifact without a file")?;
-        let src = if std::ptr::eq(from, &nm) { new } else { old }
-            .join("images")
-            .join(file);
+        let src = dir.join("images").join(file);
         let dst = images.join(file);
         if std::fs::hard_link(&src, &dst).is_err() {
             std::fs::copy(&src, &dst).with_context(|| format!("copying {}", src.display()))?;
@@ -618,4 +620,59 @@ fn section(
         )?;
     }
     Ok(md)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake image set: each artifact's file holds `tag/name`.
+    fn set(dir: &Path, tag: &str, names: &[&str]) {
+        let images = dir.join("images");
+        std::fs::create_dir_all(&images).unwrap();
+        let mut artifacts = Vec::new();
+        let mut recipes = serde_json::Map::new();
+        for n in names {
+            let file = format!("{n}.bin");
+            std::fs::write(images.join(&file), format!("{tag}/{n}")).unwrap();
+            artifacts.push(serde_json::json!({"name": n, "file": file, "sha256": tag}));
+            recipes.insert((*n).into(), format!("{tag}-{n}").into());
+        }
+        let m = serde_json::json!({"version": 1, "kernel_version": tag, "artifacts": artifacts, "recipes": recipes});
+        std::fs::write(images.join("manifest.json"), m.to_string()).unwrap();
+    }
+
+    #[test]
+    fn the_old_build_gets_its_initramfs_with_the_new_kernel_and_rootfs() {
+        let t = tempfile::tempdir().unwrap();
+        let (old, new, out) = (
+            t.path().join("old"),
+            t.path().join("new"),
+            t.path().join("out"),
+        );
+        set(
+            &old,
+            "old",
+            &["kernel", "rootfs", "initramfs", "template.go"],
+        );
+        set(&new, "new", &["kernel", "rootfs", "initramfs"]);
+        shared_images(&old, &new, &out).unwrap();
+        let images = out.join("images");
+        let m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(images.join("manifest.json")).unwrap()).unwrap();
+        let names: Vec<&str> = m["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["kernel", "rootfs", "initramfs"]);
+        for (n, tag) in [("kernel", "new"), ("rootfs", "new"), ("initramfs", "old")] {
+            let body = std::fs::read_to_string(images.join(format!("{n}.bin"))).unwrap();
+            assert_eq!(body, format!("{tag}/{n}"));
+            assert_eq!(m["recipes"][n], format!("{tag}-{n}"));
+        }
+        assert_eq!(m["kernel_version"], "new");
+        assert!(m["recipes"].get("template.go").is_none(), "{m}");
+    }
 }
