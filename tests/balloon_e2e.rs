@@ -222,35 +222,49 @@ fn memory_a_guest_frees_goes_back_to_the_host() {
     assert_eq!((code, out.trim()), (Some(0), "268435456"));
 }
 
-/// The discard trap's listener lives in a keeper process of its own, not in the daemon: a QEMU
-/// the next daemon adopts (the first one SIGKILLed) still gives freed memory back.
+/// The discard trap's listener lives in the keeper (one process for all of a daemon's QEMUs),
+/// not in the daemon: a QEMU the next daemon adopts (the first one SIGKILLed) still gives freed
+/// memory back, and that keeper goes once the last QEMU it held is gone.
 #[test]
 fn memory_goes_back_after_a_daemon_restart_too() {
     let Some(mut d) = vm_daemon(CFG) else { return };
     let ws = tempfile::tempdir().unwrap();
     let id = create(&d, ws.path());
     let pid = qemu_pid(&d, &id);
-    let keeper = format!("tryboxi-discard-keeper {pid} ");
-    let keepers = || {
+    // `tryboxi-discard-keeper DATA_ROOT`, NUL-separated.
+    let cmdline = format!("tryboxi-discard-keeper\0{}\0", d.root().display());
+    let keepers = || -> Vec<u32> {
         std::fs::read_dir("/proc")
             .unwrap()
             .flatten()
-            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
-            .filter(|c| c.starts_with(&keeper))
-            .count()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|p| {
+                std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c == cmdline.as_bytes())
+            })
+            .collect()
     };
-    assert_eq!(keepers(), 1, "one keeper for QEMU {pid}");
+    let first = keepers();
+    assert_eq!(
+        first.len(),
+        1,
+        "one keeper for the daemon's QEMUs: {first:?}"
+    );
     d.kill();
     d.respawn();
     assert_eq!(sh_out(&d, &id, "echo adopted").1, "adopted\n");
     assert_eq!(qemu_pid(&d, &id), pid, "the same QEMU, adopted");
+    assert!(
+        keepers().contains(&first[0]),
+        "the first daemon's keeper did not outlive it"
+    );
     assert_memory_goes_back(&d, &id, "after a daemon restart, ");
-    // The keeper goes with its QEMU.
+    // The first daemon's keeper goes with the last QEMU it held.
     let o = d.cli(&["rm", &id]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(
-        poll(Duration::from_secs(10), || (keepers() == 0).then_some(())).is_some(),
-        "the keeper outlived its QEMU"
+        poll(Duration::from_secs(10), || (!keepers().contains(&first[0]))
+            .then_some(()))
+        .is_some(),
+        "the keeper outlived the last QEMU it held"
     );
 }

@@ -229,6 +229,7 @@ impl Service {
             config.telemetry.vm_log_max_bytes,
             config.limits.reserve_ram_on_disk,
             config.limits.disk_budget(),
+            &paths.root,
         );
         let limits = &config.limits;
         let ledger = scheduler::Ledger::new(

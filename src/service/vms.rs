@@ -38,6 +38,7 @@ impl Vms {
         log_cap: u64,
         reserve_ram: bool,
         disk_budget: Option<u64>,
+        data_root: &std::path::Path,
     ) -> Vms {
         let driver = QemuDriver::new(qemu_binary)
             .map(|d| {
@@ -45,7 +46,8 @@ impl Vms {
                     d.with_boot_timeout(boot_timeout)
                         .with_log_cap(log_cap)
                         .with_ram_reserve(reserve_ram)
-                        .with_disk_budget(disk_budget),
+                        .with_disk_budget(disk_budget)
+                        .with_data_root(data_root),
                 )
             })
             .map_err(|e| e.to_string());

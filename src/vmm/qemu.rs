@@ -217,6 +217,8 @@ pub struct QemuDriver {
     reserve_ram: bool,
     /// The disk budget of each writable root layer in bytes (see [`budget`]); `None`: none.
     disk_budget: Option<u64>,
+    /// The data root, named on the discard keeper's command line (see [`discard::keeper`]).
+    data_root: PathBuf,
 }
 
 impl QemuDriver {
@@ -257,6 +259,7 @@ impl QemuDriver {
             jail,
             reserve_ram: true,
             disk_budget: None,
+            data_root: PathBuf::from("-"),
         })
     }
 
@@ -272,6 +275,13 @@ impl QemuDriver {
     /// `<name>.1` past it).
     pub fn with_log_cap(mut self, bytes: u64) -> Self {
         self.log_cap = bytes.max(logs::MIN_CAP);
+        self
+    }
+
+    /// The daemon's data root: the discard keeper names it on its command line (`ps` shows
+    /// which daemon's QEMUs it serves).
+    pub fn with_data_root(mut self, root: &Path) -> Self {
+        self.data_root = root.to_owned();
         self
     }
 
@@ -478,7 +488,7 @@ impl QemuDriver {
         if let Some((trap, ram)) = trap {
             match trap.listener() {
                 Ok(l) => {
-                    if let Err(e) = discard::keep(l, pid, ram) {
+                    if let Err(e) = discard::keeper::keep(l, pid, ram, &self.data_root) {
                         tracing::warn!(pid, error = %e, "cannot serve the discard trap: the guest's discards fail and its memory stays");
                     }
                 }

@@ -47,7 +47,7 @@ pub struct DensityRows {
     pub create_time: Duration,
     pub qemus: usize,
     pub pss_kib: u64,
-    /// The discard keepers of those QEMUs (one per VM that owns its RAM file) and their PSS.
+    /// The discard keepers of those QEMUs (one per daemon run) and their PSS.
     pub keepers: usize,
     pub keepers_pss_kib: u64,
     pub daemon_rss_kib: u64,
@@ -115,8 +115,8 @@ fn qemus_under(home: &Path) -> Vec<u32> {
     })
 }
 
-/// The discard keepers (`tryboxi-discard-keeper PID RAM`, one per QEMU that owns its RAM
-/// file) of the VMs under `home`.
+/// The discard keepers (`tryboxi-discard-keeper DATA_ROOT`: one per daemon run, serving every
+/// QEMU it started that owns its RAM file) of the daemon whose data root is `home`.
 fn keepers_under(home: &Path) -> Vec<u32> {
     procs_under(home, |c| c.starts_with(b"tryboxi-discard-keeper\0"))
 }

@@ -18,18 +18,18 @@
 //! (`SECCOMP_USER_NOTIF_FLAG_CONTINUE`), and so does the RAM file's where the filesystem has no
 //! zero range (tmpfs; the usage sampler's re-reserve covers it there, as before).
 //!
-//! The listener is held by a keeper process per QEMU ([`keep`]: this binary again, under the
-//! name [`KEEPER_NAME`], in a session of its own), not by the daemon, so it outlives a daemon
-//! restart: a QEMU the next daemon adopts keeps giving freed memory back. The keeper exits when
-//! its QEMU does; a keeper killed (or never started) leaves the trapped call failing (ENOSYS):
+//! The listener is held by the keeper ([`keeper`]: one process for all the QEMUs of a daemon,
+//! this binary again under the name [`KEEPER_NAME`], in a session of its own), not by the
+//! daemon, so it outlives a daemon restart: a QEMU the next daemon adopts keeps giving freed
+//! memory back. A keeper killed (or never started) leaves the trapped call failing (ENOSYS):
 //! QEMU's discards fail (it logs them) and the reserve holds, but the memory the guest frees is
 //! not given back until the VM's next start (resume, restore).
 //! Where the filter cannot be installed (a kernel before 5.9, no seccomp), QEMU punches as
 //! before. This is not a security fence: QEMU's own seccomp filter is that; a QEMU taken over
 //! by its guest can only make its own discards fail.
 //!
-//! Owns: the filter, its installation in the child, the listener's hand-over, and the keeper
-//! process that answers one QEMU's trapped calls.
+//! Owns: the filter, its installation in the child, the listener's hand-over, and the answer
+//! to one QEMU's trapped call ([`Watched`]; the keeper's loop runs many).
 //! Never: any other system call of QEMU's, or a file other than the one it is asked about.
 
 use std::io;
@@ -272,165 +272,13 @@ pub(crate) fn probe(dir: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
-/// argv[0] of the keeper process (`lib.rs` dispatches on it).
-pub const KEEPER_NAME: &str = "tryboxi-discard-keeper";
-/// The keeper gets the listener on its stdin and QEMU's pidfd on this descriptor.
-const KEEPER_PIDFD: RawFd = 3;
+pub(crate) mod keeper;
 
-/// Answer the trapped calls of the QEMU `pid` on `listener` (see the module doc) until it
-/// exits, from a keeper process of its own (this binary again, as [`KEEPER_NAME`]) that
-/// outlives the daemon: a QEMU adopted by the next daemon keeps giving freed memory back.
-/// `ram` is the VM's RAM file.
-pub(crate) fn keep(listener: OwnedFd, pid: u32, ram: PathBuf) -> io::Result<()> {
-    if !keeper_may_fetch() {
-        // A thread of the daemon (QEMU's parent may fetch its descriptors): QEMU's freed
-        // memory is given back while this daemon runs, not after a restart.
-        return serve(listener, pid, ram);
-    }
-    // Opened while QEMU is our unreaped child: the pid is QEMU's.
-    let Some(pidfd) = crate::vmm::pidfd::Pidfd::open(pid)? else {
-        return Ok(());
-    };
-    // Started off the launch path (a restore does not wait for an exec): QEMU's trapped calls
-    // wait in the listener's queue meanwhile. The keeper forks at once and its first process
-    // exits, so this thread ends within milliseconds.
-    std::thread::Builder::new()
-        .name(format!("discard-keeper-{pid}"))
-        .stack_size(64 * 1024)
-        .spawn(move || match spawn_keeper(&listener, &pidfd, &ram) {
-            Ok(mut child) => {
-                drop((listener, pidfd));
-                let _ = child.wait();
-                tracing::debug!(pid, "discard keeper started");
-            }
-            Err(e) => {
-                tracing::warn!(pid, error = %e, "cannot start the discard keeper: a daemon thread answers (until a restart)");
-                Server {
-                    listener,
-                    pidfd,
-                    ram,
-                    ram_id: None,
-                    zeroed: 0,
-                }
-                .run();
-            }
-        })?;
-    Ok(())
-}
+pub use keeper::{KEEPER_NAME, keeper_main};
 
-/// `/proc/self/exe` as [`KEEPER_NAME`] `PID RAM`, with a copy of `listener` on its stdin and
-/// of `pidfd` on [`KEEPER_PIDFD`], in a session of its own.
-fn spawn_keeper(
-    listener: &OwnedFd,
-    pidfd: &crate::vmm::pidfd::Pidfd,
-    ram: &std::path::Path,
-) -> io::Result<std::process::Child> {
-    use std::os::unix::process::CommandExt as _;
-    let raw = pidfd.as_raw_fd();
-    let mut cmd = std::process::Command::new("/proc/self/exe");
-    cmd.arg0(KEEPER_NAME)
-        .arg(pidfd.pid().to_string())
-        .arg(ram)
-        .stdin(std::process::Stdio::from(listener.try_clone()?))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
-    // SAFETY: the closure runs in the forked child before exec and only calls fcntl(2),
-    // dup2(2) and setsid(2) (async-signal-safe) on a descriptor number taken before the fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            let r = if raw == KEEPER_PIDFD {
-                libc::fcntl(raw, libc::F_SETFD, 0)
-            } else {
-                libc::dup2(raw, KEEPER_PIDFD)
-            };
-            // Its own session, as QEMU's: a signal to the daemon's group does not reach it.
-            if r < 0 || libc::setsid() < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd.spawn()
-}
-
-/// The keeper process: `KEEPER_NAME PID RAM`, the listener on stdin and QEMU's pidfd on
-/// [`KEEPER_PIDFD`] (both checked to be what they claim). Detaches (fork; the first process
-/// exits) and answers QEMU's trapped calls until QEMU is gone.
-pub fn keeper_main() -> std::process::ExitCode {
-    use std::process::ExitCode;
-    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let pid = args
-        .get(1)
-        .and_then(|a| a.to_str())
-        .and_then(|a| a.parse::<u32>().ok());
-    let (Some(pid), Some(ram), 3) = (pid, args.get(2), args.len()) else {
-        eprintln!("usage: {KEEPER_NAME} PID RAM_FILE (started by the tryboxi daemon)");
-        return ExitCode::from(2);
-    };
-    let link = |fd: RawFd| {
-        std::fs::read_link(format!("/proc/self/fd/{fd}"))
-            .map(|l| l.to_string_lossy().into_owned())
-            .unwrap_or_default()
-    };
-    if link(0) != "anon_inode:seccomp notify" || !link(KEEPER_PIDFD).contains("pidfd") {
-        eprintln!("{KEEPER_NAME}: descriptors 0 and 3 must be a seccomp listener and a pidfd");
-        return ExitCode::from(2);
-    }
-    // SAFETY: checked above to be open and of the kinds handed over; nothing else in this
-    // process owns them.
-    let (listener, pidfd) =
-        unsafe { (OwnedFd::from_raw_fd(0), OwnedFd::from_raw_fd(KEEPER_PIDFD)) };
-    // SAFETY: fork in a process with one thread (nothing was started yet).
-    match unsafe { libc::fork() } {
-        -1 => return ExitCode::FAILURE,
-        0 => {}
-        _ => return ExitCode::SUCCESS,
-    }
-    let mut s = Server {
-        listener,
-        pidfd: crate::vmm::pidfd::Pidfd::from_owned(pidfd, pid),
-        ram: PathBuf::from(ram),
-        ram_id: None,
-        zeroed: 0,
-    };
-    s.run();
-    ExitCode::SUCCESS
-}
-
-/// Whether a keeper (not an ancestor of QEMU) may `pidfd_getfd` from QEMU: always as root
-/// (`CAP_SYS_PTRACE`); as another user only where Yama does not restrict ptrace to
-/// descendants (`kernel.yama.ptrace_scope` absent or 0).
-fn keeper_may_fetch() -> bool {
-    // SAFETY: geteuid has no arguments and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").map_or(true, |s| s.trim() == "0")
-}
-
-/// [`keep`] on a thread of this process: where a keeper could not fetch QEMU's descriptors,
-/// and in the unit tests (whose binary is not tryboxi).
-pub(crate) fn serve(listener: OwnedFd, pid: u32, ram: PathBuf) -> io::Result<()> {
-    let Some(pidfd) = crate::vmm::pidfd::Pidfd::open(pid)? else {
-        return Ok(());
-    };
-    std::thread::Builder::new()
-        .name(format!("qemu-discard-{pid}"))
-        .stack_size(64 * 1024)
-        .spawn(move || {
-            let mut s = Server {
-                listener,
-                pidfd,
-                ram,
-                ram_id: None,
-                zeroed: 0,
-            };
-            s.run();
-        })?;
-    Ok(())
-}
-
-struct Server {
+/// One QEMU's trapped calls: its listener, its pidfd and its RAM file (the keeper answers many
+/// of these from one loop, see [`keeper`]).
+pub(crate) struct Watched {
     listener: OwnedFd,
     pidfd: crate::vmm::pidfd::Pidfd,
     ram: PathBuf,
@@ -450,74 +298,72 @@ enum Answer {
     Gone,
 }
 
-impl Server {
-    fn run(&mut self) {
-        loop {
-            let mut fds = [
-                libc::pollfd {
-                    fd: self.listener.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
-                libc::pollfd {
-                    fd: self.pidfd.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
-            ];
-            // SAFETY: poll reads and writes the two pollfds on this frame.
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-            if r < 0 {
-                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return;
-            }
-            // QEMU gone (its pidfd readable), or no task left under the filter.
-            if fds[1].revents != 0 || fds[0].revents & (libc::POLLHUP | libc::POLLERR) != 0 {
-                return;
-            }
-            if fds[0].revents & libc::POLLIN == 0 {
-                continue;
-            }
-            // SAFETY: seccomp_notif is plain data; the kernel wants it zeroed.
-            let mut req: libc::seccomp_notif = unsafe { std::mem::zeroed() };
-            // SAFETY: NOTIF_RECV fills the struct it points to.
-            let r = unsafe {
-                libc::ioctl(
-                    self.listener.as_raw_fd(),
-                    libc::SECCOMP_IOCTL_NOTIF_RECV,
-                    &mut req,
-                )
-            };
-            if r < 0 {
-                match io::Error::last_os_error().raw_os_error() {
-                    // Interrupted, or the caller went away before we read it.
-                    Some(libc::EINTR | libc::ENOENT) => continue,
-                    _ => return,
-                }
-            }
-            let mut resp = libc::seccomp_notif_resp {
-                id: req.id,
-                val: 0,
-                error: 0,
-                flags: 0,
-            };
-            match self.answer(&req) {
-                Answer::Gone => continue,
-                Answer::Continue => resp.flags = libc::SECCOMP_USER_NOTIF_FLAG_CONTINUE as u32,
-                Answer::Result(e) => resp.error = e,
-            }
-            // SAFETY: NOTIF_SEND reads the struct it points to. ENOENT (the call is gone) is
-            // not ours to handle.
-            unsafe {
-                libc::ioctl(
-                    self.listener.as_raw_fd(),
-                    libc::SECCOMP_IOCTL_NOTIF_SEND,
-                    &mut resp,
-                );
-            }
+impl Watched {
+    pub(crate) fn new(listener: OwnedFd, pidfd: crate::vmm::pidfd::Pidfd, ram: PathBuf) -> Self {
+        Watched {
+            listener,
+            pidfd,
+            ram,
+            ram_id: None,
+            zeroed: 0,
         }
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.pidfd.pid()
+    }
+
+    /// The listener (readable: a trapped call waits; hung up: no task left under the filter).
+    pub(crate) fn listener_fd(&self) -> RawFd {
+        self.listener.as_raw_fd()
+    }
+
+    /// QEMU's pidfd (readable once QEMU has exited).
+    pub(crate) fn pidfd_fd(&self) -> RawFd {
+        self.pidfd.as_raw_fd()
+    }
+
+    /// The listener is readable: take one trapped call and answer it. `false` when the
+    /// listener is broken (nothing more will come through it).
+    pub(crate) fn answer_one(&mut self) -> bool {
+        // SAFETY: seccomp_notif is plain data; the kernel wants it zeroed.
+        let mut req: libc::seccomp_notif = unsafe { std::mem::zeroed() };
+        // SAFETY: NOTIF_RECV fills the struct it points to.
+        let r = unsafe {
+            libc::ioctl(
+                self.listener.as_raw_fd(),
+                libc::SECCOMP_IOCTL_NOTIF_RECV,
+                &mut req,
+            )
+        };
+        if r < 0 {
+            // Interrupted, or the caller went away before we read it: the listener is fine.
+            return matches!(
+                io::Error::last_os_error().raw_os_error(),
+                Some(libc::EINTR | libc::ENOENT)
+            );
+        }
+        let mut resp = libc::seccomp_notif_resp {
+            id: req.id,
+            val: 0,
+            error: 0,
+            flags: 0,
+        };
+        match self.answer(&req) {
+            Answer::Gone => return true,
+            Answer::Continue => resp.flags = libc::SECCOMP_USER_NOTIF_FLAG_CONTINUE as u32,
+            Answer::Result(e) => resp.error = e,
+        }
+        // SAFETY: NOTIF_SEND reads the struct it points to. ENOENT (the call is gone) is
+        // not ours to handle.
+        unsafe {
+            libc::ioctl(
+                self.listener.as_raw_fd(),
+                libc::SECCOMP_IOCTL_NOTIF_SEND,
+                &mut resp,
+            );
+        }
+        true
     }
 
     fn answer(&mut self, req: &libc::seccomp_notif) -> Answer {
@@ -593,6 +439,7 @@ impl Server {
 
 #[cfg(test)]
 mod tests {
+    use super::keeper::serve;
     use super::*;
     use std::io::{Read, Seek, SeekFrom, Write};
     use std::os::unix::fs::MetadataExt;

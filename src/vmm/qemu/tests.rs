@@ -205,6 +205,7 @@ async fn reused_pid_is_not_alive_and_is_never_killed() {
         ))),
         reserve_ram: true,
         disk_budget: None,
+        data_root: t.path().to_owned(),
     };
     assert!(!d.is_alive(&vm));
     d.kill(&vm).await.expect("kill is a no-op");
