@@ -316,14 +316,20 @@ impl QemuDriver {
     /// [`Self::with_ram_reserve`]). Before the fences of a fresh file: the jail gives the file
     /// to the VM user as it finds it.
     fn reserve_owned_ram(&self, spec: &VmSpec, paths: &VmPaths) -> Result<(), VmmError> {
-        if self.reserve_ram
-            && let RamBacking::Owned(ram) = &paths.ram
-            && let Err(e) = ramfile::preallocate(ram, u64::from(spec.memory_mib) << 20)
-        {
-            ramfile::release_reserve(ram);
-            return Err(e);
+        match self.owned_ram_to_reserve(spec, paths) {
+            Some((ram, size)) => reserve_or_release(&ram, size),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// The VM's own RAM file and its size when its blocks are to be reserved.
+    fn owned_ram_to_reserve(&self, spec: &VmSpec, paths: &VmPaths) -> Option<(PathBuf, u64)> {
+        match &paths.ram {
+            RamBacking::Owned(ram) if self.reserve_ram => {
+                Some((ram.clone(), u64::from(spec.memory_mib) << 20))
+            }
+            _ => None,
+        }
     }
 
     /// How `vm`'s QEMU ended, if this daemon started it and it has exited (waiting up to
@@ -748,4 +754,12 @@ pub use snapshot::{Checkpoint, RAM_FILE, Resumed};
 /// The backing file of the qcow2 layer `layer` (see [`budget::backing_of`]).
 pub fn layer_backing(layer: &Path) -> Option<PathBuf> {
     budget::backing_of(layer)
+}
+
+/// Reserve the blocks of the RAM file `ram` (`size` bytes, see [`ramfile::preallocate`]); on
+/// failure give back what was reserved.
+fn reserve_or_release(ram: &Path, size: u64) -> Result<(), VmmError> {
+    ramfile::preallocate(ram, size).map(drop).inspect_err(|_| {
+        ramfile::release_reserve(ram);
+    })
 }

@@ -310,6 +310,8 @@ impl QemuDriver {
         let (pid, exited) = self.spawn_detached(&spec, paths, Some(state), &args)?;
         let spawned_ms = t0.elapsed().as_millis() as u64;
         let info = paths.info(&spec, pid);
+        // The RAM reserve made while the state loads (see below); waited for on every way out.
+        let mut reserving: Option<tokio::task::JoinHandle<Result<(), VmmError>>> = None;
         let res = async {
             let qmp = connect_until(&paths.qmp, &exited, paths).await?;
             let launched_ms = t0.elapsed().as_millis() as u64;
@@ -317,13 +319,20 @@ impl QemuDriver {
                 let bytes = f.wait().await?;
                 tracing::debug!(vm = %spec.id, spawned_ms, launched_ms, ram_ready_ms = t0.elapsed().as_millis() as u64, ram_copied_mib = bytes >> 20, "restore: QEMU up, RAM in place");
             }
-            if let Some(gone) = old_gone {
-                // Err only says the sender is dropped: the old VM is gone either way.
-                let _ = gone.await;
-                let gone_ms = t0.elapsed().as_millis() as u64;
-                self.reserve_owned_ram(&spec, paths)?;
-                tracing::debug!(vm = %spec.id, gone_ms, reserved_ms = t0.elapsed().as_millis() as u64, "restore: old VM gone, RAM reserved");
-            }
+            // Once the old VM is gone, its RAM file's blocks are free again: the new file's are
+            // reserved on a blocking thread while QEMU loads the device state (which writes no
+            // RAM: the RAM is in place), and waited for before the guest runs.
+            reserving = match old_gone {
+                Some(gone) => {
+                    // Err only says the sender is dropped: the old VM is gone either way.
+                    let _ = gone.await;
+                    tracing::debug!(vm = %spec.id, gone_ms = t0.elapsed().as_millis() as u64, "restore: old VM gone");
+                    self.owned_ram_to_reserve(&spec, paths).map(|(ram, size)| {
+                        tokio::task::spawn_blocking(move || super::reserve_or_release(&ram, size))
+                    })
+                }
+                None => None,
+            };
             if ignore_shared {
                 qmp.migrate_set_capabilities(&[("x-ignore-shared", true)])
                     .await?;
@@ -331,12 +340,21 @@ impl QemuDriver {
             qmp.migrate_incoming(&format!("file:{}", state.display()))
                 .await?;
             wait_incoming(&qmp, &exited, paths).await?;
+            if let Some(r) = reserving.take() {
+                r.await.map_err(|e| VmmError::Other(format!("RAM reserve: {e}")))??;
+                tracing::debug!(vm = %spec.id, reserved_ms = t0.elapsed().as_millis() as u64, "restore: RAM reserved");
+            }
             let agent = connect_agent_early(&qmp, &paths.agent).await;
             qmp.cont().await?;
             write_vm_json(paths, &info)?;
             Ok(agent)
         }
         .await;
+        if let Some(r) = reserving {
+            // A failed start: let the reserve end (or give itself back) before the caller
+            // can try again on the same file.
+            let _ = r.await;
+        }
         let agent = match res {
             Ok(a) => a,
             Err(e) => {
