@@ -33,6 +33,25 @@ fn seek(f: &File, off: u64, whence: libc::c_int) -> std::io::Result<Option<u64>>
 
 /// Copy `len` bytes at `off` from `src` to the same offset in `dst`.
 fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> std::io::Result<()> {
+    // The range's blocks first, as unwritten extents (the same blocks the copy takes anyway):
+    // writes into allocated blocks skip ext4's per-page delayed allocation. Measured on a
+    // 68 MiB RAM file of 1,238 extents: 30-40 instead of 33-43 ms of CPU. Where the file
+    // system cannot (EOPNOTSUPP), the copy allocates as it goes.
+    // SAFETY: fallocate on a descriptor we own, with integers.
+    let r = unsafe {
+        libc::fallocate(
+            dst.as_raw_fd(),
+            libc::FALLOC_FL_KEEP_SIZE,
+            off as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
+            return Err(e);
+        }
+    }
     let mut done = 0u64;
     while done < len {
         let mut in_off = (off + done) as libc::loff_t;
