@@ -677,8 +677,13 @@ fn a_guest_writing_past_its_disk_budget_gets_io_errors_and_the_layer_stays_withi
 
     // A restore abandons the filled layer: it is deleted (restore after restore must not
     // pile layers up), and the new layer again gets what the snapshot's layer leaves.
+    // The deletion runs after the restore has answered: waited for, bounded.
     let o = d.cli(&["restore", &id, &snap]);
     assert!(o.status.success(), "{o:?}\n{}", d.log_tail(40));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while active.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert!(
         !active.exists(),
         "{} was kept:\n{}",

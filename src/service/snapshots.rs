@@ -8,7 +8,7 @@
 //! After a restore the agent channel is reconnected at once; commands that were running on the
 //! old connection end with an `error` event (their host side is gone), never a hang.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -257,18 +257,19 @@ impl Service {
         if was_paused {
             super::pause::keep_paused_ram_apart(&rec)?;
         }
-        // The layer the sandbox writes now: after the restore nothing refers to it.
-        let old_top = match &old {
-            Some(vm) => driver.active_layer(&vm.info).await.ok(),
-            None if was_paused => super::pause::paused_layer(&rec),
-            None => None,
+        // The layer the sandbox writes now: after the restore nothing refers to it (a running
+        // VM's is asked of its QEMU by the driver, just before the kill).
+        let paused_top = if was_paused {
+            super::pause::paused_layer(&rec)
+        } else {
+            None
         };
         let t0 = Instant::now();
         // `reboot`: the snapshot's disk alone, booted afresh (its state files stay).
         let mut cp = snap.checkpoint.clone();
         cp.disk_only |= req.reboot;
         let restored = async {
-            let started = driver
+            let mut started = driver
                 .restore(&spec, &cp, &overlay, old.as_ref().map(|vm| &vm.info))
                 .await
                 .map_err(|e| {
@@ -289,6 +290,7 @@ impl Service {
                     )
                 })?;
             let vm_ms = t0.elapsed().as_millis() as u64;
+            let replaced = started.replaced_layer.take();
             let (info, agent) =
                 agent_or_kill(&driver, started, "restored", self.agent_deadlines()).await?;
             // The VM runs on the checkpoint's time until told the host's.
@@ -297,11 +299,12 @@ impl Service {
                 LiveVm { info, agent },
                 vm_ms,
                 t0.elapsed().as_millis() as u64,
+                replaced,
             ))
         }
         .await;
         match restored {
-            Ok((vm, vm_ms, agent_ms)) => {
+            Ok((vm, vm_ms, agent_ms, replaced)) => {
                 let saved = rec
                     .dir
                     .join("snapshots")
@@ -321,7 +324,7 @@ impl Service {
                 {
                     tracing::warn!(sandbox = %id, error = %e, "cannot delete the old pause state");
                 }
-                if let Some(old_top) = old_top {
+                if let Some(old_top) = replaced.or(paused_top) {
                     self.drop_abandoned_layer(&rec, &old_top, &overlay);
                 }
                 tracing::info!(sandbox = %id, snapshot = %snap.api.id, vm_ms, agent_ms, ms = t0.elapsed().as_millis() as u64, "sandbox restored");
@@ -367,44 +370,69 @@ impl Service {
     /// directory, is a snapshot's frozen layer, or another layer there names it as backing
     /// (each checked: the path came from QEMU or a pause record).
     fn drop_abandoned_layer(&self, rec: &super::SandboxRecord, old_top: &Path, overlay: &Path) {
-        let canon = |p: &Path| std::fs::canonicalize(p).ok();
-        let (Some(dir), Some(top)) = (canon(&rec.dir), canon(old_top)) else {
-            return;
-        };
-        let name = top.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if top.parent() != Some(dir.as_path())
-            || !name.starts_with("disk")
-            || !name.ends_with(".qcow2")
-            || canon(overlay).as_deref() == Some(top.as_path())
-        {
-            return;
-        }
-        let in_snapshot = self.snapshots_of(&rec.api.id).map_or(true, |snaps| {
+        // The snapshots' frozen layers are read here (the store); the file work (the layers'
+        // headers, the unlink of a layer that may hold gigabytes) on a blocking thread after
+        // the restore has answered: nothing the restored VM uses is touched.
+        let frozen: Option<Vec<PathBuf>> = self.snapshots_of(&rec.api.id).ok().map(|snaps| {
             snaps
                 .iter()
-                .any(|s| canon(&s.checkpoint.disk_layer).as_deref() == Some(top.as_path()))
+                .map(|s| s.checkpoint.disk_layer.clone())
+                .collect()
         });
-        let backs_another = std::fs::read_dir(&dir).map_or(true, |rd| {
-            rd.flatten().take(4096).any(|e| {
-                let p = e.path();
-                p != top
-                    && p.extension().is_some_and(|x| x == "qcow2")
-                    && crate::vmm::qemu::layer_backing(&p)
-                        .and_then(|b| canon(&b))
-                        .as_deref()
-                        == Some(top.as_path())
-            })
+        let (id, dir) = (rec.api.id.clone(), rec.dir.clone());
+        let (old_top, overlay) = (old_top.to_owned(), overlay.to_owned());
+        tokio::task::spawn_blocking(move || {
+            drop_layer_if_abandoned(&id, &dir, &old_top, &overlay, frozen.as_deref())
         });
-        if in_snapshot || backs_another {
-            return;
+    }
+}
+
+/// [`Service::drop_abandoned_layer`]'s file work; `frozen`: the snapshots' layers (`None`:
+/// unknown, so the layer stays).
+fn drop_layer_if_abandoned(
+    id: &str,
+    sandbox_dir: &Path,
+    old_top: &Path,
+    overlay: &Path,
+    frozen: Option<&[PathBuf]>,
+) {
+    let canon = |p: &Path| std::fs::canonicalize(p).ok();
+    let (Some(dir), Some(top)) = (canon(sandbox_dir), canon(old_top)) else {
+        return;
+    };
+    let name = top.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if top.parent() != Some(dir.as_path())
+        || !name.starts_with("disk")
+        || !name.ends_with(".qcow2")
+        || canon(overlay).as_deref() == Some(top.as_path())
+    {
+        return;
+    }
+    let in_snapshot = frozen.is_none_or(|layers| {
+        layers
+            .iter()
+            .any(|l| canon(l).as_deref() == Some(top.as_path()))
+    });
+    let backs_another = std::fs::read_dir(&dir).map_or(true, |rd| {
+        rd.flatten().take(4096).any(|e| {
+            let p = e.path();
+            p != top
+                && p.extension().is_some_and(|x| x == "qcow2")
+                && crate::vmm::qemu::layer_backing(&p)
+                    .and_then(|b| canon(&b))
+                    .as_deref()
+                    == Some(top.as_path())
+        })
+    });
+    if in_snapshot || backs_another {
+        return;
+    }
+    match crate::safefs::remove_under(sandbox_dir, &top) {
+        Ok(()) => {
+            tracing::info!(sandbox = %id, layer = %top.display(), "abandoned root layer deleted")
         }
-        match crate::safefs::remove_under(&rec.dir, &top) {
-            Ok(()) => {
-                tracing::info!(sandbox = %rec.api.id, layer = %top.display(), "abandoned root layer deleted")
-            }
-            Err(e) => {
-                tracing::warn!(sandbox = %rec.api.id, error = %e, "cannot delete an abandoned root layer")
-            }
+        Err(e) => {
+            tracing::warn!(sandbox = %id, error = %e, "cannot delete an abandoned root layer")
         }
     }
 }
@@ -428,7 +456,7 @@ async fn connect_checkpointed(
     started: Resumed,
     what: &str,
 ) -> Result<(crate::vmm::VmInfo, AgentClient), ServiceError> {
-    let Resumed { info, agent } = started;
+    let Resumed { info, agent, .. } = started;
     if let Some(early) = agent {
         let res = async {
             early.set_nonblocking(true)?;

@@ -201,6 +201,7 @@ async fn agent_timeout_s_is_the_deadline_of_a_restored_vms_agent() {
             console_log: dir.path().join("console.log"),
         },
         agent: Some(host),
+        replaced_layer: None,
     };
     let (_, agent) =
         super::super::snapshots::agent_or_kill(&driver, started, "restored", svc.agent_deadlines())

@@ -60,6 +60,9 @@ pub struct Resumed {
     /// [`QemuDriver::start_incoming`]); `None` when QEMU had not taken the connection by then.
     /// The driver never speaks the agent protocol: the caller does, on this stream.
     pub agent: Option<std::os::unix::net::UnixStream>,
+    /// The root layer the replaced VM wrote, asked of its QEMU just before the kill (a restore
+    /// over a running VM); `None` when nothing was replaced or its QEMU did not say.
+    pub replaced_layer: Option<PathBuf>,
 }
 
 /// How long a restore waits for QEMU to take the early agent connection before continuing
@@ -211,12 +214,15 @@ impl QemuDriver {
         // maps) is gone: both at once may not fit.
         let (gone_tx, gone_rx) = tokio::sync::oneshot::channel::<()>();
         let kill = async move {
-            let r = match replacing {
-                Some(old) => Self::kill_and_wait(old).await,
-                None => Ok(()),
+            let (r, layer) = match replacing {
+                Some(old) => {
+                    let layer = self.layer_before_kill(old).await;
+                    (Self::kill_and_wait(old).await, layer)
+                }
+                None => (Ok(()), None),
             };
             drop(gone_tx);
-            r
+            (r, layer)
         };
         let start = async {
             let prepared = self
@@ -244,13 +250,26 @@ impl QemuDriver {
                 .await
         };
         match tokio::join!(kill, start) {
-            (Ok(()), started) => started,
-            (Err(e), Ok(started)) => {
+            ((Ok(()), layer), started) => started.map(|mut r| {
+                r.replaced_layer = layer;
+                r
+            }),
+            ((Err(e), _), Ok(started)) => {
                 // Never two VMs of one sandbox: the old one would not go, so the new one goes.
                 let _ = Self::kill_and_wait(&started.info).await;
                 Err(e)
             }
-            (Err(_), Err(e)) => Err(e),
+            ((Err(_), _), Err(e)) => Err(e),
+        }
+    }
+
+    /// The root layer `old` writes, asked of its QEMU just before it is killed (bounded: a
+    /// QEMU that does not answer within [`QMP_TIMEOUT`] says nothing). Asked alongside the new
+    /// VM's launch rather than before the restore begins.
+    async fn layer_before_kill(&self, old: &VmInfo) -> Option<PathBuf> {
+        match tokio::time::timeout(QMP_TIMEOUT, self.active_layer(old)).await {
+            Ok(Ok(l)) => Some(l),
+            _ => None,
         }
     }
 
@@ -264,7 +283,9 @@ impl QemuDriver {
         overlay: &Path,
         replacing: Option<&VmInfo>,
     ) -> Result<Resumed, VmmError> {
+        let mut replaced_layer = None;
         if let Some(old) = replacing {
+            replaced_layer = self.layer_before_kill(old).await;
             Self::kill_and_wait(old).await?;
         }
         let spec = abs_spec(spec, abs(&spec.dir)?)?;
@@ -274,7 +295,11 @@ impl QemuDriver {
             VmPaths::for_checkpoint_start(&spec, overlay, None, cp.workspace_disk.as_deref())?;
         ramfile::remove(paths.ram.path())?;
         let info = self.launch_cold(&spec, &paths).await?;
-        Ok(Resumed { info, agent: None })
+        Ok(Resumed {
+            info,
+            agent: None,
+            replaced_layer,
+        })
     }
 
     /// Launch `spec`'s VM with `paths` (disk in place; RAM in place or, with `filling`, being
@@ -364,7 +389,11 @@ impl QemuDriver {
             }
         };
         tracing::info!(vm = %info.id, pid, restore_ms = t0.elapsed().as_millis() as u64, agent_early = agent.is_some(), "VM started from a state file");
-        Ok(Resumed { info, agent })
+        Ok(Resumed {
+            info,
+            agent,
+            replaced_layer: None,
+        })
     }
 }
 
