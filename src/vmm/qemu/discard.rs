@@ -95,22 +95,13 @@ pub(crate) struct DiscardTrap {
 
 impl DiscardTrap {
     pub(crate) fn new() -> io::Result<DiscardTrap> {
-        let mut fds = [0 as RawFd; 2];
-        // SAFETY: socketpair writes two descriptors into the array it is given.
-        let r = unsafe {
-            libc::socketpair(
-                libc::AF_UNIX,
-                libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-                0,
-                fds.as_mut_ptr(),
-            )
-        };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: both descriptors were just made and are owned by nothing else.
-        let (daemon_end, child_end) =
-            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+        let (daemon_end, child_end) = socketpair(
+            AddressFamily::Unix,
+            SockType::Datagram,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )?;
         Ok(DiscardTrap {
             daemon_end,
             child_end,
@@ -473,10 +464,9 @@ mod tests {
             .cached_pages
     }
 
-    /// `fallocate --punch-hole` (mode PUNCH_HOLE | KEEP_SIZE, QEMU's discard) of `len` bytes
-    /// at 0 of `file`, run under a trap whose listener is served for `ram` (or dropped when
-    /// `serve_it` is false). Its exit status.
-    fn punch_under_trap(file: &Path, len: u64, ram: &Path, serve_it: bool) -> bool {
+    /// `fallocate --punch-hole` of the first `len` bytes of `file` (QEMU's discard) in a child
+    /// under a trap: the running child and its trap's listener.
+    pub(super) fn trapped_punch(file: &Path, len: u64) -> (std::process::Child, OwnedFd) {
         let trap = DiscardTrap::new().unwrap();
         let child = trap.child_part();
         let mut cmd = std::process::Command::new("fallocate");
@@ -491,8 +481,16 @@ mod tests {
                 Ok(())
             });
         }
-        let mut c = cmd.spawn().unwrap();
+        let c = cmd.spawn().unwrap();
         let listener = trap.listener().expect("the filter installs on this kernel");
+        (c, listener)
+    }
+
+    /// `fallocate --punch-hole` (mode PUNCH_HOLE | KEEP_SIZE, QEMU's discard) of `len` bytes
+    /// at 0 of `file`, run under a trap whose listener is served for `ram` (or dropped when
+    /// `serve_it` is false). Its exit status.
+    fn punch_under_trap(file: &Path, len: u64, ram: &Path, serve_it: bool) -> bool {
+        let (mut c, listener) = trapped_punch(file, len);
         if serve_it {
             serve(listener, c.id(), ram.to_owned()).unwrap();
         } else {

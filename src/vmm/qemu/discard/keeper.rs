@@ -182,21 +182,13 @@ fn start(tag: &std::ffi::OsStr) -> io::Result<OwnedFd> {
 }
 
 fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: socketpair writes two descriptors into the array it is given.
-    let r = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: both descriptors were just made and are owned by nothing else.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+    Ok(socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )?)
 }
 
 /// Whether a keeper (not an ancestor of QEMU) may `pidfd_getfd` from QEMU: always as root
@@ -236,6 +228,7 @@ fn spawn_keeper(control: OwnedFd, tag: &std::ffi::OsStr) -> io::Result<std::proc
 
 /// Send one QEMU to the keeper on `conn` (never blocks: a full queue is `WouldBlock`).
 fn send(conn: &OwnedFd, h: &Handoff) -> io::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, UnixAddr, sendmsg};
     use std::os::unix::ffi::OsStrExt;
     let path = h.ram.as_os_str().as_bytes();
     if path.len() > MAX_PATH {
@@ -244,44 +237,15 @@ fn send(conn: &OwnedFd, h: &Handoff) -> io::Result<()> {
             "RAM file path too long",
         ));
     }
-    let mut payload = Vec::with_capacity(4 + path.len());
-    payload.extend_from_slice(&h.pidfd.pid().to_le_bytes());
-    payload.extend_from_slice(path);
+    let pid = h.pidfd.pid().to_le_bytes();
     let fds: [RawFd; FDS] = [h.listener.as_raw_fd(), h.pidfd.as_raw_fd()];
-    let mut iov = libc::iovec {
-        iov_base: payload.as_mut_ptr().cast(),
-        iov_len: payload.len(),
-    };
-    // Room for one control message of two descriptors (CMSG_SPACE(8) is 24 on 64-bit).
-    let mut control = [0u64; 8];
-    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    // SAFETY: CMSG_SPACE/CMSG_LEN are arithmetic; CMSG_FIRSTHDR points into `control`, which
-    // is large enough for the header and two descriptors; sendmsg reads the buffers `msg`
-    // points to, all alive on this frame.
-    let n = unsafe {
-        msg.msg_controllen = libc::CMSG_SPACE(size_of_val(&fds) as u32) as usize;
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(size_of_val(&fds) as u32) as usize;
-        std::ptr::copy_nonoverlapping(
-            fds.as_ptr().cast::<u8>(),
-            libc::CMSG_DATA(c),
-            size_of_val(&fds),
-        );
-        libc::sendmsg(
-            conn.as_raw_fd(),
-            &msg,
-            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-        )
-    };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    sendmsg::<UnixAddr>(
+        conn.as_raw_fd(),
+        &[io::IoSlice::new(&pid), io::IoSlice::new(path)],
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL,
+        None,
+    )?;
     Ok(())
 }
 
@@ -297,49 +261,43 @@ enum Control {
 
 /// Read one message from the control socket.
 fn recv(conn: RawFd) -> Control {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, UnixAddr, recvmsg};
     let mut payload = vec![0u8; 4 + MAX_PATH];
-    let mut iov = libc::iovec {
-        iov_base: payload.as_mut_ptr().cast(),
-        iov_len: payload.len(),
+    let mut space = nix::cmsg_space!([RawFd; FDS]);
+    let mut iov = [io::IoSliceMut::new(&mut payload)];
+    let msg = match recvmsg::<UnixAddr>(
+        conn,
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
+    ) {
+        Ok(m) => m,
+        Err(nix::errno::Errno::EINTR | nix::errno::Errno::EAGAIN) => return Control::Bad,
+        Err(_) => return Control::Closed,
     };
-    let mut control = [0u64; 8];
-    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = size_of_val(&control);
-    // SAFETY: recvmsg fills the buffers `msg` points to, all of which live on this frame.
-    let n = unsafe { libc::recvmsg(conn, &mut msg, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
-    if n < 0 {
-        return match io::Error::last_os_error().kind() {
-            io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock => Control::Bad,
-            _ => Control::Closed,
-        };
-    }
-    if n == 0 {
+    if msg.bytes == 0 {
         return Control::Closed;
     }
-    // Every descriptor that came, owned now (closed on any early return).
+    // Every descriptor that came, owned now (closed with this vector on any early return).
     let mut fds: Vec<OwnedFd> = Vec::new();
-    // SAFETY: the control buffer was filled by recvmsg above; CMSG_FIRSTHDR/CMSG_NXTHDR walk
-    // it within `msg_controllen`, and each SCM_RIGHTS message carries as many descriptors as
-    // its length says, all new in this process.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let bytes = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                for i in 0..bytes / size_of::<RawFd>() {
-                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
-                }
+    if let Ok(cmsgs) = msg.cmsgs() {
+        for c in cmsgs {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                // SAFETY: descriptors the kernel just installed in this process for this
+                // message; nothing else owns them.
+                fds.extend(
+                    raw.into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
             }
-            c = libc::CMSG_NXTHDR(&msg, c);
         }
     }
-    let n = n as usize;
-    if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || n < 4 || fds.len() != FDS {
+    let (n, truncated) = (
+        msg.bytes,
+        msg.flags
+            .intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC),
+    );
+    if truncated || n < 4 || fds.len() != FDS {
         return Control::Bad;
     }
     let pid = u32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]);
@@ -496,28 +454,6 @@ mod tests {
         assert!(matches!(recv(b.as_raw_fd()), Control::Closed));
     }
 
-    /// `fallocate --punch-hole` of the first 2 MiB of `file` (QEMU's discard) under a trap;
-    /// the running child and its trap's listener.
-    fn trapped_punch(file: &Path) -> (std::process::Child, OwnedFd) {
-        use std::os::unix::process::CommandExt;
-        let trap = super::super::DiscardTrap::new().unwrap();
-        let child = trap.child_part();
-        let mut cmd = std::process::Command::new("fallocate");
-        cmd.args(["--punch-hole", "--offset", "0", "--length", "2097152"])
-            .arg(file)
-            .stderr(std::process::Stdio::null());
-        // SAFETY: the closure only calls `ChildEnd::install` (async-signal-safe, see there).
-        unsafe {
-            cmd.pre_exec(move || {
-                child.install();
-                Ok(())
-            });
-        }
-        let c = cmd.spawn().unwrap();
-        let l = trap.listener().expect("the filter installs on this kernel");
-        (c, l)
-    }
-
     #[test]
     fn one_loop_answers_the_qemus_handed_over_and_ends_after_the_last() {
         use std::os::unix::fs::MetadataExt;
@@ -530,7 +466,7 @@ mod tests {
             let ram = d.path().join(format!("mem{i}.ram"));
             let f = std::fs::File::create(&ram).unwrap();
             nix::fcntl::fallocate(&f, nix::fcntl::FallocateFlags::empty(), 0, 8 << 20).unwrap();
-            let (c, listener) = trapped_punch(&ram);
+            let (c, listener) = super::super::tests::trapped_punch(&ram, 2 << 20);
             let pidfd = crate::vmm::pidfd::Pidfd::open(c.id()).unwrap().unwrap();
             send(
                 &a,
