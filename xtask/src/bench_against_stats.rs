@@ -56,24 +56,28 @@ pub fn ratio_ci(old: &[Duration], new: &[Duration], seed: u64) -> Option<RatioCi
     let b: Vec<f64> = new.iter().map(Duration::as_secs_f64).collect();
     let ratio = median(&b) / median(&a).max(1e-12);
     let mut rng = XorShift(seed | 1);
-    let mut ratios = Vec::with_capacity(RESAMPLES);
     let (mut ra, mut rb) = (vec![0.0; a.len()], vec![0.0; b.len()]);
-    for _ in 0..RESAMPLES {
-        for x in ra.iter_mut() {
-            *x = a[rng.below(a.len())];
-        }
-        for x in rb.iter_mut() {
-            *x = b[rng.below(b.len())];
-        }
-        ratios.push(median(&rb) / median(&ra).max(1e-12));
+    let (lo, hi) = interval(|| {
+        resample(&mut ra, &a, &mut rng);
+        resample(&mut rb, &b, &mut rng);
+        median(&rb) / median(&ra).max(1e-12)
+    });
+    Some(RatioCi { ratio, lo, hi })
+}
+
+/// Fill `into` with draws (with replacement) from `from`.
+fn resample(into: &mut [f64], from: &[f64], rng: &mut XorShift) {
+    for x in into.iter_mut() {
+        *x = from[rng.below(from.len())];
     }
-    ratios.sort_by(f64::total_cmp);
-    let at = |q: f64| ratios[((ratios.len() - 1) as f64 * q).round() as usize];
-    Some(RatioCi {
-        ratio,
-        lo: at(0.025),
-        hi: at(0.975),
-    })
+}
+
+/// The 2.5th and 97.5th percentiles of `stat` over [`RESAMPLES`] calls (one per resample).
+fn interval(mut stat: impl FnMut() -> f64) -> (f64, f64) {
+    let mut v: Vec<f64> = (0..RESAMPLES).map(|_| stat()).collect();
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    (at(0.025), at(0.975))
 }
 
 /// exp(median over k of ln(new[k] / old[k])): the ratio of a typical pair, with the 2.5th and
@@ -90,20 +94,15 @@ pub fn paired_ci(old: &[Duration], new: &[Duration], seed: u64) -> Option<RatioC
         return None;
     }
     let mut rng = XorShift(seed | 1);
-    let mut meds = Vec::with_capacity(RESAMPLES);
     let mut r = vec![0.0; d.len()];
-    for _ in 0..RESAMPLES {
-        for x in r.iter_mut() {
-            *x = d[rng.below(d.len())];
-        }
-        meds.push(median(&r));
-    }
-    meds.sort_by(f64::total_cmp);
-    let at = |q: f64| meds[((meds.len() - 1) as f64 * q).round() as usize].exp();
+    let (lo, hi) = interval(|| {
+        resample(&mut r, &d, &mut rng);
+        median(&r)
+    });
     Some(RatioCi {
         ratio: median(&d).exp(),
-        lo: at(0.025),
-        hi: at(0.975),
+        lo: lo.exp(),
+        hi: hi.exp(),
     })
 }
 
