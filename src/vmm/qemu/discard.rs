@@ -467,13 +467,18 @@ mod tests {
     /// `fallocate --punch-hole` of the first `len` bytes of `file` (QEMU's discard) in a child
     /// under a trap: the running child and its trap's listener.
     pub(super) fn trapped_punch(file: &Path, len: u64) -> (std::process::Child, OwnedFd) {
-        let trap = DiscardTrap::new().unwrap();
-        let child = trap.child_part();
         let mut cmd = std::process::Command::new("fallocate");
         cmd.args(["--punch-hole", "--offset", "0", "--length"])
             .arg(len.to_string())
             .arg(file)
             .stderr(std::process::Stdio::null());
+        trapped(cmd)
+    }
+
+    /// `cmd` started under a trap (its children too): the child and the trap's listener.
+    pub(super) fn trapped(mut cmd: std::process::Command) -> (std::process::Child, OwnedFd) {
+        let trap = DiscardTrap::new().unwrap();
+        let child = trap.child_part();
         // SAFETY: the closure only calls `ChildEnd::install` (async-signal-safe, see there).
         unsafe {
             cmd.pre_exec(move || {

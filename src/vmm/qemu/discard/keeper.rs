@@ -4,7 +4,9 @@
 //! socket (`SOCK_SEQPACKET`): one message per QEMU, its pid and RAM file's path as the payload
 //! and two descriptors (the listener, QEMU's pidfd) as `SCM_RIGHTS`. The keeper polls its
 //! control socket and every listener and pidfd it holds, answers each trapped call, and drops a
-//! QEMU once its pidfd says it exited (or its listener hangs up).
+//! QEMU once its pidfd says it exited (or its listener hangs up). Each round answers at most
+//! one call per QEMU, so a QEMU taken over by its guest that traps calls without end slows
+//! only itself.
 //!
 //! The keeper is this binary again, under the name [`KEEPER_NAME`], in a session of its own and
 //! not the daemon's child (it forks once and its first process exits): it outlives the daemon,
@@ -485,6 +487,63 @@ mod tests {
             assert_eq!(f.metadata().unwrap().blocks() * 512, 8 << 20);
         }
         // The daemon goes; the keeper has no QEMU left (both exited): it ends.
+        drop(a);
+        keeper.join().unwrap();
+    }
+
+    /// A QEMU its guest took over can trap discards without end; the keeper answers one call
+    /// per QEMU per round, so another QEMU's call is still answered meanwhile.
+    #[test]
+    fn a_qemu_that_floods_its_trap_does_not_starve_another() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let junk = d.path().join("junk");
+        std::fs::write(&junk, vec![1u8; 1 << 20]).unwrap();
+        let (a, b) = seqpacket_pair().unwrap();
+        let keeper = std::thread::spawn(move || run(Some(b), Vec::new()));
+        let mut cmd = std::process::Command::new("sh");
+        cmd.arg("-c")
+            .arg(format!(
+                "while :; do fallocate --punch-hole --offset 0 --length 4096 {}; done",
+                junk.display()
+            ))
+            .stderr(std::process::Stdio::null());
+        let (mut flood, fl) = super::super::tests::trapped(cmd);
+        let hand = |c: &std::process::Child, listener: OwnedFd, ram: &Path| {
+            let pidfd = crate::vmm::pidfd::Pidfd::open(c.id()).unwrap().unwrap();
+            let h = Handoff {
+                listener,
+                pidfd,
+                ram: ram.to_owned(),
+            };
+            send(&a, &h).unwrap();
+        };
+        hand(&flood, fl, &junk);
+        let ram = d.path().join("mem.ram");
+        let f = std::fs::File::create(&ram).unwrap();
+        nix::fcntl::fallocate(&f, nix::fcntl::FallocateFlags::empty(), 0, 8 << 20).unwrap();
+        let (mut c, listener) = super::super::tests::trapped_punch(&ram, 2 << 20);
+        hand(&c, listener, &ram);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let st = loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                break Some(st);
+            }
+            if std::time::Instant::now() > deadline {
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        let _ = flood.kill();
+        let _ = flood.wait();
+        if st.is_none() {
+            let _ = c.kill();
+        }
+        assert!(
+            st.is_some_and(|s| s.success()),
+            "starved by the flood: {st:?}"
+        );
+        assert_eq!(f.metadata().unwrap().blocks() * 512, 8 << 20);
         drop(a);
         keeper.join().unwrap();
     }
