@@ -103,8 +103,10 @@ from_redb!(
 /// store's size (every exec adds events) up to that; the store is small records read by key
 /// (the system's page cache holds the file too), so a small cache costs little. Measured
 /// (bench row (n), `tryboxi_store_cache_bytes`): at 16 MiB the cache was half of the daemon's
-/// heap growth over 300 s of sustained load, still filling.
-const CACHE_BYTES: usize = 4 << 20;
+/// heap growth over 300 s of sustained load, still filling; at 4 MiB it filled in 300 s too and
+/// was then half of the growth again. 1 MiB holds the tables' upper pages, which every lookup
+/// walks; the leaves of old events and traces come from the system's page cache.
+const CACHE_BYTES: usize = 1 << 20;
 
 /// Open or create the store file with the daemon's cache size.
 fn open_file(path: &Path) -> Result<Database, redb::DatabaseError> {

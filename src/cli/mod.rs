@@ -285,6 +285,8 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
             otlp_endpoint,
             e2b,
         } => {
+            // Before the runtime's threads exist (see `oom::HEAP_ARENAS`).
+            crate::oom::limit_heap_arenas();
             init_logging(false);
             runtime()?
                 .block_on(crate::daemon::serve(crate::daemon::ServeOptions {
