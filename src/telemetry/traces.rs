@@ -55,9 +55,80 @@ pub struct Traces {
 
 #[derive(Default)]
 struct Inner {
-    traces: HashMap<String, Trace>,
+    traces: HashMap<String, Kept>,
     /// Insertion order and time, oldest first, for eviction.
     order: VecDeque<(String, Instant)>,
+}
+
+/// A trace as the ring keeps it: [`Trace`] without its id (the map's key) and with
+/// [`KeptSpan`]s. A [`Span`]'s attribute map allocates a whole B-tree node (about half a
+/// KiB) for its first attribute; with 1,024 traces kept that was most of the ring's memory
+/// (bench row (n)).
+#[derive(Default)]
+struct Kept {
+    finished: bool,
+    spans: Vec<KeptSpan>,
+}
+
+/// A [`Span`] as kept: its attributes a boxed slice sorted by key, one value per key (what
+/// the map held).
+struct KeptSpan {
+    name: Box<str>,
+    start_unix_ns: u64,
+    duration_ns: u64,
+    attrs: Box<[(Box<str>, Box<str>)]>,
+}
+
+impl KeptSpan {
+    /// `attrs` in order, a later value of a key replacing an earlier one (as a map insert).
+    fn new<K: AsRef<str>>(
+        name: &str,
+        start_unix_ns: u64,
+        duration_ns: u64,
+        attrs: impl IntoIterator<Item = (K, String)>,
+    ) -> KeptSpan {
+        let mut kept: Vec<(Box<str>, Box<str>)> = Vec::new();
+        for (k, v) in attrs {
+            let v = cap_attr(v).into_boxed_str();
+            match kept.iter_mut().find(|(have, _)| **have == *k.as_ref()) {
+                Some(slot) => slot.1 = v,
+                None => kept.push((k.as_ref().into(), v)),
+            }
+        }
+        kept.sort_by(|a, b| a.0.cmp(&b.0));
+        KeptSpan {
+            name: name.into(),
+            start_unix_ns,
+            duration_ns,
+            attrs: kept.into_boxed_slice(),
+        }
+    }
+
+    fn to_span(&self) -> Span {
+        Span {
+            name: self.name.to_string(),
+            start_unix_ns: self.start_unix_ns,
+            duration_ns: self.duration_ns,
+            attrs: self
+                .attrs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+}
+
+impl Kept {
+    /// The API's [`Trace`] of this one, its spans by start time.
+    fn to_trace(&self, id: &str) -> Trace {
+        let mut spans: Vec<Span> = self.spans.iter().map(KeptSpan::to_span).collect();
+        spans.sort_by_key(|s| s.start_unix_ns);
+        Trace {
+            id: id.to_owned(),
+            finished: self.finished,
+            spans,
+        }
+    }
 }
 
 /// `v` cut to at most [`MAX_ATTR_BYTES`] at a character boundary.
@@ -114,16 +185,13 @@ impl Traces {
 
     /// Record a span of `trace_id` that started at `start` and ends now.
     pub fn record(&self, trace_id: &str, name: &str, start: Instant, attrs: &[(&str, String)]) {
-        let span = Span {
-            name: name.to_owned(),
-            start_unix_ns: instant_to_unix_ns(start),
-            duration_ns: (start.elapsed().as_nanos() as u64).max(1),
-            attrs: attrs
-                .iter()
-                .map(|(k, v)| ((*k).to_owned(), cap_attr(v.clone())))
-                .collect(),
-        };
-        self.push(trace_id, span);
+        let span = KeptSpan::new(
+            name,
+            instant_to_unix_ns(start),
+            (start.elapsed().as_nanos() as u64).max(1),
+            attrs.iter().map(|(k, v)| (*k, v.clone())),
+        );
+        self.keep(trace_id, span);
     }
 
     /// A span that ends (and is recorded) when the guard is dropped.
@@ -137,7 +205,7 @@ impl Traces {
         }
     }
 
-    pub fn push(&self, trace_id: &str, span: Span) {
+    fn keep(&self, trace_id: &str, span: KeptSpan) {
         let mut g = self.lock();
         if !g.traces.contains_key(trace_id) {
             let now = Instant::now();
@@ -151,14 +219,7 @@ impl Traces {
                 g.traces.remove(&old);
             }
             g.order.push_back((trace_id.to_owned(), now));
-            g.traces.insert(
-                trace_id.to_owned(),
-                Trace {
-                    id: trace_id.to_owned(),
-                    finished: false,
-                    spans: Vec::new(),
-                },
-            );
+            g.traces.insert(trace_id.to_owned(), Kept::default());
         }
         if let Some(t) = g.traces.get_mut(trace_id)
             && t.spans.len() < MAX_SPANS
@@ -176,7 +237,8 @@ impl Traces {
             };
             t.finished = true;
             t.spans.sort_by_key(|s| s.start_unix_ns);
-            t.clone()
+            t.spans.shrink_to_fit();
+            t.to_trace(trace_id)
         };
         if let Some(x) = &self.exporter {
             x.export(&done);
@@ -185,9 +247,7 @@ impl Traces {
 
     /// The spans of a trace, by start time.
     pub fn get(&self, trace_id: &str) -> Option<Trace> {
-        let mut t = self.lock().traces.get(trace_id).cloned()?;
-        t.spans.sort_by_key(|s| s.start_unix_ns);
-        Some(t)
+        Some(self.lock().traces.get(trace_id)?.to_trace(trace_id))
     }
 }
 
@@ -342,6 +402,24 @@ mod tests {
         assert!(t.get("exe_9").is_none(), "an old trace outlived its age");
         assert!(t.get("exe_new").is_some());
         assert_eq!(t.lock().traces.len(), 1);
+    }
+
+    #[test]
+    fn attributes_come_back_as_a_map_the_last_value_of_a_key_winning() {
+        let t = Traces::new(None);
+        t.record(
+            "exe_1",
+            "exec",
+            Instant::now(),
+            &[("z", "1".into()), ("a", "2".into()), ("z", "3".into())],
+        );
+        let tr = t.get("exe_1").unwrap();
+        let attrs: Vec<(&str, &str)> = tr.spans[0]
+            .attrs
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(attrs, [("a", "2"), ("z", "3")]);
     }
 
     struct Collect(Arc<StdMutex<Vec<Trace>>>);
