@@ -286,8 +286,13 @@ fn dispatch(cmd: Command) -> Result<(), TopError> {
             e2b,
         } => {
             // Before the runtime's threads exist (see `oom::HEAP_ARENAS`).
-            crate::oom::limit_heap_arenas();
+            let heap_limited = crate::oom::limit_heap_arenas();
             init_logging(false);
+            if !heap_limited {
+                tracing::warn!(
+                    "glibc refused the daemon's malloc settings; running with its defaults"
+                );
+            }
             runtime()?
                 .block_on(crate::daemon::serve(crate::daemon::ServeOptions {
                     artifacts,

@@ -80,19 +80,15 @@ struct KeptSpan {
 }
 
 impl KeptSpan {
-    /// `attrs` in order, a later value of a key replacing an earlier one (as a map insert).
-    fn new<K: AsRef<str>>(
-        name: &str,
-        start_unix_ns: u64,
-        duration_ns: u64,
-        attrs: impl IntoIterator<Item = (K, String)>,
-    ) -> KeptSpan {
-        let mut kept: Vec<(Box<str>, Box<str>)> = Vec::new();
+    /// `attrs` in order, a later value of a key replacing an earlier one (as a map insert),
+    /// each value cut to [`MAX_ATTR_BYTES`] before it is copied.
+    fn new(name: &str, start_unix_ns: u64, duration_ns: u64, attrs: &[(&str, String)]) -> KeptSpan {
+        let mut kept: Vec<(Box<str>, Box<str>)> = Vec::with_capacity(attrs.len());
         for (k, v) in attrs {
-            let v = cap_attr(v).into_boxed_str();
-            match kept.iter_mut().find(|(have, _)| **have == *k.as_ref()) {
+            let v: Box<str> = cap_attr(v).into();
+            match kept.iter_mut().find(|(have, _)| **have == **k) {
                 Some(slot) => slot.1 = v,
-                None => kept.push((k.as_ref().into(), v)),
+                None => kept.push(((*k).into(), v)),
             }
         }
         kept.sort_by(|a, b| a.0.cmp(&b.0));
@@ -132,15 +128,15 @@ impl Kept {
 }
 
 /// `v` cut to at most [`MAX_ATTR_BYTES`] at a character boundary.
-fn cap_attr(mut v: String) -> String {
-    if v.len() > MAX_ATTR_BYTES {
-        let mut end = MAX_ATTR_BYTES;
-        while !v.is_char_boundary(end) {
-            end -= 1;
-        }
-        v.truncate(end);
+fn cap_attr(v: &str) -> &str {
+    if v.len() <= MAX_ATTR_BYTES {
+        return v;
     }
-    v
+    let mut end = MAX_ATTR_BYTES;
+    while !v.is_char_boundary(end) {
+        end -= 1;
+    }
+    &v[..end]
 }
 
 /// Seconds since the Unix epoch, now.
@@ -189,7 +185,7 @@ impl Traces {
             name,
             instant_to_unix_ns(start),
             (start.elapsed().as_nanos() as u64).max(1),
-            attrs.iter().map(|(k, v)| (*k, v.clone())),
+            attrs,
         );
         self.keep(trace_id, span);
     }
@@ -236,7 +232,6 @@ impl Traces {
                 return;
             };
             t.finished = true;
-            t.spans.sort_by_key(|s| s.start_unix_ns);
             t.spans.shrink_to_fit();
             t.to_trace(trace_id)
         };
